@@ -1,0 +1,16 @@
+"""Prefect orchestration of the pipeline: tasks, the flow, artifacts and the CLI."""
+
+import logging
+import os
+
+# Route the library's stdlib loggers (`pipeline.*`) into Prefect's run logs (the UI);
+# this must be set before Prefect configures logging on import.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "pipeline")
+
+# Import Prefect before anything imports Opacus: opacus.utils.module_utils calls
+# logging.basicConfig() at import, which would otherwise take over the root logger.
+import prefect  # noqa: E402,F401
+
+# Progress lines (loss, ε, tokens/s) are INFO; they reach the console through the root
+# logger's Prefect console handler and the UI through Prefect's API handler.
+logging.getLogger("pipeline").setLevel(logging.INFO)

@@ -1,0 +1,188 @@
+"""The Prefect flow: one task per pipeline stage, chained through files in a run directory.
+
+Run it with the CLI (`dpdistill run --config configs/demo.yaml`) or from Python:
+
+    from flows.pipeline_flow import dp_distill
+    run_dir = dp_distill(load_config("configs/demo.yaml"))
+
+Without PREFECT_API_URL, Prefect runs against its embedded default (a local SQLite
+database and a temporary server), so nothing needs to be started first. Tasks take and
+return paths and small summaries only: no private record ever passes through Prefect's
+state, parameters, results or artifacts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.artifacts import publish_ledger, publish_metrics
+from pipeline.config import PipelineConfig, dump_config
+from pipeline.data import DataResult, prepare_data
+from pipeline.distill import DistillResult, distill
+from pipeline.evaluate import evaluate_models
+from pipeline.generate import GenerateResult, generate_synthetic
+from pipeline.ledger import LEDGER, LedgerEntry, post_processing, write_ledger
+from pipeline.manifest import atomic_write_json, atomic_write_text
+from pipeline.models import BaseModels, build_base_models, resolve_model
+from pipeline.teacher import TeacherResult, train_teacher
+
+# Caching across runs comes with manifests-based keys later; results are small and
+# recomputed from the run directory, so nothing is persisted by Prefect itself.
+_TASK = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+def new_run_dir(cfg: PipelineConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = cfg.run_root / f"{cfg.name}-{stamp}"
+    n = 1
+    while run_dir.exists():
+        n += 1
+        run_dir = cfg.run_root / f"{cfg.name}-{stamp}-{n}"
+    run_dir.mkdir(parents=True)
+    return run_dir.resolve()
+
+
+def _uses_builtin(cfg: PipelineConfig) -> bool:
+    return any(m.startswith("builtin:") for m in (cfg.teacher.model, cfg.distill.student_model))
+
+
+@task(name="base-models", **_TASK)
+def base_models_task(cfg: PipelineConfig) -> BaseModels | None:
+    """Build the offline tiny models from public text if a stage names `builtin:...`."""
+    if not _uses_builtin(cfg):
+        return None
+    return build_base_models(cfg.base_models, seed=cfg.seed)
+
+
+@task(name="data", **_TASK)
+def data_task(cfg: PipelineConfig, run_dir: Path) -> DataResult:
+    return prepare_data(cfg.data, run_dir / "data", seed=cfg.seed)
+
+
+def control_codes_entry(data: DataResult) -> LedgerEntry:
+    return LedgerEntry(
+        stage="control_codes",
+        private=False,
+        epsilon=None,
+        note="NOT differentially private: generation prompts are drawn from the exact "
+        f"control-code counts of the private training split ({data.n_train} records). "
+        "Who wrote which text stays protected by the teacher's DP-SGD, but the counts per "
+        "code combination are released as they are.",
+    )
+
+
+@task(name="teacher", **_TASK)
+def teacher_task(cfg: PipelineConfig, data: DataResult, base: BaseModels | None, run_dir: Path) -> TeacherResult:
+    return train_teacher(
+        cfg.teacher,
+        train_path=data.train,
+        validation_path=data.validation,
+        base_model=resolve_model(cfg.teacher.model, base),
+        out_dir=run_dir / "teacher",
+        seed=cfg.seed,
+    )
+
+
+@task(name="generation", **_TASK)
+def generation_task(
+    cfg: PipelineConfig, teacher: TeacherResult, data: DataResult, ledger: list[LedgerEntry], run_dir: Path
+) -> GenerateResult:
+    # Only the DP checkpoint and the control-code counts cross into this stage.
+    return generate_synthetic(
+        cfg.generate,
+        teacher_dir=teacher.checkpoint,
+        control_codes_path=data.control_codes,
+        ledger=ledger,
+        out_dir=run_dir / "synthetic",
+        seed=cfg.seed,
+    )
+
+
+@task(name="distillation", **_TASK)
+def distillation_task(
+    cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, run_dir: Path
+) -> DistillResult:
+    return distill(
+        cfg.distill,
+        synthetic_path=synthetic.path,
+        teacher_dir=teacher.checkpoint,
+        student_model=resolve_model(cfg.distill.student_model, base),
+        out_dir=run_dir / "student",
+        seed=cfg.seed,
+    )
+
+
+@task(name="evaluation", **_TASK)
+def evaluation_task(
+    cfg: PipelineConfig,
+    data: DataResult,
+    base: BaseModels | None,
+    teacher: TeacherResult,
+    student: DistillResult,
+    run_dir: Path,
+) -> dict:
+    models = {
+        "base_student": resolve_model(cfg.distill.student_model, base),
+        "dp_teacher": str(teacher.checkpoint),
+        "distilled_student": str(student.checkpoint),
+    }
+    return evaluate_models(cfg.evaluate, models=models, test_path=data.test, out_dir=run_dir / "evaluation", seed=cfg.seed)
+
+
+@flow(name="dp-distill", persist_result=False, log_prints=True)
+def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
+    """Teacher (DP-SGD) → generation → distillation → evaluation; returns the run directory."""
+    logger = get_run_logger()
+    cfg = config
+    out = Path(run_dir).resolve() if run_dir else new_run_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "config.yaml", dump_config(cfg))
+    logger.info("run directory: %s", out)
+    timings: dict[str, float] = {}
+
+    def timed(name, fn, *args):
+        t0 = time.time()
+        result = fn(*args)
+        timings[name] = round(time.time() - t0, 2)
+        return result
+
+    base = timed("base_models", base_models_task, cfg)
+    data = timed("data", data_task, cfg, out)
+    ledger = [control_codes_entry(data)]
+    teacher = timed("teacher", teacher_task, cfg, data, base, out)
+    ledger.append(teacher.ledger)
+    write_ledger(out / LEDGER, ledger)
+
+    synthetic = timed("generation", generation_task, cfg, teacher, data, ledger, out)
+    ledger.append(post_processing("generation", "samples of the DP teacher, prompted by control codes"))
+    student = timed("distillation", distillation_task, cfg, synthetic, teacher, base, out)
+    ledger.append(post_processing("distillation", "trains on synthetic samples and the DP teacher only"))
+    evaluation = timed("evaluation", evaluation_task, cfg, data, base, teacher, student, out)
+    ledger.append(
+        post_processing(
+            "evaluation",
+            "with respect to the training records. It reads the held-out test split, which "
+            "this ledger does not protect; only aggregate perplexities leave it",
+        )
+    )
+    write_ledger(out / LEDGER, ledger)
+
+    metrics = {
+        **evaluation,
+        "teacher_validation_loss": teacher.validation_loss,
+        "generation": {
+            "samples": synthetic.n_samples,
+            "dropped_empty": synthetic.n_dropped_empty,
+            "new_tokens_per_second": synthetic.tokens_per_second,
+        },
+        "seconds": timings,
+    }
+    atomic_write_json(out / "metrics.json", metrics)
+    publish_ledger(ledger)
+    publish_metrics(metrics, synthetic)
+    logger.info("finished: %s", out)
+    return str(out)

@@ -1,0 +1,286 @@
+"""Run configuration: one pydantic model per stage inside one `PipelineConfig`.
+
+Load a YAML file with dotted overrides, the way `tune run cfg key=value` does:
+
+    cfg = load_config("configs/demo.yaml", ["teacher.target_epsilon=4", "seed=1"])
+
+Unknown keys and wrong types are errors. Every problem in a file is reported in
+one `ConfigError` whose lines each name the field, the value and the fix.
+Relative paths are taken from the current working directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message lists every problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    """Stage 0: the private dataset, how records are built from it and split."""
+
+    path: Path = Field(description="Private training data: a .csv, .jsonl or .parquet file.")
+    test_path: Path | None = Field(
+        None, description="Held-out private test data (same columns). None: split it off `path`."
+    )
+    text_column: str = Field("text", min_length=1, description="Column holding the record's text.")
+    code_columns: list[str] = Field(
+        default_factory=lambda: ["label1", "label2"],
+        min_length=1,
+        description="Categorical columns that become the control codes, in prompt order.",
+    )
+    code_template: str = Field(
+        "{value}",
+        description="How one control code is written; may use {column} and {value}, "
+        "e.g. '{column}: {value}'.",
+    )
+    max_records: int | None = Field(
+        None, gt=0, description="Use only the first N training records (None: all)."
+    )
+    max_test_records: int | None = Field(
+        None, gt=0, description="Use only the first N test records (None: all)."
+    )
+    validation_fraction: float = Field(
+        0.05, ge=0.0, lt=0.5, description="Share of the training file held out for validation."
+    )
+    test_fraction: float = Field(
+        0.1, gt=0.0, lt=0.5, description="Share split off as test when `test_path` is None."
+    )
+    drop_empty: bool = Field(
+        False,
+        description="Drop records whose text or codes are empty (counted in the data manifest) "
+        "instead of stopping with an error.",
+    )
+
+    @model_validator(mode="after")
+    def _template_names_value(self) -> "DataConfig":
+        if "{value}" not in self.code_template:
+            raise ValueError(
+                f"code_template {self.code_template!r} must contain '{{value}}', "
+                "e.g. '{value}' or '{column}: {value}'"
+            )
+        return self
+
+
+class TinyModelSpec(_Section):
+    """Shape and pretraining budget of one offline GPT-2-style base model."""
+
+    n_layer: int = Field(2, ge=1, le=48)
+    n_embd: int = Field(128, ge=8)
+    n_head: int = Field(4, ge=1)
+    steps: int = Field(300, ge=0, description="Pretraining steps on the public corpus.")
+    batch_size: int = Field(16, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "TinyModelSpec":
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}; "
+                "pick n_head among the divisors of n_embd"
+            )
+        return self
+
+
+class BaseModelsConfig(_Section):
+    """Offline base models, built from a *public* corpus when a stage names `builtin:...`.
+
+    The tokenizer is trained on this public corpus only: a tokenizer trained on the
+    private data would leak its vocabulary (Ponomareva et al.).
+    """
+
+    corpus: Path = Field(
+        Path("data/public/wikitext-2-valid.txt"), description="Public plain-text corpus."
+    )
+    cache_dir: Path = Field(
+        Path(".cache/base_models"), description="Built models are cached here by config hash."
+    )
+    vocab_size: int = Field(4096, ge=260, le=65536, description="Byte-level BPE vocabulary size.")
+    context_length: int = Field(128, ge=16, le=4096, description="n_positions of the models.")
+    max_corpus_chars: int | None = Field(
+        None, gt=0, description="Use only the first N characters of the corpus."
+    )
+    teacher: TinyModelSpec = Field(
+        default_factory=lambda: TinyModelSpec(n_layer=4, n_embd=192, n_head=4)
+    )
+    student: TinyModelSpec = Field(
+        default_factory=lambda: TinyModelSpec(n_layer=2, n_embd=96, n_head=4)
+    )
+
+
+class TeacherConfig(_Section):
+    """Stage 1: DP-SGD fine-tuning of the teacher on the private records (Opacus)."""
+
+    model: str = Field(
+        "builtin:teacher",
+        description="Base checkpoint: 'builtin:teacher' (built offline), a local directory "
+        "or a hub name such as 'gpt2-large' when a hub cache is available.",
+    )
+    target_epsilon: float = Field(2.0, gt=0, description="Privacy budget ε of the teacher.")
+    target_delta: float | None = Field(
+        None, gt=0, lt=1, description="δ; None means 1/N for N training records."
+    )
+    max_grad_norm: float = Field(1.0, gt=0, description="Per-example clipping norm C.")
+    epochs: int = Field(3, ge=1, description="Passes over the data (in expectation, Poisson).")
+    batch_size: int = Field(
+        256, ge=1, description="Expected logical batch size; sampling rate q = batch_size / N."
+    )
+    physical_batch_size: int = Field(
+        16, ge=1, description="Examples per forward/backward pass (BatchMemoryManager)."
+    )
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_length: int = Field(128, ge=8, description="Tokens per training record (truncated).")
+    accountant: Literal["prv", "rdp", "gdp"] = Field("prv", description="Opacus accountant.")
+    grad_sample_mode: Literal["ghost", "hooks"] = Field(
+        "ghost",
+        description="'ghost': ghost clipping (memory close to non-private); "
+        "'hooks': Opacus per-sample gradients.",
+    )
+    secure_mode: bool = Field(
+        False, description="Cryptographically secure noise (slower); turn on for production."
+    )
+    log_every: int = Field(5, ge=1, description="Log loss and ε every N logical steps.")
+
+
+class GenerateConfig(_Section):
+    """Stage 2: the DP teacher writes synthetic records (post-processing, no privacy cost)."""
+
+    num_samples: int = Field(2000, ge=1)
+    batch_size: int = Field(64, ge=1)
+    top_k: int = Field(50, ge=0, description="0 disables top-k filtering.")
+    top_p: float = Field(0.9, gt=0, le=1.0)
+    temperature: float = Field(1.0, gt=0)
+    max_length: int = Field(128, ge=8, description="Tokens per sample including the prompt.")
+
+
+class DistillConfig(_Section):
+    """Stage 3: the student learns from the synthetic data only (no DP needed)."""
+
+    student_model: str = Field(
+        "builtin:student",
+        description="'builtin:student', a local directory or a hub name such as 'distilgpt2'.",
+    )
+    alpha: float = Field(0.4, ge=0, le=1, description="Weight of the KL term; 0 = plain CE.")
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature T of the KL term.")
+    beta: float = Field(
+        0.0, ge=0, description="Weight of the hidden-state MSE (needs equal hidden sizes)."
+    )
+    kl_skip_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Leading tokens the KL skips; None skips each sample's control-code prompt.",
+    )
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(16, ge=1)
+    learning_rate: float = Field(8e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    log_every: int = Field(20, ge=1)
+
+
+class EvalConfig(_Section):
+    """Stage 4: perplexity on the held-out private test split."""
+
+    window: int = Field(128, ge=8, description="Non-overlapping window length in tokens.")
+    batch_size: int = Field(16, ge=1)
+
+
+class PipelineConfig(_Section):
+    """The whole run. `seed` is set at the start of every stage."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$", description="Run name prefix.")
+    seed: int = Field(0, ge=0)
+    run_root: Path = Field(Path("runs"), description="Run directories are created in here.")
+    data: DataConfig
+    base_models: BaseModelsConfig = Field(default_factory=BaseModelsConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    evaluate: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "PipelineConfig":
+        problems = []
+        if self.teacher.physical_batch_size > self.teacher.batch_size:
+            problems.append(
+                f"teacher.physical_batch_size={self.teacher.physical_batch_size} exceeds "
+                f"teacher.batch_size={self.teacher.batch_size}; lower it to at most the batch size"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(
+            f"override {item!r} is not of the form key=value, e.g. teacher.target_epsilon=4"
+        )
+    key, raw = item.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else None
+    return key.strip().split("."), value
+
+
+def _apply_override(tree: dict, keys: list[str], value: Any) -> None:
+    node = tree
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(keys)}: {k!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            fix = "remove it or check the spelling against the documented fields"
+        elif e["type"] == "missing":
+            fix = "add it to the config"
+        else:
+            fix = "change the value"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        lines.append(f"  - {where}{shown}: {e['msg']} ({fix})")
+    return "\n".join(lines)
+
+
+def config_from_dict(tree: dict) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config ({e.error_count()} problem(s)):\n{_format_errors(e)}") from e
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a YAML config, apply dotted `key=value` overrides, validate everything at once."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found; pass an existing YAML file")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    for item in overrides or []:
+        keys, value = _parse_override(item)
+        _apply_override(tree, keys, value)
+    return config_from_dict(tree)
+
+
+def dump_config(cfg: PipelineConfig) -> str:
+    """The resolved config as YAML (what a run directory keeps)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

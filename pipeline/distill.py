@@ -1,0 +1,144 @@
+"""Stage 3: the student learns from the synthetic data only (no DP needed).
+
+Loss = (1-α)·CE + α·T²·KL(teacher_T ‖ student_T) + β·MSE(last hidden states), see
+`pipeline.losses`. Teacher logits are computed on the fly, in eval mode, without
+gradients. This stage takes the synthetic Parquet and the DP teacher, never the private
+data, so it is post-processing of the DP release.
+
+Teacher and student must share one tokenizer: the KL compares distributions over the
+same vocabulary, and the synthetic token ids are fed to both.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.batching import TokenizedRecords, lm_batch
+from pipeline.config import DistillConfig
+from pipeline.generate import read_synthetic
+from pipeline.losses import distillation_loss, prompt_mask
+from pipeline.manifest import atomic_write_json, write_manifest
+from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class DistillError(ValueError):
+    """The distillation cannot run as configured; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class DistillResult:
+    checkpoint: Path
+    train_loss: list[float]
+    seconds: float
+
+
+def _n_positions(model) -> int:
+    return getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+
+
+def distill(
+    cfg: DistillConfig,
+    *,
+    synthetic_path: Path,
+    teacher_dir: Path,
+    student_model: str,
+    out_dir: Path,
+    seed: int,
+) -> DistillResult:
+    torch.manual_seed(seed)
+    out_dir = Path(out_dir)
+    teacher_tok, student_tok = load_tokenizer(str(teacher_dir)), load_tokenizer(student_model)
+    if not same_tokenizer(teacher_tok, student_tok):
+        raise DistillError(
+            f"the student {student_model!r} and the teacher use different tokenizers; the KL needs "
+            "one vocabulary: pick a student of the teacher's family (e.g. gpt2 teacher, distilgpt2 student)"
+        )
+    teacher = load_causal_lm(str(teacher_dir)).eval()
+    student = load_causal_lm(student_model)
+    vocab = len(student_tok)
+    h_t, h_s = teacher.config.hidden_size, student.config.hidden_size
+    if cfg.beta > 0 and h_t != h_s:
+        raise DistillError(
+            f"distill.beta={cfg.beta} needs equal hidden sizes, but the teacher has {h_t} and the "
+            f"student {h_s}; set distill.beta=0"
+        )
+
+    table = read_synthetic(synthetic_path)
+    max_len = min(_n_positions(student), _n_positions(teacher))
+    data = TokenizedRecords(table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
+    prompt_lengths = torch.tensor(table["n_prompt_tokens"].to_pylist(), dtype=torch.long)
+    if len(data) == 0:
+        raise DistillError(f"synthetic data {str(synthetic_path)!r} is empty; generate samples first")
+
+    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    steps_per_epoch = math.ceil(len(data) / cfg.batch_size)
+    total = cfg.epochs * steps_per_epoch
+    warmup = max(1, total // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, (total - s) / max(1, total - warmup))
+    )
+    generator = torch.Generator().manual_seed(seed)
+    want_hidden = cfg.beta > 0
+    history: list[dict] = []
+    t0, step = time.time(), 0
+    student.train()
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(data), generator=generator)
+        for start in range(0, len(data), cfg.batch_size):
+            idx = order[start : start + cfg.batch_size]
+            batch = lm_batch(data.ids[idx], data.lengths[idx])
+            labels = batch.pop("labels")  # (B, L-1)
+            skip = (
+                prompt_lengths[idx] if cfg.kl_skip_tokens is None
+                else torch.full((len(idx),), cfg.kl_skip_tokens)
+            )
+            kl_mask = prompt_mask(labels.shape[1], skip)  # (B, L-1)
+            with torch.no_grad():
+                t_out = teacher(**batch, output_hidden_states=want_hidden)
+            s_out = student(**batch, output_hidden_states=want_hidden)
+            parts = distillation_loss(
+                s_out.logits[:, :-1, :vocab],
+                t_out.logits[:, :-1, :vocab],
+                labels,
+                kl_mask,
+                alpha=cfg.alpha,
+                temperature=cfg.temperature,
+                beta=cfg.beta,
+                student_hidden=s_out.hidden_states[-1][:, :-1] if want_hidden else None,
+                teacher_hidden=t_out.hidden_states[-1][:, :-1] if want_hidden else None,
+            )
+            parts.loss.backward()
+            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            record = {"step": step, "epoch": epoch, **{k: v.detach().item() for k, v in parts._asdict().items()}}
+            history.append(record)
+            if step % cfg.log_every == 0 or step == total:
+                log.info(
+                    "distillation: step %d/%d loss %.4f (ce %.4f, kl %.4f, mse %.4f) (%.0f s)",
+                    step, total, record["loss"], record["ce"], record["kl"], record["mse"], time.time() - t0,
+                )
+    seconds = time.time() - t0
+    student.eval()
+    ckpt = out_dir / "model"
+    student.save_pretrained(ckpt)
+    student_tok.save_pretrained(ckpt)
+    atomic_write_json(out_dir / "training_log.json", {"history": history, "seconds": seconds})
+    write_manifest(
+        out_dir,
+        stage="distillation",
+        inputs={"synthetic": Path(synthetic_path), "teacher": Path(teacher_dir)},
+        outputs={"model": ckpt},
+        extra={"student_model": student_model, "steps": total, "seconds": seconds},
+    )
+    return DistillResult(checkpoint=ckpt, train_loss=[h["loss"] for h in history], seconds=seconds)

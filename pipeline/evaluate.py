@@ -1,0 +1,125 @@
+"""Stage 4: perplexity of the models on the held-out private test split.
+
+Two figures per model:
+- windowed: the test records (`encode_record`, control codes included) are joined into
+  one token stream and cut into non-overlapping `window`-token windows (the standard,
+  as in DistilDP); perplexity = exp(total NLL / predicted tokens);
+- per record: each record on its own (cut into windows when longer), summarised as the
+  mean and median of the records' perplexities.
+
+Only aggregates leave this stage: no text, no per-record value.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
+from pipeline.config import EvalConfig
+from pipeline.data import encode_record, read_split
+from pipeline.manifest import atomic_write_json
+from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.json"
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    windowed: float
+    per_record_mean: float
+    per_record_median: float
+    tokens: int
+    records: int
+
+
+@torch.no_grad()
+def _nll_by_owner(
+    model, windows: list[list[int]], owners: list[int], n_owners: int, pad_id: int, batch_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Summed next-token NLL and predicted-token count per owner of each window."""
+    model.eval()
+    nll_sum, count = np.zeros(n_owners), np.zeros(n_owners)
+    data = TokenizedRecords(windows, pad_id, max(len(w) for w in windows))
+    for start in range(0, len(data), batch_size):
+        batch = lm_batch(data.ids[start : start + batch_size], data.lengths[start : start + batch_size])
+        labels = batch.pop("labels")  # (B, L-1)
+        logits = model(**batch).logits[:, :-1]  # (B, L-1, V)
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
+        ).view(labels.shape)  # (B, L-1)
+        for row, owner in enumerate(owners[start : start + batch_size]):
+            nll_sum[owner] += float(nll[row].sum())
+            count[owner] += int((labels[row] != IGNORE).sum())
+    return nll_sum, count
+
+
+def _chunks(ids: list[int], window: int) -> list[list[int]]:
+    """Non-overlapping windows; a trailing window of one token predicts nothing and is dropped."""
+    return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) > 1]
+
+
+def perplexity(model, tokenizer, codes: list[str], texts: list[str], window: int, batch_size: int) -> Perplexity:
+    n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    if window > n_positions:
+        raise ValueError(
+            f"evaluate.window={window} exceeds the model's {n_positions} positions; lower evaluate.window"
+        )
+    records = [encode_record(tokenizer, c, t) for c, t in zip(codes, texts)]
+    joined = [t for r in records for t in r]
+    windows = _chunks(joined, window)
+    nll, cnt = _nll_by_owner(model, windows, [0] * len(windows), 1, tokenizer.pad_token_id, batch_size)
+    per_windows, owners = [], []
+    for i, r in enumerate(records):
+        for w in _chunks(r, window):
+            per_windows.append(w)
+            owners.append(i)
+    r_nll, r_cnt = _nll_by_owner(model, per_windows, owners, len(records), tokenizer.pad_token_id, batch_size)
+    keep = r_cnt > 0
+    per_record = np.exp(r_nll[keep] / r_cnt[keep])
+    return Perplexity(
+        windowed=math.exp(nll[0] / cnt[0]),
+        per_record_mean=float(per_record.mean()),
+        per_record_median=float(np.median(per_record)),
+        tokens=int(cnt[0]),
+        records=int(keep.sum()),
+    )
+
+
+def evaluate_models(cfg: EvalConfig, *, models: dict[str, str], test_path: Path, out_dir: Path, seed: int) -> dict:
+    """Perplexity of each named model on the test split; writes `out_dir/metrics.json`.
+
+    All models must share one tokenizer, so that their perplexities count the same tokens.
+    """
+    torch.manual_seed(seed)
+    codes, texts = read_split(test_path)
+    if not texts:
+        raise ValueError(f"test split {str(test_path)!r} is empty; give data.test_path or a larger data.path")
+    reference = None
+    metrics: dict[str, dict] = {}
+    for name, path in models.items():
+        tok = load_tokenizer(path)
+        if reference is None:
+            reference = tok
+        elif not same_tokenizer(reference, tok):
+            raise ValueError(
+                f"model {name!r} ({path}) uses another tokenizer than {next(iter(models))!r}; "
+                "perplexities over different tokens cannot be compared: use one tokenizer family"
+            )
+        model = load_causal_lm(path)
+        ppl = perplexity(model, tok, codes, texts, cfg.window, cfg.batch_size)
+        metrics[name] = {"model": path, **ppl.__dict__}
+        log.info(
+            "evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f",
+            name, ppl.windowed, ppl.tokens, ppl.per_record_mean, ppl.per_record_median,
+        )
+    result = {"window": cfg.window, "test_records": len(texts), "perplexity": metrics}
+    atomic_write_json(Path(out_dir) / METRICS, result)
+    return result

@@ -1,0 +1,98 @@
+"""Distillation losses: pure functions, shapes in comments, safe when every token is masked.
+
+    loss = (1 - α) · CE(student, labels)
+         + α · T² · KL(softmax(teacher / T) ‖ softmax(student / T))
+         + β · MSE(student hidden, teacher hidden)
+
+(Hinton et al. 2015; DistilDP, Flemings & Annavaram 2024.) The T² factor keeps the
+soft-target gradients on the same scale as the CE gradients when T changes. The KL
+skips the control-code prompt: those tokens were given to the teacher, not written by
+it, so its distribution there carries no knowledge worth copying (DistilDP skips the
+first 5 tokens for the same reason).
+
+All inputs are already shifted: position t of the logits predicts `labels[:, t]`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.batching import IGNORE
+
+
+class DistillLoss(NamedTuple):
+    loss: torch.Tensor
+    ce: torch.Tensor
+    kl: torch.Tensor
+    mse: torch.Tensor
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` (B, T) over `mask` (B, T); 0 (not NaN) when nothing is selected."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token CE over non-ignored labels. logits (B, T, V), labels (B, T)."""
+    nll = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1).clamp(min=0),
+        reduction="none",
+    ).view(labels.shape)  # (B, T)
+    return _masked_mean(nll, labels != IGNORE)
+
+
+def kl_teacher_student(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """Mean per-token KL(teacher_T ‖ student_T) over `mask`. logits (B, T, V), mask (B, T)."""
+    log_p_s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, T, V)
+    log_p_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # (B, T, V)
+    kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1)  # (B, T)
+    return _masked_mean(kl, mask)
+
+
+def hidden_mse(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of hidden states over `mask`. hidden (B, T, H), mask (B, T)."""
+    se = (student_hidden.float() - teacher_hidden.float()).pow(2).mean(-1)  # (B, T)
+    return _masked_mean(se, mask)
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    kl_mask: torch.Tensor,
+    *,
+    alpha: float,
+    temperature: float,
+    beta: float = 0.0,
+    student_hidden: torch.Tensor | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+) -> DistillLoss:
+    """(1-α)·CE + α·T²·KL + β·MSE. logits (B, T, V); labels, kl_mask (B, T); hidden (B, T, H).
+
+    `kl_mask` selects the positions where the KL and MSE count (after the prompt, not
+    padding); the CE counts every non-ignored label.
+    """
+    kl_mask = kl_mask & (labels != IGNORE)
+    ce = cross_entropy(student_logits, labels)
+    kl = kl_teacher_student(student_logits, teacher_logits, kl_mask, temperature)
+    zero = ce.new_zeros(())
+    mse = zero
+    if beta > 0:
+        if student_hidden is None or teacher_hidden is None:
+            raise ValueError("beta > 0 needs student_hidden and teacher_hidden")
+        mse = hidden_mse(student_hidden, teacher_hidden, kl_mask)
+    loss = (1 - alpha) * ce + alpha * temperature**2 * kl + beta * mse
+    return DistillLoss(loss=loss, ce=ce, kl=kl, mse=mse)
+
+
+def prompt_mask(n_targets: int, skip: torch.Tensor) -> torch.Tensor:
+    """(B, T) mask of shifted positions whose *target* token index (t + 1) is >= skip (B,)."""
+    target_index = torch.arange(1, n_targets + 1).unsqueeze(0)  # (1, T)
+    return target_index >= skip.unsqueeze(1)  # (B, T)

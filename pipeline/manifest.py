@@ -1,0 +1,78 @@
+"""Atomic file writes and stage manifests.
+
+A stage is finished when its `manifest.json` exists. The manifest is written last,
+atomically (temp name, then rename), and lists the sha256 of the stage's inputs and
+outputs, so a crash never leaves a stage that looks finished but is not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_paths(paths: dict[str, Path]) -> dict[str, dict[str, str]]:
+    """sha256 of each file; a directory is expanded to every file below it."""
+    out: dict[str, dict[str, str]] = {}
+    for name, p in paths.items():
+        p = Path(p)
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        for f in files:
+            key = name if f == p else f"{name}/{f.relative_to(p)}"
+            out[key] = {"path": str(f), "sha256": sha256_file(f)}
+    return out
+
+
+def write_manifest(
+    stage_dir: Path,
+    *,
+    stage: str,
+    inputs: dict[str, Path],
+    outputs: dict[str, Path],
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write `stage_dir/manifest.json` last: the mark that the stage is done."""
+    manifest = {
+        "stage": stage,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "inputs": hash_paths(inputs),
+        "outputs": hash_paths(outputs),
+        **(extra or {}),
+    }
+    path = Path(stage_dir) / MANIFEST
+    atomic_write_json(path, manifest)
+    return path
