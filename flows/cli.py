@@ -17,10 +17,11 @@ import flows  # noqa: F401  (sets up log routing before Prefect is imported)
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError
 from pipeline.distill import DistillError
+from pipeline.generate import GenerateError
 from pipeline.models import ModelError
 from pipeline.teacher import TeacherError
 
-USER_ERRORS = (ConfigError, DataError, TeacherError, DistillError, ModelError)
+USER_ERRORS = (ConfigError, DataError, TeacherError, GenerateError, DistillError, ModelError)
 
 
 def quiet_libraries() -> None:

@@ -37,7 +37,7 @@ def lm_batch(ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor
     predicts `labels`.
     """
     L = int(lengths.max())
-    ids = ids[:, :L]  # (B, L)
+    ids = ids[:, :L].contiguous()  # (B, L); Opacus' embedding ghost norms need contiguous ids
     B = ids.shape[0]
     positions = torch.arange(L).unsqueeze(0)  # (1, L)
     mask = positions < lengths.unsqueeze(1)  # (B, L)

@@ -109,23 +109,23 @@ def _format_codes(table: pa.Table, cfg: DataConfig, where: str) -> tuple[list[st
     codes_out, texts_out, dropped, problems = [], [], [], []
     for i, text in enumerate(texts):
         row = i + 1  # 1-based data row, header excluded
-        bad = []
+        empty, invalid = [], []  # empty fields may be dropped on request; invalid ones never
         if text is None or not text.strip():
-            bad.append(f"row {row}, column {cfg.text_column!r}: empty text")
+            empty.append(f"row {row}, column {cfg.text_column!r}: empty text")
         parts = []
         for c in cfg.code_columns:
             v = columns[c][i]
             if v is None or not v.strip():
-                bad.append(f"row {row}, column {c!r}: empty control code")
+                empty.append(f"row {row}, column {c!r}: empty control code")
             elif any(ch in v for ch in "\t\n\r"):
-                bad.append(f"row {row}, column {c!r}: control code contains a tab or newline")
+                invalid.append(f"row {row}, column {c!r}: control code contains a tab or newline")
             else:
                 parts.append(cfg.code_template.format(column=c, value=v.strip()))
-        if bad:
-            if cfg.drop_empty and all("empty" in b for b in bad):
-                dropped.append(row)
-                continue
-            problems.extend(bad)
+        if empty and not invalid and cfg.drop_empty:
+            dropped.append(row)
+            continue
+        if empty or invalid:
+            problems.extend(empty + invalid)
             continue
         codes_out.append(CODE_JOINER.join(parts))
         texts_out.append(text)
@@ -166,6 +166,7 @@ def prepare_data(cfg: DataConfig, out_dir: Path, seed: int) -> DataResult:
 
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(texts))
+    test_dropped: list[int] = []
     if cfg.test_path is None:
         n_test = max(1, int(round(cfg.test_fraction * len(texts))))
         test_idx, order = order[:n_test], order[n_test:]
@@ -178,7 +179,6 @@ def prepare_data(cfg: DataConfig, out_dir: Path, seed: int) -> DataResult:
         test_codes, test_texts, test_dropped = _format_codes(
             test_table, cfg, f"data.test_path {str(cfg.test_path)!r}"
         )
-        dropped += test_dropped
     n_val = int(round(cfg.validation_fraction * len(order)))
     val_idx, train_idx = np.sort(order[:n_val]), np.sort(order[n_val:])
     if len(train_idx) < 2:
@@ -196,7 +196,7 @@ def prepare_data(cfg: DataConfig, out_dir: Path, seed: int) -> DataResult:
         n_train=len(train_idx),
         n_validation=len(val_idx),
         n_test=len(test_texts),
-        n_dropped=len(dropped),
+        n_dropped=len(dropped) + len(test_dropped),
     )
     _write_split(result.train, train_codes, [texts[i] for i in train_idx])
     _write_split(result.validation, [codes[i] for i in val_idx], [texts[i] for i in val_idx])
@@ -228,7 +228,7 @@ def prepare_data(cfg: DataConfig, out_dir: Path, seed: int) -> DataResult:
             "n_validation": result.n_validation,
             "n_test": result.n_test,
             "n_dropped": result.n_dropped,
-            "dropped_rows": dropped,
+            "dropped_rows": {"data.path": dropped, "data.test_path": test_dropped},
         },
     )
     log.info(

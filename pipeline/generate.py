@@ -45,6 +45,10 @@ SCHEMA = pa.schema(
 )
 
 
+class GenerateError(ValueError):
+    """Generation cannot run as configured; the message says what to change."""
+
+
 @dataclass(frozen=True)
 class GenerateResult:
     path: Path
@@ -91,6 +95,12 @@ def generate_synthetic(
     tok = load_tokenizer(str(teacher_dir))
     model = load_causal_lm(str(teacher_dir)).eval()
     eos = tok.eos_token_id
+    n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    if cfg.max_length > n_positions:
+        raise GenerateError(
+            f"generate.max_length={cfg.max_length} exceeds the teacher's {n_positions} positions; "
+            f"set generate.max_length <= {n_positions}"
+        )
 
     requested = sample_control_codes(read_control_codes(control_codes_path), cfg.num_samples, rng)
     by_length: dict[int, list[tuple[str, list[int]]]] = defaultdict(list)
@@ -99,7 +109,7 @@ def generate_synthetic(
         by_length[len(prompt_ids[code])].append((code, prompt_ids[code]))
     too_long = [n for n in by_length if n >= cfg.max_length]
     if too_long:
-        raise ValueError(
+        raise GenerateError(
             f"control-code prompts of {max(too_long)} tokens leave no room within "
             f"generate.max_length={cfg.max_length}; raise generate.max_length"
         )
@@ -150,7 +160,7 @@ def generate_synthetic(
                 )
     seconds = time.time() - t0
     if not rows["text"]:
-        raise RuntimeError(
+        raise GenerateError(
             f"all {cfg.num_samples} generations were empty; check the teacher checkpoint "
             "(it only writes end-of-text) or raise generate.temperature"
         )

@@ -1,7 +1,8 @@
 """Stage 1: DP-SGD fine-tuning of the teacher on the private records, with Opacus 1.6.
 
-Opacus is used as its API intends: `PrivacyEngine.make_private_with_epsilon` calibrates
-σ from the target (ε, δ), the sampling rate and the number of epochs; Poisson sampling;
+Opacus is used as its API intends: `get_noise_multiplier` calibrates σ from the target
+(ε, δ), the sampling rate and the exact number of steps, `PrivacyEngine.make_private`
+wraps model, optimizer and loader; Poisson sampling;
 BatchMemoryManager splits large logical batches into physical ones. ε in the ledger is
 whatever the accountant says after the last step.
 
@@ -23,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from opacus import PrivacyEngine
+from opacus.data_loader import DPDataLoader
+from opacus.accountants.utils import get_noise_multiplier
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch.utils.data import DataLoader
 
@@ -125,32 +128,47 @@ def train_teacher(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay
     )
     engine = PrivacyEngine(accountant=cfg.accountant, secure_mode=cfg.secure_mode)
-    private = dict(
-        module=model,
-        optimizer=optimizer,
-        data_loader=loader,
-        target_epsilon=cfg.target_epsilon,
-        target_delta=delta,
-        epochs=cfg.epochs,
-        max_grad_norm=cfg.max_grad_norm,
-        poisson_sampling=True,
-        grad_sample_mode=cfg.grad_sample_mode,
+    # Poisson sampling set up as make_private would, but here, so that σ is calibrated for
+    # exactly the steps that run and the rate the accountant records. Opacus' sampler runs
+    # int(1 / q) steps per epoch and make_private accounts q' = 1 / steps >= q (for q = 1/99:
+    # 98 steps accounted at 1/98). make_private_with_epsilon calibrates for
+    # int(epochs / q) steps instead, which can differ by one and overspend the budget.
+    poisson_loader = DPDataLoader.from_data_loader(
+        loader, generator=engine.secure_rng if cfg.secure_mode else generator
     )
+    sampling_probability = poisson_loader.sample_rate
+    sample_rate = 1.0 / len(poisson_loader)  # the rate make_private hands the accountant
+    total_steps = cfg.epochs * len(poisson_loader)
     try:
-        if cfg.grad_sample_mode == "ghost":
-            private["criterion"] = torch.nn.CrossEntropyLoss(ignore_index=IGNORE)
-            dp_model, optimizer, criterion, loader = engine.make_private_with_epsilon(**private)
-        else:
-            dp_model, optimizer, loader = engine.make_private_with_epsilon(**private)
-            criterion = None
+        sigma = get_noise_multiplier(
+            target_epsilon=cfg.target_epsilon,
+            target_delta=delta,
+            sample_rate=sample_rate,
+            steps=total_steps,
+            accountant=cfg.accountant,
+        )
     except ValueError as e:
         raise TeacherError(
             f"Opacus could not calibrate the noise for ε={cfg.target_epsilon}, δ={delta:.3g}, "
-            f"q={cfg.batch_size}/{n}, {cfg.epochs} epoch(s): {e}. Raise teacher.target_epsilon, "
+            f"q={sample_rate:.4g}, {total_steps} steps: {e}. Raise teacher.target_epsilon, "
             "or change teacher.batch_size / teacher.epochs"
         ) from e
-    sample_rate = 1.0 / len(loader)
-    total_steps = cfg.epochs * len(loader)
+    private = dict(
+        module=model,
+        optimizer=optimizer,
+        data_loader=poisson_loader,
+        noise_multiplier=sigma,
+        max_grad_norm=cfg.max_grad_norm,
+        poisson_sampling=False,  # the loader above already samples with Poisson
+        grad_sample_mode=cfg.grad_sample_mode,
+    )
+    if cfg.grad_sample_mode == "ghost":
+        private["criterion"] = torch.nn.CrossEntropyLoss(ignore_index=IGNORE)
+        dp_model, optimizer, criterion, loader = engine.make_private(**private)
+    else:
+        dp_model, optimizer, loader = engine.make_private(**private)
+        criterion = None
+    dp_model.forbid_grad_accumulation()  # what make_private does for Poisson sampling
     log.info(
         "teacher: N=%d, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, %s clipping",
         n, sample_rate, total_steps, optimizer.noise_multiplier, cfg.max_grad_norm,
@@ -199,6 +217,7 @@ def train_teacher(
     steps = _steps_accounted(engine)
     epsilon = engine.get_epsilon(delta)
     assert steps == total_steps, (steps, total_steps)
+    assert {q for _, q, _ in engine.accountant.history} == {sample_rate}
     if epsilon > cfg.target_epsilon * (1 + 1e-6):
         raise TeacherError(
             f"accountant reports ε={epsilon:.4f} above the target {cfg.target_epsilon}; "
@@ -231,7 +250,8 @@ def train_teacher(
         steps=steps,
         max_grad_norm=cfg.max_grad_norm,
         privacy_unit="record",
-        note=f"DP-SGD on the private training split (N={n}), Poisson sampling, "
+        note=f"DP-SGD on the private training split (N={n}), Poisson sampling with probability "
+        f"{sampling_probability:.6g} (accounted as q={sample_rate:.6g}), "
         f"{cfg.grad_sample_mode} clipping, lm_head untied from the input embedding; "
         f"σ calibrated by Opacus for target ε={cfg.target_epsilon}",
     )

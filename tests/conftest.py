@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny tokenizer and GPT-2s built in memory from public text, tiny configs.
+
+Nothing here downloads anything. The "private" records are the shipped Yelp sample.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import BaseModelsConfig, TinyModelSpec, config_from_dict
+from pipeline.models import read_public_corpus, tiny_gpt2, train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLIC = ROOT / "data" / "public" / "wikitext-2-valid.txt"
+YELP_TRAIN = ROOT / "data" / "yelp_sample" / "train.csv"
+YELP_TEST = ROOT / "data" / "yelp_sample" / "test.csv"
+
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+warnings.filterwarnings("ignore", message="Secure RNG turned off")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """Byte-level BPE with 300 tokens, trained on 200k characters of public WikiText."""
+    paras = read_public_corpus(BaseModelsConfig(corpus=PUBLIC, max_corpus_chars=200_000))
+    return train_tokenizer(paras, vocab_size=300)
+
+
+def make_tiny_model(tokenizer, n_layer=1, n_embd=32, n_head=2, context=64):
+    spec = TinyModelSpec(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
+    return tiny_gpt2(spec, len(tokenizer), context, tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_tokenizer, tmp_path_factory) -> Path:
+    """A saved 1-layer GPT-2 (randomly initialised) with the tiny tokenizer."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_model")
+    make_tiny_model(tiny_tokenizer).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def tiny_pipeline_dict(tmp_path: Path) -> dict:
+    """A whole-pipeline config small enough to run end to end in well under a minute."""
+    return {
+        "name": "tiny",
+        "seed": 0,
+        "run_root": str(tmp_path / "runs"),
+        "data": {
+            "path": str(YELP_TRAIN),
+            "test_path": str(YELP_TEST),
+            "max_records": 120,
+            "max_test_records": 20,
+            "validation_fraction": 0.1,
+        },
+        "base_models": {
+            "corpus": str(PUBLIC),
+            "cache_dir": str(tmp_path / "base_cache"),
+            "max_corpus_chars": 100_000,
+            "vocab_size": 400,
+            "context_length": 96,
+            "teacher": {"n_layer": 1, "n_embd": 32, "n_head": 2, "steps": 30, "batch_size": 8},
+            "student": {"n_layer": 1, "n_embd": 16, "n_head": 2, "steps": 30, "batch_size": 8},
+        },
+        "teacher": {
+            "target_epsilon": 8.0,
+            "epochs": 1,
+            "batch_size": 32,
+            "physical_batch_size": 16,
+            "max_length": 96,
+            "learning_rate": 1e-3,
+        },
+        "generate": {"num_samples": 24, "batch_size": 12, "max_length": 80},
+        "distill": {"epochs": 1, "batch_size": 8, "learning_rate": 1e-3},
+        "evaluate": {"window": 96, "batch_size": 8},
+    }
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    return config_from_dict(tiny_pipeline_dict(tmp_path))

@@ -1,0 +1,184 @@
+"""Stage 0: reading, validating, splitting the private data; errors never quote records."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import YELP_TEST, YELP_TRAIN
+from pipeline.config import DataConfig
+from pipeline.data import DataError, encode_record, prepare_data, prompt_for, read_split, read_table
+
+CODE_RE = re.compile(r"^Business Category: [^\t\n]+\tReview Stars: [^\t\n]+$")
+
+
+def _write_csv(path, rows, header=("text", "label1", "label2")):
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def _sentinel_rows(n=10):
+    """Rows with distinctive texts, so tests can check that no record leaks into messages."""
+    names = ["ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL", "INDIA", "JULIET"]
+    return [[f"SECRET-RECORD-{names[i]} was here", f"cat{i % 2}", f"stars{i % 3}"] for i in range(n)]
+
+
+def test_prepare_data_on_yelp_sample(tmp_path):
+    """prepare_data writes the splits, codes and manifest; counts add up and come from train only."""
+    cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=200, max_test_records=50)
+    out = tmp_path / "data"
+    res = prepare_data(cfg, out, seed=0)
+
+    for name in ("train.parquet", "validation.parquet", "test.parquet", "control_codes.json", "manifest.json"):
+        assert (out / name).is_file(), name
+    assert res.n_train + res.n_validation == 200
+    assert res.n_validation == 10  # round(0.05 * 200)
+    assert res.n_test == 50
+    assert res.n_dropped == 0
+
+    train_codes, train_texts = read_split(res.train)
+    val_codes, _ = read_split(res.validation)
+    test_codes, _ = read_split(res.test)
+    assert len(train_codes) == len(train_texts) == res.n_train
+    assert len(val_codes) == res.n_validation and len(test_codes) == 50
+    for code in train_codes + val_codes + test_codes:
+        assert CODE_RE.match(code), code
+
+    codes_file = json.loads(res.control_codes.read_text())
+    assert codes_file["columns"] == ["label1", "label2"]
+    assert codes_file["private"] is False
+    counts = codes_file["counts"]
+    assert sum(counts.values()) == res.n_train
+    assert counts == dict(Counter(train_codes))
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stage"] == "data"
+    assert manifest["n_train"] == res.n_train and manifest["n_validation"] == res.n_validation
+
+
+def test_encode_record_is_prefix_then_text_then_eos(tiny_tokenizer):
+    """encode_record = tokenize(codes + '\\n\\n') + tokenize(text) + [eos]."""
+    code, text = "Business Category: Bars\tReview Stars: 4.0", "Great beer, slow service."
+    assert prompt_for(code) == code + "\n\n"
+    expected = (
+        tiny_tokenizer.encode(code + "\n\n", add_special_tokens=False)
+        + tiny_tokenizer.encode(text, add_special_tokens=False)
+        + [tiny_tokenizer.eos_token_id]
+    )
+    ids = encode_record(tiny_tokenizer, code, text)
+    assert ids == expected
+    assert ids[-1] == tiny_tokenizer.eos_token_id
+    assert encode_record(tiny_tokenizer, code, text, max_length=5) == expected[:5]
+
+
+def test_empty_text_and_missing_code_are_reported_without_content(tmp_path):
+    """Empty text (row 3) and missing code (row 5) raise DataError naming rows/columns, quoting no record."""
+    rows = _sentinel_rows()
+    rows[2][0] = ""  # row 3: empty text
+    rows[4][2] = ""  # row 5: missing control code in label2
+    path = _write_csv(tmp_path / "bad.csv", rows)
+    cfg = DataConfig(path=path)
+    with pytest.raises(DataError) as err:
+        prepare_data(cfg, tmp_path / "out", seed=0)
+    msg = str(err.value)
+    assert "row 3" in msg and "'text'" in msg
+    assert "row 5" in msg and "'label2'" in msg
+    assert "data.drop_empty" in msg
+    for row in rows:
+        assert row[0] == "" or row[0] not in msg
+    assert "SECRET-RECORD" not in msg
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_drop_empty_drops_and_counts_rows(tmp_path):
+    """With drop_empty=True, the empty rows are dropped, counted and listed in the manifest."""
+    rows = _sentinel_rows()
+    rows[2][0] = "   "  # row 3: whitespace-only text
+    rows[4][2] = ""  # row 5: missing control code
+    path = _write_csv(tmp_path / "bad.csv", rows)
+    res = prepare_data(DataConfig(path=path, drop_empty=True), tmp_path / "out", seed=0)
+    assert res.n_dropped == 2
+    assert res.n_train + res.n_validation + res.n_test == len(rows) - 2
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["n_dropped"] == 2
+    assert manifest["dropped_rows"] == {"data.path": [3, 5], "data.test_path": []}
+    kept = []
+    for split in (res.train, res.validation, res.test):
+        kept += read_split(split)[1]
+    assert sorted(kept) == sorted(r[0] for i, r in enumerate(rows) if i not in (2, 4))
+
+
+def test_drop_empty_never_drops_an_invalid_code(tmp_path):
+    """A tab inside a code is an error even with drop_empty, whatever the column is called."""
+    rows = [[r[0], r[1]] for r in _sentinel_rows()]
+    rows[2][1] = "a\tb"
+    path = tmp_path / "d.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["text", "nonempty_tag"], *rows])
+    with pytest.raises(DataError, match="row 3, column 'nonempty_tag': control code contains a tab"):
+        prepare_data(DataConfig(path=path, code_columns=["nonempty_tag"], drop_empty=True), tmp_path / "o", seed=0)
+
+
+def test_missing_column_is_named_with_available_ones(tmp_path):
+    """A missing code column raises DataError naming it and listing the file's columns."""
+    path = _write_csv(tmp_path / "d.csv", _sentinel_rows())
+    with pytest.raises(DataError) as err:
+        prepare_data(DataConfig(path=path, code_columns=["label1", "stars"]), tmp_path / "out", seed=0)
+    msg = str(err.value)
+    assert "'stars'" in msg
+    for col in ("text", "label1", "label2"):
+        assert col in msg
+    assert "SECRET-RECORD" not in msg
+
+
+def test_unsupported_extension_is_refused(tmp_path):
+    """A .txt data file raises DataError naming the suffix."""
+    path = tmp_path / "data.txt"
+    path.write_text("text,label1,label2\nhello,a,b\n")
+    with pytest.raises(DataError, match=r"\.txt"):
+        read_table(path)
+    with pytest.raises(DataError, match=r"\.txt"):
+        prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_jsonl_and_parquet_inputs(tmp_path, fmt):
+    """JSONL and Parquet files are read and prepared like a CSV."""
+    rows = _sentinel_rows()
+    records = [{"text": t, "label1": a, "label2": b} for t, a, b in rows]
+    path = tmp_path / f"data.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        pq.write_table(pa.Table.from_pylist(records), path)
+    table = read_table(path)
+    assert table.num_rows == len(rows)
+    assert table["text"].to_pylist() == [r[0] for r in rows]
+
+    cfg = DataConfig(path=path, code_template="{column}={value}")
+    res = prepare_data(cfg, tmp_path / "out", seed=0)
+    assert res.n_train + res.n_validation + res.n_test == len(rows)
+    codes, _ = read_split(res.train)
+    assert all(re.fullmatch(r"label1=cat[01]\tlabel2=stars[012]", c) for c in codes), codes
+
+
+def test_csv_codes_stay_strings(tmp_path):
+    """The CSV reader keeps codes as written: '4.0' stays the string '4.0'."""
+    rows = [[f"review number {i}", "Bars", "4.0" if i % 2 else "05"] for i in range(10)]
+    path = _write_csv(tmp_path / "d.csv", rows)
+    table = read_table(path)
+    assert table.schema.field("label2").type == pa.string()
+    assert table["label2"].to_pylist()[:2] == ["05", "4.0"]
+
+    res = prepare_data(DataConfig(path=path, code_template="{column}: {value}"), tmp_path / "out", seed=0)
+    codes = read_split(res.train)[0] + read_split(res.validation)[0] + read_split(res.test)[0]
+    assert set(codes) == {"label1: Bars\tlabel2: 4.0", "label1: Bars\tlabel2: 05"}

@@ -1,0 +1,145 @@
+"""Stage 2: control-code sampling and synthetic generation with a tiny random teacher."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import GenerateConfig
+from pipeline.data import prompt_for
+from pipeline.generate import SCHEMA, generate_synthetic, sample_control_codes
+from pipeline.ledger import LedgerEntry
+from pipeline.models import load_tokenizer
+
+CODES = {"Category: A\tStars: 5": 6, "Category: B\tStars: 1": 3, "Category: C": 1}
+
+
+def _codes_file(tmp_path, counts):
+    path = tmp_path / "control_codes.json"
+    path.write_text(
+        json.dumps(
+            {
+                "columns": ["label1", "label2"],
+                "private": False,
+                "note": "exact counts of the control codes in the private training split",
+                "counts": counts,
+            }
+        )
+    )
+    return path
+
+
+def _ledger():
+    return [
+        LedgerEntry(
+            stage="teacher",
+            private=True,
+            epsilon=2.0,
+            delta=1e-3,
+            accountant="prv",
+            noise_multiplier=1.1,
+            sample_rate=0.1,
+            steps=30,
+            max_grad_norm=1.0,
+            privacy_unit="record",
+            note="DP-SGD",
+        )
+    ]
+
+
+def _generate(tmp_path, model_dir, counts, *, seed, out="gen", **cfg):
+    return generate_synthetic(
+        GenerateConfig(**cfg),
+        teacher_dir=model_dir,
+        control_codes_path=_codes_file(tmp_path, counts),
+        ledger=_ledger(),
+        out_dir=tmp_path / out,
+        seed=seed,
+    )
+
+
+def test_sample_control_codes_follows_counts():
+    """20k draws from counts 600/300/100 match the frequencies (±0.02, chi-square p > 0.001)."""
+    counts = {"a": 600, "b": 300, "c": 100}
+    n = 20_000
+    draws = sample_control_codes(counts, n, np.random.default_rng(0))
+    assert len(draws) == n
+    seen = Counter(draws)
+    assert set(seen) == set(counts)
+    total = sum(counts.values())
+    for code, c in counts.items():
+        assert abs(seen[code] / n - c / total) < 0.02, code
+    stats = pytest.importorskip("scipy.stats")
+    observed = [seen[c] for c in sorted(counts)]
+    expected = [n * counts[c] / total for c in sorted(counts)]
+    assert stats.chisquare(observed, expected).pvalue > 0.001
+
+
+def test_sample_control_codes_rejects_empty_counts():
+    """Empty counts raise ValueError instead of sampling nothing."""
+    with pytest.raises(ValueError, match="empty"):
+        sample_control_codes({}, 5, np.random.default_rng(0))
+
+
+def test_generate_synthetic_writes_well_formed_parquet(tmp_path, tiny_model_dir):
+    """Generation writes the schema, prompt-prefixed token ids within max_length, metadata and manifest."""
+    res = _generate(tmp_path, tiny_model_dir, CODES, seed=0, num_samples=40, batch_size=16, max_length=32)
+    assert res.path.is_file()
+    assert (res.path.parent / "manifest.json").is_file()
+    assert res.n_samples + res.n_dropped_empty == 40
+    assert res.n_samples > 0
+
+    pf = pq.ParquetFile(res.path)
+    table = pf.read()
+    assert table.schema.remove_metadata().equals(SCHEMA)
+    assert table.schema.field("control_code").type == pa.string()
+    assert table.schema.field("text").type == pa.string()
+    assert table.schema.field("n_tokens").type == pa.int32()
+    assert table.num_rows == res.n_samples
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    for row in table.to_pylist():
+        assert row["control_code"] in CODES
+        prompt = tok.encode(prompt_for(row["control_code"]), add_special_tokens=False)
+        assert row["token_ids"][: len(prompt)] == prompt
+        assert row["n_prompt_tokens"] == len(prompt)
+        assert len(row["token_ids"]) == row["n_tokens"] <= 32
+        assert row["text"].strip()
+        assert row["finished"] == (row["token_ids"][-1] == tok.eos_token_id)
+
+    meta = pf.schema_arrow.metadata
+    assert b"dpdistill.teacher_checkpoint" in meta
+    assert meta[b"dpdistill.teacher_checkpoint"].decode() == str(tiny_model_dir)
+    assert b"dpdistill.ledger" in meta
+    ledger = [LedgerEntry.model_validate(e) for e in json.loads(meta[b"dpdistill.ledger"])]
+    assert ledger == _ledger()
+
+
+def test_generation_is_deterministic_per_seed(tmp_path, tiny_model_dir):
+    """The same seed gives identical rows; another seed gives different texts."""
+    kw = dict(num_samples=16, batch_size=8, max_length=24)
+    a = pq.read_table(_generate(tmp_path, tiny_model_dir, CODES, seed=1, out="a", **kw).path)
+    b = pq.read_table(_generate(tmp_path, tiny_model_dir, CODES, seed=1, out="b", **kw).path)
+    c = pq.read_table(_generate(tmp_path, tiny_model_dir, CODES, seed=2, out="c", **kw).path)
+    assert a.to_pylist() == b.to_pylist()
+    assert a["text"].to_pylist() != c["text"].to_pylist()
+
+
+def test_generated_code_frequencies_follow_counts(tmp_path, tiny_model_dir):
+    """With counts A:3, B:1 the requested and generated shares of A are near 0.75."""
+    counts = {"Category: A": 3, "Category: B": 1}
+    res = _generate(tmp_path, tiny_model_dir, counts, seed=0, num_samples=200, batch_size=64, max_length=16)
+    assert set(res.requested_codes) <= set(counts)
+    assert abs(res.requested_codes["Category: A"] - 0.75) < 0.1
+    table = pq.read_table(res.path)
+    codes = table["control_code"].to_pylist()
+    assert len(codes) == res.n_samples
+    assert res.n_samples + res.n_dropped_empty == 200
+    share_a = codes.count("Category: A") / len(codes)
+    assert res.generated_codes["Category: A"] == pytest.approx(share_a)
+    assert abs(share_a - 0.75) < 0.1

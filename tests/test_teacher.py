@@ -1,0 +1,149 @@
+"""The teacher stage's privacy machinery: accounting, clipping, empty Poisson batches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.accountants import PRVAccountant, RDPAccountant
+from safetensors.torch import load_file
+
+from pipeline.batching import TokenizedRecords, lm_batch
+from pipeline.config import DataConfig, TeacherConfig
+from pipeline.data import encode_record, prepare_data
+from pipeline.models import untie_lm_head
+from pipeline.teacher import TeacherError, per_sequence_loss, train_teacher
+from conftest import YELP_TEST, YELP_TRAIN, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    cfg = DataConfig(
+        path=YELP_TRAIN, test_path=YELP_TEST, max_records=110, max_test_records=10, validation_fraction=0.1
+    )
+    return prepare_data(cfg, out, seed=0)
+
+
+def _teacher(splits, model_dir, out, **overrides):
+    cfg = TeacherConfig(
+        **{
+            "target_epsilon": 3.0,
+            "epochs": 1,
+            "batch_size": 25,
+            "physical_batch_size": 10,
+            "max_length": 48,
+            "learning_rate": 1e-3,
+            **overrides,
+        }
+    )
+    return cfg, train_teacher(
+        cfg, train_path=splits.train, validation_path=splits.validation, base_model=str(model_dir), out_dir=out, seed=0
+    )
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_ledger_epsilon_is_the_accountants(splits, tiny_model_dir, tmp_path, accountant):
+    """ε in the ledger equals a fresh Opacus accountant's for the same σ, q, steps, and ≤ target."""
+    cfg, result = _teacher(splits, tiny_model_dir, tmp_path, accountant=accountant)
+    e = result.ledger
+    assert e.stage == "teacher" and e.accountant == accountant and e.privacy_unit == "record"
+    assert e.delta == pytest.approx(1 / splits.n_train)
+    assert e.sample_rate == pytest.approx(1 / 4)  # ceil(99 / 25) = 4 batches per epoch
+    assert e.steps == 4
+    fresh = PRVAccountant() if accountant == "prv" else RDPAccountant()
+    fresh.history = [(e.noise_multiplier, e.sample_rate, e.steps)]
+    assert e.epsilon == pytest.approx(fresh.get_epsilon(delta=e.delta), rel=1e-9)
+    assert 0 < e.epsilon <= cfg.target_epsilon
+    # Calibration is tight: σ was chosen for this budget, so little of it is left unused.
+    assert e.epsilon > 0.9 * cfg.target_epsilon
+
+
+def test_dp_training_changes_weights_and_saves_safetensors(splits, tiny_model_dir, tmp_path):
+    """The released checkpoint differs from the base model and is stored as safetensors."""
+    _, result = _teacher(splits, tiny_model_dir, tmp_path)
+    before = load_file(tiny_model_dir / "model.safetensors")
+    after = load_file(result.checkpoint / "model.safetensors")
+    changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
+    assert len(changed) > len(before) // 2
+    assert "lm_head.weight" in after  # untied for ghost clipping, saved on its own
+    assert (tmp_path / "manifest.json").is_file() and (tmp_path / "accountant_state.pt").is_file()
+
+
+def test_empty_poisson_batches_still_count_as_steps(splits, tiny_model_dir, tmp_path):
+    """With q = 1/N about a third of the logical batches are empty; each is a noise-only step."""
+    cfg, result = _teacher(splits, tiny_model_dir, tmp_path, batch_size=1, physical_batch_size=1, target_epsilon=8.0)
+    # One epoch is int(1 / q) Poisson draws (N - 1 or N, float rounding), each one accounted.
+    assert result.ledger.steps in (splits.n_train - 1, splits.n_train)
+    assert result.ledger.steps == round(1 / result.ledger.sample_rate)
+    assert result.ledger.epsilon <= cfg.target_epsilon
+
+
+def test_batch_not_smaller_than_dataset_is_refused(splits, tiny_model_dir, tmp_path):
+    """A sampling rate of 1 is refused with a message naming the field."""
+    with pytest.raises(TeacherError, match="teacher.batch_size"):
+        _teacher(splits, tiny_model_dir, tmp_path, batch_size=500, physical_batch_size=10)
+
+
+def _clipped_sum_reference(model, batch, lengths_, C):
+    """Σ_i clip(∇ℓ_i, C) computed one example at a time on a plain copy of the model."""
+    total = None
+    norms = []
+    for i in range(batch["input_ids"].shape[0]):
+        model.zero_grad()
+        one = lm_batch(batch["input_ids"][i : i + 1], lengths_[i : i + 1])
+        labels = one.pop("labels")
+        per_sequence_loss(model(**one).logits, labels).sum().backward()
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        norms.append(norm)
+        scale = min(1.0, C / (norm.item() + 1e-6))
+        grads = [g * scale for g in grads]
+        total = grads if total is None else [t + g for t, g in zip(total, grads)]
+    return total, torch.stack(norms)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_noise_free_step_clips_every_example_to_max_grad_norm(tiny_tokenizer, mode):
+    """σ = 0: the DP gradient is the sum of per-example gradients each clipped to C (÷ batch)."""
+    model = make_tiny_model(tiny_tokenizer)
+    untie_lm_head(model)
+    reference_model = copy.deepcopy(model)
+    texts = ["Great tacos and friendly staff.", "Never again.", "The room was clean but the bed was hard."]
+    ids = [encode_record(tiny_tokenizer, "Stars: 5", t, 40) for t in texts]
+    data = TokenizedRecords(ids, tiny_tokenizer.pad_token_id, 40)
+    loader = torch.utils.data.DataLoader(data, batch_size=len(ids))
+    C = 0.01  # far below every raw per-example norm, so every example is clipped
+    engine = PrivacyEngine()
+    kwargs = dict(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=loader,
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+    )
+    ids_b, lengths = next(iter(loader))
+    batch = lm_batch(ids_b, lengths)
+    labels = batch.pop("labels")
+    if mode == "ghost":
+        dp_model, optimizer, criterion, _ = engine.make_private(criterion=torch.nn.CrossEntropyLoss(), **kwargs)
+        shifted = dp_model(**batch).logits[:, :-1]
+        loss = criterion(shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape)
+    else:
+        dp_model, optimizer, _ = engine.make_private(**kwargs)
+        loss = per_sequence_loss(dp_model(**batch).logits, labels).mean()
+    loss.backward()
+    optimizer.pre_step()  # clip, accumulate, add (zero) noise, scale by the expected batch size
+
+    expected, raw_norms = _clipped_sum_reference(reference_model, batch | {"input_ids": ids_b}, lengths, C)
+    assert bool((raw_norms > 10 * C).all())
+    got = [p.grad for p in model.parameters()]
+    flat_got = torch.cat([g.flatten() for g in got])
+    flat_expected = torch.cat([g.flatten() for g in expected]) / len(ids)
+    torch.testing.assert_close(flat_got, flat_expected, rtol=1e-3, atol=1e-7)
+    # Each clipped example contributes exactly C: the sum's norm is at most B·C / B = C.
+    assert flat_got.norm() <= C * (1 + 1e-4)
