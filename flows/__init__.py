@@ -6,6 +6,9 @@ import os
 # Route the library's stdlib loggers (`pipeline.*`) into Prefect's run logs (the UI);
 # this must be set before Prefect configures logging on import.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "pipeline")
+# The embedded server would try to send telemetry; these machines are offline and the
+# failed attempt is logged as an error on every run.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 # Import Prefect before anything imports Opacus: opacus.utils.module_utils calls
 # logging.basicConfig() at import, which would otherwise take over the root logger.

@@ -76,3 +76,10 @@ def test_dump_config_round_trips(tmp_path):
     for cfg in (load_config(DEMO, ["seed=3"]), config_from_dict(tiny_pipeline_dict(tmp_path))):
         again = config_from_dict(yaml.safe_load(dump_config(cfg)))
         assert again == cfg
+
+
+@pytest.mark.parametrize("path", sorted((DEMO.parent).glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    """Each config in configs/ passes validation (the paper's setting included)."""
+    cfg = load_config(path)
+    assert cfg.teacher.target_epsilon > 0
