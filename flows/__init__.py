@@ -12,7 +12,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 # Import Prefect before anything imports Opacus: opacus.utils.module_utils calls
 # logging.basicConfig() at import, which would otherwise take over the root logger.
-import prefect  # noqa: E402,F401
+import prefect.main  # noqa: E402,F401  (prefect.main configures logging)
 
 # Progress lines (loss, ε, tokens/s) are INFO; they reach the console through the root
 # logger's Prefect console handler and the UI through Prefect's API handler.

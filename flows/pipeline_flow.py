@@ -127,6 +127,7 @@ def evaluation_task(
 ) -> dict:
     models = {
         "base_student": resolve_model(cfg.distill.student_model, base),
+        "base_teacher": resolve_model(cfg.teacher.model, base),  # what DP fine-tuning started from
         "dp_teacher": str(teacher.checkpoint),
         "distilled_student": str(student.checkpoint),
     }

@@ -84,7 +84,9 @@ def _cache_key(cfg: BaseModelsConfig) -> str:
 
 def train_tokenizer(paragraphs: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(paragraphs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS])
+    bpe.train_from_iterator(
+        paragraphs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False
+    )
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS
     )

@@ -22,7 +22,7 @@ def test_demo_config_loads_with_typed_overrides():
     assert cfg.teacher.target_epsilon == 4.0 and isinstance(cfg.teacher.target_epsilon, float)
     assert cfg.generate.num_samples == 10 and isinstance(cfg.generate.num_samples, int)
     # untouched fields keep the file's values
-    assert cfg.teacher.batch_size == base.teacher.batch_size == 256
+    assert cfg.teacher.batch_size == base.teacher.batch_size == 128
     assert cfg.generate.batch_size == base.generate.batch_size
 
 

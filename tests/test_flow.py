@@ -45,7 +45,7 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     assert all(ledger[s].epsilon == 0 for s in ("generation", "distillation", "evaluation"))
 
     metrics = json.loads((run / "metrics.json").read_text())
-    assert set(metrics["perplexity"]) == {"base_student", "dp_teacher", "distilled_student"}
+    assert set(metrics["perplexity"]) == {"base_student", "base_teacher", "dp_teacher", "distilled_student"}
     assert all(m["windowed"] > 1 for m in metrics["perplexity"].values())
     synthetic = pq.read_table(run / "synthetic" / "synthetic.parquet")
     assert synthetic.num_rows + metrics["generation"]["dropped_empty"] == tiny_config.generate.num_samples
