@@ -127,7 +127,14 @@ def train_teacher(
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay
     )
-    engine = PrivacyEngine(accountant=cfg.accountant, secure_mode=cfg.secure_mode)
+    try:
+        engine = PrivacyEngine(accountant=cfg.accountant, secure_mode=cfg.secure_mode)
+    except ImportError as e:
+        raise TeacherError(
+            "teacher.secure_mode=true needs the torchcsprng package, which is not installed "
+            "(and has no release for every torch version); install it, or set "
+            "teacher.secure_mode=false to draw the noise from torch's default generator"
+        ) from e
     # Poisson sampling set up as make_private would, but here, so that σ is calibrated for
     # exactly the steps that run and the rate the accountant records. Opacus' sampler runs
     # int(1 / q) steps per epoch and make_private accounts q' = 1 / steps >= q (for q = 1/99:

@@ -147,3 +147,14 @@ def test_noise_free_step_clips_every_example_to_max_grad_norm(tiny_tokenizer, mo
     torch.testing.assert_close(flat_got, flat_expected, rtol=1e-3, atol=1e-7)
     # Each clipped example contributes exactly C: the sum's norm is at most B·C / B = C.
     assert flat_got.norm() <= C * (1 + 1e-4)
+
+
+def test_secure_mode_without_torchcsprng_is_a_clear_error(splits, tiny_model_dir, tmp_path):
+    """secure_mode needs torchcsprng; without it the error says what to install or change."""
+    try:
+        import torchcsprng  # noqa: F401
+    except ImportError:
+        with pytest.raises(TeacherError, match="teacher.secure_mode"):
+            _teacher(splits, tiny_model_dir, tmp_path, secure_mode=True)
+    else:
+        pytest.skip("torchcsprng is installed: secure mode works")
