@@ -36,6 +36,7 @@ from pipeline.evaluate import perplexity
 from pipeline.ledger import LedgerEntry
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, untie_lm_head
+from pipeline import privacy  # noqa: F401  (registers Conv1D ghost-norm and grad samplers)
 
 log = logging.getLogger(__name__)
 

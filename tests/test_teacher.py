@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.config import DataConfig, TeacherConfig
 from pipeline.data import encode_record, prepare_data
+from pipeline import privacy  # noqa: F401
 from pipeline.models import untie_lm_head
 from pipeline.teacher import TeacherError, per_sequence_loss, train_teacher
 from conftest import YELP_TEST, YELP_TRAIN, make_tiny_model
@@ -158,3 +159,12 @@ def test_secure_mode_without_torchcsprng_is_a_clear_error(splits, tiny_model_dir
             _teacher(splits, tiny_model_dir, tmp_path, secure_mode=True)
     else:
         pytest.skip("torchcsprng is installed: secure mode works")
+
+
+def test_every_gpt2_layer_has_a_ghost_norm_sampler(tiny_tokenizer):
+    """No parameterised GPT-2 module falls back to per-sample gradients under ghost clipping."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping as Ghost
+
+    model = make_tiny_model(tiny_tokenizer)
+    kinds = {type(m) for m in model.modules() if any(True for _ in m.parameters(recurse=False))}
+    assert kinds and all(k in Ghost.NORM_SAMPLERS for k in kinds), kinds - set(Ghost.NORM_SAMPLERS)

@@ -1,0 +1,49 @@
+"""Privacy machinery shared by the DP stages: Opacus samplers for GPT-2's Conv1D.
+
+GPT-2 implements its attention and MLP projections with `transformers.pytorch_utils.Conv1D`
+(y = x W + b with W of shape (in, out): an `nn.Linear` with a transposed weight). Opacus
+knows `nn.Linear` but not `Conv1D`, so without help ghost clipping falls back to
+materialising per-sample gradients for every Conv1D (functorch), losing its memory and
+speed advantage. Registered here:
+
+- a *norm sampler*: the per-example gradient norm of a linear map depends only on the
+  layer's input a and output gradient g (‖Σ_t a_t g_tᵀ‖_F, computed as ⟨a aᵀ, g gᵀ⟩ by
+  Opacus' `compute_linear_norm_sample`), not on how the weight is stored: exact for Conv1D;
+- a *grad sampler* for Opacus' per-sample mode: the Linear einsum with in/out swapped.
+
+LayerNorm gets a norm sampler too: its per-example gradient is one d-vector per example
+(no larger than a row of activations), so it is computed and its norm taken; with it every
+parameterised layer of GPT-2 (Embedding, Conv1D, LayerNorm, Linear) has a norm sampler.
+
+Importing this module registers both (idempotent).
+"""
+
+from __future__ import annotations
+
+import torch
+from opacus.grad_sample.layer_norm import compute_layer_norm_grad_sample
+from opacus.grad_sample.linear import compute_linear_norm_sample
+from opacus.grad_sample.utils import register_grad_sampler, register_norm_sampler
+from transformers.pytorch_utils import Conv1D
+
+
+@register_grad_sampler(Conv1D)
+def compute_conv1d_grad_sample(layer: Conv1D, activations: list[torch.Tensor], backprops: torch.Tensor):
+    """Per-sample gradients of a Conv1D: weight (N, in, out), bias (N, out)."""
+    a = activations[0].to(backprops.dtype)  # (N, ..., in)
+    out = {}
+    if layer.weight.requires_grad:
+        out[layer.weight] = torch.einsum("n...i,n...j->nij", a, backprops)  # (N, in, out)
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = torch.einsum("n...k->nk", backprops)  # (N, out)
+    return out
+
+
+register_norm_sampler(Conv1D)(compute_linear_norm_sample)
+
+
+@register_norm_sampler(torch.nn.LayerNorm)
+def compute_layer_norm_norm_sample(layer: torch.nn.LayerNorm, activations, backprops):
+    """Per-sample gradient norms of a LayerNorm's weight and bias, each (N,)."""
+    grads = compute_layer_norm_grad_sample(layer, activations, backprops)
+    return {p: g.flatten(1).norm(dim=1) for p, g in grads.items()}
