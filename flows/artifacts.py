@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.generate import GenerateResult
-from pipeline.ledger import LedgerEntry
+from pipeline.ledger import PrivacyLedger
 
 LEDGER_KEY = "privacy-ledger"
 SUMMARY_KEY = "privacy-summary"
@@ -20,29 +20,38 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def ledger_summary(ledger: list[LedgerEntry]) -> str:
-    dp = [e for e in ledger if e.private and e.epsilon]
+def ledger_summary(ledger: PrivacyLedger) -> str:
     lines = ["# Privacy ledger", ""]
-    for e in dp:
-        lines.append(
-            f"- **{e.stage}**: (ε = {e.epsilon:.4f}, δ = {e.delta:.3g})-DP at the level of one "
-            f"{e.privacy_unit}, {e.accountant} accountant, σ = {e.noise_multiplier:.4f}, "
-            f"q = {e.sample_rate:.4g}, {e.steps} steps, clipping norm {e.max_grad_norm}."
-        )
-    for e in ledger:
-        if not e.private:
+    t = ledger.total
+    if t:
+        lines += [f"**Total: ε = {t.epsilon:.4f}, δ = {t.delta:.3g}** ({t.composition}). {t.note}.", ""]
+    for e in ledger.entries:
+        if e.private and e.epsilon:
+            lines.append(
+                f"- **{e.stage}**: (ε = {e.epsilon:.4f}, δ = {e.delta:.3g})-DP per {e.privacy_unit}, "
+                f"{e.accountant} accountant (RDP cross-check ε = {_fmt(e.epsilon_rdp)}), "
+                f"σ = {_fmt(e.noise_multiplier)}, q = {_fmt(e.sample_rate)}, {e.steps} steps, "
+                f"clipping norm {e.max_grad_norm}."
+            )
+        elif not e.private:
             lines.append(f"- **{e.stage}** (not private): {e.note}")
-    lines.append("")
-    lines.append(
-        "Generation, distillation and evaluation only post-process the DP teacher (ε = 0). "
-        "Every model released by this run is covered by the teacher's guarantee, apart from "
-        "what the non-private entries above release."
-    )
+    lines += [
+        "",
+        "Generation, distillation and evaluation only post-process the DP teacher (ε = 0).",
+    ]
     return "\n".join(lines)
 
 
-def publish_ledger(ledger: list[LedgerEntry]) -> None:
-    rows = [{k: _fmt(v) for k, v in e.model_dump().items()} for e in ledger]
+def publish_ledger(ledger: PrivacyLedger) -> None:
+    keep = ("stage", "private", "epsilon", "delta", "accountant", "mechanism", "noise_multiplier",
+            "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "note")
+    rows = [{k: _fmt(getattr(e, k)) for k in keep} for e in ledger.entries]
+    if ledger.total:
+        t = ledger.total
+        rows.append({k: "" for k in keep} | {
+            "stage": "TOTAL", "private": _fmt(t.complete), "epsilon": _fmt(t.epsilon),
+            "delta": _fmt(t.delta), "accountant": t.accountant, "note": f"{t.composition}. {t.note}",
+        })
     create_table_artifact(key=LEDGER_KEY, table=rows, description="Privacy ledger: one row per stage")
     create_markdown_artifact(key=SUMMARY_KEY, markdown=ledger_summary(ledger), description="Privacy guarantee")
 

@@ -2,6 +2,7 @@
 
     dpdistill run --config configs/demo.yaml [key=value ...]   # the whole pipeline
     dpdistill build-base --config configs/demo.yaml           # only the offline base models
+    dpdistill ledger show runs/demo-...                       # a run's privacy ledger
 
 Overrides use dotted keys: `teacher.target_epsilon=4 generate.num_samples=500`.
 """
@@ -12,12 +13,14 @@ import argparse
 import logging
 import sys
 import warnings
+from pathlib import Path
 
 import flows  # noqa: F401  (sets up log routing before Prefect is imported)
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError
 from pipeline.distill import DistillError
 from pipeline.generate import GenerateError
+from pipeline.ledger import LEDGER, format_table, read_ledger
 from pipeline.models import ModelError
 from pipeline.teacher import TeacherError
 
@@ -46,11 +49,27 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True, help="YAML config, e.g. configs/demo.yaml")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+        if name == "run":
+            p.add_argument(
+                "--run-dir",
+                help="write into this run directory; an interrupted run resumes there "
+                "(the teacher continues from its last checkpoint and accountant state)",
+            )
+    ledger = sub.add_parser("ledger", help="inspect a run's privacy ledger")
+    ledger.add_argument("action", choices=["show"])
+    ledger.add_argument("run_dir", help="a run directory (holding ledger.json)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "ledger":
+        path = Path(args.run_dir) / LEDGER
+        if not path.is_file():
+            print(f"dpdistill: error: {path} not found; pass a run directory", file=sys.stderr)
+            return 2
+        print(format_table(read_ledger(path)))
+        return 0
     quiet_libraries()
     try:
         cfg = load_config(args.config, args.overrides)
@@ -63,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from flows.pipeline_flow import dp_distill
 
-        run_dir = dp_distill(cfg)
+        run_dir = dp_distill(cfg, run_dir=args.run_dir)
     except USER_ERRORS as e:
         print(f"dpdistill: error: {e}", file=sys.stderr)
         return 2

@@ -25,10 +25,10 @@ from pipeline.data import DataResult, prepare_data
 from pipeline.distill import DistillResult, distill
 from pipeline.evaluate import evaluate_models
 from pipeline.generate import GenerateResult, generate_synthetic
-from pipeline.ledger import LEDGER, LedgerEntry, post_processing, write_ledger
+from pipeline.ledger import LEDGER, LedgerEntry, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text
 from pipeline.models import BaseModels, build_base_models, resolve_model
-from pipeline.teacher import TeacherResult, train_teacher
+from pipeline.teacher import TeacherResult, finished_teacher, train_teacher
 
 # Caching across runs comes with manifests-based keys later; results are small and
 # recomputed from the run directory, so nothing is persisted by Prefect itself.
@@ -77,6 +77,10 @@ def control_codes_entry(data: DataResult) -> LedgerEntry:
 
 @task(name="teacher", **_TASK)
 def teacher_task(cfg: PipelineConfig, data: DataResult, base: BaseModels | None, run_dir: Path) -> TeacherResult:
+    done = finished_teacher(run_dir / "teacher")
+    if done is not None:
+        get_run_logger().info("teacher: already finished in this run directory, reusing it (no new budget spent)")
+        return done
     return train_teacher(
         cfg.teacher,
         train_path=data.train,
@@ -156,7 +160,11 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
     ledger = [control_codes_entry(data)]
     teacher = timed("teacher", teacher_task, cfg, data, base, out)
     ledger.append(teacher.ledger)
-    write_ledger(out / LEDGER, ledger)
+
+    def typed(entries: list[LedgerEntry]) -> PrivacyLedger:
+        return PrivacyLedger(entries=entries, total=compose(entries, cfg.teacher.accountant, teacher.ledger.delta))
+
+    write_ledger(out / LEDGER, typed(ledger))
 
     synthetic = timed("generation", generation_task, cfg, teacher, data, ledger, out)
     ledger.append(post_processing("generation", "samples of the DP teacher, prompted by control codes"))
@@ -170,7 +178,8 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
             "this ledger does not protect; only aggregate perplexities leave it",
         )
     )
-    write_ledger(out / LEDGER, ledger)
+    final = typed(ledger)
+    write_ledger(out / LEDGER, final)
 
     metrics = {
         **evaluation,
@@ -183,7 +192,7 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
         "seconds": timings,
     }
     atomic_write_json(out / "metrics.json", metrics)
-    publish_ledger(ledger)
+    publish_ledger(final)
     publish_metrics(metrics, synthetic)
     logger.info("finished: %s", out)
     return str(out)

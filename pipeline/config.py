@@ -142,10 +142,23 @@ class TeacherConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
     max_length: int = Field(128, ge=8, description="Tokens per training record (truncated).")
     accountant: Literal["prv", "rdp", "gdp"] = Field("prv", description="Opacus accountant.")
+    mode: Literal["full", "bitfit", "lora"] = Field(
+        "full",
+        description="What trains: 'full' every weight; 'bitfit' only the bias terms (DP-BiTFiT, "
+        "Bu et al.); 'lora' low-rank adapters through peft (merged into the saved checkpoint).",
+    )
     grad_sample_mode: Literal["ghost", "hooks"] = Field(
         "ghost",
         description="'ghost': ghost clipping (memory close to non-private); "
-        "'hooks': Opacus per-sample gradients.",
+        "'hooks': Opacus per-sample gradients (the reference).",
+    )
+    lora_rank: int = Field(8, ge=1, description="LoRA rank r (mode=lora).")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling α (mode=lora).")
+    lora_target_modules: list[str] | None = Field(
+        None, description="Modules LoRA adapts (mode=lora); None: peft's default for the model."
+    )
+    checkpoint_every: int = Field(
+        10, ge=1, description="Save a resumable checkpoint (with the accountant) every N steps."
     )
     secure_mode: bool = Field(
         False, description="Cryptographically secure noise (slower); turn on for production."

@@ -47,3 +47,47 @@ def compute_layer_norm_norm_sample(layer: torch.nn.LayerNorm, activations, backp
     """Per-sample gradient norms of a LayerNorm's weight and bias, each (N,)."""
     grads = compute_layer_norm_grad_sample(layer, activations, backprops)
     return {p: g.flatten(1).norm(dim=1) for p, g in grads.items()}
+
+
+# --- accounting -------------------------------------------------------------------------
+# ε always comes from an Opacus accountant given the mechanism's history of
+# (noise multiplier σ, sampling rate q, steps) entries; never from arithmetic of ours.
+
+ACCOUNTANTS = ("prv", "rdp", "gdp")
+History = list[tuple[float, float, int]]
+
+
+def epsilon_of(accountant: str, history: History, delta: float) -> float:
+    """ε after the Gaussian mechanisms in `history`, by the named Opacus accountant.
+
+    Opacus' GDP accountant reads only the last history entry, so it cannot compose
+    mechanisms with different (σ, q): refused here rather than silently under-counted.
+    """
+    from opacus.accountants import create_accountant
+
+    if accountant == "gdp" and len({(s, q) for s, q, _ in history}) > 1:
+        raise ValueError("the gdp accountant cannot compose mechanisms with different σ or q; use prv or rdp")
+    acc = create_accountant(mechanism=accountant)
+    acc.history = [(float(s), float(q), int(n)) for s, q, n in history]
+    return float(acc.get_epsilon(delta=delta))
+
+
+def max_steps_within_budget(
+    accountant: str, sigma: float, sample_rate: float, delta: float, target_epsilon: float, steps: int
+) -> int:
+    """The largest k ≤ `steps` whose ε after k steps stays ≤ the target (binary search).
+
+    σ is calibrated for `steps`, but only up to the calibration's tolerance: training stops
+    at this k, before the step that would exceed the budget, never after it.
+    """
+
+    def eps(k: int) -> float:
+        return epsilon_of(accountant, [(sigma, sample_rate, k)], delta) if k > 0 else 0.0
+
+    if eps(steps) <= target_epsilon:
+        return steps
+    lo, hi = 0, steps  # eps(lo) <= target < eps(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if eps(mid) <= target_epsilon else (lo, mid)
+    return lo

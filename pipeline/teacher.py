@@ -1,44 +1,55 @@
 """Stage 1: DP-SGD fine-tuning of the teacher on the private records, with Opacus 1.6.
 
 Opacus is used as its API intends: `get_noise_multiplier` calibrates σ from the target
-(ε, δ), the sampling rate and the exact number of steps, `PrivacyEngine.make_private`
-wraps model, optimizer and loader; Poisson sampling;
-BatchMemoryManager splits large logical batches into physical ones. ε in the ledger is
-whatever the accountant says after the last step.
+(ε, δ), the sampling rate and the exact number of steps; `PrivacyEngine.make_private`
+wraps model, optimizer and the Poisson loader; BatchMemoryManager splits large logical
+batches into physical ones. ε in the ledger is what the accountant says after the last
+step, and training stops before a step that would exceed the target.
 
-Two clipping modes: `ghost` (Li et al. 2021: per-example norms without materialising
-per-example gradients, memory close to non-private training) and `hooks` (Opacus'
-per-sample gradients, the reference). For ghost clipping GPT-2 needs an untied
-`lm_head` and explicit contiguous (B, T) `position_ids`.
+Modes: `full` (every weight), `bitfit` (bias terms only, DP-BiTFiT), `lora` (peft
+adapters, merged into the saved checkpoint). Clipping: `ghost` (Li et al. 2021: per-example
+norms without per-example gradients; GPT-2 needs an untied `lm_head` and explicit
+contiguous (B, T) `position_ids`) or `hooks` (Opacus' per-sample gradients, the reference).
+
+Crash-safe budget: every `checkpoint_every` steps the model, optimizer, accountant and
+RNG states are saved atomically to `out_dir/checkpoint/state.pt`. Run again into the same
+`out_dir`, training resumes at the saved step with the saved accountant: it neither
+restarts the accountant (under-counting) nor repeats steps already counted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from opacus import PrivacyEngine
-from opacus.data_loader import DPDataLoader
 from opacus.accountants.utils import get_noise_multiplier
+from opacus.data_loader import DPDataLoader
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch.utils.data import DataLoader
 
+from pipeline import privacy
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import TeacherConfig
 from pipeline.data import encode_record, read_split
 from pipeline.evaluate import perplexity
 from pipeline.ledger import LedgerEntry
-from pipeline.manifest import atomic_write_json, write_manifest
+from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, untie_lm_head
-from pipeline import privacy  # noqa: F401  (registers Conv1D ghost-norm and grad samplers)
 
 log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint/state.pt"
 
 
 class TeacherError(ValueError):
@@ -51,6 +62,7 @@ class TeacherResult:
     ledger: LedgerEntry
     train_loss: list[float] = field(default_factory=list)
     validation_loss: float = float("nan")
+    resumed_from_step: int = 0
 
 
 def per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,6 +73,32 @@ def per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     ).view(labels.shape)  # (B, L-1)
     valid = (labels != IGNORE).sum(1).clamp(min=1)  # (B,)
     return nll.sum(1) / valid
+
+
+def prepare_trainable(model: torch.nn.Module, cfg: TeacherConfig) -> torch.nn.Module:
+    """Freeze what the mode does not train; wrap with LoRA adapters for mode=lora."""
+    if cfg.mode == "full":
+        return model
+    if cfg.mode == "bitfit":
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.endswith(".bias"))
+        if not any(p.requires_grad for p in model.parameters()):
+            raise TeacherError("teacher.mode=bitfit: the model has no bias terms; use mode=full or lora")
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=cfg.lora_target_modules,
+        fan_in_fan_out=model.config.model_type == "gpt2",  # GPT-2's Conv1D stores W as (in, out)
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as e:
+        raise TeacherError(f"teacher.mode=lora: {e}; set teacher.lora_target_modules") from e
 
 
 def _noise_only_step(model: torch.nn.Module, optimizer, mode: str) -> None:
@@ -80,6 +118,13 @@ def _steps_accounted(engine: PrivacyEngine) -> int:
     return int(sum(steps for _, _, steps in engine.accountant.history))
 
 
+def _fingerprint(cfg: TeacherConfig, base_model: str, train_path: Path, seed: int, sigma: float) -> str:
+    """What a checkpoint must match to be resumed: same config, data, base model, seed, σ."""
+    spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every"})
+    spec |= {"base_model": base_model, "train_sha256": sha256_file(train_path), "seed": seed, "sigma": sigma}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
 def train_teacher(
     cfg: TeacherConfig,
     *,
@@ -88,8 +133,13 @@ def train_teacher(
     base_model: str,
     out_dir: Path,
     seed: int,
+    on_step: Callable[[dict], None] | None = None,
 ) -> TeacherResult:
-    """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`."""
+    """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
+
+    `on_step` receives each logical step's record (step, loss, ε when computed) after the
+    step and its checkpoint; an exception raised there interrupts training like a crash.
+    """
     torch.manual_seed(seed)
     np.random.seed(seed)
     out_dir = Path(out_dir)
@@ -102,6 +152,7 @@ def train_teacher(
             f"teacher.max_length={cfg.max_length} exceeds the model's {n_positions} positions; "
             f"set teacher.max_length <= {n_positions}"
         )
+    model = prepare_trainable(model, cfg)
 
     codes, texts = read_split(train_path)
     n = len(texts)
@@ -116,12 +167,12 @@ def train_teacher(
     delta = cfg.target_delta if cfg.target_delta is not None else 1.0 / n
     if delta > 1.0 / n:
         log.warning("teacher: δ=%.3g is not below 1/N=%.3g; the guarantee is weak", delta, 1.0 / n)
-
     if not cfg.secure_mode:
         log.warning(
             "teacher: secure_mode is off, DP noise comes from a non-cryptographic RNG; fine for "
             "experiments, set teacher.secure_mode=true for a production release"
         )
+
     generator = torch.Generator().manual_seed(seed)
     loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=False, generator=generator)
     model.train()
@@ -144,6 +195,10 @@ def train_teacher(
     poisson_loader = DPDataLoader.from_data_loader(
         loader, generator=engine.secure_rng if cfg.secure_mode else generator
     )
+    # The sampler draws only from `generator`. A DataLoader also draws a base seed for its
+    # workers from its own `generator` at every new iterator; were that the same generator,
+    # a resumed run (one extra iterator) would sample other batches than an uninterrupted one.
+    poisson_loader.generator = torch.Generator().manual_seed(seed + 1)
     sampling_probability = poisson_loader.sample_rate
     sample_rate = 1.0 / len(poisson_loader)  # the rate make_private hands the accountant
     total_steps = cfg.epochs * len(poisson_loader)
@@ -155,12 +210,22 @@ def train_teacher(
             steps=total_steps,
             accountant=cfg.accountant,
         )
-    except ValueError as e:
+        steps_allowed = privacy.max_steps_within_budget(
+            cfg.accountant, sigma, sample_rate, delta, cfg.target_epsilon, total_steps
+        )
+    except Exception as e:  # the accountants fail in several ways on extreme (q, steps)
         raise TeacherError(
-            f"Opacus could not calibrate the noise for ε={cfg.target_epsilon}, δ={delta:.3g}, "
-            f"q={sample_rate:.4g}, {total_steps} steps: {e}. Raise teacher.target_epsilon, "
-            "or change teacher.batch_size / teacher.epochs"
+            f"the {cfg.accountant} accountant could not calibrate the noise for "
+            f"ε={cfg.target_epsilon}, δ={delta:.3g}, q={sample_rate:.4g}, {total_steps} steps "
+            f"({type(e).__name__}: {e}). Raise teacher.target_epsilon, lower teacher.epochs, "
+            "lower teacher.batch_size (a smaller sampling rate), or try teacher.accountant=rdp"
         ) from e
+    if steps_allowed < total_steps:
+        log.warning(
+            "teacher: σ=%.4f would exceed ε=%.2f after step %d of %d (calibration tolerance); "
+            "training stops there", sigma, cfg.target_epsilon, steps_allowed, total_steps,
+        )
+
     private = dict(
         module=model,
         optimizer=optimizer,
@@ -177,19 +242,56 @@ def train_teacher(
         dp_model, optimizer, loader = engine.make_private(**private)
         criterion = None
     dp_model.forbid_grad_accumulation()  # what make_private does for Poisson sampling
+
+    # Resume from a checkpoint of an interrupted run with the same fingerprint.
+    ckpt_path = out_dir / CHECKPOINT
+    fingerprint = _fingerprint(cfg, base_model, Path(train_path), seed, sigma)
+    history: list[dict] = []
+    resumed_from = 0
+    if ckpt_path.is_file():
+        state = engine.load_checkpoint(path=ckpt_path, module=dp_model, optimizer=optimizer)
+        if state.get("fingerprint") != fingerprint:
+            raise TeacherError(
+                f"{ckpt_path} was written by a teacher run with another config, data, base model "
+                "or seed; resume with the same ones, or delete it (and the run directory) to start over"
+            )
+        generator.set_state(state["poisson_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        history = state["history"]
+        resumed_from = _steps_accounted(engine)
+        log.info("teacher: resuming at step %d/%d, ε so far %.3f", resumed_from, total_steps,
+                 engine.get_epsilon(delta) if resumed_from else 0.0)
+
     log.info(
-        "teacher: N=%d, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, %s clipping",
-        n, sample_rate, total_steps, optimizer.noise_multiplier, cfg.max_grad_norm,
-        cfg.target_epsilon, delta, cfg.grad_sample_mode,
+        "teacher: N=%d, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, mode %s, %s clipping, "
+        "%d trainable parameters",
+        n, sample_rate, total_steps, sigma, cfg.max_grad_norm, cfg.target_epsilon, delta, cfg.mode,
+        cfg.grad_sample_mode, sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
 
-    history: list[dict] = []
+    def save_checkpoint() -> None:
+        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt_path.with_suffix(".tmp")
+        engine.save_checkpoint(
+            path=tmp,
+            module=dp_model,
+            optimizer=optimizer,
+            checkpoint_dict={
+                "fingerprint": fingerprint,
+                "poisson_rng": generator.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "history": history,
+            },
+        )
+        os.replace(tmp, ckpt_path)  # atomic: a crash never leaves half a checkpoint
+
     t0 = time.time()
-    for epoch in range(cfg.epochs):
+    done = resumed_from
+    step_loss, step_count = 0.0, 0
+    while done < steps_allowed:
         with BatchMemoryManager(
             data_loader=loader, max_physical_batch_size=cfg.physical_batch_size, optimizer=optimizer
         ) as physical_loader:
-            step_loss, step_count = 0.0, 0
             for ids, lengths in physical_loader:
                 if ids.shape[0] == 0:
                     _noise_only_step(dp_model, optimizer, cfg.grad_sample_mode)
@@ -212,26 +314,36 @@ def train_teacher(
                 if optimizer._is_last_step_skipped:
                     continue  # logical batch not finished yet
                 done = _steps_accounted(engine)
-                record = {"step": done, "epoch": epoch, "loss": step_loss / max(step_count, 1)}
+                record = {"step": done, "loss": step_loss / max(step_count, 1), "records": step_count}
                 step_loss, step_count = 0.0, 0
-                if done % cfg.log_every == 0 or done == total_steps:
+                if done % cfg.log_every == 0 or done == steps_allowed:
                     record["epsilon"] = engine.get_epsilon(delta)
                     log.info(
                         "teacher: step %d/%d loss %.4f ε=%.3f (%.0f s)",
-                        done, total_steps, record["loss"], record["epsilon"], time.time() - t0,
+                        done, steps_allowed, record["loss"], record["epsilon"], time.time() - t0,
                     )
                 history.append(record)
+                if done % cfg.checkpoint_every == 0 and done < steps_allowed:
+                    save_checkpoint()
+                if on_step:
+                    on_step(record)
+                if done >= steps_allowed:
+                    break
 
     steps = _steps_accounted(engine)
     epsilon = engine.get_epsilon(delta)
-    assert steps == total_steps, (steps, total_steps)
+    assert steps == steps_allowed, (steps, steps_allowed)
     assert {q for _, q, _ in engine.accountant.history} == {sample_rate}
-    if epsilon > cfg.target_epsilon * (1 + 1e-6):
+    if epsilon > cfg.target_epsilon:
         raise TeacherError(
             f"accountant reports ε={epsilon:.4f} above the target {cfg.target_epsilon}; "
             "refusing to release this teacher"
         )
     dp_model._close()  # remove Opacus hooks and per-sample state before saving
+    if cfg.mode == "lora":
+        model = model.merge_and_unload()  # a plain checkpoint for generation and distillation
+    for p in model.parameters():
+        p.requires_grad_(True)
     model.eval()
     val_codes, val_texts = read_split(validation_path)
     validation_loss = float("nan")
@@ -247,25 +359,30 @@ def train_teacher(
         {"accountant": engine.accountant.state_dict(), "mechanism": engine.accountant.mechanism()},
         out_dir / "accountant_state.pt",
     )
+    accounted = [(sigma, sample_rate, steps)]
     entry = LedgerEntry(
         stage="teacher",
         private=True,
         epsilon=epsilon,
         delta=delta,
         accountant=cfg.accountant,
-        noise_multiplier=optimizer.noise_multiplier,
+        mechanism="subsampled_gaussian",
+        noise_multiplier=sigma,
         sample_rate=sample_rate,
         steps=steps,
         max_grad_norm=cfg.max_grad_norm,
         privacy_unit="record",
-        note=f"DP-SGD on the private training split (N={n}), Poisson sampling with probability "
-        f"{sampling_probability:.6g} (accounted as q={sample_rate:.6g}), "
-        f"{cfg.grad_sample_mode} clipping, lm_head untied from the input embedding; "
-        f"σ calibrated by Opacus for target ε={cfg.target_epsilon}",
+        epsilon_rdp=privacy.epsilon_of("rdp", accounted, delta),
+        history=accounted,
+        note=f"DP-SGD ({cfg.mode}, {cfg.grad_sample_mode} clipping) on the private training split "
+        f"(N={n}), Poisson sampling with probability {sampling_probability:.6g} (accounted as "
+        f"q={sample_rate:.6g}), lm_head untied from the input embedding; σ calibrated by Opacus "
+        f"for target ε={cfg.target_epsilon}"
+        + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else ""),
     )
     atomic_write_json(
         out_dir / "training_log.json",
-        {"history": history, "validation_loss": validation_loss, "seconds": time.time() - t0},
+        {"history": history, "validation_loss": validation_loss, "resumed_from_step": resumed_from},
     )
     write_manifest(
         out_dir,
@@ -274,10 +391,34 @@ def train_teacher(
         outputs={"model": ckpt, "accountant_state": out_dir / "accountant_state.pt"},
         extra={"base_model": base_model, "ledger": entry.model_dump()},
     )
+    shutil.rmtree(ckpt_path.parent, ignore_errors=True)  # finished: the manifest now says so
     return TeacherResult(
-        checkpoint=ckpt, ledger=entry, train_loss=[h["loss"] for h in history], validation_loss=validation_loss
+        checkpoint=ckpt,
+        ledger=entry,
+        train_loss=[h["loss"] for h in history],
+        validation_loss=validation_loss,
+        resumed_from_step=resumed_from,
     )
 
 
-def load_training_log(out_dir: Path) -> dict:
-    return json.loads((Path(out_dir) / "training_log.json").read_text())
+def finished_teacher(out_dir: Path) -> TeacherResult | None:
+    """The result of a teacher already finished in `out_dir` (manifest present and every
+    output matching its hash), else None. Training it again would spend the budget twice."""
+    manifest_path = Path(out_dir) / MANIFEST
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    for name, item in manifest["outputs"].items():
+        if not Path(item["path"]).is_file() or sha256_file(Path(item["path"])) != item["sha256"]:
+            raise TeacherError(
+                f"{manifest_path} lists {name} but {item['path']} is missing or changed; the finished "
+                "teacher cannot be trusted: use a new run directory"
+            )
+    log_ = json.loads((Path(out_dir) / "training_log.json").read_text())
+    return TeacherResult(
+        checkpoint=Path(out_dir) / "model",
+        ledger=LedgerEntry.model_validate(manifest["ledger"]),
+        train_loss=[h["loss"] for h in log_["history"]],
+        validation_loss=log_["validation_loss"],
+        resumed_from_step=log_["resumed_from_step"],
+    )

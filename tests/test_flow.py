@@ -36,13 +36,17 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     assert (run / "teacher" / "model" / "model.safetensors").is_file()
     assert (run / "student" / "model" / "model.safetensors").is_file()
 
-    ledger = {e.stage: e for e in read_ledger(run / "ledger.json")}
+    typed = read_ledger(run / "ledger.json")
+    ledger = {e.stage: e for e in typed.entries}
     assert list(ledger) == ["control_codes", "teacher", "generation", "distillation", "evaluation"]
     teacher = ledger["teacher"]
     assert 0 < teacher.epsilon <= tiny_config.teacher.target_epsilon
     assert teacher.accountant == "prv" and teacher.steps > 0 and teacher.noise_multiplier > 0
     assert not ledger["control_codes"].private and ledger["control_codes"].epsilon is None
     assert all(ledger[s].epsilon == 0 for s in ("generation", "distillation", "evaluation"))
+    # The total composes the DP stages through the accountant; exact codes make it incomplete.
+    assert typed.total.epsilon == pytest.approx(teacher.epsilon) and not typed.total.complete
+    assert teacher.epsilon_rdp >= teacher.epsilon * 0.9  # RDP cross-check beside PRV
 
     metrics = json.loads((run / "metrics.json").read_text())
     assert set(metrics["perplexity"]) == {"base_student", "base_teacher", "dp_teacher", "distilled_student"}
@@ -58,7 +62,7 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     assert {LEDGER_KEY, SUMMARY_KEY, METRICS_KEY} <= set(by_key)
     assert by_key[LEDGER_KEY].type == "table" and by_key[METRICS_KEY].type == "table"
     ledger_rows = json.loads(by_key[LEDGER_KEY].data) if isinstance(by_key[LEDGER_KEY].data, str) else by_key[LEDGER_KEY].data
-    assert [r["stage"] for r in ledger_rows] == list(ledger)
+    assert [r["stage"] for r in ledger_rows] == [*ledger, "TOTAL"]
 
     # No artifact carries a private record (train or test), not even a 40-character piece.
     published = " ".join(str(a.data) + str(a.description) for a in artifacts)
@@ -66,6 +70,24 @@ def test_flow_end_to_end(prefect_server, tiny_config):
         for text in read_split(run / "data" / f"{split}.parquet")[1]:
             piece = text.strip()[:40]
             assert len(piece) < 20 or piece not in published
+
+
+def test_cli_ledger_show_prints_the_table(tmp_path, capsys):
+    """`dpdistill ledger show RUN_DIR` prints every stage and the total."""
+    from pipeline.ledger import PrivacyLedger, compose, post_processing, write_ledger
+    from pipeline.ledger import LedgerEntry
+
+    teacher = LedgerEntry(
+        stage="teacher", private=True, epsilon=1.5, delta=1e-3, accountant="prv", mechanism="subsampled_gaussian",
+        noise_multiplier=1.0, sample_rate=0.1, steps=30, max_grad_norm=1.0, privacy_unit="record",
+        history=[(1.0, 0.1, 30)], note="DP-SGD",
+    )
+    entries = [teacher, post_processing("generation", "samples")]
+    write_ledger(tmp_path / "ledger.json", PrivacyLedger(entries=entries, total=compose(entries, "prv", 1e-3)))
+    assert main(["ledger", "show", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "teacher" in out and "generation" in out and "TOTAL" in out and "prv accountant" in out
+    assert main(["ledger", "show", str(tmp_path / "nope")]) == 2
 
 
 def test_cli_reports_config_errors_and_exits_2(tmp_path, capsys):

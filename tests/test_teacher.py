@@ -168,3 +168,89 @@ def test_every_gpt2_layer_has_a_ghost_norm_sampler(tiny_tokenizer):
     model = make_tiny_model(tiny_tokenizer)
     kinds = {type(m) for m in model.modules() if any(True for _ in m.parameters(recurse=False))}
     assert kinds and all(k in Ghost.NORM_SAMPLERS for k in kinds), kinds - set(Ghost.NORM_SAMPLERS)
+
+
+def _weights(path):
+    return load_file(path / "model.safetensors")
+
+
+def test_bitfit_trains_only_bias_terms(splits, tiny_model_dir, tmp_path):
+    """mode=bitfit: every weight matrix is unchanged, bias terms moved."""
+    _, result = _teacher(splits, tiny_model_dir, tmp_path, mode="bitfit")
+    before, after = _weights(tiny_model_dir), _weights(result.checkpoint)
+    changed = {k for k in before if k in after and not torch.equal(before[k], after[k])}
+    assert changed and all(k.endswith(".bias") for k in changed)
+    assert result.ledger.epsilon <= 3.0 and "bitfit" in result.ledger.note
+
+
+def test_lora_saves_a_merged_plain_checkpoint(splits, tiny_model_dir, tmp_path):
+    """mode=lora: only the adapted projections change, merged into a plain GPT-2 checkpoint."""
+    _, result = _teacher(splits, tiny_model_dir, tmp_path, mode="lora", lora_target_modules=["c_attn"])
+    before, after = _weights(tiny_model_dir), _weights(result.checkpoint)
+    assert not any("lora" in k for k in after)  # merged: generation loads it like any GPT-2
+    changed = {k for k in before if k in after and not torch.equal(before[k], after[k])}
+    assert changed and all("c_attn.weight" in k for k in changed), changed
+
+
+def test_hooks_mode_trains_too(splits, tiny_model_dir, tmp_path):
+    """The reference per-sample mode goes through the same stage and ledger."""
+    _, result = _teacher(splits, tiny_model_dir, tmp_path, grad_sample_mode="hooks")
+    assert 0 < result.ledger.epsilon <= 3.0 and "hooks clipping" in result.ledger.note
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_resume_after_crash_continues_the_same_budget(splits, tiny_model_dir, tmp_path):
+    """A run killed after step 3 (checkpoint at 2) resumes at step 2 and ends exactly as an
+    uninterrupted run: same ledger (ε, σ, q, steps) and the same weights."""
+    opts = dict(batch_size=10, physical_batch_size=10, epochs=1, checkpoint_every=2)
+    _, whole = _teacher(splits, tiny_model_dir, tmp_path / "whole", **opts)
+
+    def crash_at_3(record):
+        if record["step"] == 3:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        cfg = TeacherConfig(target_epsilon=3.0, max_length=48, learning_rate=1e-3, **opts)
+        train_teacher(cfg, train_path=splits.train, validation_path=splits.validation,
+                      base_model=str(tiny_model_dir), out_dir=tmp_path / "cut", seed=0, on_step=crash_at_3)
+    assert (tmp_path / "cut" / "checkpoint" / "state.pt").is_file()
+    assert not (tmp_path / "cut" / "manifest.json").exists()  # not finished, and does not look it
+
+    _, resumed = _teacher(splits, tiny_model_dir, tmp_path / "cut", **opts)
+    assert resumed.resumed_from_step == 2
+    assert resumed.ledger.model_dump() == whole.ledger.model_dump()
+    a, b = _weights(whole.checkpoint), _weights(resumed.checkpoint)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    assert not (tmp_path / "cut" / "checkpoint").exists()  # removed once the stage finished
+
+
+def test_resume_refuses_a_checkpoint_of_another_config(splits, tiny_model_dir, tmp_path):
+    """A checkpoint written with another config is never silently continued or discarded."""
+    def crash(record):
+        raise _Crash
+
+    cfg = TeacherConfig(target_epsilon=3.0, max_length=48, batch_size=10, physical_batch_size=10,
+                        epochs=1, checkpoint_every=1)
+    with pytest.raises(_Crash):
+        train_teacher(cfg, train_path=splits.train, validation_path=splits.validation,
+                      base_model=str(tiny_model_dir), out_dir=tmp_path, seed=0, on_step=crash)
+    with pytest.raises(TeacherError, match="another config"):
+        _teacher(splits, tiny_model_dir, tmp_path, batch_size=10, physical_batch_size=10,
+                 epochs=1, checkpoint_every=1, target_epsilon=4.0)
+
+
+def test_finished_teacher_is_reused_not_retrained(splits, tiny_model_dir, tmp_path):
+    """A finished teacher is found by its manifest; a changed output is refused."""
+    from pipeline.teacher import finished_teacher
+
+    assert finished_teacher(tmp_path) is None
+    _, result = _teacher(splits, tiny_model_dir, tmp_path)
+    again = finished_teacher(tmp_path)
+    assert again.ledger == result.ledger and again.checkpoint == result.checkpoint
+    (tmp_path / "accountant_state.pt").write_bytes(b"tampered")
+    with pytest.raises(TeacherError, match="missing or changed"):
+        finished_teacher(tmp_path)

@@ -1,0 +1,128 @@
+"""Accounting and sampling: golden ε values, composition, the budget stop, Poisson rate."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.data_loader import DPDataLoader
+
+from conftest import make_tiny_model
+from pipeline.batching import TokenizedRecords, lm_batch
+from pipeline.data import encode_record
+from pipeline.ledger import LedgerEntry, compose
+from pipeline.models import untie_lm_head
+from pipeline.privacy import epsilon_of, max_steps_within_budget
+from pipeline.teacher import per_sequence_loss
+
+
+# Published in Opacus' own tests (opacus/tests/accountants_test.py, AccountingTest):
+# σ = 1.5, q = 0.04, 90 epochs, δ = 1e-5.
+def test_golden_rdp_epsilon_from_opacus_tests():
+    """RDP: ε = 7.32911117143 for (1.5, 0.04, int(90 / 0.04)) at δ = 1e-5."""
+    assert epsilon_of("rdp", [(1.5, 0.04, int(90 / 0.04))], 1e-5) == pytest.approx(7.32911117143, abs=1e-9)
+
+
+def test_golden_prv_epsilon_from_opacus_tests():
+    """PRV: ε = 6.777395712150674 for (1.5, 0.04, int(90 // 0.04)) at δ = 1e-5."""
+    assert epsilon_of("prv", [(1.5, 0.04, int(90 // 0.04))], 1e-5) == pytest.approx(6.777395712150674, abs=1e-6)
+
+
+def test_golden_gdp_epsilon_from_opacus_tests():
+    """GDP: 6.59 < ε < 6.6 for (1.5, 0.04, int(90 // 0.04)) at δ = 1e-5."""
+    assert 6.59 < epsilon_of("gdp", [(1.5, 0.04, int(90 // 0.04))], 1e-5) < 6.6
+
+
+def _gaussian(stage: str, sigma: float, q: float, steps: int, delta: float = 1e-4) -> LedgerEntry:
+    return LedgerEntry(
+        stage=stage, private=True, epsilon=epsilon_of("prv", [(sigma, q, steps)], delta), delta=delta,
+        mechanism="subsampled_gaussian", privacy_unit="record", history=[(sigma, q, steps)], note="",
+    )
+
+
+def test_total_composes_through_the_accountant_not_by_adding():
+    """Two Gaussian mechanisms: the total is the accountant's ε over the joint history,
+    below the sum of the separate ε's."""
+    a, b = _gaussian("teacher", 1.0, 0.05, 200), _gaussian("codes", 5.0, 1.0, 1)
+    total = compose([a, b], "prv", 1e-4)
+    joint = epsilon_of("prv", [(1.0, 0.05, 200), (5.0, 1.0, 1)], 1e-4)
+    assert total.epsilon == pytest.approx(joint)
+    assert max(a.epsilon, b.epsilon) < total.epsilon < a.epsilon + b.epsilon
+    assert total.complete and "prv accountant" in total.composition
+
+
+def test_total_adds_pure_epsilon_and_flags_non_private_releases():
+    """A geometric (pure ε) mechanism is added by basic composition; a non-DP entry
+    makes the total incomplete."""
+    a = _gaussian("teacher", 1.0, 0.05, 200)
+    geo = LedgerEntry(stage="codes", private=True, epsilon=0.5, mechanism="geometric", privacy_unit="record", note="")
+    exact = LedgerEntry(stage="control_codes", private=False, epsilon=None, note="exact counts")
+    total = compose([a, geo], "prv", 1e-4)
+    assert total.epsilon == pytest.approx(a.epsilon + 0.5) and "basic composition" in total.composition
+    incomplete = compose([exact, a], "prv", 1e-4)
+    assert not incomplete.complete and "control_codes" in incomplete.note
+    assert incomplete.epsilon == pytest.approx(a.epsilon)
+
+
+def test_gdp_total_of_different_mechanisms_falls_back_to_rdp():
+    """Opacus' GDP accountant reads one history entry: composing two is done with RDP, said so."""
+    a, b = _gaussian("teacher", 1.0, 0.05, 200), _gaussian("codes", 5.0, 1.0, 1)
+    total = compose([a, b], "gdp", 1e-4)
+    assert total.accountant == "rdp" and "gdp cannot compose" in total.note
+    with pytest.raises(ValueError, match="gdp"):
+        epsilon_of("gdp", [(1.0, 0.05, 200), (5.0, 1.0, 1)], 1e-4)
+
+
+def test_budget_stop_is_the_last_step_within_target():
+    """max_steps_within_budget returns k with ε(k) ≤ target < ε(k + 1)."""
+    sigma, q, delta = 1.0, 0.1, 1e-4
+    target = epsilon_of("prv", [(sigma, q, 100)], delta)
+    assert max_steps_within_budget("prv", sigma, q, delta, target * 1.001, 100) == 100
+    k = max_steps_within_budget("prv", sigma, q, delta, target, 150)
+    assert epsilon_of("prv", [(sigma, q, k)], delta) <= target < epsilon_of("prv", [(sigma, q, k + 1)], delta)
+
+
+def test_empirical_poisson_sampling_rate_matches_q():
+    """The Poisson loader's batches hold each record with probability q (mean over draws)."""
+    n, batch = 200, 20
+    data = torch.utils.data.TensorDataset(torch.arange(n))
+    loader = DPDataLoader.from_data_loader(
+        torch.utils.data.DataLoader(data, batch_size=batch), generator=torch.Generator().manual_seed(0)
+    )
+    q = loader.sample_rate
+    sizes = torch.tensor([len(b[0]) for _ in range(100) for b in loader], dtype=torch.float)  # 1,000 draws
+    assert q == pytest.approx(batch / n)
+    # mean of 1,000 Binomial(n, q) / n: standard error sqrt(q(1-q)/(n·1000)) ≈ 6.7e-4
+    assert abs(sizes.mean().item() / n - q) < 4 * (q * (1 - q) / (n * len(sizes))) ** 0.5
+    assert sizes.std() > 0  # variable batch sizes: Poisson, not fixed-size batches
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_no_noise_no_clipping_equals_an_ordinary_step(tiny_tokenizer, mode):
+    """σ = 0 and C = ∞: the DP gradient is the ordinary gradient of the mean per-sequence loss."""
+    model = make_tiny_model(tiny_tokenizer)
+    untie_lm_head(model)
+    plain = copy.deepcopy(model)
+    texts = ["Great tacos.", "Never again, the service was slow.", "Clean room, hard bed."]
+    data = TokenizedRecords([encode_record(tiny_tokenizer, "Stars: 5", t, 40) for t in texts],
+                            tiny_tokenizer.pad_token_id, 40)
+    loader = torch.utils.data.DataLoader(data, batch_size=len(texts))
+    ids, lengths = next(iter(loader))
+    batch = lm_batch(ids, lengths)
+    labels = batch.pop("labels")
+    kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader,
+                  noise_multiplier=0.0, max_grad_norm=1e9, poisson_sampling=False, grad_sample_mode=mode)
+    if mode == "ghost":
+        dp_model, optimizer, criterion, _ = PrivacyEngine().make_private(criterion=torch.nn.CrossEntropyLoss(), **kwargs)
+        shifted = dp_model(**batch).logits[:, :-1]
+        loss = criterion(shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape)
+    else:
+        dp_model, optimizer, _ = PrivacyEngine().make_private(**kwargs)
+        loss = per_sequence_loss(dp_model(**batch).logits, labels).mean()
+    loss.backward()
+    optimizer.pre_step()
+    per_sequence_loss(plain(**batch).logits, labels).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
