@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import publish_ledger, publish_metrics
+from pipeline.codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config
 from pipeline.data import DataResult, prepare_data
 from pipeline.distill import DistillResult, distill
@@ -60,18 +61,20 @@ def base_models_task(cfg: PipelineConfig) -> BaseModels | None:
 
 @task(name="data", **_TASK)
 def data_task(cfg: PipelineConfig, run_dir: Path) -> DataResult:
-    return prepare_data(cfg.data, run_dir / "data", seed=cfg.seed)
+    return prepare_data(cfg.data, run_dir / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
 
 
-def control_codes_entry(data: DataResult) -> LedgerEntry:
-    return LedgerEntry(
-        stage="control_codes",
-        private=False,
-        epsilon=None,
-        note="NOT differentially private: generation prompts are drawn from the exact "
-        f"control-code counts of the private training split ({data.n_train} records). "
-        "Who wrote which text stays protected by the teacher's DP-SGD, but the counts per "
-        "code combination are released as they are.",
+@task(name="control-codes", **_TASK)
+def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesResult:
+    """Release the code distribution that prompts generation (exact, or a DP histogram)."""
+    return release_control_codes(
+        cfg.control_codes,
+        cfg.data,
+        train_path=data.train,
+        out_dir=run_dir / "control_codes",
+        delta=cfg.teacher.target_delta,
+        accountant=cfg.teacher.accountant,
+        seed=cfg.seed,
     )
 
 
@@ -93,13 +96,13 @@ def teacher_task(cfg: PipelineConfig, data: DataResult, base: BaseModels | None,
 
 @task(name="generation", **_TASK)
 def generation_task(
-    cfg: PipelineConfig, teacher: TeacherResult, data: DataResult, ledger: list[LedgerEntry], run_dir: Path
+    cfg: PipelineConfig, teacher: TeacherResult, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path
 ) -> GenerateResult:
-    # Only the DP checkpoint and the control-code counts cross into this stage.
+    # Only the DP checkpoint and the released control-code counts cross into this stage.
     return generate_synthetic(
         cfg.generate,
         teacher_dir=teacher.checkpoint,
-        control_codes_path=data.control_codes,
+        control_codes_path=codes.path,
         ledger=ledger,
         out_dir=run_dir / "synthetic",
         seed=cfg.seed,
@@ -157,7 +160,8 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
 
     base = timed("base_models", base_models_task, cfg)
     data = timed("data", data_task, cfg, out)
-    ledger = [control_codes_entry(data)]
+    codes = timed("control_codes", codes_task, cfg, data, out)
+    ledger = [codes.ledger]
     teacher = timed("teacher", teacher_task, cfg, data, base, out)
     ledger.append(teacher.ledger)
 
@@ -166,7 +170,7 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
 
     write_ledger(out / LEDGER, typed(ledger))
 
-    synthetic = timed("generation", generation_task, cfg, teacher, data, ledger, out)
+    synthetic = timed("generation", generation_task, cfg, teacher, codes, ledger, out)
     ledger.append(post_processing("generation", "samples of the DP teacher, prompted by control codes"))
     student = timed("distillation", distillation_task, cfg, synthetic, teacher, base, out)
     ledger.append(post_processing("distillation", "trains on synthetic samples and the DP teacher only"))

@@ -56,6 +56,11 @@ class DataConfig(_Section):
     test_fraction: float = Field(
         0.1, gt=0.0, lt=0.5, description="Share split off as test when `test_path` is None."
     )
+    user_column: str | None = Field(
+        None,
+        description="Column naming each record's author. Set: user-level DP (all of a user's "
+        "records count as one unit) and splits by user. None: record-level DP.",
+    )
     drop_empty: bool = Field(
         False,
         description="Drop records whose text or codes are empty (counted in the data manifest) "
@@ -70,6 +75,24 @@ class DataConfig(_Section):
                 "e.g. '{value}' or '{column}: {value}'"
             )
         return self
+
+
+class CodesConfig(_Section):
+    """How the control-code distribution that prompts generation is released.
+
+    'exact' uses the true counts of the private training split: NOT differentially private
+    (the ledger says so). 'gaussian' and 'geometric' add noise to the histogram over the
+    declared `domain`, with their own ε, composed with the teacher's in the ledger's total.
+    """
+
+    mechanism: Literal["exact", "gaussian", "geometric"] = Field("exact")
+    epsilon: float = Field(0.5, gt=0, description="ε of the histogram release (not 'exact').")
+    domain: dict[str, list[str]] | None = Field(
+        None,
+        description="Every possible value of each code column, e.g. {label2: ['Review Stars: 1.0', "
+        "...]}: public knowledge, required by the DP mechanisms (taking it from the private data "
+        "would reveal which values occur).",
+    )
 
 
 class TinyModelSpec(_Section):
@@ -215,6 +238,7 @@ class PipelineConfig(_Section):
     seed: int = Field(0, ge=0)
     run_root: Path = Field(Path("runs"), description="Run directories are created in here.")
     data: DataConfig
+    control_codes: CodesConfig = Field(default_factory=CodesConfig)
     base_models: BaseModelsConfig = Field(default_factory=BaseModelsConfig)
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
@@ -229,6 +253,14 @@ class PipelineConfig(_Section):
                 f"teacher.physical_batch_size={self.teacher.physical_batch_size} exceeds "
                 f"teacher.batch_size={self.teacher.batch_size}; lower it to at most the batch size"
             )
+        codes = self.control_codes
+        if codes.mechanism != "exact":
+            missing = [c for c in self.data.code_columns if c not in (codes.domain or {})]
+            if missing:
+                problems.append(
+                    f"control_codes.mechanism={codes.mechanism} needs control_codes.domain to list the "
+                    f"possible values of {missing} (public knowledge, not read from the private data)"
+                )
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +23,12 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from pipeline.config import DataConfig
-from pipeline.manifest import atomic_write_json, write_manifest
+from pipeline.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
 SEPARATOR = "\n\n"
 CODE_JOINER = "\t"
-CODES_FILE = "control_codes.json"
 
 
 class DataError(ValueError):
@@ -42,7 +40,6 @@ class DataResult:
     train: Path
     validation: Path
     test: Path
-    control_codes: Path
     n_train: int
     n_validation: int
     n_test: int
@@ -96,17 +93,22 @@ def read_table(path: Path) -> pa.Table:
     )
 
 
-def _format_codes(table: pa.Table, cfg: DataConfig, where: str) -> tuple[list[str], list[str], list[int]]:
-    """Validate columns and rows; return (control_codes, texts, dropped_row_numbers)."""
-    missing = [c for c in [cfg.text_column, *cfg.code_columns] if c not in table.column_names]
+def _format_codes(
+    table: pa.Table, cfg: DataConfig, where: str, domain: dict[str, list[str]] | None = None
+) -> tuple[list[str], list[str], list[str] | None, list[int]]:
+    """Validate columns and rows; return (control_codes, texts, users or None, dropped rows)."""
+    wanted = [cfg.text_column, *cfg.code_columns] + ([cfg.user_column] if cfg.user_column else [])
+    missing = [c for c in wanted if c not in table.column_names]
     if missing:
         raise DataError(
             f"{where}: column(s) {missing} not found; the file has {table.column_names}. "
-            "Set data.text_column / data.code_columns to existing columns."
+            "Set data.text_column / data.code_columns / data.user_column to existing columns."
         )
     texts = pc.cast(table[cfg.text_column], pa.string()).to_pylist()
     columns = {c: pc.cast(table[c], pa.string()).to_pylist() for c in cfg.code_columns}
-    codes_out, texts_out, dropped, problems = [], [], [], []
+    users = pc.cast(table[cfg.user_column], pa.string()).to_pylist() if cfg.user_column else None
+    allowed = {c: set(v) for c, v in (domain or {}).items()}
+    codes_out, texts_out, users_out, dropped, problems = [], [], [], [], []
     for i, text in enumerate(texts):
         row = i + 1  # 1-based data row, header excluded
         empty, invalid = [], []  # empty fields may be dropped on request; invalid ones never
@@ -119,8 +121,12 @@ def _format_codes(table: pa.Table, cfg: DataConfig, where: str) -> tuple[list[st
                 empty.append(f"row {row}, column {c!r}: empty control code")
             elif any(ch in v for ch in "\t\n\r"):
                 invalid.append(f"row {row}, column {c!r}: control code contains a tab or newline")
+            elif allowed and v.strip() not in allowed[c]:
+                invalid.append(f"row {row}, column {c!r}: value not in control_codes.domain[{c!r}]")
             else:
                 parts.append(cfg.code_template.format(column=c, value=v.strip()))
+        if users is not None and (users[i] is None or not users[i].strip()):
+            empty.append(f"row {row}, column {cfg.user_column!r}: empty user")
         if empty and not invalid and cfg.drop_empty:
             dropped.append(row)
             continue
@@ -129,6 +135,8 @@ def _format_codes(table: pa.Table, cfg: DataConfig, where: str) -> tuple[list[st
             continue
         codes_out.append(CODE_JOINER.join(parts))
         texts_out.append(text)
+        if users is not None:
+            users_out.append(users[i].strip())
     if problems:
         shown = "\n  - ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -137,13 +145,14 @@ def _format_codes(table: pa.Table, cfg: DataConfig, where: str) -> tuple[list[st
             "Fix or remove these rows, or set data.drop_empty=true to drop empty ones "
             "(they are counted in the data manifest)."
         )
-    return codes_out, texts_out, dropped
+    return codes_out, texts_out, (users_out if users is not None else None), dropped
 
 
-def _write_split(path: Path, codes: list[str], texts: list[str]) -> None:
+def _write_split(path: Path, codes: list[str], texts: list[str], users: list[str] | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(pa.table({"control_code": codes, "text": texts}), tmp)
+    columns = {"control_code": codes, "text": texts} | ({"user": users} if users is not None else {})
+    pq.write_table(pa.table(columns), tmp)
     tmp.replace(path)
 
 
@@ -152,39 +161,65 @@ def read_split(path: Path) -> tuple[list[str], list[str]]:
     return table["control_code"].to_pylist(), table["text"].to_pylist()
 
 
-def read_control_codes(path: Path) -> dict[str, int]:
+def read_users(path: Path) -> list[str] | None:
+    """The split's user of each record, or None for a record-level dataset."""
+    names = pq.read_schema(path).names
+    return pq.read_table(path, columns=["user"])["user"].to_pylist() if "user" in names else None
+
+
+def read_control_codes(path: Path) -> dict[str, float]:
     return json.loads(Path(path).read_text())["counts"]
 
 
-def prepare_data(cfg: DataConfig, out_dir: Path, seed: int) -> DataResult:
-    """Read, validate, split and write the private splits plus the control-code counts."""
+def _split_units(units: list[str], n_out: int, rng: np.random.Generator) -> tuple[set[str], set[str]]:
+    """Randomly split the distinct units (users, or records) into n_out held out and the rest."""
+    distinct = sorted(set(units))
+    order = rng.permutation(len(distinct))
+    out = {distinct[i] for i in order[:n_out]}
+    return out, set(distinct) - out
+
+
+def prepare_data(
+    cfg: DataConfig, out_dir: Path, seed: int, code_domain: dict[str, list[str]] | None = None
+) -> DataResult:
+    """Read, validate, split and write the private splits (train / validation / test).
+
+    With `data.user_column`, splits are made by user, so that no author has records on both
+    sides of a split (the test perplexity would otherwise flatter the models).
+    """
     out_dir = Path(out_dir)
     table = read_table(cfg.path)
     if cfg.max_records:
         table = table.slice(0, cfg.max_records)
-    codes, texts, dropped = _format_codes(table, cfg, f"data.path {str(cfg.path)!r}")
+    codes, texts, users, dropped = _format_codes(table, cfg, f"data.path {str(cfg.path)!r}", code_domain)
+    units = users if users is not None else [str(i) for i in range(len(texts))]
 
     rng = np.random.default_rng(seed)
-    order = rng.permutation(len(texts))
     test_dropped: list[int] = []
     if cfg.test_path is None:
-        n_test = max(1, int(round(cfg.test_fraction * len(texts))))
-        test_idx, order = order[:n_test], order[n_test:]
-        test_codes = [codes[i] for i in test_idx]
-        test_texts = [texts[i] for i in test_idx]
+        n_test = max(1, int(round(cfg.test_fraction * len(set(units)))))
+        test_units, rest = _split_units(units, n_test, rng)
+        test_idx = [i for i, u in enumerate(units) if u in test_units]
+        test_codes, test_texts = [codes[i] for i in test_idx], [texts[i] for i in test_idx]
+        test_users = [users[i] for i in test_idx] if users is not None else None
     else:
         test_table = read_table(cfg.test_path)
         if cfg.max_test_records:
             test_table = test_table.slice(0, cfg.max_test_records)
-        test_codes, test_texts, test_dropped = _format_codes(
-            test_table, cfg, f"data.test_path {str(cfg.test_path)!r}"
+        test_codes, test_texts, test_users, test_dropped = _format_codes(
+            test_table, cfg, f"data.test_path {str(cfg.test_path)!r}", code_domain
         )
-    n_val = int(round(cfg.validation_fraction * len(order)))
-    val_idx, train_idx = np.sort(order[:n_val]), np.sort(order[n_val:])
-    if len(train_idx) < 2:
+        rest = set(units)
+    rest_units = [u for u in units if u in rest]
+    n_val = int(round(cfg.validation_fraction * len(set(rest_units))))
+    val_units, train_units = _split_units(rest_units, n_val, rng)
+    val_idx = [i for i, u in enumerate(units) if u in val_units]
+    train_idx = [i for i, u in enumerate(units) if u in train_units]
+    if len(set(train_units)) < 2:
         raise DataError(
-            f"only {len(train_idx)} training record(s) after the split; DP-SGD needs many "
-            "records: use a larger data.path or lower data.validation_fraction / data.test_fraction"
+            f"only {len(set(train_units))} training {'user' if users is not None else 'record'}(s) "
+            "after the split; DP-SGD needs many: use a larger data.path or lower "
+            "data.validation_fraction / data.test_fraction"
         )
 
     train_codes = [codes[i] for i in train_idx]
@@ -192,26 +227,15 @@ def prepare_data(cfg: DataConfig, out_dir: Path, seed: int) -> DataResult:
         train=out_dir / "train.parquet",
         validation=out_dir / "validation.parquet",
         test=out_dir / "test.parquet",
-        control_codes=out_dir / CODES_FILE,
         n_train=len(train_idx),
         n_validation=len(val_idx),
         n_test=len(test_texts),
         n_dropped=len(dropped) + len(test_dropped),
     )
-    _write_split(result.train, train_codes, [texts[i] for i in train_idx])
-    _write_split(result.validation, [codes[i] for i in val_idx], [texts[i] for i in val_idx])
-    _write_split(result.test, test_codes, test_texts)
-    counts = Counter(train_codes)
-    atomic_write_json(
-        result.control_codes,
-        {
-            "columns": cfg.code_columns,
-            "private": False,
-            "note": "exact counts of the control codes in the private training split; "
-            "NOT differentially private in this version",
-            "counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
-        },
-    )
+    pick = lambda idx: [users[i] for i in idx] if users is not None else None  # noqa: E731
+    _write_split(result.train, train_codes, [texts[i] for i in train_idx], pick(train_idx))
+    _write_split(result.validation, [codes[i] for i in val_idx], [texts[i] for i in val_idx], pick(val_idx))
+    _write_split(result.test, test_codes, test_texts, test_users)
     inputs = {"data": cfg.path} | ({"test_data": cfg.test_path} if cfg.test_path else {})
     write_manifest(
         out_dir,
@@ -221,18 +245,18 @@ def prepare_data(cfg: DataConfig, out_dir: Path, seed: int) -> DataResult:
             "train": result.train,
             "validation": result.validation,
             "test": result.test,
-            "control_codes": result.control_codes,
         },
         extra={
             "n_train": result.n_train,
             "n_validation": result.n_validation,
             "n_test": result.n_test,
             "n_dropped": result.n_dropped,
+            "n_train_users": len(set(train_units)) if users is not None else None,
             "dropped_rows": {"data.path": dropped, "data.test_path": test_dropped},
         },
     )
     log.info(
-        "data: %d train, %d validation, %d test records, %d dropped, %d distinct control codes",
-        result.n_train, result.n_validation, result.n_test, result.n_dropped, len(counts),
+        "data: %d train, %d validation, %d test records, %d dropped",
+        result.n_train, result.n_validation, result.n_test, result.n_dropped,
     )
     return result

@@ -36,12 +36,12 @@ from opacus import PrivacyEngine
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
 from opacus.utils.batch_memory_manager import BatchMemoryManager
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from pipeline import privacy
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import TeacherConfig
-from pipeline.data import encode_record, read_split
+from pipeline.data import encode_record, read_split, read_users
 from pipeline.evaluate import perplexity
 from pipeline.ledger import LedgerEntry
 from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file, write_manifest
@@ -73,6 +73,29 @@ def per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     ).view(labels.shape)  # (B, L-1)
     valid = (labels != IGNORE).sum(1).clamp(min=1)  # (B,)
     return nll.sum(1) / valid
+
+
+class OneRecordPerUser(Dataset):
+    """User-level DP: the dataset's units are users; each draw returns one of the user's
+    records, chosen at random. Poisson sampling over users then gives every sampled user
+    exactly one clipped contribution per step, and the accountant counts users
+    (author-level sampling, as in dp-transformers)."""
+
+    def __init__(self, records: TokenizedRecords, users: list[str], generator: torch.Generator):
+        by_user: dict[str, list[int]] = {}
+        for i, u in enumerate(users):
+            by_user.setdefault(u, []).append(i)
+        self.records = records
+        self.groups = [torch.tensor(v) for _, v in sorted(by_user.items())]
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, u):
+        group = self.groups[u]
+        pick = group[torch.randint(len(group), (1,), generator=self.generator)].item()
+        return self.records[pick]
 
 
 def prepare_trainable(model: torch.nn.Module, cfg: TeacherConfig) -> torch.nn.Module:
@@ -155,18 +178,22 @@ def train_teacher(
     model = prepare_trainable(model, cfg)
 
     codes, texts = read_split(train_path)
-    n = len(texts)
-    train = TokenizedRecords(
+    users = read_users(train_path)
+    records = TokenizedRecords(
         [encode_record(tok, c, t, cfg.max_length) for c, t in zip(codes, texts)], tok.pad_token_id, cfg.max_length
     )
+    user_pick = torch.Generator().manual_seed(seed + 2)
+    train = records if users is None else OneRecordPerUser(records, users, user_pick)
+    unit = "record" if users is None else "user"
+    n = len(train)  # privacy units: records, or users
     if cfg.batch_size >= n:
         raise TeacherError(
-            f"teacher.batch_size={cfg.batch_size} is not smaller than the {n} training records; "
+            f"teacher.batch_size={cfg.batch_size} is not smaller than the {n} training {unit}s; "
             "Poisson sampling needs a sampling rate below 1: lower teacher.batch_size"
         )
     delta = cfg.target_delta if cfg.target_delta is not None else 1.0 / n
     if delta > 1.0 / n:
-        log.warning("teacher: δ=%.3g is not below 1/N=%.3g; the guarantee is weak", delta, 1.0 / n)
+        log.warning("teacher: δ=%.3g is not below 1/N=%.3g (N %ss); the guarantee is weak", delta, 1.0 / n, unit)
     if not cfg.secure_mode:
         log.warning(
             "teacher: secure_mode is off, DP noise comes from a non-cryptographic RNG; fine for "
@@ -256,6 +283,7 @@ def train_teacher(
                 "or seed; resume with the same ones, or delete it (and the run directory) to start over"
             )
         generator.set_state(state["poisson_rng"])
+        user_pick.set_state(state["user_pick_rng"])
         torch.set_rng_state(state["torch_rng"])
         history = state["history"]
         resumed_from = _steps_accounted(engine)
@@ -263,9 +291,9 @@ def train_teacher(
                  engine.get_epsilon(delta) if resumed_from else 0.0)
 
     log.info(
-        "teacher: N=%d, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, mode %s, %s clipping, "
+        "teacher: N=%d %ss, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, mode %s, %s clipping, "
         "%d trainable parameters",
-        n, sample_rate, total_steps, sigma, cfg.max_grad_norm, cfg.target_epsilon, delta, cfg.mode,
+        n, unit, sample_rate, total_steps, sigma, cfg.max_grad_norm, cfg.target_epsilon, delta, cfg.mode,
         cfg.grad_sample_mode, sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
 
@@ -279,6 +307,7 @@ def train_teacher(
             checkpoint_dict={
                 "fingerprint": fingerprint,
                 "poisson_rng": generator.get_state(),
+                "user_pick_rng": user_pick.get_state(),
                 "torch_rng": torch.get_rng_state(),
                 "history": history,
             },
@@ -371,11 +400,13 @@ def train_teacher(
         sample_rate=sample_rate,
         steps=steps,
         max_grad_norm=cfg.max_grad_norm,
-        privacy_unit="record",
+        privacy_unit=unit,
         epsilon_rdp=privacy.epsilon_of("rdp", accounted, delta),
         history=accounted,
-        note=f"DP-SGD ({cfg.mode}, {cfg.grad_sample_mode} clipping) on the private training split "
-        f"(N={n}), Poisson sampling with probability {sampling_probability:.6g} (accounted as "
+        note=f"{unit}-level DP-SGD ({cfg.mode}, {cfg.grad_sample_mode} clipping) on the private "
+        f"training split (N={n} {unit}s"
+        + ("" if users is None else f", {len(records)} records; one random record per sampled user per step")
+        + f"), Poisson sampling with probability {sampling_probability:.6g} (accounted as "
         f"q={sample_rate:.6g}), lm_head untied from the input embedding; σ calibrated by Opacus "
         f"for target ε={cfg.target_epsilon}"
         + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else ""),

@@ -20,6 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = ROOT / "data" / "public" / "wikitext-2-valid.txt"
 YELP_TRAIN = ROOT / "data" / "yelp_sample" / "train.csv"
 YELP_TEST = ROOT / "data" / "yelp_sample" / "test.csv"
+YELP_DOMAIN = {  # the public list of control-code values of the Yelp data (see data/README.md)
+    "label1": [
+        f"Business Category: {c}"
+        for c in ["Restaurants", "Bars", "Shopping", "Beauty & Spas", "Event Planning & Services",
+                  "Hotels & Travel", "Arts & Entertainment", "Health & Medical", "Home & Garden", "Grocery"]
+    ],
+    "label2": [f"Review Stars: {s}.0" for s in range(1, 6)],
+}
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
@@ -67,6 +75,7 @@ def tiny_pipeline_dict(tmp_path: Path) -> dict:
             "max_test_records": 20,
             "validation_fraction": 0.1,
         },
+        "control_codes": {"mechanism": "gaussian", "epsilon": 1.0, "domain": YELP_DOMAIN},
         "base_models": {
             "corpus": str(PUBLIC),
             "cache_dir": str(tmp_path / "base_cache"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,12 +32,12 @@ def _sentinel_rows(n=10):
 
 
 def test_prepare_data_on_yelp_sample(tmp_path):
-    """prepare_data writes the splits, codes and manifest; counts add up and come from train only."""
+    """prepare_data writes the splits and the manifest; counts add up."""
     cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=200, max_test_records=50)
     out = tmp_path / "data"
     res = prepare_data(cfg, out, seed=0)
 
-    for name in ("train.parquet", "validation.parquet", "test.parquet", "control_codes.json", "manifest.json"):
+    for name in ("train.parquet", "validation.parquet", "test.parquet", "manifest.json"):
         assert (out / name).is_file(), name
     assert res.n_train + res.n_validation == 200
     assert res.n_validation == 10  # round(0.05 * 200)
@@ -52,13 +51,6 @@ def test_prepare_data_on_yelp_sample(tmp_path):
     assert len(val_codes) == res.n_validation and len(test_codes) == 50
     for code in train_codes + val_codes + test_codes:
         assert CODE_RE.match(code), code
-
-    codes_file = json.loads(res.control_codes.read_text())
-    assert codes_file["columns"] == ["label1", "label2"]
-    assert codes_file["private"] is False
-    counts = codes_file["counts"]
-    assert sum(counts.values()) == res.n_train
-    assert counts == dict(Counter(train_codes))
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["stage"] == "data"
