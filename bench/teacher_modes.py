@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PRESETS = {
-    "tiny": dict(layers=4, width=256, heads=4, vocab=8192, seq=128, batch=16, steps=5),
+    # tiny = the project's builtin:teacher shape (configs' base_models defaults) at its physical batch
+    "tiny": dict(layers=4, width=192, heads=4, vocab=4096, seq=128, batch=16, steps=5),
     "gpt2": dict(layers=12, width=768, heads=12, vocab=50257, seq=128, batch=32, steps=10),
 }
 MODES = {  # name: (row label, teacher mode, grad_sample_mode or None for non-private)
@@ -205,7 +206,7 @@ def main() -> None:
     import torch
 
     shape = [f"--{k}={getattr(a, k)}" for k in ("layers", "width", "heads", "vocab", "seq", "batch", "steps")]
-    t_start, procs, rows = time.time(), {}, {}
+    t_start, procs, rows, load0 = time.time(), {}, {}, os.getloadavg()[0]
 
     def fail(mode: str, e: Exception) -> None:
         rows[mode] = dict(mode=mode, label=MODES[mode][0], error=str(e))
@@ -258,7 +259,8 @@ def main() -> None:
     mem_name = "peak CUDA memory above setup" if a.device == "cuda" else "peak RSS growth"
     print(f"GPT-2 shape: {a.layers} layers, width {a.width}, {a.heads} heads, vocab {a.vocab}, "
           f"seq {a.seq}, batch {a.batch} | device {a.device}, {torch.get_num_threads()} torch threads | "
-          f"torch {torch.__version__}, opacus {opacus.__version__}")
+          f"torch {torch.__version__}, opacus {opacus.__version__} | load average before/after "
+          f"{load0:.2f}/{os.getloadavg()[0]:.2f}")
     exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
     print(f"Command: `{shlex.join([exe, os.path.relpath(__file__, ROOT), *sys.argv[1:]])}`\n")
     print(f"| mode | trainable params | step time (s) | time ratio vs non-private | {mem_name} (MiB) "

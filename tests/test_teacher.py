@@ -254,3 +254,11 @@ def test_finished_teacher_is_reused_not_retrained(splits, tiny_model_dir, tmp_pa
     (tmp_path / "accountant_state.pt").write_bytes(b"tampered")
     with pytest.raises(TeacherError, match="missing or changed"):
         finished_teacher(tmp_path)
+
+
+def test_budget_the_accountant_cannot_meet_is_refused_with_advice(splits, tiny_model_dir, tmp_path):
+    """An ε too small for any σ (Opacus: 'The privacy budget is too low') names what to change."""
+    with pytest.raises(TeacherError) as err:
+        _teacher(splits, tiny_model_dir, tmp_path, target_epsilon=1e-6, target_delta=1e-8)
+    msg = str(err.value)
+    assert "teacher.target_epsilon" in msg and "teacher.epochs" in msg and "teacher.batch_size" in msg
