@@ -102,3 +102,39 @@ def tiny_pipeline_dict(tmp_path: Path) -> dict:
 @pytest.fixture
 def tiny_config(tmp_path):
     return config_from_dict(tiny_pipeline_dict(tmp_path))
+
+
+def noise_free_dp_gradient(tokenizer, mode: str, max_grad_norm: float):
+    """One σ = 0 DP step's gradient on a tiny untied GPT-2 and three short records.
+
+    Returns (model whose .grad holds the DP gradient after Opacus' clipping and scaling by
+    the batch size, an untouched copy of the initial model, the batch inputs, labels, lengths).
+    """
+    from opacus import PrivacyEngine
+
+    from pipeline.batching import TokenizedRecords, lm_batch
+    from pipeline.data import encode_record
+    from pipeline.models import untie_lm_head
+    from pipeline.teacher import per_sequence_loss
+
+    model = make_tiny_model(tokenizer)
+    untie_lm_head(model)
+    initial = __import__("copy").deepcopy(model)
+    texts = ["Great tacos and friendly staff.", "Never again.", "The room was clean but the bed was hard."]
+    data = TokenizedRecords([encode_record(tokenizer, "Stars: 5", t, 40) for t in texts], tokenizer.pad_token_id, 40)
+    loader = torch.utils.data.DataLoader(data, batch_size=len(texts))
+    ids, lengths = next(iter(loader))
+    batch = lm_batch(ids, lengths)
+    labels = batch.pop("labels")
+    kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader,
+                  noise_multiplier=0.0, max_grad_norm=max_grad_norm, poisson_sampling=False, grad_sample_mode=mode)
+    if mode == "ghost":
+        dp_model, optimizer, criterion, _ = PrivacyEngine().make_private(criterion=torch.nn.CrossEntropyLoss(), **kwargs)
+        shifted = dp_model(**batch).logits[:, :-1]
+        loss = criterion(shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape)
+    else:
+        dp_model, optimizer, _ = PrivacyEngine().make_private(**kwargs)
+        loss = per_sequence_loss(dp_model(**batch).logits, labels).mean()
+    loss.backward()
+    optimizer.pre_step()  # clip, accumulate, add (zero) noise, scale by the expected batch size
+    return model, initial, batch, labels, lengths

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-from opacus import PrivacyEngine
 from opacus.data_loader import DPDataLoader
 
-from conftest import make_tiny_model
-from pipeline.batching import TokenizedRecords, lm_batch
-from pipeline.data import encode_record
+from conftest import noise_free_dp_gradient
 from pipeline.ledger import LedgerEntry, compose
-from pipeline.models import untie_lm_head
 from pipeline.privacy import epsilon_of, max_steps_within_budget
 from pipeline.teacher import per_sequence_loss
 
@@ -102,27 +97,7 @@ def test_empirical_poisson_sampling_rate_matches_q():
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])
 def test_no_noise_no_clipping_equals_an_ordinary_step(tiny_tokenizer, mode):
     """σ = 0 and C = ∞: the DP gradient is the ordinary gradient of the mean per-sequence loss."""
-    model = make_tiny_model(tiny_tokenizer)
-    untie_lm_head(model)
-    plain = copy.deepcopy(model)
-    texts = ["Great tacos.", "Never again, the service was slow.", "Clean room, hard bed."]
-    data = TokenizedRecords([encode_record(tiny_tokenizer, "Stars: 5", t, 40) for t in texts],
-                            tiny_tokenizer.pad_token_id, 40)
-    loader = torch.utils.data.DataLoader(data, batch_size=len(texts))
-    ids, lengths = next(iter(loader))
-    batch = lm_batch(ids, lengths)
-    labels = batch.pop("labels")
-    kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader,
-                  noise_multiplier=0.0, max_grad_norm=1e9, poisson_sampling=False, grad_sample_mode=mode)
-    if mode == "ghost":
-        dp_model, optimizer, criterion, _ = PrivacyEngine().make_private(criterion=torch.nn.CrossEntropyLoss(), **kwargs)
-        shifted = dp_model(**batch).logits[:, :-1]
-        loss = criterion(shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape)
-    else:
-        dp_model, optimizer, _ = PrivacyEngine().make_private(**kwargs)
-        loss = per_sequence_loss(dp_model(**batch).logits, labels).mean()
-    loss.backward()
-    optimizer.pre_step()
+    model, plain, batch, labels, _ = noise_free_dp_gradient(tiny_tokenizer, mode, max_grad_norm=1e9)
     per_sequence_loss(plain(**batch).logits, labels).mean().backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)

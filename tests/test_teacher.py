@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-from opacus import PrivacyEngine
 from opacus.accountants import PRVAccountant, RDPAccountant
 from safetensors.torch import load_file
 
-from pipeline.batching import TokenizedRecords, lm_batch
+from pipeline.batching import lm_batch
 from pipeline.config import DataConfig, TeacherConfig
-from pipeline.data import encode_record, prepare_data
+from pipeline.data import prepare_data
 from pipeline import privacy  # noqa: F401
-from pipeline.models import untie_lm_head
 from pipeline.teacher import TeacherError, per_sequence_loss, train_teacher
-from conftest import YELP_TEST, YELP_TRAIN, make_tiny_model
+from conftest import YELP_TEST, YELP_TRAIN, make_tiny_model, noise_free_dp_gradient
 
 
 @pytest.fixture(scope="module")
@@ -109,56 +106,15 @@ def _clipped_sum_reference(model, batch, lengths_, C):
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])
 def test_noise_free_step_clips_every_example_to_max_grad_norm(tiny_tokenizer, mode):
     """σ = 0: the DP gradient is the sum of per-example gradients each clipped to C (÷ batch)."""
-    model = make_tiny_model(tiny_tokenizer)
-    untie_lm_head(model)
-    reference_model = copy.deepcopy(model)
-    texts = ["Great tacos and friendly staff.", "Never again.", "The room was clean but the bed was hard."]
-    ids = [encode_record(tiny_tokenizer, "Stars: 5", t, 40) for t in texts]
-    data = TokenizedRecords(ids, tiny_tokenizer.pad_token_id, 40)
-    loader = torch.utils.data.DataLoader(data, batch_size=len(ids))
     C = 0.01  # far below every raw per-example norm, so every example is clipped
-    engine = PrivacyEngine()
-    kwargs = dict(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=loader,
-        noise_multiplier=0.0,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode=mode,
-    )
-    ids_b, lengths = next(iter(loader))
-    batch = lm_batch(ids_b, lengths)
-    labels = batch.pop("labels")
-    if mode == "ghost":
-        dp_model, optimizer, criterion, _ = engine.make_private(criterion=torch.nn.CrossEntropyLoss(), **kwargs)
-        shifted = dp_model(**batch).logits[:, :-1]
-        loss = criterion(shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape)
-    else:
-        dp_model, optimizer, _ = engine.make_private(**kwargs)
-        loss = per_sequence_loss(dp_model(**batch).logits, labels).mean()
-    loss.backward()
-    optimizer.pre_step()  # clip, accumulate, add (zero) noise, scale by the expected batch size
-
-    expected, raw_norms = _clipped_sum_reference(reference_model, batch | {"input_ids": ids_b}, lengths, C)
+    model, initial, batch, _, lengths = noise_free_dp_gradient(tiny_tokenizer, mode, C)
+    expected, raw_norms = _clipped_sum_reference(initial, batch, lengths, C)
     assert bool((raw_norms > 10 * C).all())
-    got = [p.grad for p in model.parameters()]
-    flat_got = torch.cat([g.flatten() for g in got])
-    flat_expected = torch.cat([g.flatten() for g in expected]) / len(ids)
+    flat_got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    flat_expected = torch.cat([g.flatten() for g in expected]) / len(lengths)
     torch.testing.assert_close(flat_got, flat_expected, rtol=1e-3, atol=1e-7)
     # Each clipped example contributes exactly C: the sum's norm is at most B·C / B = C.
     assert flat_got.norm() <= C * (1 + 1e-4)
-
-
-def test_secure_mode_without_torchcsprng_is_a_clear_error(splits, tiny_model_dir, tmp_path):
-    """secure_mode needs torchcsprng; without it the error says what to install or change."""
-    try:
-        import torchcsprng  # noqa: F401
-    except ImportError:
-        with pytest.raises(TeacherError, match="teacher.secure_mode"):
-            _teacher(splits, tiny_model_dir, tmp_path, secure_mode=True)
-    else:
-        pytest.skip("torchcsprng is installed: secure mode works")
 
 
 def test_every_gpt2_layer_has_a_ghost_norm_sampler(tiny_tokenizer):
