@@ -190,8 +190,16 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
         "teacher_validation_loss": teacher.validation_loss,
         "generation": {
             "samples": synthetic.n_samples,
+            "validation_samples": synthetic.n_validation,
             "dropped_empty": synthetic.n_dropped_empty,
             "new_tokens_per_second": synthetic.tokens_per_second,
+            "shards": len(synthetic.shards),
+            "resumed_shards": synthetic.resumed_shards,
+            # Aggregate shares only: the requested distribution is the released one.
+            "control_codes": {
+                code: {"requested": synthetic.requested_codes.get(code, 0.0), "generated": share}
+                for code, share in synthetic.generated_codes.items()
+            },
         },
         "seconds": timings,
     }

@@ -192,12 +192,25 @@ class TeacherConfig(_Section):
 class GenerateConfig(_Section):
     """Stage 2: the DP teacher writes synthetic records (post-processing, no privacy cost)."""
 
-    num_samples: int = Field(2000, ge=1)
+    num_samples: int = Field(2000, ge=1, description="Synthetic samples to write in all.")
+    samples_per_prompt: int = Field(
+        1, ge=1, description="Samples generated from each drawn control-code prompt."
+    )
     batch_size: int = Field(64, ge=1)
     top_k: int = Field(50, ge=0, description="0 disables top-k filtering.")
     top_p: float = Field(0.9, gt=0, le=1.0)
     temperature: float = Field(1.0, gt=0)
+    no_repeat_ngram_size: int = Field(0, ge=0, description="Forbid repeating n-grams of this size (0: off).")
     max_length: int = Field(128, ge=8, description="Tokens per sample including the prompt.")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Cap on generated tokens per sample (besides max_length)."
+    )
+    shard_size: int = Field(
+        10_000, ge=1, description="Samples per Parquet shard: memory bound and unit of resumption."
+    )
+    validation_fraction: float = Field(
+        0.01, ge=0, lt=0.5, description="Share of samples marked split='validation' for distillation."
+    )
 
 
 class DistillConfig(_Section):

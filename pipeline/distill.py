@@ -71,7 +71,7 @@ def distill(
             f"student {h_s}; set distill.beta=0"
         )
 
-    table = read_synthetic(synthetic_path)
+    table = read_synthetic(synthetic_path, split="train")  # the validation split stays held out
     max_len = min(_n_positions(student), _n_positions(teacher))
     data = TokenizedRecords(table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
     prompt_lengths = torch.tensor(table["n_prompt_tokens"].to_pylist(), dtype=torch.long)

@@ -53,7 +53,7 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     metrics = json.loads((run / "metrics.json").read_text())
     assert set(metrics["perplexity"]) == {"base_student", "base_teacher", "dp_teacher", "distilled_student"}
     assert all(m["windowed"] > 1 for m in metrics["perplexity"].values())
-    synthetic = pq.read_table(run / "synthetic" / "synthetic.parquet")
+    synthetic = pq.read_table(run / "synthetic" / "shard-00000.parquet")
     assert synthetic.num_rows + metrics["generation"]["dropped_empty"] == tiny_config.generate.num_samples
 
     with get_client(sync_client=True) as client:

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.config import GenerateConfig
 from pipeline.data import prompt_for
-from pipeline.generate import SCHEMA, generate_synthetic, sample_control_codes
+from pipeline.generate import GenerateError, read_synthetic, SCHEMA, generate_synthetic, sample_control_codes
 from pipeline.ledger import LedgerEntry
 from pipeline.models import load_tokenizer
 
@@ -89,12 +89,12 @@ def test_sample_control_codes_rejects_empty_counts():
 def test_generate_synthetic_writes_well_formed_parquet(tmp_path, tiny_model_dir):
     """Generation writes the schema, prompt-prefixed token ids within max_length, metadata and manifest."""
     res = _generate(tmp_path, tiny_model_dir, CODES, seed=0, num_samples=40, batch_size=16, max_length=32)
-    assert res.path.is_file()
-    assert (res.path.parent / "manifest.json").is_file()
+    assert res.path.is_dir() and res.shards == [res.path / "shard-00000.parquet"]
+    assert (res.path / "manifest.json").is_file()
     assert res.n_samples + res.n_dropped_empty == 40
     assert res.n_samples > 0
 
-    pf = pq.ParquetFile(res.path)
+    pf = pq.ParquetFile(res.shards[0])
     table = pf.read()
     assert table.schema.remove_metadata().equals(SCHEMA)
     assert table.schema.field("control_code").type == pa.string()
@@ -123,9 +123,9 @@ def test_generate_synthetic_writes_well_formed_parquet(tmp_path, tiny_model_dir)
 def test_generation_is_deterministic_per_seed(tmp_path, tiny_model_dir):
     """The same seed gives identical rows; another seed gives different texts."""
     kw = dict(num_samples=16, batch_size=8, max_length=24)
-    a = pq.read_table(_generate(tmp_path, tiny_model_dir, CODES, seed=1, out="a", **kw).path)
-    b = pq.read_table(_generate(tmp_path, tiny_model_dir, CODES, seed=1, out="b", **kw).path)
-    c = pq.read_table(_generate(tmp_path, tiny_model_dir, CODES, seed=2, out="c", **kw).path)
+    a = read_synthetic(_generate(tmp_path, tiny_model_dir, CODES, seed=1, out="a", **kw).path)
+    b = read_synthetic(_generate(tmp_path, tiny_model_dir, CODES, seed=1, out="b", **kw).path)
+    c = read_synthetic(_generate(tmp_path, tiny_model_dir, CODES, seed=2, out="c", **kw).path)
     assert a.to_pylist() == b.to_pylist()
     assert a["text"].to_pylist() != c["text"].to_pylist()
 
@@ -136,10 +136,53 @@ def test_generated_code_frequencies_follow_counts(tmp_path, tiny_model_dir):
     res = _generate(tmp_path, tiny_model_dir, counts, seed=0, num_samples=200, batch_size=64, max_length=16)
     assert set(res.requested_codes) <= set(counts)
     assert abs(res.requested_codes["Category: A"] - 0.75) < 0.1
-    table = pq.read_table(res.path)
+    table = read_synthetic(res.path)
     codes = table["control_code"].to_pylist()
     assert len(codes) == res.n_samples
     assert res.n_samples + res.n_dropped_empty == 200
     share_a = codes.count("Category: A") / len(codes)
     assert res.generated_codes["Category: A"] == pytest.approx(share_a)
     assert abs(share_a - 0.75) < 0.1
+
+
+def test_shards_resume_after_a_crash_and_are_deterministic(tmp_path, tiny_model_dir):
+    """3 shards; one lost (a crash before it was written) is regenerated identically, the
+    others are reused untouched; a shard does not depend on the shard size of its neighbours."""
+    kw = dict(num_samples=30, shard_size=10, batch_size=8, max_length=24)
+    first = _generate(tmp_path, tiny_model_dir, CODES, seed=3, **kw)
+    assert [p.name for p in first.shards] == ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
+    before = {p.name: (p.stat().st_mtime_ns, read_synthetic(p).to_pylist()) for p in first.shards}
+    first.shards[1].unlink()
+    (first.path / "manifest.json").unlink()
+    again = _generate(tmp_path, tiny_model_dir, CODES, seed=3, **kw)
+    assert again.resumed_shards == 2
+    for p in again.shards:
+        assert read_synthetic(p).to_pylist() == before[p.name][1]
+        if p.name != "shard-00001.parquet":
+            assert p.stat().st_mtime_ns == before[p.name][0]  # reused, not rewritten
+    assert again.n_samples == first.n_samples and again.requested_codes == first.requested_codes
+    ids = read_synthetic(again.path)["sample_id"].to_pylist()
+    assert ids == sorted(ids) and len(set(ids)) == len(ids) and max(ids) < 30
+
+
+def test_shards_of_another_generation_are_refused(tmp_path, tiny_model_dir):
+    """A directory holding shards of another config is never silently mixed with new ones."""
+    _generate(tmp_path, tiny_model_dir, CODES, seed=0, num_samples=8, batch_size=8, max_length=24)
+    with pytest.raises(GenerateError, match="another generation"):
+        _generate(tmp_path, tiny_model_dir, CODES, seed=0, num_samples=8, batch_size=8, max_length=24, top_k=5)
+
+
+def test_validation_split_and_generation_options(tmp_path, tiny_model_dir):
+    """validation_fraction marks samples; samples_per_prompt repeats prompts; max_new_tokens caps."""
+    res = _generate(tmp_path, tiny_model_dir, {f"Category: {c}": 1 for c in "ABCDEFGH"}, seed=0,
+                    num_samples=60, batch_size=32, max_length=40, validation_fraction=0.3,
+                    samples_per_prompt=3, max_new_tokens=4, no_repeat_ngram_size=2)
+    table = read_synthetic(res.path)
+    assert res.n_validation == table["split"].to_pylist().count("validation") > 0
+    assert len(read_synthetic(res.path, split="train")) == res.n_samples - res.n_validation
+    new = [n - p for n, p in zip(table["n_tokens"].to_pylist(), table["n_prompt_tokens"].to_pylist())]
+    assert max(new) <= 4 + 1  # + the end-of-text token when a sample finished
+    # three samples per drawn prompt: consecutive ids share their control code
+    rows = sorted(zip(table["sample_id"].to_pylist(), table["control_code"].to_pylist()))
+    codes = dict(rows)
+    assert all(codes[i] == codes[i - i % 3] for i in codes if i - i % 3 in codes)
