@@ -223,17 +223,28 @@ class DistillConfig(_Section):
     alpha: float = Field(0.4, ge=0, le=1, description="Weight of the KL term; 0 = plain CE.")
     temperature: float = Field(1.0, gt=0, description="Softmax temperature T of the KL term.")
     beta: float = Field(
-        0.0, ge=0, description="Weight of the hidden-state MSE (needs equal hidden sizes)."
+        0.0,
+        ge=0,
+        description="Weight of the last-hidden-state MSE; a learned linear projection maps the "
+        "student's hidden size to the teacher's when they differ.",
     )
     kl_skip_tokens: int | None = Field(
-        None,
+        5,
         ge=0,
-        description="Leading tokens the KL skips; None skips each sample's control-code prompt.",
+        description="Leading tokens the KL skips (the paper: 5, the control codes); None skips "
+        "each sample's whole control-code prompt.",
     )
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
     learning_rate: float = Field(8e-5, gt=0)
+    warmup_fraction: float = Field(0.05, ge=0, lt=1, description="Linear warm-up, then linear decay.")
     weight_decay: float = Field(0.0, ge=0)
+    eval_every: int = Field(
+        50, ge=1, description="Steps between evaluations on the synthetic validation split."
+    )
+    patience: int | None = Field(
+        None, ge=1, description="Stop after this many evaluations without improvement (None: never)."
+    )
     log_every: int = Field(20, ge=1)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pipeline.batching import TokenizedRecords, lm_batch
+from pipeline.evaluate import mean_token_nll
 from pipeline.config import DistillConfig
 from pipeline.generate import read_synthetic
 from pipeline.losses import distillation_loss, prompt_mask
@@ -65,30 +66,52 @@ def distill(
     student = load_causal_lm(student_model)
     vocab = len(student_tok)
     h_t, h_s = teacher.config.hidden_size, student.config.hidden_size
-    if cfg.beta > 0 and h_t != h_s:
-        raise DistillError(
-            f"distill.beta={cfg.beta} needs equal hidden sizes, but the teacher has {h_t} and the "
-            f"student {h_s}; set distill.beta=0"
-        )
+    # β > 0 with different widths: a learned linear map from the student's hidden size to
+    # the teacher's (FitNets-style); it trains with the student and is not saved with it.
+    projection = torch.nn.Linear(h_s, h_t) if cfg.beta > 0 and h_s != h_t else None
 
-    table = read_synthetic(synthetic_path, split="train")  # the validation split stays held out
     max_len = min(_n_positions(student), _n_positions(teacher))
-    data = TokenizedRecords(table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
-    prompt_lengths = torch.tensor(table["n_prompt_tokens"].to_pylist(), dtype=torch.long)
-    if len(data) == 0:
-        raise DistillError(f"synthetic data {str(synthetic_path)!r} is empty; generate samples first")
+    train_table = read_synthetic(synthetic_path, split="train")
+    val_table = read_synthetic(synthetic_path, split="validation")
+    if train_table.num_rows == 0:
+        raise DistillError(f"synthetic data {str(synthetic_path)!r} has no train samples; generate samples first")
+    data = TokenizedRecords(train_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
+    prompt_lengths = torch.tensor(train_table["n_prompt_tokens"].to_pylist(), dtype=torch.long)
+    validation = TokenizedRecords(val_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
 
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    params = list(student.parameters()) + (list(projection.parameters()) if projection else [])
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(data) / cfg.batch_size)
     total = cfg.epochs * steps_per_epoch
-    warmup = max(1, total // 20)
+    warmup = max(1, int(cfg.warmup_fraction * total))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, (total - s) / max(1, total - warmup))
     )
     generator = torch.Generator().manual_seed(seed)
     want_hidden = cfg.beta > 0
+    ckpt = out_dir / "model"
     history: list[dict] = []
-    t0, step = time.time(), 0
+    evals: list[dict] = []
+    best, since_best = float("inf"), 0
+
+    def evaluate_and_keep_best(step: int) -> bool:
+        """Validation CE; saves the student when it improves. Returns True to stop early."""
+        nonlocal best, since_best
+        if len(validation) == 0:
+            return False
+        loss = mean_token_nll(student, validation, cfg.batch_size)
+        student.train()
+        evals.append({"step": step, "validation_loss": loss})
+        if loss < best:
+            best, since_best = loss, 0
+            student.save_pretrained(ckpt)
+            student_tok.save_pretrained(ckpt)
+        else:
+            since_best += 1
+        log.info("distillation: step %d validation loss %.4f (best %.4f)", step, loss, best)
+        return cfg.patience is not None and since_best >= cfg.patience
+
+    t0, step, stopped_early = time.time(), 0, False
     student.train()
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(data), generator=generator)
@@ -104,6 +127,9 @@ def distill(
             with torch.no_grad():
                 t_out = teacher(**batch, output_hidden_states=want_hidden)
             s_out = student(**batch, output_hidden_states=want_hidden)
+            s_hidden = s_out.hidden_states[-1][:, :-1] if want_hidden else None  # (B, L-1, H_s)
+            if projection is not None:
+                s_hidden = projection(s_hidden)  # (B, L-1, H_t)
             parts = distillation_loss(
                 s_out.logits[:, :-1, :vocab],
                 t_out.logits[:, :-1, :vocab],
@@ -112,11 +138,11 @@ def distill(
                 alpha=cfg.alpha,
                 temperature=cfg.temperature,
                 beta=cfg.beta,
-                student_hidden=s_out.hidden_states[-1][:, :-1] if want_hidden else None,
+                student_hidden=s_hidden,
                 teacher_hidden=t_out.hidden_states[-1][:, :-1] if want_hidden else None,
             )
             parts.loss.backward()
-            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
@@ -128,17 +154,26 @@ def distill(
                     "distillation: step %d/%d loss %.4f (ce %.4f, kl %.4f, mse %.4f) (%.0f s)",
                     step, total, record["loss"], record["ce"], record["kl"], record["mse"], time.time() - t0,
                 )
+            if (step % cfg.eval_every == 0 or step == total) and evaluate_and_keep_best(step):
+                stopped_early = True
+                log.info("distillation: no improvement in %d evaluations, stopping at step %d", cfg.patience, step)
+                break
+        if stopped_early:
+            break
     seconds = time.time() - t0
-    student.eval()
-    ckpt = out_dir / "model"
-    student.save_pretrained(ckpt)
-    student_tok.save_pretrained(ckpt)
-    atomic_write_json(out_dir / "training_log.json", {"history": history, "seconds": seconds})
+    if not evals:  # no validation split: the last student is the result
+        student.save_pretrained(ckpt)
+        student_tok.save_pretrained(ckpt)
+    atomic_write_json(
+        out_dir / "training_log.json",
+        {"history": history, "validation": evals, "stopped_early": stopped_early, "seconds": seconds},
+    )
     write_manifest(
         out_dir,
         stage="distillation",
         inputs={"synthetic": Path(synthetic_path), "teacher": Path(teacher_dir)},
         outputs={"model": ckpt},
-        extra={"student_model": student_model, "steps": total, "seconds": seconds},
+        extra={"student_model": student_model, "steps": step, "seconds": seconds,
+               "best_validation_loss": best if evals else None},
     )
     return DistillResult(checkpoint=ckpt, train_loss=[h["loss"] for h in history], seconds=seconds)

@@ -42,12 +42,11 @@ class Perplexity:
 
 @torch.no_grad()
 def _nll_by_owner(
-    model, windows: list[list[int]], owners: list[int], n_owners: int, pad_id: int, batch_size: int
+    model, data: TokenizedRecords, owners: list[int], n_owners: int, batch_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Summed next-token NLL and predicted-token count per owner of each window."""
+    """Summed next-token NLL and predicted-token count per owner of each sequence."""
     model.eval()
     nll_sum, count = np.zeros(n_owners), np.zeros(n_owners)
-    data = TokenizedRecords(windows, pad_id, max(len(w) for w in windows))
     for start in range(0, len(data), batch_size):
         batch = lm_batch(data.ids[start : start + batch_size], data.lengths[start : start + batch_size])
         labels = batch.pop("labels")  # (B, L-1)
@@ -59,6 +58,16 @@ def _nll_by_owner(
             nll_sum[owner] += float(nll[row].sum())
             count[owner] += int((labels[row] != IGNORE).sum())
     return nll_sum, count
+
+
+def mean_token_nll(model, data: TokenizedRecords, batch_size: int) -> float:
+    """Token-weighted mean next-token NLL over the sequences of `data`."""
+    nll, count = _nll_by_owner(model, data, [0] * len(data), 1, batch_size)
+    return float(nll[0] / max(count[0], 1))
+
+
+def _windows(windows: list[list[int]], pad_id: int) -> TokenizedRecords:
+    return TokenizedRecords(windows, pad_id, max(len(w) for w in windows))
 
 
 def _chunks(ids: list[int], window: int) -> list[list[int]]:
@@ -75,13 +84,15 @@ def perplexity(model, tokenizer, codes: list[str], texts: list[str], window: int
     records = [encode_record(tokenizer, c, t) for c, t in zip(codes, texts)]
     joined = [t for r in records for t in r]
     windows = _chunks(joined, window)
-    nll, cnt = _nll_by_owner(model, windows, [0] * len(windows), 1, tokenizer.pad_token_id, batch_size)
+    nll, cnt = _nll_by_owner(model, _windows(windows, tokenizer.pad_token_id), [0] * len(windows), 1, batch_size)
     per_windows, owners = [], []
     for i, r in enumerate(records):
         for w in _chunks(r, window):
             per_windows.append(w)
             owners.append(i)
-    r_nll, r_cnt = _nll_by_owner(model, per_windows, owners, len(records), tokenizer.pad_token_id, batch_size)
+    r_nll, r_cnt = _nll_by_owner(
+        model, _windows(per_windows, tokenizer.pad_token_id), owners, len(records), batch_size
+    )
     keep = r_cnt > 0
     per_record = np.exp(r_nll[keep] / r_cnt[keep])
     return Perplexity(
