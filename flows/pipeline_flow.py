@@ -130,6 +130,7 @@ def evaluation_task(
     base: BaseModels | None,
     teacher: TeacherResult,
     student: DistillResult,
+    synthetic: GenerateResult,
     run_dir: Path,
 ) -> dict:
     models = {
@@ -138,7 +139,10 @@ def evaluation_task(
         "dp_teacher": str(teacher.checkpoint),
         "distilled_student": str(student.checkpoint),
     }
-    return evaluate_models(cfg.evaluate, models=models, test_path=data.test, out_dir=run_dir / "evaluation", seed=cfg.seed)
+    return evaluate_models(
+        cfg.evaluate, models=models, test_path=data.test, out_dir=run_dir / "evaluation", seed=cfg.seed,
+        synthetic_path=synthetic.path,
+    )
 
 
 @flow(name="dp-distill", persist_result=False, log_prints=True)
@@ -174,7 +178,7 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
     ledger.append(post_processing("generation", "samples of the DP teacher, prompted by control codes"))
     student = timed("distillation", distillation_task, cfg, synthetic, teacher, base, out)
     ledger.append(post_processing("distillation", "trains on synthetic samples and the DP teacher only"))
-    evaluation = timed("evaluation", evaluation_task, cfg, data, base, teacher, student, out)
+    evaluation = timed("evaluation", evaluation_task, cfg, data, base, teacher, student, synthetic, out)
     ledger.append(
         post_processing(
             "evaluation",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +24,17 @@ import torch
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import EvalConfig
 from pipeline.data import encode_record, read_split
+from pipeline.generate import read_synthetic
 from pipeline.manifest import atomic_write_json
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
 
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.json"
+
+
+MIN_RECORDS_PER_CODE = 5  # smaller groups are pooled: no figure rests on one or two records
+OTHER = "(codes with fewer than 5 test records)"
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class Perplexity:
     per_record_median: float
     tokens: int
     records: int
+    per_code: dict[str, float]
+    """Token-weighted perplexity of the records of each control code (small codes pooled)."""
 
 
 @torch.no_grad()
@@ -95,19 +103,54 @@ def perplexity(model, tokenizer, codes: list[str], texts: list[str], window: int
     )
     keep = r_cnt > 0
     per_record = np.exp(r_nll[keep] / r_cnt[keep])
+    sizes = Counter(codes)
+    group = [c if sizes[c] >= MIN_RECORDS_PER_CODE else OTHER for c in codes]
+    per_code = {}
+    for g in sorted(set(group)):
+        rows = [i for i, x in enumerate(group) if x == g]
+        per_code[g] = math.exp(r_nll[rows].sum() / max(r_cnt[rows].sum(), 1))
     return Perplexity(
         windowed=math.exp(nll[0] / cnt[0]),
         per_record_mean=float(per_record.mean()),
         per_record_median=float(np.median(per_record)),
         tokens=int(cnt[0]),
         records=int(keep.sum()),
+        per_code=per_code,
     )
 
 
-def evaluate_models(cfg: EvalConfig, *, models: dict[str, str], test_path: Path, out_dir: Path, seed: int) -> dict:
+def _distinct(sequences: list[list[int]], n: int) -> float:
+    """distinct-n: unique n-grams / all n-grams over the sequences (Li et al. 2016)."""
+    grams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(grams)) / max(len(grams), 1)
+
+
+def _length_summary(lengths: list[int]) -> dict[str, float]:
+    a = np.array(lengths, dtype=float)
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p90": float(np.percentile(a, 90))}
+
+
+def text_properties(tokenizer, texts: list[str]) -> dict:
+    """Aggregate properties of a set of texts: distinct-1/2 and token-length summary."""
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    return {"distinct_1": _distinct(ids, 1), "distinct_2": _distinct(ids, 2),
+            "tokens": _length_summary([len(x) for x in ids]), "texts": len(ids)}
+
+
+def evaluate_models(
+    cfg: EvalConfig,
+    *,
+    models: dict[str, str],
+    test_path: Path,
+    out_dir: Path,
+    seed: int,
+    synthetic_path: Path | None = None,
+) -> dict:
     """Perplexity of each named model on the test split; writes `out_dir/metrics.json`.
 
     All models must share one tokenizer, so that their perplexities count the same tokens.
+    With `synthetic_path`, also compares the synthetic texts with the real test texts
+    (distinct-n, lengths): aggregate figures only.
     """
     torch.manual_seed(seed)
     codes, texts = read_split(test_path)
@@ -132,5 +175,12 @@ def evaluate_models(cfg: EvalConfig, *, models: dict[str, str], test_path: Path,
             name, ppl.windowed, ppl.tokens, ppl.per_record_mean, ppl.per_record_median,
         )
     result = {"window": cfg.window, "test_records": len(texts), "perplexity": metrics}
+    if synthetic_path is not None:
+        # Synthetic samples are capped at generate.max_length tokens (prompt included); real
+        # reviews are not: read the lengths with that cap in mind.
+        result["text_properties"] = {
+            "synthetic": text_properties(reference, read_synthetic(synthetic_path)["text"].to_pylist()),
+            "real_test": text_properties(reference, texts),
+        }
     atomic_write_json(Path(out_dir) / METRICS, result)
     return result

@@ -66,3 +66,17 @@ def test_student_with_another_tokenizer_is_refused_before_training(synthetic, ti
         distill(DistillConfig(), synthetic_path=synthetic.path, teacher_dir=tiny_model_dir,
                 student_model=str(path), out_dir=tmp_path / "out", seed=0)
     assert not (tmp_path / "out" / "training_log.json").exists()
+
+
+def test_per_code_perplexity_pools_small_codes_and_text_properties(tiny_tokenizer, tiny_model_dir):
+    """Per-code perplexity never rests on fewer than 5 records; distinct-n is a share in (0, 1]."""
+    from pipeline.evaluate import OTHER, perplexity, text_properties
+    from pipeline.models import load_causal_lm
+
+    codes = ["Stars: 5"] * 6 + ["Stars: 1"] * 2
+    texts = [f"Review number {i} of the place, fine." for i in range(8)]
+    ppl = perplexity(load_causal_lm(str(tiny_model_dir)), tiny_tokenizer, codes, texts, window=32, batch_size=4)
+    assert set(ppl.per_code) == {"Stars: 5", OTHER}
+    props = text_properties(tiny_tokenizer, ["a a a a", "b c d"])
+    assert props["distinct_1"] < 1 and props["texts"] == 2 and props["tokens"]["mean"] > 0
+    assert text_properties(tiny_tokenizer, ["x y z"])["distinct_2"] == 1.0

@@ -53,6 +53,10 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     metrics = json.loads((run / "metrics.json").read_text())
     assert set(metrics["perplexity"]) == {"base_student", "base_teacher", "dp_teacher", "distilled_student"}
     assert all(m["windowed"] > 1 for m in metrics["perplexity"].values())
+    # aggregates only: per control code (small codes pooled), and text properties
+    assert all(v > 1 for m in metrics["perplexity"].values() for v in m["per_code"].values())
+    props = metrics["text_properties"]
+    assert 0 < props["synthetic"]["distinct_1"] <= 1 and props["real_test"]["texts"] == 20
     synthetic = pq.read_table(run / "synthetic" / "shard-00000.parquet")
     assert synthetic.num_rows + metrics["generation"]["dropped_empty"] == tiny_config.generate.num_samples
 
