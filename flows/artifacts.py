@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from pipeline.generate import GenerateResult
 from pipeline.ledger import PrivacyLedger
 
 LEDGER_KEY = "privacy-ledger"
@@ -56,7 +55,7 @@ def publish_ledger(ledger: PrivacyLedger) -> None:
     create_markdown_artifact(key=SUMMARY_KEY, markdown=ledger_summary(ledger), description="Privacy guarantee")
 
 
-def publish_metrics(metrics: dict, synthetic: GenerateResult) -> None:
+def publish_metrics(metrics: dict) -> None:
     rows = [
         {
             "model": name,
@@ -70,6 +69,7 @@ def publish_metrics(metrics: dict, synthetic: GenerateResult) -> None:
     create_table_artifact(
         key=METRICS_KEY,
         table=rows,
-        description=f"Perplexity on the held-out test split ({metrics['window']}-token windows); "
-        f"{synthetic.n_samples} synthetic samples",
+        description=f"Perplexity on the held-out test split ({metrics['window']}-token windows), "
+        f"method {metrics['method']}"
+        + (f", {metrics['generation']['samples']} synthetic samples" if "generation" in metrics else ""),
     )

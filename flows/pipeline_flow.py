@@ -29,7 +29,7 @@ from pipeline.generate import GenerateResult, generate_synthetic
 from pipeline.ledger import LEDGER, LedgerEntry, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text
 from pipeline.models import BaseModels, build_base_models, resolve_model
-from pipeline.teacher import TeacherResult, finished_teacher, train_teacher
+from pipeline.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
 
 # Caching across runs comes with manifests-based keys later; results are small and
 # recomputed from the run directory, so nothing is persisted by Prefect itself.
@@ -78,20 +78,47 @@ def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesRes
     )
 
 
-@task(name="teacher", **_TASK)
-def teacher_task(cfg: PipelineConfig, data: DataResult, base: BaseModels | None, run_dir: Path) -> TeacherResult:
-    done = finished_teacher(run_dir / "teacher")
+def _dp_train(
+    cfg: PipelineConfig, data: DataResult, run_dir: Path, *, stage: str, model: str, epsilon: float,
+    kd: KnowledgeDistillation | None = None,
+) -> TeacherResult:
+    done = finished_teacher(run_dir / stage)
     if done is not None:
-        get_run_logger().info("teacher: already finished in this run directory, reusing it (no new budget spent)")
+        get_run_logger().info("%s: already finished in this run directory, reusing it (no new budget spent)", stage)
         return done
     return train_teacher(
-        cfg.teacher,
+        cfg.teacher.model_copy(update={"target_epsilon": epsilon}),
         train_path=data.train,
         validation_path=data.validation,
-        base_model=resolve_model(cfg.teacher.model, base),
-        out_dir=run_dir / "teacher",
+        base_model=model,
+        out_dir=run_dir / stage,
         seed=cfg.seed,
+        stage=stage,
+        kd=kd,
     )
+
+
+def _teacher_epsilon(cfg: PipelineConfig) -> float:
+    # DPKD splits the budget: ε/2 for the teacher, ε/2 for the student trained with KD.
+    return cfg.teacher.target_epsilon / 2 if cfg.distill.method == "dpkd" else cfg.teacher.target_epsilon
+
+
+@task(name="teacher", **_TASK)
+def teacher_task(cfg: PipelineConfig, data: DataResult, base: BaseModels | None, run_dir: Path) -> TeacherResult:
+    return _dp_train(cfg, data, run_dir, stage="teacher", model=resolve_model(cfg.teacher.model, base),
+                     epsilon=_teacher_epsilon(cfg))
+
+
+@task(name="dp-student", **_TASK)
+def dp_student_task(
+    cfg: PipelineConfig, data: DataResult, base: BaseModels | None, teacher: TeacherResult | None, run_dir: Path
+) -> TeacherResult:
+    """Baselines that train the student itself with DP-SGD on the private data."""
+    kd = None
+    if teacher is not None:  # dpkd
+        kd = KnowledgeDistillation(teacher.checkpoint, cfg.distill.alpha, cfg.distill.temperature)
+    return _dp_train(cfg, data, run_dir, stage="student", model=resolve_model(cfg.distill.student_model, base),
+                     epsilon=cfg.teacher.target_epsilon - (_teacher_epsilon(cfg) if kd else 0.0), kd=kd)
 
 
 @task(name="generation", **_TASK)
@@ -113,8 +140,11 @@ def generation_task(
 def distillation_task(
     cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, run_dir: Path
 ) -> DistillResult:
+    distill_cfg = cfg.distill
+    if distill_cfg.method == "dp_syn":  # the synthetic data alone, no teacher logits
+        distill_cfg = distill_cfg.model_copy(update={"alpha": 0.0, "beta": 0.0})
     return distill(
-        cfg.distill,
+        distill_cfg,
         synthetic_path=synthetic.path,
         teacher_dir=teacher.checkpoint,
         student_model=resolve_model(cfg.distill.student_model, base),
@@ -128,20 +158,19 @@ def evaluation_task(
     cfg: PipelineConfig,
     data: DataResult,
     base: BaseModels | None,
-    teacher: TeacherResult,
-    student: DistillResult,
-    synthetic: GenerateResult,
+    teacher: TeacherResult | None,
+    student: DistillResult | TeacherResult,
+    synthetic: GenerateResult | None,
     run_dir: Path,
 ) -> dict:
-    models = {
-        "base_student": resolve_model(cfg.distill.student_model, base),
-        "base_teacher": resolve_model(cfg.teacher.model, base),  # what DP fine-tuning started from
-        "dp_teacher": str(teacher.checkpoint),
-        "distilled_student": str(student.checkpoint),
-    }
+    models = {"base_student": resolve_model(cfg.distill.student_model, base)}  # "zero-shot"
+    if teacher is not None:
+        models["base_teacher"] = resolve_model(cfg.teacher.model, base)  # what DP fine-tuning started from
+        models["dp_teacher"] = str(teacher.checkpoint)
+    models[f"student_{cfg.distill.method}"] = str(student.checkpoint)
     return evaluate_models(
         cfg.evaluate, models=models, test_path=data.test, out_dir=run_dir / "evaluation", seed=cfg.seed,
-        synthetic_path=synthetic.path,
+        synthetic_path=synthetic.path if synthetic else None,
     )
 
 
@@ -162,22 +191,31 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
         timings[name] = round(time.time() - t0, 2)
         return result
 
+    method = cfg.distill.method
     base = timed("base_models", base_models_task, cfg)
     data = timed("data", data_task, cfg, out)
-    codes = timed("control_codes", codes_task, cfg, data, out)
-    ledger = [codes.ledger]
-    teacher = timed("teacher", teacher_task, cfg, data, base, out)
-    ledger.append(teacher.ledger)
+    ledger: list[LedgerEntry] = []
+    teacher = codes = synthetic = None
 
     def typed(entries: list[LedgerEntry]) -> PrivacyLedger:
-        return PrivacyLedger(entries=entries, total=compose(entries, cfg.teacher.accountant, teacher.ledger.delta))
+        delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
+        return PrivacyLedger(entries=entries, total=compose(entries, cfg.teacher.accountant, delta))
 
-    write_ledger(out / LEDGER, typed(ledger))
-
-    synthetic = timed("generation", generation_task, cfg, teacher, codes, ledger, out)
-    ledger.append(post_processing("generation", "samples of the DP teacher, prompted by control codes"))
-    student = timed("distillation", distillation_task, cfg, synthetic, teacher, base, out)
-    ledger.append(post_processing("distillation", "trains on synthetic samples and the DP teacher only"))
+    if method in ("distil", "dp_syn"):
+        codes = timed("control_codes", codes_task, cfg, data, out)
+        ledger.append(codes.ledger)
+    if method in ("distil", "dp_syn", "dpkd"):
+        teacher = timed("teacher", teacher_task, cfg, data, base, out)
+        ledger.append(teacher.ledger)
+        write_ledger(out / LEDGER, typed(ledger))
+    if method in ("distil", "dp_syn"):
+        synthetic = timed("generation", generation_task, cfg, teacher, codes, ledger, out)
+        ledger.append(post_processing("generation", "samples of the DP teacher, prompted by control codes"))
+        student = timed("distillation", distillation_task, cfg, synthetic, teacher, base, out)
+        ledger.append(post_processing("distillation", "trains on synthetic samples and the DP teacher only"))
+    else:  # dp_sgd, dpkd: the student itself trains on the private data with DP-SGD
+        student = timed("dp_student", dp_student_task, cfg, data, base, teacher, out)
+        ledger.append(student.ledger)
     evaluation = timed("evaluation", evaluation_task, cfg, data, base, teacher, student, synthetic, out)
     ledger.append(
         post_processing(
@@ -189,10 +227,11 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
     final = typed(ledger)
     write_ledger(out / LEDGER, final)
 
-    metrics = {
-        **evaluation,
-        "teacher_validation_loss": teacher.validation_loss,
-        "generation": {
+    metrics = {**evaluation, "method": method, "seconds": timings}
+    if teacher is not None:
+        metrics["teacher_validation_loss"] = teacher.validation_loss
+    if synthetic is not None:
+        metrics["generation"] = {
             "samples": synthetic.n_samples,
             "validation_samples": synthetic.n_validation,
             "dropped_empty": synthetic.n_dropped_empty,
@@ -204,11 +243,9 @@ def dp_distill(config: PipelineConfig, run_dir: str | None = None) -> str:
                 code: {"requested": synthetic.requested_codes.get(code, 0.0), "generated": share}
                 for code, share in synthetic.generated_codes.items()
             },
-        },
-        "seconds": timings,
-    }
+        }
     atomic_write_json(out / "metrics.json", metrics)
     publish_ledger(final)
-    publish_metrics(metrics, synthetic)
+    publish_metrics(metrics)
     logger.info("finished: %s", out)
     return str(out)

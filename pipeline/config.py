@@ -216,6 +216,13 @@ class GenerateConfig(_Section):
 class DistillConfig(_Section):
     """Stage 3: the student learns from the synthetic data only (no DP needed)."""
 
+    method: Literal["distil", "dp_syn", "dp_sgd", "dpkd"] = Field(
+        "distil",
+        description="'distil': ours, KD from the DP teacher on synthetic data; 'dp_syn': synthetic "
+        "data only (α=0); 'dp_sgd': the student itself DP fine-tuned on the private data at the "
+        "teacher's ε; 'dpkd': teacher at ε/2, then the student DP fine-tuned at ε/2 with the KD "
+        "loss on private data. The base student ('zero-shot') is always evaluated.",
+    )
     student_model: str = Field(
         "builtin:student",
         description="'builtin:student', a local directory or a hub name such as 'distilgpt2'.",

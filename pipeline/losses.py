@@ -96,3 +96,21 @@ def prompt_mask(n_targets: int, skip: torch.Tensor) -> torch.Tensor:
     """(B, T) mask of shifted positions whose *target* token index (t + 1) is >= skip (B,)."""
     target_index = torch.arange(1, n_targets + 1).unsqueeze(0)  # (1, T)
     return target_index >= skip.unsqueeze(1)  # (B, T)
+
+
+def per_sequence_distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, *, alpha: float, temperature: float
+) -> torch.Tensor:
+    """(1-α)·CE + α·T²·KL per sequence, for DP-SGD with a KD loss (DPKD), where each example's
+    loss must stay separate to be clipped. logits (B, T, V), labels (B, T) -> (B,)."""
+    mask = (labels != IGNORE).to(student_logits.dtype)  # (B, T)
+    count = mask.sum(1).clamp(min=1.0)  # (B,)
+    nll = F.cross_entropy(
+        student_logits.reshape(-1, student_logits.shape[-1]).float(), labels.reshape(-1).clamp(min=0), reduction="none"
+    ).view(labels.shape)  # (B, T)
+    log_p_s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, T, V)
+    log_p_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # (B, T, V)
+    kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1)  # (B, T)
+    ce_seq = (nll * mask).sum(1) / count  # (B,)
+    kl_seq = (kl * mask).sum(1) / count  # (B,)
+    return (1 - alpha) * ce_seq + alpha * temperature**2 * kl_seq

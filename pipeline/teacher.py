@@ -36,6 +36,7 @@ from opacus import PrivacyEngine
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
 from opacus.utils.batch_memory_manager import BatchMemoryManager
+from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 from torch.utils.data import DataLoader, Dataset
 
 from pipeline import privacy
@@ -45,7 +46,8 @@ from pipeline.data import encode_record, read_split, read_users
 from pipeline.evaluate import perplexity
 from pipeline.ledger import LedgerEntry
 from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file, write_manifest
-from pipeline.models import load_causal_lm, load_tokenizer, untie_lm_head
+from pipeline.losses import per_sequence_distillation_loss
+from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer, untie_lm_head
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,16 @@ CHECKPOINT = "checkpoint/state.pt"
 
 class TeacherError(ValueError):
     """The teacher stage cannot run as configured; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class KnowledgeDistillation:
+    """DP-SGD with a KD loss (the DPKD baseline): a frozen teacher's soft labels on the
+    private batch. The teacher must itself be DP: its outputs are post-processing."""
+
+    teacher_dir: Path
+    alpha: float
+    temperature: float
 
 
 @dataclass
@@ -141,10 +153,13 @@ def _steps_accounted(engine: PrivacyEngine) -> int:
     return int(sum(steps for _, _, steps in engine.accountant.history))
 
 
-def _fingerprint(cfg: TeacherConfig, base_model: str, train_path: Path, seed: int, sigma: float) -> str:
-    """What a checkpoint must match to be resumed: same config, data, base model, seed, σ."""
+def _fingerprint(
+    cfg: TeacherConfig, base_model: str, train_path: Path, seed: int, sigma: float, kd: KnowledgeDistillation | None
+) -> str:
+    """What a checkpoint must match to be resumed: same config, data, base model, seed, σ, KD."""
     spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every"})
-    spec |= {"base_model": base_model, "train_sha256": sha256_file(train_path), "seed": seed, "sigma": sigma}
+    spec |= {"base_model": base_model, "train_sha256": sha256_file(train_path), "seed": seed, "sigma": sigma,
+             "kd": None if kd is None else [str(kd.teacher_dir), kd.alpha, kd.temperature]}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -157,6 +172,8 @@ def train_teacher(
     out_dir: Path,
     seed: int,
     on_step: Callable[[dict], None] | None = None,
+    stage: str = "teacher",
+    kd: KnowledgeDistillation | None = None,
 ) -> TeacherResult:
     """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
 
@@ -176,6 +193,9 @@ def train_teacher(
             f"set teacher.max_length <= {n_positions}"
         )
     model = prepare_trainable(model, cfg)
+    kd_teacher = load_causal_lm(str(kd.teacher_dir)).eval() if kd else None
+    if kd_teacher is not None and not same_tokenizer(tok, load_tokenizer(str(kd.teacher_dir))):
+        raise TeacherError(f"the KD teacher {kd.teacher_dir} uses another tokenizer than {base_model!r}")
 
     codes, texts = read_split(train_path)
     users = read_users(train_path)
@@ -272,7 +292,7 @@ def train_teacher(
 
     # Resume from a checkpoint of an interrupted run with the same fingerprint.
     ckpt_path = out_dir / CHECKPOINT
-    fingerprint = _fingerprint(cfg, base_model, Path(train_path), seed, sigma)
+    fingerprint = _fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd)
     history: list[dict] = []
     resumed_from = 0
     if ckpt_path.is_file():
@@ -328,7 +348,19 @@ def train_teacher(
                     batch = lm_batch(ids, lengths)
                     labels = batch.pop("labels")
                     logits = dp_model(**batch).logits  # (B, L, V)
-                    if criterion is not None:
+                    if kd_teacher is not None:
+                        with torch.no_grad():
+                            t_logits = kd_teacher(**batch).logits  # (B, L, V)
+                        vocab = min(logits.shape[-1], t_logits.shape[-1])
+                        per_example = per_sequence_distillation_loss(
+                            logits[:, :-1, :vocab], t_logits[:, :-1, :vocab], labels,
+                            alpha=kd.alpha, temperature=kd.temperature,
+                        )  # (B,)
+                        loss = (
+                            DPTensorFastGradientClipping(dp_model, optimizer, per_example, "mean")
+                            if criterion is not None else per_example.mean()
+                        )
+                    elif criterion is not None:
                         shifted = logits[:, :-1]  # (B, L-1, V)
                         loss = criterion(
                             shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape
@@ -390,7 +422,7 @@ def train_teacher(
     )
     accounted = [(sigma, sample_rate, steps)]
     entry = LedgerEntry(
-        stage="teacher",
+        stage=stage,
         private=True,
         epsilon=epsilon,
         delta=delta,
@@ -409,7 +441,8 @@ def train_teacher(
         + f"), Poisson sampling with probability {sampling_probability:.6g} (accounted as "
         f"q={sample_rate:.6g}), lm_head untied from the input embedding; σ calibrated by Opacus "
         f"for target ε={cfg.target_epsilon}"
-        + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else ""),
+        + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else "")
+        + (f"; KD loss (α={kd.alpha}, T={kd.temperature}) from the DP teacher" if kd else ""),
     )
     atomic_write_json(
         out_dir / "training_log.json",
@@ -417,7 +450,7 @@ def train_teacher(
     )
     write_manifest(
         out_dir,
-        stage="teacher",
+        stage=stage,
         inputs={"train": train_path, "validation": validation_path},
         outputs={"model": ckpt, "accountant_state": out_dir / "accountant_state.pt"},
         extra={"base_model": base_model, "ledger": entry.model_dump()},

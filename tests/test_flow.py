@@ -51,7 +51,7 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     assert teacher.epsilon_rdp >= teacher.epsilon * 0.9  # RDP cross-check beside PRV
 
     metrics = json.loads((run / "metrics.json").read_text())
-    assert set(metrics["perplexity"]) == {"base_student", "base_teacher", "dp_teacher", "distilled_student"}
+    assert set(metrics["perplexity"]) == {"base_student", "base_teacher", "dp_teacher", "student_distil"}
     assert all(m["windowed"] > 1 for m in metrics["perplexity"].values())
     # aggregates only: per control code (small codes pooled), and text properties
     assert all(v > 1 for m in metrics["perplexity"].values() for v in m["per_code"].values())
@@ -102,3 +102,36 @@ def test_cli_reports_config_errors_and_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "teacher.target_epsilon = -1" in err and "teacher.epsilonn" in err
+
+
+@pytest.mark.parametrize("method", ["dp_syn", "dp_sgd", "dpkd"])
+def test_baselines_run_through_the_same_flow(prefect_server, tmp_path, method):
+    """Each baseline is one config switch; its ledger lists exactly the stages that touched
+    private data, with their ε, and the total composes them."""
+    from conftest import tiny_pipeline_dict
+    from pipeline.config import config_from_dict
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["distill"]["method"] = method
+    cfg = config_from_dict(tree)
+    run = __import__("pathlib").Path(dp_distill(cfg))
+    typed = read_ledger(run / "ledger.json")
+    stages = [e.stage for e in typed.entries]
+    eps = cfg.teacher.target_epsilon
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert f"student_{method}" in metrics["perplexity"] and "base_student" in metrics["perplexity"]
+    if method == "dp_syn":
+        assert stages == ["control_codes", "teacher", "generation", "distillation", "evaluation"]
+        log = json.loads((run / "student" / "training_log.json").read_text())
+        assert all(h["kl"] == 0 or h["loss"] == pytest.approx(h["ce"]) for h in log["history"])
+    elif method == "dp_sgd":
+        assert stages == ["student", "evaluation"]
+        student = typed.entry("student")
+        assert student.epsilon <= eps and student.epsilon > 0.9 * eps
+        assert typed.total.complete and typed.total.epsilon == pytest.approx(student.epsilon)
+        assert not (run / "synthetic").exists()
+    else:  # dpkd: ε/2 + ε/2, composed by the accountant
+        assert stages == ["teacher", "student", "evaluation"]
+        t, s = typed.entry("teacher"), typed.entry("student")
+        assert t.epsilon <= eps / 2 and s.epsilon <= eps / 2 and "KD loss" in s.note
+        assert typed.total.complete and max(t.epsilon, s.epsilon) < typed.total.epsilon <= t.epsilon + s.epsilon
