@@ -213,11 +213,11 @@ def train_teacher(
         )
     delta = cfg.target_delta if cfg.target_delta is not None else 1.0 / n
     if delta > 1.0 / n:
-        log.warning("teacher: δ=%.3g is not below 1/N=%.3g (N %ss); the guarantee is weak", delta, 1.0 / n, unit)
+        log.warning("%s: δ=%.3g is not below 1/N=%.3g (N %ss); the guarantee is weak", stage, delta, 1.0 / n, unit)
     if not cfg.secure_mode:
         log.warning(
-            "teacher: secure_mode is off, DP noise comes from a non-cryptographic RNG; fine for "
-            "experiments, set teacher.secure_mode=true for a production release"
+            "%s: secure_mode is off, DP noise comes from a non-cryptographic RNG; fine for "
+            "experiments, set teacher.secure_mode=true for a production release", stage,
         )
 
     generator = torch.Generator().manual_seed(seed)
@@ -269,8 +269,8 @@ def train_teacher(
         ) from e
     if steps_allowed < total_steps:
         log.warning(
-            "teacher: σ=%.4f would exceed ε=%.2f after step %d of %d (calibration tolerance); "
-            "training stops there", sigma, cfg.target_epsilon, steps_allowed, total_steps,
+            "%s: σ=%.4f would exceed ε=%.2f after step %d of %d (calibration tolerance); "
+            "training stops there", stage, sigma, cfg.target_epsilon, steps_allowed, total_steps,
         )
 
     private = dict(
@@ -307,13 +307,13 @@ def train_teacher(
         torch.set_rng_state(state["torch_rng"])
         history = state["history"]
         resumed_from = _steps_accounted(engine)
-        log.info("teacher: resuming at step %d/%d, ε so far %.3f", resumed_from, total_steps,
+        log.info("%s: resuming at step %d/%d, ε so far %.3f", stage, resumed_from, total_steps,
                  engine.get_epsilon(delta) if resumed_from else 0.0)
 
     log.info(
-        "teacher: N=%d %ss, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, mode %s, %s clipping, "
+        "%s: N=%d %ss, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, mode %s, %s clipping, "
         "%d trainable parameters",
-        n, unit, sample_rate, total_steps, sigma, cfg.max_grad_norm, cfg.target_epsilon, delta, cfg.mode,
+        stage, n, unit, sample_rate, total_steps, sigma, cfg.max_grad_norm, cfg.target_epsilon, delta, cfg.mode,
         cfg.grad_sample_mode, sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
 
@@ -380,8 +380,8 @@ def train_teacher(
                 if done % cfg.log_every == 0 or done == steps_allowed:
                     record["epsilon"] = engine.get_epsilon(delta)
                     log.info(
-                        "teacher: step %d/%d loss %.4f ε=%.3f (%.0f s)",
-                        done, steps_allowed, record["loss"], record["epsilon"], time.time() - t0,
+                        "%s: step %d/%d loss %.4f ε=%.3f (%.0f s)",
+                        stage, done, steps_allowed, record["loss"], record["epsilon"], time.time() - t0,
                     )
                 history.append(record)
                 if done % cfg.checkpoint_every == 0 and done < steps_allowed:
@@ -411,7 +411,7 @@ def train_teacher(
     if val_texts:
         ppl = perplexity(model, tok, val_codes, val_texts, cfg.max_length, cfg.physical_batch_size)
         validation_loss = math.log(ppl.windowed)
-        log.info("teacher: validation perplexity %.2f", ppl.windowed)
+        log.info("%s: validation perplexity %.2f", stage, ppl.windowed)
 
     ckpt = out_dir / "model"
     model.save_pretrained(ckpt)
