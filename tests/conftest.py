@@ -5,6 +5,7 @@ Nothing here downloads anything. The "private" records are the shipped Yelp samp
 
 from __future__ import annotations
 
+import copy
 import random
 import warnings
 from pathlib import Path
@@ -119,7 +120,7 @@ def noise_free_dp_gradient(tokenizer, mode: str, max_grad_norm: float):
 
     model = make_tiny_model(tokenizer)
     untie_lm_head(model)
-    initial = __import__("copy").deepcopy(model)
+    initial = copy.deepcopy(model)
     texts = ["Great tacos and friendly staff.", "Never again.", "The room was clean but the bed was hard."]
     data = TokenizedRecords([encode_record(tokenizer, "Stars: 5", t, 40) for t in texts], tokenizer.pad_token_id, 40)
     loader = torch.utils.data.DataLoader(data, batch_size=len(texts))

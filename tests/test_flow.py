@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -114,7 +115,7 @@ def test_baselines_run_through_the_same_flow(prefect_server, tmp_path, method):
     tree = tiny_pipeline_dict(tmp_path)
     tree["distill"]["method"] = method
     cfg = config_from_dict(tree)
-    run = __import__("pathlib").Path(dp_distill(cfg))
+    run = Path(dp_distill(cfg))
     typed = read_ledger(run / "ledger.json")
     stages = [e.stage for e in typed.entries]
     eps = cfg.teacher.target_epsilon
