@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def distill(
     student_model: str,
     out_dir: Path,
     seed: int,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> DistillResult:
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
@@ -154,6 +156,8 @@ def distill(
                     "distillation: step %d/%d loss %.4f (ce %.4f, kl %.4f, mse %.4f) (%.0f s)",
                     step, total, record["loss"], record["ce"], record["kl"], record["mse"], time.time() - t0,
                 )
+            if on_progress:
+                on_progress({**record, "done": step, "total": total})
             if (step % cfg.eval_every == 0 or step == total) and evaluate_and_keep_best(step):
                 stopped_early = True
                 log.info("distillation: no improvement in %d evaluations, stopping at step %d", cfg.patience, step)

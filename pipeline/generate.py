@@ -25,6 +25,7 @@ import logging
 import math
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,7 +208,13 @@ def generate_synthetic(
     ledger: list[LedgerEntry],
     out_dir: Path,
     seed: int,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> GenerateResult:
+    """Write `num_samples` synthetic records in Parquet shards; finished shards are reused.
+
+    `on_progress` receives, after each shard, done/total shards, the samples so far and
+    the throughput (aggregates only, never a text).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(str(teacher_dir))
@@ -262,6 +269,9 @@ def generate_synthetic(
             shard + 1, n_shards, "reused" if reused else "written",
             first + n, cfg.num_samples, totals["new_tokens"] / max(seconds, 1e-9),
         )
+        if on_progress:
+            on_progress({"done": shard + 1, "total": n_shards, "samples": first + n, "reused": reused,
+                         "tokens_per_second": totals["new_tokens"] / max(seconds, 1e-9)})
     if totals["kept"] == 0:
         raise GenerateError(
             f"all {cfg.num_samples} generations were empty; check the teacher checkpoint "

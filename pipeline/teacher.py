@@ -171,14 +171,15 @@ def train_teacher(
     base_model: str,
     out_dir: Path,
     seed: int,
-    on_step: Callable[[dict], None] | None = None,
+    on_progress: Callable[[dict], None] | None = None,
     stage: str = "teacher",
     kd: KnowledgeDistillation | None = None,
 ) -> TeacherResult:
     """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
 
-    `on_step` receives each logical step's record (step, loss, ε when computed) after the
-    step and its checkpoint; an exception raised there interrupts training like a crash.
+    `on_progress` receives each logical step's record (step, loss, ε when computed, and
+    done/total steps) after the step and its checkpoint; an exception raised there
+    interrupts training like a crash.
     """
     torch.manual_seed(seed)
     np.random.seed(seed)
@@ -386,8 +387,8 @@ def train_teacher(
                 history.append(record)
                 if done % cfg.checkpoint_every == 0 and done < steps_allowed:
                     save_checkpoint()
-                if on_step:
-                    on_step(record)
+                if on_progress:
+                    on_progress({**record, "done": done, "total": steps_allowed})
                 if done >= steps_allowed:
                     break
 

@@ -171,7 +171,7 @@ def test_resume_after_crash_continues_the_same_budget(splits, tiny_model_dir, tm
     with pytest.raises(_Crash):
         cfg = TeacherConfig(target_epsilon=3.0, max_length=48, learning_rate=1e-3, **opts)
         train_teacher(cfg, train_path=splits.train, validation_path=splits.validation,
-                      base_model=str(tiny_model_dir), out_dir=tmp_path / "cut", seed=0, on_step=crash_at_3)
+                      base_model=str(tiny_model_dir), out_dir=tmp_path / "cut", seed=0, on_progress=crash_at_3)
     assert (tmp_path / "cut" / "checkpoint" / "state.pt").is_file()
     assert not (tmp_path / "cut" / "manifest.json").exists()  # not finished, and does not look it
 
@@ -193,7 +193,7 @@ def test_resume_refuses_a_checkpoint_of_another_config(splits, tiny_model_dir, t
                         epochs=1, checkpoint_every=1)
     with pytest.raises(_Crash):
         train_teacher(cfg, train_path=splits.train, validation_path=splits.validation,
-                      base_model=str(tiny_model_dir), out_dir=tmp_path, seed=0, on_step=crash)
+                      base_model=str(tiny_model_dir), out_dir=tmp_path, seed=0, on_progress=crash)
     with pytest.raises(TeacherError, match="another config"):
         _teacher(splits, tiny_model_dir, tmp_path, batch_size=10, physical_batch_size=10,
                  epochs=1, checkpoint_every=1, target_epsilon=4.0)
