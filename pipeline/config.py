@@ -253,6 +253,22 @@ class DistillConfig(_Section):
         None, ge=1, description="Stop after this many evaluations without improvement (None: never)."
     )
     log_every: int = Field(20, ge=1)
+    teacher_top_k: int | None = Field(
+        None,
+        ge=1,
+        description="None: teacher logits on the fly at every step. k: the teacher's top-k logits "
+        "per token are computed once, cached as Parquet next to the synthetic data and reused by "
+        "every student; the KL renormalises over those k tokens (k = vocabulary size: exact).",
+    )
+
+    @model_validator(mode="after")
+    def _top_k_without_hidden_mse(self) -> "DistillConfig":
+        if self.teacher_top_k is not None and self.beta > 0:
+            raise ValueError(
+                f"distill.teacher_top_k={self.teacher_top_k} caches logits only, but distill.beta={self.beta} "
+                "needs the teacher's hidden states at every step; set distill.beta=0 or distill.teacher_top_k=null"
+            )
+        return self
 
 
 class EvalConfig(_Section):
