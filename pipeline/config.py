@@ -211,6 +211,12 @@ class GenerateConfig(_Section):
     validation_fraction: float = Field(
         0.01, ge=0, lt=0.5, description="Share of samples marked split='validation' for distillation."
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        description="Local worker processes generating shards in parallel (a Dask cluster under "
+        "Prefect); 1 generates in-process. The shards are the same for any value.",
+    )
 
 
 class DistillConfig(_Section):
