@@ -187,6 +187,18 @@ class TeacherConfig(_Section):
         False, description="Cryptographically secure noise (slower); turn on for production."
     )
     log_every: int = Field(5, ge=1, description="Log loss and ε every N logical steps.")
+    processes: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel processes (Opacus DPDDP). >1: the stage runs under torchrun, each "
+        "process Poisson-samples its share of the records; the global expected batch stays "
+        "batch_size, so q, σ and ε are those of one process.",
+    )
+    ddp_backend: Literal["gloo", "nccl"] = Field(
+        "gloo",
+        description="torch.distributed backend when processes > 1: 'gloo' on CPU; 'nccl' puts "
+        "each process on its own CUDA device (one GPU per process).",
+    )
 
 
 class GenerateConfig(_Section):
