@@ -13,16 +13,23 @@ Each sample is marked split='train' or 'validation' (`validation_fraction`, 1% b
 default: the distillation's validation split). Empty or prompt-only generations are
 counted and dropped.
 
+Parallel: `plan_generation` (checks, fingerprint, shard ranges) → `generate_shard(plan, i)`
+for each shard, in any process and any order → `finish_generation` (totals, manifest
+last). `generate_synthetic` runs the three in this process; flows/generation.py maps the
+shards over worker processes. The shards are the same either way.
+
 This stage reads only the DP teacher checkpoint and the released control-code counts,
 never the private records: post-processing of DP releases (no extra privacy cost).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -34,6 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+from transformers import AutoConfig
 
 from pipeline.config import GenerateConfig
 from pipeline.data import prompt_for, read_control_codes
@@ -115,12 +123,7 @@ def _generate_shard(
     by_length: dict[int, list[int]] = defaultdict(list)  # prompt length -> sample positions
     for i, code in enumerate(requested):
         by_length[len(prompt_ids[code])].append(i)
-    too_long = [p for p in by_length if p >= cfg.max_length]
-    if too_long:
-        raise GenerateError(
-            f"control-code prompts of {max(too_long)} tokens leave no room within "
-            f"generate.max_length={cfg.max_length}; raise generate.max_length"
-        )
+    assert max(by_length) < cfg.max_length, "plan_generation checks prompt lengths"
 
     kept: dict[int, tuple] = {}
     dropped, new_tokens = 0, 0
@@ -182,7 +185,9 @@ def _generate_shard(
 
 
 def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: int) -> str:
-    spec = {"config": cfg.model_dump(mode="json", exclude={"shard_size"}), "teacher": teacher_sha,
+    # `workers` changes how shards are scheduled, never what they hold: shards written with any
+    # number of workers are the same generation (and resume each other).
+    spec = {"config": cfg.model_dump(mode="json", exclude={"shard_size", "workers"}), "teacher": teacher_sha,
             "codes": counts_sha, "seed": seed, "shard_size": cfg.shard_size, "format": 2}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
@@ -200,6 +205,180 @@ def _finished_shard(path: Path, fingerprint: str) -> dict | None:
     return json.loads(meta[b"dpdistill.shard_stats"])
 
 
+@dataclass(frozen=True)
+class GenerationPlan:
+    """Everything a worker needs to write any one shard: small, picklable, no model, no text."""
+
+    cfg: GenerateConfig
+    teacher_dir: Path
+    control_codes_path: Path
+    out_dir: Path
+    seed: int
+    fingerprint: str
+    counts: dict[str, float]
+    metadata: dict[str, str]
+    """Parquet metadata of every shard (teacher, ledger, config, seed, fingerprint)."""
+    shards: tuple[tuple[int, int], ...]
+    """(first sample id, number of samples) of each shard."""
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.shards)
+
+    def shard_path(self, shard: int) -> Path:
+        return self.out_dir / SHARD.format(shard)
+
+
+def plan_generation(
+    cfg: GenerateConfig, *, teacher_dir: Path, control_codes_path: Path, ledger: list[LedgerEntry],
+    out_dir: Path, seed: int,
+) -> GenerationPlan:
+    """Check the configuration against the teacher and codes, and lay out the shards."""
+    out_dir, teacher_dir = Path(out_dir), Path(teacher_dir)
+    try:
+        model_config = AutoConfig.from_pretrained(str(teacher_dir))
+    except OSError as e:
+        raise GenerateError(f"no model config in the teacher checkpoint {teacher_dir}; run the teacher stage first") from e
+    n_positions = getattr(model_config, "n_positions", None) or model_config.max_position_embeddings
+    if cfg.max_length > n_positions:
+        raise GenerateError(
+            f"generate.max_length={cfg.max_length} exceeds the teacher's {n_positions} positions; "
+            f"set generate.max_length <= {n_positions}"
+        )
+    counts = read_control_codes(control_codes_path)
+    tok = load_tokenizer(str(teacher_dir))
+    longest = max((len(tok.encode(prompt_for(c), add_special_tokens=False)) for c, n in counts.items() if n > 0),
+                  default=0)
+    if longest >= cfg.max_length:
+        raise GenerateError(
+            f"control-code prompts of {longest} tokens leave no room within "
+            f"generate.max_length={cfg.max_length}; raise generate.max_length"
+        )
+    teacher_sha = teacher_fingerprint(teacher_dir)
+    fingerprint = _fingerprint(cfg, teacher_sha, sha256_file(Path(control_codes_path)), seed)
+    metadata = {
+        "dpdistill.teacher_checkpoint": str(teacher_dir),
+        "dpdistill.teacher_sha256": teacher_sha,
+        "dpdistill.ledger": json.dumps([e.model_dump() for e in ledger]),
+        "dpdistill.generate_config": cfg.model_dump_json(exclude={"workers"}),
+        "dpdistill.seed": str(seed),
+        "dpdistill.fingerprint": fingerprint,
+    }
+    starts = range(0, cfg.num_samples, cfg.shard_size)
+    shards = tuple((first, min(cfg.shard_size, cfg.num_samples - first)) for first in starts)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return GenerationPlan(cfg=cfg, teacher_dir=teacher_dir, control_codes_path=Path(control_codes_path),
+                          out_dir=out_dir, seed=seed, fingerprint=fingerprint, counts=counts,
+                          metadata=metadata, shards=shards)
+
+
+@functools.lru_cache(maxsize=1)
+def _teacher(teacher_dir: str, teacher_sha: str):
+    """The teacher and its tokenizer, loaded once per process (the sha keys a rewritten checkpoint)."""
+    return load_causal_lm(teacher_dir).eval(), load_tokenizer(teacher_dir)
+
+
+def generate_shard(plan: GenerationPlan, shard: int) -> dict:
+    """Write shard `shard` of the plan (or reuse it if finished); return its stats, never a text.
+
+    Any process can run any shard: the shard depends on (seed, shard) only, and the file is
+    written under a temporary name, then renamed.
+    """
+    path = plan.shard_path(shard)
+    first, n = plan.shards[shard]
+    stats = _finished_shard(path, plan.fingerprint)
+    if stats is not None:
+        log.info("generation: shard %d reused", shard)
+        return {**stats, "shard": shard, "samples": n, "reused": True}
+    model, tok = _teacher(str(plan.teacher_dir), plan.metadata["dpdistill.teacher_sha256"])
+    t0 = time.perf_counter()
+    rows, stats = _generate_shard(model, tok, plan.cfg, plan.counts, first, n, _shard_seed(plan.seed, shard))
+    stats["seconds"] = time.perf_counter() - t0
+    table = pa.table(rows, schema=SCHEMA).replace_schema_metadata(
+        plan.metadata | {"dpdistill.shard_stats": json.dumps(stats)}
+    )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two workers never share one
+    pq.write_table(table, tmp)
+    tmp.replace(path)  # atomic: a crash never leaves half a shard
+    log.info("generation: shard %d written, %d samples kept, %.0f new tokens/s",
+             shard, stats["kept"], stats["new_tokens"] / max(stats["seconds"], 1e-9))
+    return {**stats, "shard": shard, "samples": n, "reused": False}
+
+
+def progress(plan: GenerationPlan, stats: list[dict]) -> dict:
+    """The `on_progress` record after the shards in `stats` (aggregates only)."""
+    seconds = sum(s["seconds"] for s in stats)
+    return {"done": len(stats), "total": plan.n_shards, "samples": sum(s["samples"] for s in stats),
+            "reused": bool(stats) and stats[-1]["reused"],
+            "tokens_per_second": sum(s["new_tokens"] for s in stats) / max(seconds, 1e-9)}
+
+
+def finish_generation(plan: GenerationPlan, stats: list[dict], wall_seconds: float | None = None) -> GenerateResult:
+    """Check every shard is there, add up the stats and write the manifest (last).
+
+    `tokens_per_second` is the new tokens over the summed shard times; with `wall_seconds`
+    (shards generated in parallel) it is the new tokens of the shards written now over the
+    wall-clock time, which counts every worker.
+    """
+    stats = sorted(stats, key=lambda s: s["shard"])
+    if [s["shard"] for s in stats] != list(range(plan.n_shards)):
+        raise GenerateError(
+            f"generation finished {len(stats)} of {plan.n_shards} shards in {plan.out_dir}; rerun the stage "
+            "into the same directory to write the missing ones (finished shards are reused)"
+        )
+    shards = [plan.shard_path(s["shard"]) for s in stats]
+    assert all(p.is_file() for p in shards), "a shard reported finished is missing"
+    requested, generated, totals = Counter(), Counter(), Counter()
+    for s in stats:
+        requested.update(s["requested"])
+        generated.update(s["generated"])
+        totals.update({k: s[k] for k in ("kept", "validation", "dropped_empty", "new_tokens", "seconds")})
+    if totals["kept"] == 0:
+        raise GenerateError(
+            f"all {plan.cfg.num_samples} generations were empty; check the teacher checkpoint "
+            "(it only writes end-of-text) or raise generate.temperature"
+        )
+    fresh = [s for s in stats if not s["reused"]]
+    if wall_seconds is not None and fresh:
+        tokens_per_second = sum(s["new_tokens"] for s in fresh) / max(wall_seconds, 1e-9)
+    else:
+        tokens_per_second = totals["new_tokens"] / max(totals["seconds"], 1e-9)
+    resumed = len(stats) - len(fresh)
+    result = GenerateResult(
+        path=plan.out_dir,
+        shards=shards,
+        n_samples=totals["kept"],
+        n_validation=totals["validation"],
+        n_dropped_empty=totals["dropped_empty"],
+        tokens_per_second=tokens_per_second,
+        requested_codes=_frequencies(requested),
+        generated_codes=_frequencies(generated),
+        resumed_shards=resumed,
+    )
+    write_manifest(
+        plan.out_dir,
+        stage="generation",
+        inputs={"teacher": plan.teacher_dir, "control_codes": plan.control_codes_path},
+        outputs={f"shard_{i}": p for i, p in enumerate(shards)},
+        extra={
+            "n_samples": result.n_samples,
+            "n_validation": result.n_validation,
+            "n_dropped_empty": result.n_dropped_empty,
+            "new_tokens": totals["new_tokens"],
+            "seconds": totals["seconds"],
+            "wall_seconds": wall_seconds,
+            "tokens_per_second": result.tokens_per_second,
+            "resumed_shards": resumed,
+            "workers": plan.cfg.workers,
+        },
+    )
+    log.info(
+        "generation: %d samples kept (%d validation), %d empty dropped, %.0f new tokens/s",
+        result.n_samples, result.n_validation, result.n_dropped_empty, result.tokens_per_second,
+    )
+    return result
+
+
 def generate_synthetic(
     cfg: GenerateConfig,
     *,
@@ -210,104 +389,21 @@ def generate_synthetic(
     seed: int,
     on_progress: Callable[[dict], None] | None = None,
 ) -> GenerateResult:
-    """Write `num_samples` synthetic records in Parquet shards; finished shards are reused.
+    """Write `num_samples` synthetic records in Parquet shards, one after another, in this
+    process (whatever `cfg.workers` says; flows/generation.py runs them in parallel).
+    Finished shards are reused.
 
     `on_progress` receives, after each shard, done/total shards, the samples so far and
     the throughput (aggregates only, never a text).
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(str(teacher_dir))
-    model = load_causal_lm(str(teacher_dir)).eval()
-    n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
-    if cfg.max_length > n_positions:
-        raise GenerateError(
-            f"generate.max_length={cfg.max_length} exceeds the teacher's {n_positions} positions; "
-            f"set generate.max_length <= {n_positions}"
-        )
-    counts = read_control_codes(control_codes_path)
-    teacher_sha = teacher_fingerprint(teacher_dir)
-    fingerprint = _fingerprint(cfg, teacher_sha, sha256_file(Path(control_codes_path)), seed)
-    metadata = {
-        "dpdistill.teacher_checkpoint": str(teacher_dir),
-        "dpdistill.teacher_sha256": teacher_sha,
-        "dpdistill.ledger": json.dumps([e.model_dump() for e in ledger]),
-        "dpdistill.generate_config": cfg.model_dump_json(),
-        "dpdistill.seed": str(seed),
-        "dpdistill.fingerprint": fingerprint,
-    }
-
-    n_shards = math.ceil(cfg.num_samples / cfg.shard_size)
-    shards, totals, resumed = [], Counter(), 0
-    requested, generated = Counter(), Counter()
-    seconds = 0.0
-    for shard in range(n_shards):
-        path = out_dir / SHARD.format(shard)
-        first = shard * cfg.shard_size
-        n = min(cfg.shard_size, cfg.num_samples - first)
-        stats = _finished_shard(path, fingerprint)
-        reused = stats is not None
-        if reused:
-            resumed += 1
-        else:
-            t0 = time.time()
-            rows, stats = _generate_shard(model, tok, cfg, counts, first, n, _shard_seed(seed, shard))
-            stats["seconds"] = time.time() - t0
-            table = pa.table(rows, schema=SCHEMA).replace_schema_metadata(
-                metadata | {"dpdistill.shard_stats": json.dumps(stats)}
-            )
-            tmp = out_dir / f".{path.name}.tmp"
-            pq.write_table(table, tmp)
-            tmp.replace(path)  # atomic: a crash never leaves half a shard
-        shards.append(path)
-        requested.update(stats["requested"])
-        generated.update(stats["generated"])
-        totals.update({k: stats[k] for k in ("kept", "validation", "dropped_empty", "new_tokens")})
-        seconds += stats["seconds"]
-        log.info(
-            "generation: shard %d/%d %s, %d/%d samples, %.0f new tokens/s",
-            shard + 1, n_shards, "reused" if reused else "written",
-            first + n, cfg.num_samples, totals["new_tokens"] / max(seconds, 1e-9),
-        )
+    plan = plan_generation(cfg, teacher_dir=teacher_dir, control_codes_path=control_codes_path, ledger=ledger,
+                           out_dir=out_dir, seed=seed)
+    stats: list[dict] = []
+    for shard in range(plan.n_shards):
+        stats.append(generate_shard(plan, shard))
         if on_progress:
-            on_progress({"done": shard + 1, "total": n_shards, "samples": first + n, "reused": reused,
-                         "tokens_per_second": totals["new_tokens"] / max(seconds, 1e-9)})
-    if totals["kept"] == 0:
-        raise GenerateError(
-            f"all {cfg.num_samples} generations were empty; check the teacher checkpoint "
-            "(it only writes end-of-text) or raise generate.temperature"
-        )
-    result = GenerateResult(
-        path=out_dir,
-        shards=shards,
-        n_samples=totals["kept"],
-        n_validation=totals["validation"],
-        n_dropped_empty=totals["dropped_empty"],
-        tokens_per_second=totals["new_tokens"] / max(seconds, 1e-9),
-        requested_codes=_frequencies(requested),
-        generated_codes=_frequencies(generated),
-        resumed_shards=resumed,
-    )
-    write_manifest(
-        out_dir,
-        stage="generation",
-        inputs={"teacher": Path(teacher_dir), "control_codes": Path(control_codes_path)},
-        outputs={f"shard_{i}": p for i, p in enumerate(shards)},
-        extra={
-            "n_samples": result.n_samples,
-            "n_validation": result.n_validation,
-            "n_dropped_empty": result.n_dropped_empty,
-            "new_tokens": totals["new_tokens"],
-            "seconds": seconds,
-            "tokens_per_second": result.tokens_per_second,
-            "resumed_shards": resumed,
-        },
-    )
-    log.info(
-        "generation: %d samples kept (%d validation), %d empty dropped, %.0f new tokens/s",
-        result.n_samples, result.n_validation, result.n_dropped_empty, result.tokens_per_second,
-    )
-    return result
+            on_progress(progress(plan, stats))
+    return finish_generation(plan, stats)
 
 
 def read_synthetic(path: Path, split: str | None = None) -> pa.Table:
