@@ -1,0 +1,190 @@
+"""The run report: built from a hand-made run directory (small JSON and Parquet files, no training)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.ledger import LedgerEntry, LedgerTotal, PrivacyLedger, post_processing, write_ledger
+from pipeline.report import REPORT, write_comparison_report, write_report
+
+SECRET = "PRIVATE-RECORD-q7Zx"  # planted in data/: must never reach a report
+SYNTHETIC_TEXT = "SYNTHETIC-TEXT-k2Vw"  # the report shows lengths only, never generated text
+CODES = ["Bars\tStars: 1.0", "Bars\tStars: 5.0", "Shopping\tStars: 3.0"]
+# Namespace names that inline SVG declares; identifiers, never fetched.
+SVG_NAMESPACES = {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
+
+
+def _json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+
+
+def _dp_log(last_epsilon: float, loss0: float) -> dict:
+    history = [{"step": s, "loss": loss0 - 0.05 * s, "records": 30} for s in range(1, 13)]
+    for h in history:
+        if h["step"] % 5 == 0 or h["step"] == 12:
+            h["epsilon"] = last_epsilon * (h["step"] / 12) ** 0.5  # recorded values, as the accountant wrote them
+    return {"history": history, "validation_loss": loss0 - 0.5, "resumed_from_step": 0}
+
+
+def make_run(root: Path, method: str = "distil") -> Path:
+    """A finished run directory of `method` with the files the flow writes (tiny, made by hand)."""
+    run = root / f"run-{method}"
+    (run / "data").mkdir(parents=True)
+    private = pa.table({"code": [CODES[0]], "text": [f"my visit {SECRET} was awful"]})
+    for split in ("train", "validation", "test"):
+        pq.write_table(private, run / "data" / f"{split}.parquet")
+    (run / "data" / "train.csv").write_text(f"text,label\n{SECRET},Bars\n")
+    (run / "config.yaml").write_text(f"name: tiny\ndistill:\n  method: {method}\n")
+    for stage in ("data", "teacher", "student", "evaluation"):
+        _json(run / stage / "manifest.json", {"stage": stage, "finished_at": "2026-11-21T09:00:00+0000"})
+
+    dp = method in ("dp_sgd", "dpkd")
+    teacher_eps = 1.0 if method == "dpkd" else 2.0
+    entries = [LedgerEntry(stage="teacher", private=True, epsilon=teacher_eps, delta=1e-3, accountant="prv",
+                           mechanism="subsampled_gaussian", noise_multiplier=1.4, sample_rate=0.1, steps=12,
+                           max_grad_norm=1.0, privacy_unit="record", history=[(1.4, 0.1, 12)], note="DP-SGD")]
+    if not dp:
+        entries.insert(0, LedgerEntry(stage="control_codes", private=False, epsilon=None, note="exact counts"))
+        entries += [post_processing("generation", "g"), post_processing("distillation", "d")]
+    entries.append(post_processing("evaluation", "e"))
+    total = LedgerTotal(epsilon=2.0, delta=1e-3, accountant="prv", composition="prv accountant",
+                        complete=dp, note="covers the DP stages only" if not dp else "(ε, δ)-DP per record")
+    write_ledger(run / "ledger.json", PrivacyLedger(entries=entries, total=total))
+
+    student = f"student_{method}"
+    ppl = {"base_student": 800.0, "base_teacher": 750.0, "dp_teacher": 320.0, student: 400.0 + len(method)}
+    metrics = {
+        "window": 128,
+        "test_records": 10,
+        "perplexity": {m: {"model": m, "windowed": v, "per_record_mean": v * 0.9, "per_record_median": v * 0.8,
+                           "tokens": 2000, "records": 10, "per_code": {}} for m, v in ppl.items()},
+        "method": method,
+        "seconds": {"data": 0.5, "teacher": 10.0, "evaluation": 2.0},
+        "teacher_validation_loss": 5.5,
+    }
+    if method == "dp_sgd":
+        del metrics["perplexity"]["base_teacher"], metrics["perplexity"]["dp_teacher"]
+    if dp:
+        _json(run / "student" / "training_log.json", _dp_log(teacher_eps if method == "dpkd" else 2.0, 4.8))
+    else:
+        _json(run / "student" / "training_log.json", {
+            "history": [{"step": s, "epoch": 0, "loss": 3 - 0.1 * s, "ce": 5 - 0.1 * s, "kl": 0.3, "mse": 0.0}
+                        for s in range(1, 11)],
+            "validation": [{"step": 5, "validation_loss": 3.1}, {"step": 10, "validation_loss": 2.9}],
+            "stopped_early": False, "seconds": 1.0,
+        })
+        n = 30
+        (run / "synthetic").mkdir()
+        pq.write_table(pa.table({
+            "sample_id": list(range(n)), "split": ["train"] * (n - 1) + ["validation"],
+            "control_code": [CODES[i % 3] for i in range(n)], "text": [SYNTHETIC_TEXT] * n,
+            "n_tokens": [8 + i for i in range(n)], "n_prompt_tokens": [6] * n,
+            "finished": [i % 2 == 0 for i in range(n)],
+        }), run / "synthetic" / "shard-00000.parquet")
+        metrics["text_properties"] = {
+            "synthetic": {"distinct_1": 0.1, "distinct_2": 0.5, "tokens": {"mean": 16.0, "median": 16.0, "p90": 28.0},
+                          "texts": n},
+            "real_test": {"distinct_1": 0.2, "distinct_2": 0.6, "tokens": {"mean": 40.0, "median": 30.0, "p90": 90.0},
+                          "texts": 10},
+        }
+        metrics["generation"] = {
+            "samples": n, "validation_samples": 1, "dropped_empty": 0, "new_tokens_per_second": 100.0,
+            "shards": 1, "resumed_shards": 0,
+            "control_codes": {c: {"requested": 1 / 3, "generated": 1 / 3} for c in CODES},
+        }
+    if method != "dp_sgd":
+        _json(run / "teacher" / "training_log.json", _dp_log(teacher_eps, 6.8))
+    _json(run / "metrics.json", metrics)
+    return run
+
+
+def _external_refs(page: str) -> set[str]:
+    return set(re.findall(r"https?://[^\s\"'<>)]+", page)) - SVG_NAMESPACES
+
+
+def test_report_of_a_distil_run_has_every_figure_and_no_private_record(tmp_path):
+    run = make_run(tmp_path, "distil")
+    path = write_report(run)
+    page = path.read_text()
+    assert path == run / REPORT
+    # DP training (loss + ε), distillation, perplexity, control codes, lengths
+    assert page.count("<svg") == 5
+    for title in ("Privacy ledger", "DP-SGD training", "Distillation", "Perplexity per model", "Generation",
+                  "Stage timings", "Config"):
+        assert f"<h2>{title}</h2>" in page
+    assert "could not be drawn" not in page
+    assert "student_distil" in page and "Bars | Stars: 5.0" in page
+    assert "covers the DP stages only" in page  # the incomplete total is stated
+    assert "15 of 30 samples ended with EOS" in page
+    assert f"{2.0:.4g}" in page  # the last ε recorded in the training log
+    # self-contained: no script, no stylesheet link, no image source, no URL except SVG namespaces
+    assert not re.search(r"<script|<link|<img|src=|@import|url\(http", page)
+    assert _external_refs(page) == set()
+    assert SECRET not in page and SYNTHETIC_TEXT not in page
+    assert not list(run.glob(".report.html.*"))  # the atomic write left no temp file
+
+
+def test_report_is_the_same_for_the_same_run(tmp_path):
+    run = make_run(tmp_path, "distil")
+    first = write_report(run).read_text()
+    assert write_report(run).read_text() == first
+
+
+@pytest.mark.parametrize("method", ["dp_sgd", "dpkd"])
+def test_report_of_a_dp_student_run_skips_generation_with_a_note(tmp_path, method):
+    run = make_run(tmp_path, method)
+    page = write_report(run).read_text()
+    assert page.count("<svg") == 2  # DP training (teacher and/or DP student), perplexity
+    assert "DP student" in page
+    assert "no distillation" in page and "no generation stage" in page
+    assert "could not be drawn" not in page
+    assert SECRET not in page
+
+
+def test_report_of_a_partly_finished_run(tmp_path):
+    """Only the config and a finished teacher: the report says what is missing and does not fail."""
+    run = make_run(tmp_path, "distil")
+    for name in ("metrics.json", "ledger.json"):
+        (run / name).unlink()
+    for stage in ("synthetic", "student", "evaluation"):
+        for f in (run / stage).iterdir():
+            f.unlink()
+        (run / stage).rmdir()
+    page = write_report(run).read_text()
+    assert page.count("<svg") == 1  # the teacher's loss and ε
+    assert "metrics.json is missing" in page and "No ledger.json yet" in page
+    assert "<td>synthetic</td><td>not run</td>" in page and "<td>teacher</td><td>finished</td>" in page
+    assert "could not be drawn" not in page
+
+
+def test_a_broken_part_becomes_a_note_and_the_rest_is_drawn(tmp_path):
+    run = make_run(tmp_path, "distil")
+    metrics = json.loads((run / "metrics.json").read_text())
+    del metrics["perplexity"]["dp_teacher"]["windowed"]
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    (run / "student" / "training_log.json").write_text('{"history": [')  # a log cut off mid-write
+    page = write_report(run).read_text()
+    assert "could not be drawn (KeyError)" in page
+    assert "No finished distillation log" in page
+    assert page.count("<svg") == 3  # DP training, control codes, lengths
+
+
+def test_comparison_report_shows_each_methods_student_perplexity(tmp_path):
+    runs = {label: make_run(tmp_path, m) for label, m in [("ours", "distil"), ("DP-SGD", "dp_sgd"), ("DPKD", "dpkd")]}
+    write_report(runs["ours"])
+    runs["not finished"] = tmp_path / "nowhere"
+    out = write_comparison_report(runs, tmp_path / "compare.html")
+    page = out.read_text()
+    assert page.count("<svg") == 1
+    for label, value in [("ours", 406.0), ("DP-SGD", 406.0), ("DPKD", 404.0)]:
+        assert f"<td>{label}</td>" in page and f"{value:.4g}" in page
+    assert "<td>not finished</td>" in page
+    assert 'href="run-distil/report.html"' in page  # relative link to the run's own report
+    assert _external_refs(page) == set() and SECRET not in page
