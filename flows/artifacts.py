@@ -1,14 +1,18 @@
-"""Prefect artifacts of a run: the privacy ledger and the metrics, never a private record."""
+"""Prefect artifacts of a run: the privacy ledger, the metrics and synthetic samples, never a private record."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from pipeline.generate import read_synthetic
 from pipeline.ledger import PrivacyLedger
 
 LEDGER_KEY = "privacy-ledger"
 SUMMARY_KEY = "privacy-summary"
 METRICS_KEY = "metrics"
+SYNTHETIC_KEY = "synthetic-samples"
 
 
 def _fmt(x) -> str:
@@ -72,4 +76,18 @@ def publish_metrics(metrics: dict) -> None:
         description=f"Perplexity on the held-out test split ({metrics['window']}-token windows), "
         f"method {metrics['method']}"
         + (f", {metrics['generation']['samples']} synthetic samples" if "generation" in metrics else ""),
+    )
+
+
+def publish_synthetic_sample(synthetic_dir: Path, n: int = 10, max_chars: int = 300) -> None:
+    """A few synthetic texts: samples of the DP teacher (post-processing, safe to show),
+    never private records."""
+    table = read_synthetic(synthetic_dir, "train").slice(0, n)
+    rows = [
+        {"control_code": code.replace("\t", " | "), "text": text[:max_chars] + ("…" if len(text) > max_chars else "")}
+        for code, text in zip(table["control_code"].to_pylist(), table["text"].to_pylist())
+    ]
+    create_table_artifact(
+        key=SYNTHETIC_KEY, table=rows,
+        description=f"The first {len(rows)} synthetic samples written by the DP teacher (not private records)",
     )

@@ -25,7 +25,7 @@ from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import EvalConfig
 from pipeline.data import encode_record, read_split
 from pipeline.generate import read_synthetic
-from pipeline.manifest import atomic_write_json
+from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
 
 log = logging.getLogger(__name__)
@@ -183,4 +183,6 @@ def evaluate_models(
             "real_test": text_properties(reference, texts),
         }
     atomic_write_json(Path(out_dir) / METRICS, result)
+    write_manifest(out_dir, stage="evaluation", inputs={"test": Path(test_path)},
+                   outputs={"metrics": Path(out_dir) / METRICS})
     return result

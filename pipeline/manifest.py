@@ -76,3 +76,26 @@ def write_manifest(
     path = Path(stage_dir) / MANIFEST
     atomic_write_json(path, manifest)
     return path
+
+
+def manifest_problems(stage_dir: Path) -> list[str]:
+    """Why `stage_dir` cannot be trusted as finished: no manifest, or an output missing
+    or changed since the manifest was written. Empty when every output matches its hash."""
+    path = Path(stage_dir) / MANIFEST
+    if not path.is_file():
+        return [f"{path} is missing"]
+    problems = []
+    for name, item in json.loads(path.read_text())["outputs"].items():
+        f = Path(item["path"])
+        if not f.is_file():
+            problems.append(f"{name}: {f} is missing")
+        elif sha256_file(f) != item["sha256"]:
+            problems.append(f"{name}: {f} changed since its manifest was written")
+    return problems
+
+
+def manifest_digest(stage_dir: Path) -> str:
+    """One hash of a finished stage's outputs (their sha256s, not their paths or times)."""
+    outputs = json.loads((Path(stage_dir) / MANIFEST).read_text())["outputs"]
+    digests = sorted((name, item["sha256"]) for name, item in outputs.items())
+    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()

@@ -29,7 +29,7 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     """The flow writes the run directory and publishes the ledger and metrics artifacts."""
     state = dp_distill(tiny_config, return_state=True)
     assert state.is_completed()
-    run = tiny_config.run_root / next(p.name for p in tiny_config.run_root.iterdir())
+    run = Path(state.result())
     for name in ("config.yaml", "ledger.json", "metrics.json"):
         assert (run / name).is_file(), name
     for stage in ("data", "teacher", "synthetic", "student"):

@@ -1,0 +1,133 @@
+"""Cache keys for the stage tasks, and the checks that make a cache hit trustworthy.
+
+A stage's key hashes what its output depends on and nothing else: the stage name, the
+config it reads (resolved, so defaults count), the manifests of the stages it reads from
+(the sha256 of their outputs, not their paths), the package version and the seed. The run
+directory is not part of it, so a second run with the same config reuses the stages an
+earlier run finished, wherever they live, and a changed config reruns only the stages whose
+key changed: their own, or one upstream of them.
+
+Prefect stores each stage's small result (paths and summaries, never a record) under its
+key in `run_root/.cache/prefect-results`. A hit is only trusted after the files its
+manifest names are found unchanged (`stale_reason`); otherwise the stage runs again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, is_dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Callable
+
+from prefect.cache_policies import CachePolicy
+from pydantic import BaseModel
+
+from pipeline.codes import CodesResult
+from pipeline.config import PipelineConfig
+from pipeline.data import DataResult
+from pipeline.distill import DistillResult
+from pipeline.generate import GenerateResult
+from pipeline.manifest import manifest_digest, manifest_problems
+from pipeline.models import BaseModels
+from pipeline.teacher import TeacherResult
+
+# In the order they run; `--from STAGE` reruns a stage and every stage after it.
+STAGES = (
+    "base-models", "data", "control-codes", "teacher", "dp-student", "generation", "distillation", "evaluation",
+)
+# Where each stage writes inside a run directory (base models live in their own cache).
+STAGE_DIRS = {
+    "data": "data", "control-codes": "control_codes", "teacher": "teacher", "dp-student": "student",
+    "generation": "synthetic", "distillation": "student", "evaluation": "evaluation",
+}
+RESULTS_DIR = Path(".cache") / "prefect-results"
+
+try:
+    VERSION = version("dpdistill")
+except PackageNotFoundError:  # running from a checkout that is not installed
+    VERSION = "unknown"
+
+
+def stages_to_rerun(rerun_from: str | None, force: list[str] | None) -> list[str]:
+    """`--from STAGE` → that stage and every later one; `--force STAGE` → that stage."""
+    for name in [rerun_from, *(force or [])]:
+        if name is not None and name not in STAGES:
+            raise ValueError(f"unknown stage {name!r}; stages are: {', '.join(STAGES)}")
+    chosen = set(force or [])
+    if rerun_from is not None:
+        chosen |= set(STAGES[STAGES.index(rerun_from):])
+    return [s for s in STAGES if s in chosen]
+
+
+def stage_dir_of(result: Any) -> Path | None:
+    """The directory holding a stage result's manifest (None for results without files)."""
+    if isinstance(result, BaseModels):
+        return Path(result.teacher).parent
+    if isinstance(result, DataResult):
+        return Path(result.train).parent
+    if isinstance(result, CodesResult):
+        return Path(result.path).parent
+    if isinstance(result, (TeacherResult, DistillResult)):
+        return Path(result.checkpoint).parent
+    if isinstance(result, GenerateResult):
+        return Path(result.path)
+    if isinstance(result, dict) and "evaluation_dir" in result:
+        return Path(result["evaluation_dir"])
+    return None
+
+
+def stale_reason(result: Any) -> str | None:
+    """Why a cached result cannot be reused (its files are gone or changed), else None."""
+    stage_dir = stage_dir_of(result)
+    if stage_dir is None:
+        return None
+    problems = manifest_problems(stage_dir)
+    return "; ".join(problems[:3]) if problems else None
+
+
+def _describe(value: Any) -> Any:
+    """A stable, hashable description of one task input."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    stage_dir = stage_dir_of(value)
+    if stage_dir is not None:
+        return {"manifest": manifest_digest(stage_dir)}
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _describe(v) for k, v in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    if is_dataclass(value):
+        raise TypeError(f"no cache description for {type(value).__name__}: add it to flows.caching.stage_dir_of")
+    raise TypeError(f"cannot describe a {type(value).__name__} for a cache key")
+
+
+def stage_key(stage: str, config: dict, inputs: dict[str, Any], seed: int) -> str:
+    spec = {
+        "stage": stage,
+        "version": VERSION,
+        "seed": seed,
+        "config": _describe(config),
+        "inputs": {name: _describe(v) for name, v in sorted(inputs.items())},
+    }
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    return f"{stage}-{digest[:32]}"
+
+
+@dataclass
+class StageCache(CachePolicy):
+    """Prefect cache policy of one stage: `config_of(cfg)` names the config the stage reads;
+    every task argument but `cfg` and `run_dir` is an input (results count by manifest)."""
+
+    stage: str = ""
+    config_of: Callable[[PipelineConfig], dict] | None = None
+
+    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str:
+        cfg: PipelineConfig = inputs["cfg"]
+        others = {k: v for k, v in inputs.items() if k not in ("cfg", "run_dir")}
+        return stage_key(self.stage, self.config_of(cfg) if self.config_of else {}, others, cfg.seed)
