@@ -139,3 +139,14 @@ def noise_free_dp_gradient(tokenizer, mode: str, max_grad_norm: float):
     loss.backward()
     optimizer.pre_step()  # clip, accumulate, add (zero) noise, scale by the expected batch size
     return model, initial, batch, labels, lengths
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One ephemeral Prefect server (SQLite) for the whole session: it takes ~10 s to start.
+    Yields its API URL, for flows run in a subprocess."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()

@@ -9,20 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.artifacts import LEDGER_KEY, METRICS_KEY, SUMMARY_KEY
 from flows.cli import main
 from flows.pipeline_flow import dp_distill
 from pipeline.data import read_split
 from pipeline.ledger import read_ledger
-
-
-@pytest.fixture(scope="session")
-def prefect_server():
-    """One ephemeral Prefect server (SQLite) for the whole session: it takes ~10 s to start."""
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def test_flow_end_to_end(prefect_server, tiny_config):
