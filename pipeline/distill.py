@@ -2,8 +2,11 @@
 
 Loss = (1-α)·CE + α·T²·KL(teacher_T ‖ student_T) + β·MSE(last hidden states), see
 `pipeline.losses`. Teacher logits are computed on the fly, in eval mode, without
-gradients. This stage takes the synthetic Parquet and the DP teacher, never the private
-data, so it is post-processing of the DP release.
+gradients; with `teacher_top_k` set they come instead from a cache of the teacher's top-k
+logits (`pipeline.logit_cache`), built once per synthetic set and teacher and reused by
+every student, so no teacher forward pass runs per step. This stage takes the synthetic
+Parquet and the DP teacher, never the private data, so it is post-processing of the DP
+release.
 
 Teacher and student must share one tokenizer: the KL compares distributions over the
 same vocabulary, and the synthetic token ids are fed to both.
@@ -24,6 +27,7 @@ from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.evaluate import mean_token_nll
 from pipeline.config import DistillConfig
 from pipeline.generate import read_synthetic
+from pipeline.logit_cache import CachedTopK, build_teacher_cache
 from pipeline.losses import distillation_loss, prompt_mask
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
@@ -40,6 +44,8 @@ class DistillResult:
     checkpoint: Path
     train_loss: list[float]
     seconds: float
+    teacher_cache: Path | None = None
+    """The top-k teacher logit cache used (None: logits on the fly)."""
 
 
 def _n_positions(model) -> int:
@@ -55,7 +61,13 @@ def distill(
     out_dir: Path,
     seed: int,
     on_progress: Callable[[dict], None] | None = None,
+    teacher_cache_dir: Path | None = None,
 ) -> DistillResult:
+    """Train `student_model` on the synthetic data against the teacher; the best student is saved.
+
+    With `cfg.teacher_top_k` set, teacher logits come from a top-k cache in
+    `teacher_cache_dir` (default `<synthetic dir>/teacher_topk_k<k>/`), built or reused.
+    """
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
     teacher_tok, student_tok = load_tokenizer(str(teacher_dir)), load_tokenizer(student_model)
@@ -64,15 +76,26 @@ def distill(
             f"the student {student_model!r} and the teacher use different tokenizers; the KL needs "
             "one vocabulary: pick a student of the teacher's family (e.g. gpt2 teacher, distilgpt2 student)"
         )
-    teacher = load_causal_lm(str(teacher_dir)).eval()
+    teacher = cache = None
+    if cfg.teacher_top_k is None:
+        teacher = load_causal_lm(str(teacher_dir)).eval()
+        teacher_positions = _n_positions(teacher)
+    elif cfg.beta > 0:
+        raise DistillError(f"distill.beta={cfg.beta} needs teacher hidden states, which the top-k cache "
+                           "does not hold; set distill.beta=0 or distill.teacher_top_k=null")
+    else:
+        cache = build_teacher_cache(Path(teacher_dir), Path(synthetic_path), k=cfg.teacher_top_k,
+                                    cache_dir=teacher_cache_dir, batch_size=cfg.batch_size)
+        teacher_positions = cache.max_length
     student = load_causal_lm(student_model)
     vocab = len(student_tok)
-    h_t, h_s = teacher.config.hidden_size, student.config.hidden_size
     # β > 0 with different widths: a learned linear map from the student's hidden size to
     # the teacher's (FitNets-style); it trains with the student and is not saved with it.
+    h_s = student.config.hidden_size
+    h_t = teacher.config.hidden_size if teacher is not None else h_s
     projection = torch.nn.Linear(h_s, h_t) if cfg.beta > 0 and h_s != h_t else None
 
-    max_len = min(_n_positions(student), _n_positions(teacher))
+    max_len = min(_n_positions(student), teacher_positions)
     train_table = read_synthetic(synthetic_path, split="train")
     val_table = read_synthetic(synthetic_path, split="validation")
     if train_table.num_rows == 0:
@@ -80,6 +103,10 @@ def distill(
     data = TokenizedRecords(train_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
     prompt_lengths = torch.tensor(train_table["n_prompt_tokens"].to_pylist(), dtype=torch.long)
     validation = TokenizedRecords(val_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
+    cached = CachedTopK(cache, train_table["sample_id"].to_pylist()) if cache is not None else None
+    if cached is not None:
+        log.info("distillation: teacher top-%d logits of %d train samples from %s (%.1f MB in memory)",
+                 cache.k, len(data), cache.path, cached.nbytes() / 2**20)
 
     params = list(student.parameters()) + (list(projection.parameters()) if projection else [])
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -126,22 +153,27 @@ def distill(
                 else torch.full((len(idx),), cfg.kl_skip_tokens)
             )
             kl_mask = prompt_mask(labels.shape[1], skip)  # (B, L-1)
-            with torch.no_grad():
-                t_out = teacher(**batch, output_hidden_states=want_hidden)
+            if cached is not None:
+                teacher_logits, teacher_hidden = cached.batch(idx, data.lengths[idx]), None  # (B, L-1, k)
+            else:
+                with torch.no_grad():
+                    t_out = teacher(**batch, output_hidden_states=want_hidden)
+                teacher_logits = t_out.logits[:, :-1, :vocab]  # (B, L-1, V)
+                teacher_hidden = t_out.hidden_states[-1][:, :-1] if want_hidden else None  # (B, L-1, H_t)
             s_out = student(**batch, output_hidden_states=want_hidden)
             s_hidden = s_out.hidden_states[-1][:, :-1] if want_hidden else None  # (B, L-1, H_s)
             if projection is not None:
                 s_hidden = projection(s_hidden)  # (B, L-1, H_t)
             parts = distillation_loss(
                 s_out.logits[:, :-1, :vocab],
-                t_out.logits[:, :-1, :vocab],
+                teacher_logits,
                 labels,
                 kl_mask,
                 alpha=cfg.alpha,
                 temperature=cfg.temperature,
                 beta=cfg.beta,
                 student_hidden=s_hidden,
-                teacher_hidden=t_out.hidden_states[-1][:, :-1] if want_hidden else None,
+                teacher_hidden=teacher_hidden,
             )
             parts.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -178,6 +210,10 @@ def distill(
         inputs={"synthetic": Path(synthetic_path), "teacher": Path(teacher_dir)},
         outputs={"model": ckpt},
         extra={"student_model": student_model, "steps": step, "seconds": seconds,
-               "best_validation_loss": best if evals else None},
+               "best_validation_loss": best if evals else None, "teacher_top_k": cfg.teacher_top_k,
+               "teacher_cache": str(cache.path) if cache else None,
+               "teacher_cache_fingerprint": cache.fingerprint if cache else None,
+               "teacher_cache_reused": cache.reused if cache else None},
     )
-    return DistillResult(checkpoint=ckpt, train_loss=[h["loss"] for h in history], seconds=seconds)
+    return DistillResult(checkpoint=ckpt, train_loss=[h["loss"] for h in history], seconds=seconds,
+                         teacher_cache=cache.path if cache else None)

@@ -23,6 +23,13 @@ import torch.nn.functional as F
 from pipeline.batching import IGNORE
 
 
+class TopKLogits(NamedTuple):
+    """The teacher's k largest logits per token (raw, before temperature) and their token ids."""
+
+    indices: torch.Tensor  # (B, T, k) long
+    logits: torch.Tensor  # (B, T, k)
+
+
 class DistillLoss(NamedTuple):
     loss: torch.Tensor
     ce: torch.Tensor
@@ -56,6 +63,23 @@ def kl_teacher_student(
     return _masked_mean(kl, mask)
 
 
+def kl_teacher_student_topk(
+    student_logits: torch.Tensor, teacher: TopKLogits, mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """Mean per-token KL(teacher_T ‖ student_T) with the teacher known on its top-k tokens only.
+
+    The teacher distribution is softmax(top-k logits / T) renormalised over those k tokens
+    (the tail mass is dropped); the student's full-vocabulary log-probs are read at the same
+    k ids. With k = V this is exactly `kl_teacher_student`. student_logits (B, T, V),
+    teacher (B, T, k), mask (B, T).
+    """
+    log_p_s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, T, V)
+    log_p_s_k = log_p_s.gather(-1, teacher.indices.long())  # (B, T, k)
+    log_p_t = F.log_softmax(teacher.logits.float() / temperature, dim=-1)  # (B, T, k), renormalised
+    kl = (log_p_t.exp() * (log_p_t - log_p_s_k)).sum(-1)  # (B, T)
+    return _masked_mean(kl, mask)
+
+
 def hidden_mse(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean squared error of hidden states over `mask`. hidden (B, T, H), mask (B, T)."""
     se = (student_hidden.float() - teacher_hidden.float()).pow(2).mean(-1)  # (B, T)
@@ -64,7 +88,7 @@ def hidden_mse(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, mask:
 
 def distillation_loss(
     student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | TopKLogits,
     labels: torch.Tensor,
     kl_mask: torch.Tensor,
     *,
@@ -77,11 +101,15 @@ def distillation_loss(
     """(1-α)·CE + α·T²·KL + β·MSE. logits (B, T, V); labels, kl_mask (B, T); hidden (B, T, H).
 
     `kl_mask` selects the positions where the KL and MSE count (after the prompt, not
-    padding); the CE counts every non-ignored label.
+    padding); the CE counts every non-ignored label. `teacher_logits` is either dense
+    (B, T, V) or cached `TopKLogits` (B, T, k), see `kl_teacher_student_topk`.
     """
     kl_mask = kl_mask & (labels != IGNORE)
     ce = cross_entropy(student_logits, labels)
-    kl = kl_teacher_student(student_logits, teacher_logits, kl_mask, temperature)
+    if isinstance(teacher_logits, TopKLogits):
+        kl = kl_teacher_student_topk(student_logits, teacher_logits, kl_mask, temperature)
+    else:
+        kl = kl_teacher_student(student_logits, teacher_logits, kl_mask, temperature)
     zero = ce.new_zeros(())
     mse = zero
     if beta > 0:

@@ -80,3 +80,98 @@ def test_per_code_perplexity_pools_small_codes_and_text_properties(tiny_tokenize
     props = text_properties(tiny_tokenizer, ["a a a a", "b c d"])
     assert props["distinct_1"] < 1 and props["texts"] == 2 and props["tokens"]["mean"] > 0
     assert text_properties(tiny_tokenizer, ["x y z"])["distinct_2"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def sharp_teacher(tiny_tokenizer, tmp_path_factory):
+    """A teacher whose logits are 10x those of a random init (top-1 ~14% instead of ~0.5%), so
+    the KL term weighs in the loss."""
+    import torch
+
+    path = tmp_path_factory.mktemp("sharp_teacher")
+    model = make_tiny_model(tiny_tokenizer)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.mul_(10.0)
+        model.transformer.ln_f.bias.mul_(10.0)
+    model.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def _mtimes(cache_dir):
+    return {p.name: p.stat().st_mtime_ns for p in cache_dir.iterdir()}
+
+
+def test_teacher_cache_holds_the_teacher_top_k_and_is_reused_until_the_teacher_changes(
+    synthetic, tiny_tokenizer, tiny_model_dir, tmp_path, caplog
+):
+    """The cache holds the teacher's top-k logits of every sample (both splits); a second call
+    reuses it untouched; another teacher (or k beyond the vocabulary) never reads it."""
+    import torch
+
+    from pipeline.generate import read_synthetic
+    from pipeline.logit_cache import CachedTopK, LogitCacheError, build_teacher_cache
+    from pipeline.models import load_causal_lm
+
+    cache_dir = tmp_path / "cache"
+    first = build_teacher_cache(tiny_model_dir, synthetic.path, k=5, cache_dir=cache_dir, batch_size=16)
+    assert not first.reused and (cache_dir / "manifest.json").is_file()
+    samples = read_synthetic(synthetic.path)
+    ids = samples["sample_id"].to_pylist()
+    assert set(samples["split"].to_pylist()) == {"train", "validation"}
+    cached = CachedTopK(first, ids)  # every sample of both splits is there
+    row = 3
+    tokens = torch.tensor([samples["token_ids"][row].as_py()])
+    with torch.no_grad():
+        expected = load_causal_lm(str(tiny_model_dir))(tokens).logits[0, :-1, : len(tiny_tokenizer)].topk(5)
+    got = cached.batch(torch.tensor([row]), torch.tensor([tokens.shape[1]]))
+    torch.testing.assert_close(got.logits[0], expected.values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.indices[0], expected.indices)
+
+    before = _mtimes(cache_dir)
+    second = build_teacher_cache(tiny_model_dir, synthetic.path, k=5, cache_dir=cache_dir, batch_size=16)
+    assert second.reused and second.fingerprint == first.fingerprint and _mtimes(cache_dir) == before
+
+    other = tmp_path / "other_teacher"
+    torch.manual_seed(1)
+    make_tiny_model(tiny_tokenizer).save_pretrained(other)
+    tiny_tokenizer.save_pretrained(other)
+    with caplog.at_level("WARNING", logger="pipeline.logit_cache"):
+        third = build_teacher_cache(other, synthetic.path, k=5, cache_dir=cache_dir, batch_size=16)
+    assert not third.reused and third.fingerprint != first.fingerprint
+    assert "stale (changed: teacher_sha256)" in caplog.text
+    with pytest.raises(LogitCacheError, match="does not belong"):
+        CachedTopK(first, ids)  # the old handle cannot read the new teacher's shards
+    assert not torch.equal(CachedTopK(third, ids).batch(torch.tensor([row]), torch.tensor([tokens.shape[1]])).logits,
+                           got.logits)
+    with pytest.raises(LogitCacheError, match="at most 300"):
+        build_teacher_cache(tiny_model_dir, synthetic.path, k=301, cache_dir=tmp_path / "big")
+
+
+def test_distilling_from_the_full_vocabulary_cache_matches_on_the_fly(
+    synthetic, tiny_tokenizer, sharp_teacher, wide_student, tmp_path
+):
+    """k = V cached logits give the on-the-fly loss history (to float tolerance); a second
+    student reuses the cache in the default place, next to the synthetic data."""
+    kwargs = dict(epochs=1, batch_size=8, learning_rate=1e-3, eval_every=100, log_every=100, alpha=0.7,
+                  temperature=2.0)
+    run = dict(synthetic_path=synthetic.path, teacher_dir=sharp_teacher, student_model=str(wide_student), seed=0)
+    fly = distill(DistillConfig(**kwargs), out_dir=tmp_path / "fly", **run)
+    cfg = DistillConfig(teacher_top_k=len(tiny_tokenizer), **kwargs)
+    first = distill(cfg, out_dir=tmp_path / "cached", **run)
+    assert first.teacher_cache == synthetic.path / f"teacher_topk_k{len(tiny_tokenizer)}"
+    assert len(first.train_loss) == len(fly.train_loss) > 1
+    assert first.train_loss == pytest.approx(fly.train_loss, rel=1e-5)
+    history = json.loads((tmp_path / "cached" / "training_log.json").read_text())["history"]
+    assert all(0.7 * 4 * h["kl"] > 0.1 * h["loss"] for h in history)  # the KL term weighs in the loss
+    again = distill(cfg, out_dir=tmp_path / "cached2", **run)
+    manifest = json.loads((tmp_path / "cached2" / "manifest.json").read_text())
+    assert manifest["teacher_cache_reused"] is True and again.train_loss == first.train_loss
+
+
+def test_top_k_cache_with_hidden_state_mse_is_refused():
+    """β > 0 needs teacher hidden states per step, which the logit cache does not hold."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="set distill.beta=0 or distill.teacher_top_k=null"):
+        DistillConfig(teacher_top_k=20, beta=0.5)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.batching import IGNORE
-from pipeline.losses import distillation_loss, prompt_mask
+from pipeline.losses import TopKLogits, distillation_loss, prompt_mask
 
 B, T, V, H = 3, 5, 11, 4
 
@@ -154,3 +154,45 @@ def test_gradient_reaches_student_logits():
     out.loss.backward()
     assert s.grad is not None and s.grad.abs().sum() > 0
     assert t.grad is None
+
+
+def _top_k(logits: torch.Tensor, k: int) -> TopKLogits:
+    values, indices = logits.topk(k, dim=-1)  # (B, T, k)
+    return TopKLogits(indices=indices, logits=values)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])
+def test_top_k_kl_with_k_equal_vocab_is_the_dense_kl(temperature):
+    """Cached top-k teacher logits with k = V give the dense loss (KL, CE, total) to 1e-5, with
+    padding and a prompt mask."""
+    s, t, labels = _logits(0), _logits(1), _labels_with_padding()
+    kl_mask = prompt_mask(T, torch.tensor([2, 1, 1]))
+    dense = distillation_loss(s, t, labels, kl_mask, alpha=0.6, temperature=temperature)
+    sparse = distillation_loss(s, _top_k(t, V), labels, kl_mask, alpha=0.6, temperature=temperature)
+    assert dense.kl.item() > 0
+    for name in ("loss", "ce", "kl"):
+        torch.testing.assert_close(getattr(sparse, name), getattr(dense, name), rtol=1e-5, atol=1e-5)
+
+
+def test_top_k_kl_renormalises_the_teacher_over_its_k_tokens():
+    """k < V: the KL against a teacher with only its top-k tokens kept (the rest at a logit of
+    -1e4, probability 0) and renormalised; identical top-k student logits give KL 0."""
+    s, t, labels = _logits(0), _logits(1), _labels_with_padding()
+    k = 4
+    top = _top_k(t, k)
+    truncated = torch.full_like(t, -1e4).scatter(-1, top.indices, top.logits)  # (B, T, V)
+    sparse = distillation_loss(s, top, labels, _all_true(), alpha=1.0, temperature=2.0)
+    dense = distillation_loss(s, truncated, labels, _all_true(), alpha=1.0, temperature=2.0)
+    torch.testing.assert_close(sparse.kl, dense.kl, rtol=1e-5, atol=1e-5)
+    same = distillation_loss(truncated, top, labels, _all_true(), alpha=1.0, temperature=2.0)
+    assert abs(same.kl.item()) < 1e-6
+
+
+def test_top_k_kl_everything_masked_is_zero_and_gradient_flows():
+    """The sparse KL is 0 (not NaN) with every token masked, and trains the student otherwise."""
+    s, t = _logits(0).requires_grad_(True), _logits(1)
+    masked = distillation_loss(s, _top_k(t, 3), torch.full((B, T), IGNORE), _all_true(), alpha=1.0, temperature=1.0)
+    assert masked.kl.item() == 0.0 and torch.isfinite(masked.loss)
+    out = distillation_loss(s, _top_k(t, 3), _labels_with_padding(), _all_true(), alpha=1.0, temperature=1.0)
+    out.loss.backward()
+    assert s.grad is not None and s.grad.abs().sum() > 0
