@@ -13,6 +13,7 @@ LEDGER_KEY = "privacy-ledger"
 SUMMARY_KEY = "privacy-summary"
 METRICS_KEY = "metrics"
 SYNTHETIC_KEY = "synthetic-samples"
+REPORT_KEY = "run-report"
 
 
 def _fmt(x) -> str:
@@ -90,4 +91,14 @@ def publish_synthetic_sample(synthetic_dir: Path, n: int = 10, max_chars: int = 
     create_table_artifact(
         key=SYNTHETIC_KEY, table=rows,
         description=f"The first {len(rows)} synthetic samples written by the DP teacher (not private records)",
+    )
+
+
+def publish_report(report: Path, run_dir: Path) -> None:
+    create_markdown_artifact(
+        key=REPORT_KEY,
+        markdown=f"# Run report\n\n[{report.name}]({report.resolve().as_uri()}): loss and ε curves, perplexity "
+        f"per model, control codes requested vs generated, generation lengths (self-contained HTML).\n\n"
+        f"Run directory: `{run_dir}`",
+        description="Link to the run's report.html",
     )

@@ -1,6 +1,11 @@
 """`dpdistill`: the command line.
 
     dpdistill run --config configs/demo.yaml [key=value ...]   # the whole pipeline
+    dpdistill run --config C --from generation                 # rerun generation and later stages
+    dpdistill run --config C --force teacher                   # rerun one stage
+    dpdistill status runs/demo-...                             # stages done, durations, ε
+    dpdistill report runs/demo-...                             # (re)write its report.html
+    dpdistill serve --config C --cron "0 3 * * *"              # a scheduled deployment
     dpdistill build-base --config configs/demo.yaml           # only the offline base models
     dpdistill ledger show runs/demo-...                       # a run's privacy ledger
 
@@ -10,12 +15,15 @@ Overrides use dotted keys: `teacher.target_epsilon=4 generate.num_samples=500`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import warnings
 from pathlib import Path
 
 import flows  # noqa: F401  (sets up log routing before Prefect is imported)
+from flows.caching import STAGES, stages_to_rerun
+from flows.pipeline_flow import RUN_INFO, STAGES_INFO, _alive
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError
 from pipeline.distill import DistillError
@@ -44,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (
         ("run", "run the whole pipeline as a Prefect flow"),
+        ("serve", "serve the flow on a cron schedule against a Prefect server (blocks)"),
         ("build-base", "build the offline tokenizer and tiny base models from public text"),
     ):
         p = sub.add_parser(name, help=help_)
@@ -53,16 +62,89 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--run-dir",
                 help="write into this run directory; an interrupted run resumes there "
-                "(the teacher continues from its last checkpoint and accountant state)",
+                "(the teacher continues from its last checkpoint and accountant state). Without it, "
+                "a killed or failed run with the same config is continued, else a new directory is made",
             )
+            p.add_argument("--from", dest="rerun_from", choices=STAGES, metavar="STAGE",
+                           help=f"rerun this stage and every later one even if cached ({', '.join(STAGES)})")
+            p.add_argument("--force", action="append", choices=STAGES, metavar="STAGE", default=[],
+                           help="rerun this stage even if cached (repeatable)")
+        if name == "serve":
+            p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * *" (03:00 every day)')
+            p.add_argument("--timezone", default="UTC", help="time zone of the schedule (default UTC)")
+            p.add_argument("--name", help="deployment name (default: <config name>-scheduled)")
+    status = sub.add_parser("status", help="which stages of a run are done, their durations and ε")
+    status.add_argument("run_dir", help="a run directory")
+    report = sub.add_parser("report", help="(re)write a run's report.html")
+    report.add_argument("run_dir", help="a run directory")
     ledger = sub.add_parser("ledger", help="inspect a run's privacy ledger")
     ledger.add_argument("action", choices=["show"])
     ledger.add_argument("run_dir", help="a run directory (holding ledger.json)")
     return parser
 
 
+def make_deployment(config_path: str, cron: str, overrides: list[str], name: str | None = None,
+                    timezone: str = "UTC"):
+    """The scheduled deployment `serve` runs: the flow reads the YAML file at each run, so
+    edits to it apply from the next run on."""
+    from prefect.schedules import Cron
+
+    from flows.pipeline_flow import dp_distill
+
+    cfg = load_config(config_path, overrides)  # fail now, not at 3 a.m.
+    return dp_distill.to_deployment(
+        name=name or f"{cfg.name}-scheduled",
+        schedule=Cron(cron, timezone=timezone),
+        parameters={"config": str(Path(config_path).resolve()), "overrides": overrides},
+        description=f"dpdistill on {config_path}, schedule {cron} ({timezone})",
+    )
+
+
+def print_status(run_dir: Path) -> int:
+    info_path, stages_path = run_dir / RUN_INFO, run_dir / STAGES_INFO
+    if not info_path.is_file():
+        print(f"dpdistill: error: {info_path} not found; pass a run directory", file=sys.stderr)
+        return 2
+    info = json.loads(info_path.read_text())
+    state = info["status"]
+    if state == "running" and not _alive(info):
+        state = "interrupted (its process is gone): run the same command again to continue it"
+    print(f"run {run_dir}\nstatus: {state}; started {info.get('started_at')}"
+          + (f", finished {info['finished_at']}" if info.get("finished_at") else ""))
+    stages = json.loads(stages_path.read_text()) if stages_path.is_file() else {}
+    rows = [("stage", "status", "seconds", "epsilon", "output")]
+    for name in STAGES:
+        if name not in stages:
+            continue
+        s = stages[name]
+        out = s.get("output") or ""
+        if out and Path(out).is_relative_to(run_dir.resolve()):
+            out = str(Path(out).relative_to(run_dir.resolve()))
+        elif out:
+            out = f"reused from {out}"
+        eps = s.get("epsilon")
+        rows.append((name, s["status"], f"{s['seconds']:.1f}" if s.get("seconds") is not None else "",
+                     f"{eps:.4f}" if eps else "", out))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    if (run_dir / LEDGER).is_file():
+        total = read_ledger(run_dir / LEDGER).total
+        if total:
+            print(f"total: ε = {total.epsilon:.4f}, δ = {total.delta:.3g} ({total.accountant})"
+                  + ("" if total.complete else "; incomplete: " + total.note))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "status":
+        return print_status(Path(args.run_dir))
+    if args.command == "report":
+        from pipeline.report import write_report
+
+        print(write_report(Path(args.run_dir)))
+        return 0
     if args.command == "ledger":
         path = Path(args.run_dir) / LEDGER
         if not path.is_file():
@@ -80,9 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             base = build_base_models(cfg.base_models, seed=cfg.seed)
             print(f"teacher: {base.teacher}\nstudent: {base.student}")
             return 0
+        if args.command == "serve":
+            from prefect import serve
+
+            deployment = make_deployment(args.config, args.cron, args.overrides, args.name, args.timezone)
+            serve(deployment)
+            return 0
         from flows.pipeline_flow import dp_distill
 
-        run_dir = dp_distill(cfg, run_dir=args.run_dir)
+        rerun = stages_to_rerun(args.rerun_from, args.force)
+        run_dir = dp_distill(cfg, run_dir=args.run_dir, rerun=rerun)
     except USER_ERRORS as e:
         print(f"dpdistill: error: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
-from flows.artifacts import publish_ledger, publish_metrics, publish_synthetic_sample
+from flows.artifacts import publish_ledger, publish_metrics, publish_report, publish_synthetic_sample
 from flows.caching import RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
 from flows.progress import StageProgress
 from pipeline.codes import CodesResult, release_control_codes
@@ -36,6 +36,7 @@ from pipeline.generate import GenerateResult, generate_synthetic
 from pipeline.ledger import LEDGER, LedgerEntry, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text, sha256_file
 from pipeline.models import BaseModels, build_base_models, resolve_model
+from pipeline.report import write_report
 from pipeline.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
 
 
@@ -339,7 +340,10 @@ def dp_distill(
         final, metrics = _run_stages(cfg, out, rerun or [])
     except BaseException:
         atomic_write_json(out / RUN_INFO, run_info | {"status": "failed"})
+        write_report(out)  # what the finished stages show, to help find what went wrong
         raise
+    report = write_report(out)
+    publish_report(report, out)
     publish_ledger(final)
     publish_metrics(metrics)
     if "generation" in metrics:
@@ -405,8 +409,9 @@ def _run_stages(cfg: PipelineConfig, out: Path, rerun: list[str]) -> tuple[Priva
             "resumed_shards": synthetic.resumed_shards,
             # Aggregate shares only: the requested distribution is the released one.
             "control_codes": {
-                code: {"requested": synthetic.requested_codes.get(code, 0.0), "generated": share}
-                for code, share in synthetic.generated_codes.items()
+                code: {"requested": synthetic.requested_codes.get(code, 0.0),
+                       "generated": synthetic.generated_codes.get(code, 0.0)}
+                for code in sorted(set(synthetic.requested_codes) | set(synthetic.generated_codes))
             },
         }
     atomic_write_json(out / "metrics.json", metrics)
