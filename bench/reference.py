@@ -4,19 +4,19 @@ Rows: zero-shot (the base student), DP-SGD, DPKD, DP-Syn, ours, ours+MSE and the
 each with its perplexity on the held-out test reviews, its wall time and its ε from the
 ledger, all at the same ε and δ = 1/N. Every row is a real run of the Prefect flow with one
 config switch (`distill.method`, `distill.beta`); DP-Syn and ours+MSE reuse the teacher,
-the control codes and the synthetic shards of the `ours` run (the flow reuses a finished
-teacher and finished shards in a run directory), so the teacher is not trained three times.
+the control codes and the synthetic shards of the `ours` run from the flow's stage cache
+(same config sections, same inputs), so the teacher is not trained three times.
 
     .venv/bin/python bench/reference.py                       # configs/reference.yaml, CPU
     .venv/bin/python bench/reference.py generate.num_samples=20000 ...   # scale up by overrides
 
-Prints a Markdown table and writes it, with the run directories, to runs/reference/table.md.
+Prints a Markdown table and writes it, with the run directories, to runs/reference/table.md,
+and a comparison page with a bar chart to runs/reference/report.html.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,37 +26,31 @@ from flows.cli import quiet_libraries
 from flows.pipeline_flow import dp_distill, new_run_dir
 from pipeline.config import load_config
 from pipeline.ledger import read_ledger
+from pipeline.report import write_comparison_report
 
-# (row label, overrides, reuse the `ours` run's teacher and synthetic data)
+# (row label, overrides); the last two reuse the `ours` run's cached stages
 ROWS = [
-    ("DP-SGD", ["distill.method=dp_sgd"], False),
-    ("DPKD", ["distill.method=dpkd"], False),
-    ("ours", ["distill.method=distil"], False),
-    ("DP-Syn", ["distill.method=dp_syn"], True),
-    ("ours+MSE", ["distill.method=distil", "distill.beta=1.0"], True),
+    ("DP-SGD", ["distill.method=dp_sgd"]),
+    ("DPKD", ["distill.method=dpkd"]),
+    ("ours", ["distill.method=distil"]),
+    ("DP-Syn", ["distill.method=dp_syn"]),
+    ("ours+MSE", ["distill.method=distil", "distill.beta=1.0"]),
 ]
-SHARED = ("data", "control_codes", "teacher", "synthetic")
 
 
-def run_row(config: str, overrides: list[str], reuse_from: Path | None) -> tuple[Path, float]:
+def run_row(config: str, overrides: list[str]) -> tuple[Path, float]:
     cfg = load_config(config, overrides)
-    run_dir = new_run_dir(cfg)
-    if reuse_from is not None:
-        for part in SHARED:
-            shutil.copytree(reuse_from / part, run_dir / part)
     t0 = time.time()
-    out = Path(dp_distill(cfg, run_dir=str(run_dir)))
+    out = Path(dp_distill(cfg, run_dir=str(new_run_dir(cfg))))
     return out, time.time() - t0
 
 
 def main(argv: list[str]) -> int:
     quiet_libraries()
     config = "configs/reference.yaml"
-    results, ours = [], None
-    for label, overrides, reuse in ROWS:
-        run, seconds = run_row(config, overrides + argv, ours if reuse else None)
-        if label == "ours":
-            ours = run
+    results = []
+    for label, overrides in ROWS:
+        run, seconds = run_row(config, overrides + argv)
         metrics = json.loads((run / "metrics.json").read_text())
         ledger = read_ledger(run / "ledger.json")
         method = next(o.split("=")[1] for o in overrides if o.startswith("distill.method"))
@@ -80,6 +74,7 @@ def main(argv: list[str]) -> int:
     print("\n" + report)
     out = Path(load_config(config, argv).run_root) / "table.md"
     out.write_text(report)
+    print(write_comparison_report({label: run for label, *_, run in results}, out.with_name("report.html")))
     return 0
 
 
