@@ -279,7 +279,8 @@ def _teacher(teacher_dir: str, teacher_sha: str):
 
 
 def generate_shard(plan: GenerationPlan, shard: int) -> dict:
-    """Write shard `shard` of the plan (or reuse it if finished); return its stats, never a text.
+    """Write shard `shard` of the plan (or reuse it if finished); return its counts, time and
+    the writing process id, never a text.
 
     Any process can run any shard: the shard depends on (seed, shard) only, and the file is
     written under a temporary name, then renamed.
@@ -302,7 +303,7 @@ def generate_shard(plan: GenerationPlan, shard: int) -> dict:
     tmp.replace(path)  # atomic: a crash never leaves half a shard
     log.info("generation: shard %d written, %d samples kept, %.0f new tokens/s",
              shard, stats["kept"], stats["new_tokens"] / max(stats["seconds"], 1e-9))
-    return {**stats, "shard": shard, "samples": n, "reused": False}
+    return {**stats, "shard": shard, "samples": n, "reused": False, "pid": os.getpid()}
 
 
 def progress(plan: GenerationPlan, stats: list[dict]) -> dict:
@@ -369,7 +370,7 @@ def finish_generation(plan: GenerationPlan, stats: list[dict], wall_seconds: flo
             "wall_seconds": wall_seconds,
             "tokens_per_second": result.tokens_per_second,
             "resumed_shards": resumed,
-            "workers": plan.cfg.workers,
+            "processes": len({s["pid"] for s in fresh}),  # that wrote the shards generated now
         },
     )
     log.info(
