@@ -26,13 +26,14 @@ from prefect.runtime import flow_run
 
 from flows.artifacts import publish_ledger, publish_metrics, publish_report, publish_synthetic_sample
 from flows.caching import RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
+from flows.generation import generate_with_workers
 from flows.progress import StageProgress
 from pipeline.codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.data import DataResult, prepare_data
 from pipeline.distill import DistillResult, distill
 from pipeline.evaluate import evaluate_models
-from pipeline.generate import GenerateResult, generate_synthetic
+from pipeline.generate import GenerateResult
 from pipeline.ledger import LEDGER, LedgerEntry, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text, sha256_file
 from pipeline.models import BaseModels, build_base_models, resolve_model
@@ -134,13 +135,14 @@ def dp_student_task(
                      epsilon=epsilon, kd=kd)
 
 
-@stage_task("generation", lambda cfg: {"generate": cfg.generate})
+# The worker count changes how fast, not what: shards depend on (seed, shard) alone.
+@stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(mode="json", exclude={"workers"})})
 def generation_task(
     cfg: PipelineConfig, teacher: TeacherResult, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path
 ) -> GenerateResult:
     # Only the DP checkpoint and the released control-code counts cross into this stage.
     with StageProgress("generation", "shards") as progress:
-        return generate_synthetic(
+        return generate_with_workers(  # shards as tasks; over generate.workers processes when > 1
             cfg.generate,
             teacher_dir=teacher.checkpoint,
             control_codes_path=codes.path,
@@ -157,7 +159,7 @@ def distillation_task(
 ) -> DistillResult:
     distill_cfg = cfg.distill
     if distill_cfg.method == "dp_syn":  # the synthetic data alone, no teacher logits
-        distill_cfg = distill_cfg.model_copy(update={"alpha": 0.0, "beta": 0.0})
+        distill_cfg = distill_cfg.model_copy(update={"alpha": 0.0, "beta": 0.0, "teacher_top_k": None})
     with StageProgress("distillation", "steps") as progress:
         return distill(
             distill_cfg,
