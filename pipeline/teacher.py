@@ -15,6 +15,11 @@ Crash-safe budget: every `checkpoint_every` steps the model, optimizer, accounta
 RNG states are saved atomically to `out_dir/checkpoint/state.pt`. Run again into the same
 `out_dir`, training resumes at the saved step with the saved accountant: it neither
 restarts the accountant (under-counting) nor repeats steps already counted.
+
+Data-parallel (`processes` > 1): `train_teacher` starts itself under torchrun
+(pipeline/teacher_ddp.py); inside the process group every rank runs this same function on
+its share of each Poisson draw, Opacus' DPDDP optimizers add the noise once (rank 0) and
+all-reduce, and the accountant sees the global batch, exactly as in one process.
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from opacus import PrivacyEngine
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset
 
 from pipeline import privacy
@@ -110,6 +118,27 @@ class OneRecordPerUser(Dataset):
         return self.records[pick]
 
 
+class RankShareSampler(UniformWithReplacementSampler):
+    """Poisson sampling for rank `rank` of `world_size` data-parallel processes.
+
+    Each step draws every record with probability q, as one process would, and this rank
+    keeps the drawn records it owns (index % world_size == rank): the union over ranks is
+    one Poisson sample of the whole dataset. With the same generator seed on every rank it
+    is exactly the single-process sample; with independent (secure) generators each record
+    is still drawn once, by its owner. Every rank yields every step, empty or not, so the
+    ranks step and all-reduce together (Opacus' DistributedUniformWithReplacementSampler
+    skips empty local batches, which would leave the ranks a step apart).
+    """
+
+    def __init__(self, *, num_samples: int, sample_rate: float, generator, rank: int, world_size: int):
+        super().__init__(num_samples=num_samples, sample_rate=sample_rate, generator=generator)
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            yield [i for i in batch if i % self.world_size == self.rank]
+
+
 def prepare_trainable(model: torch.nn.Module, cfg: TeacherConfig) -> torch.nn.Module:
     """Freeze what the mode does not train; wrap with LoRA adapters for mode=lora."""
     if cfg.mode == "full":
@@ -137,14 +166,15 @@ def prepare_trainable(model: torch.nn.Module, cfg: TeacherConfig) -> torch.nn.Mo
 
 
 def _noise_only_step(model: torch.nn.Module, optimizer, mode: str) -> None:
-    """Poisson sampling drew an empty logical batch: the step still happens (noise only),
-    so the accountant's step count matches what was released."""
+    """Poisson sampling drew an empty logical batch (for this rank): the step still happens
+    (noise only; under DDP the rank still joins the all-reduce), so the accountant's step
+    count matches what was released."""
     for p in model.parameters():
         if p.requires_grad:
             if mode == "ghost":
                 p.grad = torch.zeros_like(p)
             else:
-                p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype)
+                p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -153,11 +183,32 @@ def _steps_accounted(engine: PrivacyEngine) -> int:
     return int(sum(steps for _, _, steps in engine.accountant.history))
 
 
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the initialised process group; (0, 1) outside one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _global_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum of `values` over the ranks (the values themselves in one process)."""
+    if _world()[1] == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 def _fingerprint(
-    cfg: TeacherConfig, base_model: str, train_path: Path, seed: int, sigma: float, kd: KnowledgeDistillation | None
+    cfg: TeacherConfig, base_model: str, train_path: Path, seed: int, sigma: float, kd: KnowledgeDistillation | None,
+    world_size: int = 1,
 ) -> str:
-    """What a checkpoint must match to be resumed: same config, data, base model, seed, σ, KD."""
-    spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every"})
+    """What a checkpoint must match to be resumed: same config, data, base model, seed, σ, KD,
+    and number of data-parallel processes (a DPDDP checkpoint holds wrapped weights and
+    per-rank RNG states)."""
+    spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend"})
+    if world_size > 1:
+        spec["world_size"] = world_size
     spec |= {"base_model": base_model, "train_sha256": sha256_file(train_path), "seed": seed, "sigma": sigma,
              "kd": None if kd is None else [str(kd.teacher_dir), kd.alpha, kd.temperature]}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
@@ -180,8 +231,25 @@ def train_teacher(
     `on_progress` receives each logical step's record (step, loss, ε when computed, and
     done/total steps) after the step and its checkpoint; an exception raised there
     interrupts training like a crash.
+
+    `cfg.processes` > 1 outside a process group: runs itself under torchrun and returns
+    the finished stage. Inside an initialised process group of W > 1 ranks: trains
+    data-parallel (DPDDP); rank 0 alone writes the checkpoints, model, ledger and
+    manifest, and the other ranks return the same ledger entry without writing anything.
     """
-    torch.manual_seed(seed)
+    rank, world = _world()
+    if cfg.processes > 1 and world == 1:
+        from pipeline.teacher_ddp import launch
+
+        return launch(cfg, train_path=train_path, validation_path=validation_path, base_model=base_model,
+                      out_dir=out_dir, seed=seed, on_progress=on_progress, stage=stage, kd=kd)
+    if world > 1 and world != cfg.processes:
+        log.warning("%s: teacher.processes=%d but the process group has %d ranks; training on %d",
+                    stage, cfg.processes, world, world)
+    device = torch.device("cpu")
+    if world > 1 and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(seed + rank)  # rank 0 draws the DP noise, from the same stream as one process
     np.random.seed(seed)
     out_dir = Path(out_dir)
     tok = load_tokenizer(base_model)
@@ -193,8 +261,8 @@ def train_teacher(
             f"teacher.max_length={cfg.max_length} exceeds the model's {n_positions} positions; "
             f"set teacher.max_length <= {n_positions}"
         )
-    model = prepare_trainable(model, cfg)
-    kd_teacher = load_causal_lm(str(kd.teacher_dir)).eval() if kd else None
+    model = prepare_trainable(model, cfg).to(device)
+    kd_teacher = load_causal_lm(str(kd.teacher_dir)).eval().to(device) if kd else None
     if kd_teacher is not None and not same_tokenizer(tok, load_tokenizer(str(kd.teacher_dir))):
         raise TeacherError(f"the KD teacher {kd.teacher_dir} uses another tokenizer than {base_model!r}")
 
@@ -243,11 +311,17 @@ def train_teacher(
     poisson_loader = DPDataLoader.from_data_loader(
         loader, generator=engine.secure_rng if cfg.secure_mode else generator
     )
+    sampling_probability = poisson_loader.sample_rate
+    if world > 1:  # each rank trains on its share of the same global Poisson draw
+        share = RankShareSampler(
+            num_samples=n, sample_rate=sampling_probability, generator=poisson_loader.batch_sampler.generator,
+            rank=rank, world_size=world,
+        )
+        poisson_loader = DataLoader(train, batch_sampler=share, collate_fn=poisson_loader.collate_fn)
     # The sampler draws only from `generator`. A DataLoader also draws a base seed for its
     # workers from its own `generator` at every new iterator; were that the same generator,
     # a resumed run (one extra iterator) would sample other batches than an uninterrupted one.
     poisson_loader.generator = torch.Generator().manual_seed(seed + 1)
-    sampling_probability = poisson_loader.sample_rate
     sample_rate = 1.0 / len(poisson_loader)  # the rate make_private hands the accountant
     total_steps = cfg.epochs * len(poisson_loader)
     try:
@@ -275,7 +349,10 @@ def train_teacher(
         )
 
     private = dict(
-        module=model,
+        # DPDDP: make_private then picks Opacus' Distributed(FastGradientClipping)DPOptimizer,
+        # whose step adds the noise on rank 0 only, all-reduces the sum of the ranks' clipped
+        # gradients and divides by the global expected batch (per-rank expected batch × W).
+        module=DPDDP(model) if world > 1 else model,
         optimizer=optimizer,
         data_loader=poisson_loader,
         noise_multiplier=sigma,
@@ -293,19 +370,23 @@ def train_teacher(
 
     # Resume from a checkpoint of an interrupted run with the same fingerprint.
     ckpt_path = out_dir / CHECKPOINT
-    fingerprint = _fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd)
+    fingerprint = _fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world)
     history: list[dict] = []
     resumed_from = 0
     if ckpt_path.is_file():
-        state = engine.load_checkpoint(path=ckpt_path, module=dp_model, optimizer=optimizer)
+        state = engine.load_checkpoint(
+            path=ckpt_path, module=dp_model, optimizer=optimizer, torch_load_kwargs={"map_location": device}
+        )
         if state.get("fingerprint") != fingerprint:
             raise TeacherError(
-                f"{ckpt_path} was written by a teacher run with another config, data, base model "
-                "or seed; resume with the same ones, or delete it (and the run directory) to start over"
+                f"{ckpt_path} was written by a teacher run with another config, data, base model, "
+                "seed or number of processes; resume with the same ones, or delete it (and the run "
+                "directory) to start over"
             )
-        generator.set_state(state["poisson_rng"])
-        user_pick.set_state(state["user_pick_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        own = state["rank_rngs"][rank] if world > 1 else state
+        generator.set_state(own["poisson_rng"])
+        user_pick.set_state(own["user_pick_rng"])
+        torch.set_rng_state(own["torch_rng"])
         history = state["history"]
         resumed_from = _steps_accounted(engine)
         log.info("%s: resuming at step %d/%d, ε so far %.3f", stage, resumed_from, total_steps,
@@ -313,25 +394,28 @@ def train_teacher(
 
     log.info(
         "%s: N=%d %ss, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, mode %s, %s clipping, "
-        "%d trainable parameters",
+        "%d trainable parameters%s",
         stage, n, unit, sample_rate, total_steps, sigma, cfg.max_grad_norm, cfg.target_epsilon, delta, cfg.mode,
         cfg.grad_sample_mode, sum(p.numel() for p in model.parameters() if p.requires_grad),
+        f", data-parallel rank {rank} of {world}" if world > 1 else "",
     )
 
     def save_checkpoint() -> None:
+        rngs = {"poisson_rng": generator.get_state(), "user_pick_rng": user_pick.get_state(),
+                "torch_rng": torch.get_rng_state()}
+        extra = {}
+        if world > 1:  # the ranks' RNGs differ (user picks, dropout): rank 0 saves them all
+            extra["rank_rngs"] = [None] * world
+            dist.all_gather_object(extra["rank_rngs"], rngs)
+        if rank != 0:
+            return
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = ckpt_path.with_suffix(".tmp")
         engine.save_checkpoint(
             path=tmp,
             module=dp_model,
             optimizer=optimizer,
-            checkpoint_dict={
-                "fingerprint": fingerprint,
-                "poisson_rng": generator.get_state(),
-                "user_pick_rng": user_pick.get_state(),
-                "torch_rng": torch.get_rng_state(),
-                "history": history,
-            },
+            checkpoint_dict={"fingerprint": fingerprint, **rngs, **extra, "history": history},
         )
         os.replace(tmp, ckpt_path)  # atomic: a crash never leaves half a checkpoint
 
@@ -346,7 +430,7 @@ def train_teacher(
                 if ids.shape[0] == 0:
                     _noise_only_step(dp_model, optimizer, cfg.grad_sample_mode)
                 else:
-                    batch = lm_batch(ids, lengths)
+                    batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
                     labels = batch.pop("labels")
                     logits = dp_model(**batch).logits  # (B, L, V)
                     if kd_teacher is not None:
@@ -376,9 +460,10 @@ def train_teacher(
                 if optimizer._is_last_step_skipped:
                     continue  # logical batch not finished yet
                 done = _steps_accounted(engine)
-                record = {"step": done, "loss": step_loss / max(step_count, 1), "records": step_count}
+                step_loss, step_count = _global_sum([step_loss, step_count], device)  # the global batch
+                record = {"step": done, "loss": step_loss / max(step_count, 1), "records": int(step_count)}
                 step_loss, step_count = 0.0, 0
-                if done % cfg.log_every == 0 or done == steps_allowed:
+                if rank == 0 and (done % cfg.log_every == 0 or done == steps_allowed):
                     record["epsilon"] = engine.get_epsilon(delta)
                     log.info(
                         "%s: step %d/%d loss %.4f ε=%.3f (%.0f s)",
@@ -387,7 +472,7 @@ def train_teacher(
                 history.append(record)
                 if done % cfg.checkpoint_every == 0 and done < steps_allowed:
                     save_checkpoint()
-                if on_progress:
+                if on_progress and rank == 0:
                     on_progress({**record, "done": done, "total": steps_allowed})
                 if done >= steps_allowed:
                     break
@@ -401,26 +486,6 @@ def train_teacher(
             f"accountant reports ε={epsilon:.4f} above the target {cfg.target_epsilon}; "
             "refusing to release this teacher"
         )
-    dp_model._close()  # remove Opacus hooks and per-sample state before saving
-    if cfg.mode == "lora":
-        model = model.merge_and_unload()  # a plain checkpoint for generation and distillation
-    for p in model.parameters():
-        p.requires_grad_(True)
-    model.eval()
-    val_codes, val_texts = read_split(validation_path)
-    validation_loss = float("nan")
-    if val_texts:
-        ppl = perplexity(model, tok, val_codes, val_texts, cfg.max_length, cfg.physical_batch_size)
-        validation_loss = math.log(ppl.windowed)
-        log.info("%s: validation perplexity %.2f", stage, ppl.windowed)
-
-    ckpt = out_dir / "model"
-    model.save_pretrained(ckpt)
-    tok.save_pretrained(ckpt)
-    torch.save(
-        {"accountant": engine.accountant.state_dict(), "mechanism": engine.accountant.mechanism()},
-        out_dir / "accountant_state.pt",
-    )
     accounted = [(sigma, sample_rate, steps)]
     entry = LedgerEntry(
         stage=stage,
@@ -443,7 +508,32 @@ def train_teacher(
         f"q={sample_rate:.6g}), lm_head untied from the input embedding; σ calibrated by Opacus "
         f"for target ε={cfg.target_epsilon}"
         + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else "")
-        + (f"; KD loss (α={kd.alpha}, T={kd.temperature}) from the DP teacher" if kd else ""),
+        + (f"; KD loss (α={kd.alpha}, T={kd.temperature}) from the DP teacher" if kd else "")
+        + (f"; data-parallel over {world} processes (Opacus DPDDP: each samples its share of the "
+           "global Poisson batch, noise added once, by rank 0)" if world > 1 else ""),
+    )
+    dp_model._close()  # remove Opacus hooks and per-sample state before saving
+    ckpt = out_dir / "model"
+    train_loss = [h["loss"] for h in history]
+    if rank != 0:  # rank 0 writes the stage's files
+        return TeacherResult(checkpoint=ckpt, ledger=entry, train_loss=train_loss, resumed_from_step=resumed_from)
+    if cfg.mode == "lora":
+        model = model.merge_and_unload()  # a plain checkpoint for generation and distillation
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model = model.cpu().eval()
+    val_codes, val_texts = read_split(validation_path)
+    validation_loss = float("nan")
+    if val_texts:
+        ppl = perplexity(model, tok, val_codes, val_texts, cfg.max_length, cfg.physical_batch_size)
+        validation_loss = math.log(ppl.windowed)
+        log.info("%s: validation perplexity %.2f", stage, ppl.windowed)
+
+    model.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    torch.save(
+        {"accountant": engine.accountant.state_dict(), "mechanism": engine.accountant.mechanism()},
+        out_dir / "accountant_state.pt",
     )
     atomic_write_json(
         out_dir / "training_log.json",
@@ -460,7 +550,7 @@ def train_teacher(
     return TeacherResult(
         checkpoint=ckpt,
         ledger=entry,
-        train_loss=[h["loss"] for h in history],
+        train_loss=train_loss,
         validation_loss=validation_loss,
         resumed_from_step=resumed_from,
     )
