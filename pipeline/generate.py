@@ -266,6 +266,8 @@ def plan_generation(
     }
     starts = range(0, cfg.num_samples, cfg.shard_size)
     shards = tuple((first, min(cfg.shard_size, cfg.num_samples - first)) for first in starts)
+    for i in range(len(shards)):  # refuse another generation's shards here, before any worker starts
+        _finished_shard(out_dir / SHARD.format(i), fingerprint)
     out_dir.mkdir(parents=True, exist_ok=True)
     return GenerationPlan(cfg=cfg, teacher_dir=teacher_dir, control_codes_path=Path(control_codes_path),
                           out_dir=out_dir, seed=seed, fingerprint=fingerprint, counts=counts,
