@@ -120,7 +120,7 @@ def print_status(run_dir: Path) -> int:
         out = s.get("output") or ""
         if out and Path(out).is_relative_to(run_dir.resolve()):
             out = str(Path(out).relative_to(run_dir.resolve()))
-        elif out:
+        elif out and s["status"] == "cached":
             out = f"reused from {out}"
         eps = s.get("epsilon")
         rows.append((name, s["status"], f"{s['seconds']:.1f}" if s.get("seconds") is not None else "",
