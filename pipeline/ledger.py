@@ -122,7 +122,8 @@ def read_ledger(path: Path) -> PrivacyLedger:
     return PrivacyLedger.model_validate(json.loads(Path(path).read_text()))
 
 
-def _fmt(x) -> str:
+def fmt_value(x) -> str:
+    """A ledger value as shown in tables: 4 significant digits, yes/NO, '-' for none."""
     if x is None:
         return "-"
     if isinstance(x, bool):
@@ -136,10 +137,10 @@ def format_table(ledger: PrivacyLedger) -> str:
     """The ledger as a fixed-width text table plus its total and notes."""
     cols = ["stage", "private", "epsilon", "delta", "accountant", "noise_multiplier", "sample_rate",
             "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp"]
-    rows = [[_fmt(getattr(e, c)) for c in cols] for e in ledger.entries]
+    rows = [[fmt_value(getattr(e, c)) for c in cols] for e in ledger.entries]
     if ledger.total:
         t = ledger.total
-        rows.append(["TOTAL", _fmt(t.complete), _fmt(t.epsilon), _fmt(t.delta), t.accountant] + ["-"] * 6)
+        rows.append(["TOTAL", fmt_value(t.complete), fmt_value(t.epsilon), fmt_value(t.delta), t.accountant] + ["-"] * 6)
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths))  # noqa: E731
     out = [line(cols), line(["-" * w for w in widths]), *map(line, rows), ""]

@@ -25,7 +25,7 @@ import matplotlib
 import pyarrow.parquet as pq
 from matplotlib.figure import Figure
 
-from pipeline.ledger import LEDGER, read_ledger
+from pipeline.ledger import LEDGER, fmt_value, read_ledger
 from pipeline.manifest import MANIFEST, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -52,16 +52,6 @@ def _esc(x) -> str:
     return html.escape(str(x))
 
 
-def _fmt(x) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, float):
-        return f"{x:.4g}"
-    return str(x)
-
-
 def _note(text: str, cls: str = "note") -> str:
     return f'<p class="{cls}">{_esc(text)}</p>'
 
@@ -69,7 +59,7 @@ def _note(text: str, cls: str = "note") -> str:
 def _table(header: list[str], rows: list[list]) -> str:
     def cell(v) -> str:
         num = isinstance(v, (int, float)) and not isinstance(v, bool)
-        return f'<td class="num">{_esc(_fmt(v))}</td>' if num else f"<td>{_esc(_fmt(v))}</td>"
+        return f'<td class="num">{_esc(fmt_value(v))}</td>' if num else f"<td>{_esc(fmt_value(v))}</td>"
 
     head = "".join(f"<th>{_esc(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(cell(v) for v in r) + "</tr>" for r in rows)
@@ -399,7 +389,7 @@ def write_comparison_report(run_dirs: dict[str, Path], out: Path) -> Path:
     header = ["run", "method", "student ppl", "DP teacher ppl", "zero-shot ppl", "ε (ledger total)",
               "ε complete", "seconds"]
     table_rows = "".join(
-        "<tr>" + "".join(f"<td>{_esc(_fmt(r[k]))}</td>" for k in
+        "<tr>" + "".join(f"<td>{_esc(fmt_value(r[k]))}</td>" for k in
                          ("label", "method", "student", "dp_teacher", "zero_shot", "epsilon", "complete", "seconds"))
         + (f'<td><a href="{_esc(r["report"])}">report</a></td>' if r["report"] else "<td>–</td>") + "</tr>"
         for r in rows
