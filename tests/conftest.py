@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import BaseModelsConfig, TinyModelSpec, config_from_dict
+from pipeline.config import BaseModelsConfig, DataConfig, TinyModelSpec, config_from_dict
+from pipeline.data import prepare_data
 from pipeline.models import read_public_corpus, tiny_gpt2, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,3 +151,13 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory):
+    """Small private train/validation/test splits of the Yelp sample, for teacher tests."""
+    out = tmp_path_factory.mktemp("data")
+    cfg = DataConfig(
+        path=YELP_TRAIN, test_path=YELP_TEST, max_records=110, max_test_records=10, validation_fraction=0.1
+    )
+    return prepare_data(cfg, out, seed=0)

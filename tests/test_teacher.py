@@ -9,20 +9,10 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from safetensors.torch import load_file
 
 from pipeline.batching import lm_batch
-from pipeline.config import DataConfig, TeacherConfig
-from pipeline.data import prepare_data
+from pipeline.config import TeacherConfig
 from pipeline import privacy  # noqa: F401
 from pipeline.teacher import TeacherError, per_sequence_loss, train_teacher
-from conftest import YELP_TEST, YELP_TRAIN, make_tiny_model, noise_free_dp_gradient
-
-
-@pytest.fixture(scope="module")
-def splits(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data")
-    cfg = DataConfig(
-        path=YELP_TRAIN, test_path=YELP_TEST, max_records=110, max_test_records=10, validation_fraction=0.1
-    )
-    return prepare_data(cfg, out, seed=0)
+from conftest import make_tiny_model, noise_free_dp_gradient
 
 
 def _teacher(splits, model_dir, out, **overrides):

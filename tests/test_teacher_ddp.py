@@ -8,19 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.config import DataConfig, TeacherConfig
-from pipeline.data import prepare_data
+from pipeline.config import TeacherConfig
 from pipeline.teacher import TeacherError, train_teacher
-from conftest import YELP_TEST, YELP_TRAIN
-
-
-@pytest.fixture(scope="module")
-def splits(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data")
-    cfg = DataConfig(
-        path=YELP_TRAIN, test_path=YELP_TEST, max_records=110, max_test_records=10, validation_fraction=0.1
-    )
-    return prepare_data(cfg, out, seed=0)
 
 
 def _cfg(**overrides) -> TeacherConfig:
