@@ -23,7 +23,7 @@ from pathlib import Path
 
 import flows  # noqa: F401  (sets up log routing before Prefect is imported)
 from flows.caching import STAGES, stages_to_rerun
-from flows.pipeline_flow import RUN_INFO, STAGES_INFO, _alive
+from flows.pipeline_flow import RUN_INFO, STAGES_INFO, run_alive
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError
 from pipeline.distill import DistillError
@@ -107,7 +107,7 @@ def print_status(run_dir: Path) -> int:
         return 2
     info = json.loads(info_path.read_text())
     state = info["status"]
-    if state == "running" and not _alive(info):
+    if state == "running" and not run_alive(info):
         state = "interrupted (its process is gone): run the same command again to continue it"
     print(f"run {run_dir}\nstatus: {state}; started {info.get('started_at')}"
           + (f", finished {info['finished_at']}" if info.get("finished_at") else ""))

@@ -13,6 +13,7 @@ state, parameters, results or artifacts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -212,7 +213,8 @@ def new_run_dir(cfg: PipelineConfig) -> Path:
     return run_dir.resolve()
 
 
-def _alive(info: dict) -> bool:
+def run_alive(info: dict) -> bool:
+    """Whether the process that wrote a run.json may still be running."""
     if info.get("host") != socket.gethostname():
         return True  # another machine's run: assume it is alive
     try:
@@ -241,14 +243,12 @@ def find_interrupted_run(cfg: PipelineConfig, flow_run_id: str | None) -> tuple[
     same = [(path, info) for _, path, info in runs if info.get("config_sha256") == config_sha]
     if same:
         path, info = same[0]
-        if info.get("status") == "failed" or (info.get("status") == "running" and not _alive(info)):
+        if info.get("status") == "failed" or (info.get("status") == "running" and not run_alive(info)):
             return path.resolve(), f"the newest run with this config was {'killed' if info['status'] == 'running' else 'failed'}"
     return None
 
 
 def _config_sha(cfg: PipelineConfig) -> str:
-    import hashlib
-
     return hashlib.sha256(dump_config(cfg).encode()).hexdigest()
 
 

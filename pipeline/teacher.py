@@ -53,7 +53,7 @@ from pipeline.config import TeacherConfig
 from pipeline.data import encode_record, read_split, read_users
 from pipeline.evaluate import perplexity
 from pipeline.ledger import LedgerEntry
-from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file, write_manifest
+from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, sha256_file, write_manifest
 from pipeline.losses import per_sequence_distillation_loss
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer, untie_lm_head
 
@@ -562,13 +562,12 @@ def finished_teacher(out_dir: Path) -> TeacherResult | None:
     manifest_path = Path(out_dir) / MANIFEST
     if not manifest_path.is_file():
         return None
+    if problems := manifest_problems(out_dir):
+        raise TeacherError(
+            f"{manifest_path} lists outputs that are missing or changed ({'; '.join(problems[:3])}); the "
+            "finished teacher cannot be trusted: use a new run directory"
+        )
     manifest = json.loads(manifest_path.read_text())
-    for name, item in manifest["outputs"].items():
-        if not Path(item["path"]).is_file() or sha256_file(Path(item["path"])) != item["sha256"]:
-            raise TeacherError(
-                f"{manifest_path} lists {name} but {item['path']} is missing or changed; the finished "
-                "teacher cannot be trusted: use a new run directory"
-            )
     log_ = json.loads((Path(out_dir) / "training_log.json").read_text())
     return TeacherResult(
         checkpoint=Path(out_dir) / "model",
