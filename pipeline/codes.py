@@ -19,6 +19,7 @@ one user changes one bin by one, the same sensitivity as one record at record le
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ from pipeline.config import CodesConfig, DataConfig
 from pipeline.data import CODE_JOINER, read_split, read_users
 from pipeline.ledger import LedgerEntry
 from pipeline.manifest import atomic_write_json, write_manifest
-from pipeline.privacy import epsilon_of
+from pipeline.privacy import DEFAULT_DELTA, epsilon_of, resolve_delta, weak_delta_warning
+
+log = logging.getLogger(__name__)
 
 RELEASED = "control_codes.json"
 MAX_BINS = 1_000_000
@@ -71,11 +74,16 @@ def release_control_codes(
     *,
     train_path: Path,
     out_dir: Path,
-    delta: float | None,
-    accountant: str,
+    delta: float | str = DEFAULT_DELTA,
+    accountant: str = "prv",
     seed: int,
 ) -> CodesResult:
     """Write `out_dir/control_codes.json` (the counts generation samples from) and its ledger entry."""
+    if cfg.mechanism is None:
+        raise ValueError(
+            "control_codes.mechanism is unset and no control_codes.domain is declared: declare the domain "
+            "(DP release) or set control_codes.mechanism=exact (NOT private)"
+        )
     rng = np.random.default_rng(seed)
     codes, _ = read_split(train_path)
     users = read_users(train_path)
@@ -95,7 +103,9 @@ def release_control_codes(
     else:
         contributions = codes if users is None else _one_per_user(codes, users, rng)
         n_units = len(contributions)
-        delta = delta if delta is not None else 1.0 / n_units
+        delta = resolve_delta(delta, n_units)
+        if weak := weak_delta_warning(delta, n_units, unit, "control_codes"):
+            log.warning("%s", weak)
         bins = domain_codes(data, cfg.domain)
         true = Counter(contributions)
         assert set(true) <= set(bins), "prepare_data checks every code against the domain"

@@ -80,12 +80,18 @@ class DataConfig(_Section):
 class CodesConfig(_Section):
     """How the control-code distribution that prompts generation is released.
 
-    'exact' uses the true counts of the private training split: NOT differentially private
-    (the ledger says so). 'gaussian' and 'geometric' add noise to the histogram over the
-    declared `domain`, with their own ε, composed with the teacher's in the ledger's total.
+    'gaussian' and 'geometric' add noise to the histogram over the declared `domain`, with
+    their own ε, composed with the teacher's in the ledger's total. 'exact' uses the true
+    counts of the private training split: NOT differentially private (the ledger says so),
+    so it is never a default, only an explicit choice. Left unset, the mechanism is
+    'gaussian' when `domain` is declared; without a domain the run asks for one of the two.
     """
 
-    mechanism: Literal["exact", "gaussian", "geometric"] = Field("exact")
+    mechanism: Literal["exact", "gaussian", "geometric"] | None = Field(
+        None,
+        description="None: 'gaussian' when `domain` is declared, else a config error asking to declare "
+        "it or to opt in to 'exact' (the true counts, NOT private).",
+    )
     epsilon: float = Field(0.5, gt=0, description="ε of the histogram release (not 'exact').")
     domain: dict[str, list[str]] | None = Field(
         None,
@@ -93,6 +99,12 @@ class CodesConfig(_Section):
         "...]}: public knowledge, required by the DP mechanisms (taking it from the private data "
         "would reveal which values occur).",
     )
+
+    @model_validator(mode="after")
+    def _dp_when_the_domain_is_known(self) -> "CodesConfig":
+        if self.mechanism is None and self.domain is not None:
+            self.mechanism = "gaussian"
+        return self
 
 
 class TinyModelSpec(_Section):
@@ -150,9 +162,18 @@ class TeacherConfig(_Section):
         "or a hub name such as 'gpt2-large' when a hub cache is available.",
     )
     target_epsilon: float = Field(2.0, gt=0, description="Privacy budget ε of the teacher.")
-    target_delta: float | None = Field(
-        None, gt=0, lt=1, description="δ; None means 1/N for N training records."
+    target_delta: float | Literal["1/N", "1/(10N)"] = Field(
+        "1/(10N)",
+        description="δ, or a rule for it over the N training records (or users): '1/(10N)' (the "
+        "default) or '1/N' (the paper's setting; weak: a mechanism that publishes each record with "
+        "probability δ satisfies it and releases one record in expectation).",
     )
+
+    @model_validator(mode="after")
+    def _delta_is_a_probability(self) -> "TeacherConfig":
+        if isinstance(self.target_delta, float) and not 0 < self.target_delta < 1:
+            raise ValueError(f"target_delta={self.target_delta} must be in (0, 1), or '1/(10N)' or '1/N'")
+        return self
     max_grad_norm: float = Field(1.0, gt=0, description="Per-example clipping norm C.")
     epochs: int = Field(3, ge=1, description="Passes over the data (in expectation, Poisson).")
     batch_size: int = Field(
@@ -319,7 +340,14 @@ class PipelineConfig(_Section):
                 f"teacher.batch_size={self.teacher.batch_size}; lower it to at most the batch size"
             )
         codes = self.control_codes
-        if codes.mechanism != "exact":
+        if codes.mechanism is None and self.distill.method in ("distil", "dp_syn"):
+            problems.append(
+                "control_codes: the control-code distribution that prompts generation is released with "
+                "DP by default, which needs control_codes.domain (the public list of possible values of "
+                f"each of {self.data.code_columns}); declare it, or opt in to control_codes.mechanism=exact "
+                "(the exact counts of the private training split: NOT differentially private)"
+            )
+        elif codes.mechanism not in (None, "exact"):
             missing = [c for c in self.data.code_columns if c not in (codes.domain or {})]
             if missing:
                 problems.append(

@@ -91,3 +91,31 @@ def max_steps_within_budget(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if eps(mid) <= target_epsilon else (lo, mid)
     return lo
+
+
+# --- δ -----------------------------------------------------------------------------------
+# δ = 1/N admits a mechanism that publishes each record with probability δ, i.e. one record
+# in the clear in expectation. The default is ten times smaller: such a mechanism would then
+# publish anything at all with probability at most 0.1, a fixed margin at every N (N^-1.1,
+# the other common choice, is only 2x below 1/N at N = 1,500 and 4x at N = 1M).
+DEFAULT_DELTA = "1/(10N)"
+
+
+def resolve_delta(target: float | str, n_units: int) -> float:
+    """δ for N privacy units (records or users): '1/(10N)', '1/N' (the paper's), or a number."""
+    if target == "1/(10N)":
+        return 1.0 / (10 * n_units)
+    if target == "1/N":
+        return 1.0 / n_units
+    return float(target)
+
+
+def weak_delta_warning(delta: float, n_units: int, unit: str, where: str) -> str | None:
+    """The warning to log when δ ≥ 1/N (one unit may be released in the clear), else None."""
+    if delta < 1.0 / n_units:
+        return None
+    return (
+        f"{where}: δ={delta:.3g} is not below 1/N={1.0 / n_units:.3g} (N={n_units} {unit}s): a mechanism "
+        "that publishes one random record in the clear satisfies this guarantee; use the default "
+        "'1/(10N)' or a smaller number"
+    )

@@ -280,9 +280,9 @@ def train_teacher(
             f"teacher.batch_size={cfg.batch_size} is not smaller than the {n} training {unit}s; "
             "Poisson sampling needs a sampling rate below 1: lower teacher.batch_size"
         )
-    delta = cfg.target_delta if cfg.target_delta is not None else 1.0 / n
-    if delta > 1.0 / n:
-        log.warning("%s: δ=%.3g is not below 1/N=%.3g (N %ss); the guarantee is weak", stage, delta, 1.0 / n, unit)
+    delta = privacy.resolve_delta(cfg.target_delta, n)
+    if weak := privacy.weak_delta_warning(delta, n, unit, stage):
+        log.warning("%s", weak)
     if not cfg.secure_mode:
         log.warning(
             "%s: secure_mode is off, DP noise comes from a non-cryptographic RNG; fine for "

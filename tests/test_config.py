@@ -83,3 +83,47 @@ def test_every_shipped_config_is_valid(path):
     """Each config in configs/ passes validation (the paper's setting included)."""
     cfg = load_config(path)
     assert cfg.teacher.target_epsilon > 0
+
+
+def test_control_codes_are_released_with_dp_by_default(tmp_path):
+    """Issue 9, finding 3: with a declared domain and no mechanism, the code histogram is
+    released with DP (gaussian); without a domain the config is refused, asking for the
+    domain or an explicit opt-in to the exact (NOT private) counts. Before: 'exact' by default."""
+    tree = tiny_pipeline_dict(tmp_path)
+    del tree["control_codes"]["mechanism"]
+    assert config_from_dict(tree).control_codes.mechanism == "gaussian"
+    tree["control_codes"] = {}
+    with pytest.raises(ConfigError, match=r"control_codes.domain.*control_codes.mechanism=exact"):
+        config_from_dict(tree)
+    tree["control_codes"] = {"mechanism": "exact"}
+    assert config_from_dict(tree).control_codes.mechanism == "exact"  # explicit opt-in
+    tree["control_codes"] = {}
+    tree["distill"]["method"] = "dp_sgd"  # no generation: no code release to configure
+    assert config_from_dict(tree).control_codes.mechanism is None
+
+
+def test_shipped_configs_release_the_code_distribution_with_dp():
+    """The demo and the reference configs declare the public Yelp code values: DP release."""
+    for name in ("demo.yaml", "reference.yaml", "gpt2_yelp.yaml"):
+        cfg = load_config(DEMO.parent / name)
+        assert cfg.control_codes.mechanism == "gaussian", name
+        assert sorted(cfg.control_codes.domain) == ["label1", "label2"], name
+
+
+def test_default_delta_is_a_tenth_of_one_over_n():
+    """Issue 9, finding 4: δ defaults to 1/(10N), 1/N stays reachable (the paper), and δ = 1/N
+    is warned about (before: the default was 1/N and only δ > 1/N warned)."""
+    from pipeline.config import TeacherConfig
+    from pipeline.privacy import resolve_delta, weak_delta_warning
+
+    n = 1000
+    assert TeacherConfig().target_delta == "1/(10N)"
+    assert resolve_delta(TeacherConfig().target_delta, n) == pytest.approx(1e-4)
+    assert resolve_delta("1/N", n) == pytest.approx(1e-3)
+    assert resolve_delta(1e-6, n) == 1e-6
+    assert weak_delta_warning(1e-3, n, "record", "teacher") is not None  # δ = 1/N warns
+    assert weak_delta_warning(1e-4, n, "record", "teacher") is None
+    with pytest.raises(ValueError):
+        TeacherConfig(target_delta=1.5)
+    with pytest.raises(ValueError):
+        TeacherConfig(target_delta="1/N^2")

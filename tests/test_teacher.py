@@ -38,7 +38,7 @@ def test_ledger_epsilon_is_the_accountants(splits, tiny_model_dir, tmp_path, acc
     cfg, result = _teacher(splits, tiny_model_dir, tmp_path, accountant=accountant)
     e = result.ledger
     assert e.stage == "teacher" and e.accountant == accountant and e.privacy_unit == "record"
-    assert e.delta == pytest.approx(1 / splits.n_train)
+    assert e.delta == pytest.approx(1 / (10 * splits.n_train))  # the default δ = 1/(10N)
     assert e.sample_rate == pytest.approx(1 / 4)  # ceil(99 / 25) = 4 batches per epoch
     assert e.steps == 4
     fresh = PRVAccountant() if accountant == "prv" else RDPAccountant()
