@@ -12,7 +12,7 @@ import time
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tqdm import tqdm
 
-_SHOWN = ("loss", "epsilon", "kl", "tokens_per_second", "samples")
+_SHOWN = ("loss", "validation_loss", "epsilon", "kl", "tokens_per_second", "samples")
 
 
 class StageProgress:
