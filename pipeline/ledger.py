@@ -5,7 +5,8 @@
 history; a pure ε-DP mechanism (the geometric histogram) is added by basic composition,
 which is valid and conservative, and the total says so. Stages after the teacher are
 post-processing (ε = 0). A release that is not DP (exact control-code counts) makes the
-total incomplete, and the ledger says so.
+total incomplete, and the ledger says so; so does a mechanism whose noise came from the
+test-only fixed-seed hook (its `noise_source`, see pipeline/noise.py).
 
     dpdistill ledger show RUN_DIR     # the ledger as a table
 """
