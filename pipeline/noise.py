@@ -28,6 +28,7 @@ records and `compose()` flags.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 
@@ -36,6 +37,8 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from pipeline.ledger import TEST_HOOK
+
+log = logging.getLogger(__name__)
 
 TEST_SEED_ENV = "DPDISTILL_TEST_NOISE_SEED"
 
@@ -50,6 +53,8 @@ def _secret_bytes(n: int, purpose: str, rank: int = 0) -> bytes:
     seed = _test_seed()
     if seed is None:
         return os.urandom(n)
+    log.warning("%s is set: the %s randomness is fixed and anyone can regenerate it; NOT private "
+                "(for tests only)", TEST_SEED_ENV, purpose)
     digest = hashlib.sha256(f"{seed}:{purpose}:{rank}".encode()).digest()
     assert n <= len(digest)
     return digest[:n]
@@ -83,16 +88,22 @@ class ChaCha20Normal:
         return Cipher(algorithms.ChaCha20(self.key, nonce), mode=None).encryptor().update(b"\0" * n)
 
     def uniform(self, n: int) -> torch.Tensor:
-        """n float64 uniforms in (0, 1): the top 53 bits of each 64-bit word, centred."""
-        words = np.frombuffer(self._bytes(8 * n), dtype=np.uint64) >> np.uint64(11)
-        return (torch.from_numpy(words.astype(np.float64)) + 0.5) / 2.0**53
+        """n float64 uniforms in (0, 1]: the top 53 bits of each 64-bit word, centred."""
+        u = (np.frombuffer(self._bytes(8 * n), dtype=np.uint64) >> np.uint64(11)).astype(np.float64)
+        u += 0.5
+        u *= 2.0**-53
+        return torch.from_numpy(u)
 
     def normal(self, n: int) -> torch.Tensor:
-        """n float64 standard Gaussians (Box–Muller, both outputs used)."""
-        u = self.uniform(2 * ((n + 1) // 2)).view(2, -1)
-        r = torch.sqrt(-2.0 * torch.log(u[0]))
-        theta = 2.0 * math.pi * u[1]
-        return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n]
+        """n float64 standard Gaussians (Box–Muller, both outputs used; in place: it is the
+        cost of secure mode, see bench/secure_noise.py)."""
+        m = (n + 1) // 2
+        u = self.uniform(2 * m)
+        r, theta = u[:m].log_().mul_(-2.0).sqrt_(), u[m:].mul_(2.0 * math.pi)
+        out = torch.empty(2 * m, dtype=torch.float64)
+        torch.mul(r, torch.cos(theta), out=out[:m])
+        torch.mul(r, theta.sin_(), out=out[m:])
+        return out[:n]
 
     def state_dict(self) -> dict:
         return {"key": torch.tensor(list(self.key), dtype=torch.uint8), "draws": self.draws}
@@ -153,7 +164,10 @@ def secure_gaussian(gen: ChaCha20Normal, std: float, shape, dtype=torch.float64,
     of std `std`, halved (Holohan & Braghin 2021, §5.1: a floating-point representation
     attack on one Gaussian sample costs 2^53, on the sum of 2n = 4 about 2^159)."""
     n = math.prod(shape)
-    total = sum(gen.normal(n) for _ in range(4)) * (std / 2.0)  # float64
+    total = gen.normal(n)  # float64
+    for _ in range(3):
+        total += gen.normal(n)
+    total *= std / 2.0
     return total.view(*shape).to(device=device, dtype=dtype)
 
 

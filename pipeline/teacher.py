@@ -249,8 +249,8 @@ def _load_private(path: Path, fingerprint: str, *, module, optimizer, engine: Pr
     if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
         raise TeacherError(
             f"{path} was written by a teacher run with another config, data, base model, "
-            "seed or number of processes; resume with the same ones, or delete it (and the run "
-            "directory) to start over"
+            "seed, number of processes or version of this stage; resume with the same ones, or "
+            "delete it (and the run directory) to start over"
         )
     module.load_state_dict(state["module_state_dict"])
     engine.accountant.load_state_dict(state["privacy_accountant_state_dict"])
@@ -263,12 +263,12 @@ def _fingerprint(
     world_size: int = 1,
 ) -> str:
     """What a checkpoint must match to be resumed: same config, data, base model, seed, σ, KD,
-    and number of data-parallel processes (a DPDDP checkpoint holds wrapped weights and
-    per-rank RNG states)."""
+    number of data-parallel processes (a DPDDP checkpoint holds wrapped weights and
+    per-rank RNG states) and checkpoint layout (2: per-rank secret generator states)."""
     spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend"})
     if world_size > 1:
         spec["world_size"] = world_size
-    spec |= {"base_model": base_model, "train_sha256": sha256_file(train_path), "seed": seed, "sigma": sigma,
+    spec |= {"checkpoint_format": 2, "base_model": base_model, "train_sha256": sha256_file(train_path), "seed": seed, "sigma": sigma,
              "kd": None if kd is None else [str(kd.teacher_dir), kd.alpha, kd.temperature]}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
