@@ -268,7 +268,8 @@ def _fingerprint(
     spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend"})
     if world_size > 1:
         spec["world_size"] = world_size
-    spec |= {"checkpoint_format": 2, "base_model": base_model, "train_sha256": sha256_file(train_path), "seed": seed, "sigma": sigma,
+    spec |= {"checkpoint_format": 2, "base_model": base_model, "train_sha256": sha256_file(train_path),
+             "seed": seed, "sigma": sigma,
              "kd": None if kd is None else [str(kd.teacher_dir), kd.alpha, kd.temperature]}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
