@@ -73,7 +73,7 @@ def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path) -> Da
 
 @stage_task("control-codes", lambda cfg: {
     "control_codes": cfg.control_codes, "data": cfg.data, "delta": cfg.teacher.target_delta,
-    "accountant": cfg.teacher.accountant,
+    "accountant": cfg.teacher.accountant, "secure_mode": cfg.teacher.secure_mode,
 })
 def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesResult:
     """Release the code distribution that prompts generation (exact, or a DP histogram)."""
@@ -84,7 +84,7 @@ def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesRes
         out_dir=run_dir / "control_codes",
         delta=cfg.teacher.target_delta,
         accountant=cfg.teacher.accountant,
-        seed=cfg.seed,
+        secure_mode=cfg.teacher.secure_mode,  # one switch for every DP noise source of the run
     )
 
 

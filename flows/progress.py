@@ -1,7 +1,7 @@
 """Progress of a long stage: a Prefect progress artifact, and a bar in a terminal.
 
-The library calls `on_progress(info)` with `done`/`total` and aggregates (loss, ε so far,
-tokens/s); nothing here ever sees a record.
+The library calls `on_progress(info)` with `done`/`total` and aggregates (ε so far, the
+teacher's validation loss, the distillation loss, tokens/s); nothing here ever sees a record.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tqdm import tqdm
 
-_SHOWN = ("loss", "epsilon", "kl", "tokens_per_second", "samples")
+_SHOWN = ("loss", "validation_loss", "epsilon", "kl", "tokens_per_second", "samples")
 
 
 class StageProgress:

@@ -14,6 +14,10 @@ noise too, otherwise the released support would reveal which combinations exist.
 
 User-level: each user contributes the code of one of their records, chosen at random, so
 one user changes one bin by one, the same sensitivity as one record at record level.
+
+The noise and the per-user picks come from secret OS entropy (pipeline/noise.py), never
+from the run's public seed: anyone could otherwise regenerate the noise and subtract it.
+`secure_mode=True` draws them from a ChaCha20 CSPRNG instead of numpy's PCG64.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from opacus.accountants.utils import get_noise_multiplier
 
+from pipeline import noise
 from pipeline.config import CodesConfig, DataConfig
 from pipeline.data import CODE_JOINER, read_split, read_users
 from pipeline.ledger import LedgerEntry
@@ -55,16 +60,30 @@ def domain_codes(data: DataConfig, domain: dict[str, list[str]]) -> list[str]:
     return [CODE_JOINER.join(parts) for parts in itertools.product(*per_column)]
 
 
-def _one_per_user(codes: list[str], users: list[str], rng: np.random.Generator) -> list[str]:
+Secret = np.random.Generator | noise.ChaCha20Normal  # both keyed from OS entropy
+
+
+def _one_per_user(codes: list[str], users: list[str], rng: Secret) -> list[str]:
     by_user: dict[str, list[str]] = {}
     for c, u in zip(codes, users):
         by_user.setdefault(u, []).append(c)
+    if isinstance(rng, noise.ChaCha20Normal):
+        return [v[noise.randbelow(rng, len(v))] for _, v in sorted(by_user.items())]
     return [v[rng.integers(len(v))] for _, v in sorted(by_user.items())]
 
 
-def _two_sided_geometric(epsilon: float, size: int, rng: np.random.Generator) -> np.ndarray:
+def _gaussian(sigma: float, size: int, rng: Secret) -> np.ndarray:
+    if isinstance(rng, noise.ChaCha20Normal):
+        return noise.secure_gaussian(rng, sigma, (size,)).numpy()
+    return rng.normal(0.0, sigma, size=size)
+
+
+def _two_sided_geometric(epsilon: float, size: int, rng: Secret) -> np.ndarray:
     """Integer noise with P(k) ∝ exp(-ε|k|): the difference of two geometric variables."""
     p = 1.0 - math.exp(-epsilon)
+    if isinstance(rng, noise.ChaCha20Normal):  # inverse CDF of Geometric(p) on {1, 2, ...}
+        g = np.floor(np.log(rng.uniform(2 * size).numpy()) / math.log1p(-p)).astype(np.int64) + 1
+        return g[:size] - g[size:]
     return rng.geometric(p, size) - rng.geometric(p, size)
 
 
@@ -76,15 +95,19 @@ def release_control_codes(
     out_dir: Path,
     delta: float | str = DEFAULT_DELTA,
     accountant: str = "prv",
-    seed: int,
+    secure_mode: bool = False,
 ) -> CodesResult:
-    """Write `out_dir/control_codes.json` (the counts generation samples from) and its ledger entry."""
+    """Write `out_dir/control_codes.json` (the counts generation samples from) and its ledger entry.
+
+    The run's public seed drives nothing here: the mechanism's only randomness is its noise
+    and per-user picks, which come from secret entropy (see the module doc).
+    """
     if cfg.mechanism is None:
         raise ValueError(
             "control_codes.mechanism is unset and no control_codes.domain is declared: declare the domain "
             "(DP release) or set control_codes.mechanism=exact (NOT private)"
         )
-    rng = np.random.default_rng(seed)
+    rng = noise.generator("control_codes", secure=True) if secure_mode else noise.numpy_generator("control_codes")
     codes, _ = read_split(train_path)
     users = read_users(train_path)
     unit = "record" if users is None else "user"
@@ -116,13 +139,14 @@ def release_control_codes(
             sigma = get_noise_multiplier(
                 target_epsilon=cfg.epsilon, target_delta=delta, sample_rate=1.0, steps=1, accountant=calibrate
             )
-            noisy = exact + rng.normal(0.0, sigma, size=len(bins))
+            noisy = exact + _gaussian(sigma, len(bins), rng)
             history = [(sigma, 1.0, 1)]
             epsilon = epsilon_of(calibrate, history, delta)
             entry = LedgerEntry(
                 stage="control_codes", private=True, epsilon=epsilon, delta=delta, accountant=calibrate,
                 mechanism="gaussian", noise_multiplier=sigma, sample_rate=1.0, steps=1, privacy_unit=unit,
                 epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
+                noise_source=noise.source(secure_mode),
                 note=f"Gaussian noise (σ={sigma:.4g}) on the histogram of {len(bins)} declared code "
                 f"combinations over {n_units} {unit}s"
                 + ("" if users is None else ", one random record per user")
@@ -132,7 +156,7 @@ def release_control_codes(
             noisy = exact + _two_sided_geometric(cfg.epsilon, len(bins), rng)
             entry = LedgerEntry(
                 stage="control_codes", private=True, epsilon=cfg.epsilon, delta=0.0, mechanism="geometric",
-                privacy_unit=unit,
+                privacy_unit=unit, noise_source=noise.source(secure_mode),
                 note=f"two-sided geometric noise (pure ε={cfg.epsilon}) on the histogram of {len(bins)} "
                 f"declared code combinations over {n_units} {unit}s; negative counts floored at 0",
             )

@@ -207,7 +207,10 @@ class TeacherConfig(_Section):
     secure_mode: bool = Field(
         False, description="Cryptographically secure noise (slower); turn on for production."
     )
-    log_every: int = Field(5, ge=1, description="Log loss and ε every N logical steps.")
+    log_every: int = Field(
+        5, ge=1, description="Log ε and the loss on the validation split every N logical steps "
+        "(never the loss of a private batch)."
+    )
     processes: int = Field(
         1,
         ge=1,

@@ -5,7 +5,8 @@
 history; a pure ε-DP mechanism (the geometric histogram) is added by basic composition,
 which is valid and conservative, and the total says so. Stages after the teacher are
 post-processing (ε = 0). A release that is not DP (exact control-code counts) makes the
-total incomplete, and the ledger says so.
+total incomplete, and the ledger says so; so does a mechanism whose noise came from the
+test-only fixed-seed hook (its `noise_source`, see pipeline/noise.py).
 
     dpdistill ledger show RUN_DIR     # the ledger as a table
 """
@@ -21,6 +22,8 @@ from pipeline.manifest import atomic_write_json
 from pipeline.privacy import epsilon_of
 
 LEDGER = "ledger.json"
+TEST_HOOK = "TEST HOOK"
+"""How a `noise_source` made through the test-only fixed-noise hook starts (pipeline/noise.py)."""
 
 
 class LedgerEntry(BaseModel):
@@ -45,6 +48,9 @@ class LedgerEntry(BaseModel):
     """The RDP accountant's ε for the same history: a cross-check of the default PRV figure."""
     history: list[tuple[float, float, int]] = []
     """(σ, q, steps) of each Gaussian mechanism, what the accountant composes."""
+    noise_source: str | None = None
+    """Where the mechanism's randomness came from (pipeline/noise.py): OS entropy, a CSPRNG,
+    or the test hook's fixed seed, which anyone could regenerate: then the entry is not private."""
     note: str
 
 
@@ -96,9 +102,13 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
         eps += sum(e.epsilon for e in pure)
         parts.append(f"plus basic composition (ε added) of the pure-ε {', '.join(e.stage for e in pure)}")
     not_dp = [e.stage for e in entries if not e.private]
+    fixed_noise = [e.stage for e in entries if (e.noise_source or "").startswith(TEST_HOOK)]
     note = f"(ε, δ)-DP per {next(iter(units), 'record')} for everything this run releases"
     if not_dp:
         note = f"covers the DP stages only; NOT differentially private: {', '.join(not_dp)}"
+    if fixed_noise:
+        note = (f"NOT private: the noise of {', '.join(fixed_noise)} came from the test hook's fixed "
+                f"seed, which anyone can regenerate (ε assumes secret noise); {note}")
     if used != accountant:
         note += f"; composed with rdp because {accountant} cannot compose different mechanisms"
     return LedgerTotal(
@@ -106,7 +116,7 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
         delta=delta,
         accountant=used,
         composition="; ".join(parts) or "no DP mechanism",
-        complete=not not_dp,
+        complete=not not_dp and not fixed_noise,
         note=note,
     )
 

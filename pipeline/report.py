@@ -156,18 +156,22 @@ def _dp_training(run_dir: Path) -> str:
     for stage, train_log in logs.items():
         hist = train_log["history"]
         label = "teacher" if stage == "teacher" else "DP student"
-        loss_ax.plot([h["step"] for h in hist], [h["loss"] for h in hist], label=label)
+        # The loss on held-out validation records, as logged every log_every steps. The loss of
+        # a private training batch is never logged: it would be released without noise.
+        val = [h for h in hist if h.get("validation_loss") is not None]
+        loss_ax.plot([h["step"] for h in val], [h["validation_loss"] for h in val], marker="o", label=label)
         # ε as recorded from the Opacus accountant every log_every steps: never recomputed here.
         eps = [h for h in hist if h.get("epsilon") is not None]
         eps_ax.plot([h["step"] for h in eps], [h["epsilon"] for h in eps], marker="o", label=label)
-        rows.append([label, len(hist), hist[-1]["loss"], eps[-1]["epsilon"] if eps else None,
-                     train_log.get("validation_loss")])
-    loss_ax.set(title="DP-SGD training loss", xlabel="step", ylabel="mean token loss")
+        rows.append([label, len(hist), val[-1]["validation_loss"] if val else None,
+                     eps[-1]["epsilon"] if eps else None, train_log.get("validation_loss")])
+    loss_ax.set(title="Validation loss during DP-SGD", xlabel="step", ylabel="mean token loss")
     eps_ax.set(title="ε spent (Opacus accountant)", xlabel="step", ylabel="ε", ylim=(0, None))
     for ax in (loss_ax, eps_ax):
         ax.grid(alpha=0.3)
         ax.legend()
-    table = _table(["model", "steps", "last loss", "ε at the end", "validation loss"], rows)
+    table = _table(["model", "steps", "last logged validation loss", "ε at the end",
+                    "final validation loss (log perplexity)"], rows)
     return _svg(fig, "dp-training") + table
 
 

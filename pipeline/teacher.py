@@ -11,10 +11,21 @@ adapters, merged into the saved checkpoint). Clipping: `ghost` (Li et al. 2021: 
 norms without per-example gradients; GPT-2 needs an untied `lm_head` and explicit
 contiguous (B, T) `position_ids`) or `hooks` (Opacus' per-sample gradients, the reference).
 
+Secret randomness: the DP noise, the Poisson sample and the record picked for each sampled
+user come from generators keyed with OS entropy (pipeline/noise.py), never from `seed`,
+which is published with the config; `seed` drives the rest (dropout, data order). With
+`secure_mode` they come from a ChaCha20 CSPRNG.
+
+What is published per step is a function of public quantities only (step, ε spent, elapsed
+time) plus, every `log_every` steps, the model's loss on the validation split (held out,
+not protected). The loss and size of a private Poisson batch are never published.
+
 Crash-safe budget: every `checkpoint_every` steps the model, optimizer, accountant and
-RNG states are saved atomically to `out_dir/checkpoint/state.pt`. Run again into the same
-`out_dir`, training resumes at the saved step with the saved accountant: it neither
-restarts the accountant (under-counting) nor repeats steps already counted.
+RNG states are saved atomically to `out_dir/checkpoint/state.pt` (mode 0600: it holds the
+secret generators' states; deleted when the stage finishes). Run again into the same
+`out_dir`, training resumes at the saved step with the saved accountant and generators: it
+neither restarts the accountant (under-counting) nor repeats steps already counted. The
+checkpoint is read with `weights_only=True`: a planted file cannot run code.
 
 Data-parallel (`processes` > 1): `train_teacher` starts itself under torchrun
 (pipeline/teacher_ddp.py); inside the process group every rank runs this same function on
@@ -29,8 +40,10 @@ import json
 import logging
 import math
 import os
+import pickle
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +60,7 @@ from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClippi
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset
 
-from pipeline import privacy
+from pipeline import noise, privacy
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import TeacherConfig
 from pipeline.data import encode_record, read_split, read_users
@@ -60,6 +73,7 @@ from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer, unti
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint/state.pt"
+VALIDATION_MONITOR_RECORDS = 64  # validation records scored every log_every steps
 
 
 class TeacherError(ValueError):
@@ -80,7 +94,8 @@ class KnowledgeDistillation:
 class TeacherResult:
     checkpoint: Path
     ledger: LedgerEntry
-    train_loss: list[float] = field(default_factory=list)
+    validation_curve: list[tuple[int, float]] = field(default_factory=list)
+    """(step, loss on the first validation records) every log_every steps; never a training loss."""
     validation_loss: float = float("nan")
     resumed_from_step: int = 0
 
@@ -101,7 +116,7 @@ class OneRecordPerUser(Dataset):
     exactly one clipped contribution per step, and the accountant counts users
     (author-level sampling, as in dp-transformers)."""
 
-    def __init__(self, records: TokenizedRecords, users: list[str], generator: torch.Generator):
+    def __init__(self, records: TokenizedRecords, users: list[str], generator: noise.Generator):
         by_user: dict[str, list[int]] = {}
         for i, u in enumerate(users):
             by_user.setdefault(u, []).append(i)
@@ -114,7 +129,7 @@ class OneRecordPerUser(Dataset):
 
     def __getitem__(self, u):
         group = self.groups[u]
-        pick = group[torch.randint(len(group), (1,), generator=self.generator)].item()
+        pick = group[noise.randbelow(self.generator, len(group))].item()
         return self.records[pick]
 
 
@@ -124,19 +139,22 @@ class RankShareSampler(UniformWithReplacementSampler):
     Each step draws every record with probability q, as one process would, and this rank
     keeps the drawn records it owns (index % world_size == rank): the union over ranks is
     one Poisson sample of the whole dataset. With the same generator seed on every rank it
-    is exactly the single-process sample; with independent (secure) generators each record
-    is still drawn once, by its owner. Every rank yields every step, empty or not, so the
-    ranks step and all-reduce together (Opacus' DistributedUniformWithReplacementSampler
-    skips empty local batches, which would leave the ranks a step apart).
+    is exactly the single-process sample (the test hook of pipeline/noise.py); with
+    independent secret generators each record is still drawn once, by its owner. Every rank
+    yields every step, empty or not, so the ranks step and all-reduce together (Opacus'
+    DistributedUniformWithReplacementSampler skips empty local batches, which would leave
+    the ranks a step apart). The generator may be a torch.Generator or the ChaCha20 CSPRNG.
+    One process is rank 0 of 1.
     """
 
-    def __init__(self, *, num_samples: int, sample_rate: float, generator, rank: int, world_size: int):
+    def __init__(self, *, num_samples: int, sample_rate: float, generator, rank: int = 0, world_size: int = 1):
         super().__init__(num_samples=num_samples, sample_rate=sample_rate, generator=generator)
         self.rank, self.world_size = rank, world_size
 
     def __iter__(self):
-        for batch in super().__iter__():
-            yield [i for i in batch if i % self.world_size == self.rank]
+        for _ in range(self.steps):
+            drawn = (noise.uniform(self.generator, self.num_samples) < self.sample_rate).nonzero().view(-1)
+            yield [i for i in drawn.tolist() if i % self.world_size == self.rank]
 
 
 def prepare_trainable(model: torch.nn.Module, cfg: TeacherConfig) -> torch.nn.Module:
@@ -190,13 +208,54 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _global_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum of `values` over the ranks (the values themselves in one process)."""
-    if _world()[1] == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
+@torch.no_grad()
+def _validation_loss(model: torch.nn.Module, records: TokenizedRecords, batch_size: int, device) -> float:
+    """Mean per-record loss on held-out validation records (forward only, eval mode): the
+    training progress that is safe to publish, unlike the loss of a private batch."""
+    if len(records) == 0:
+        return float("nan")
+    model.eval()
+    total = 0.0
+    for ids, lengths in DataLoader(records, batch_size=batch_size):
+        batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
+        labels = batch.pop("labels")
+        total += per_sequence_loss(model(**batch).logits, labels).sum().item()
+    model.train()
+    return total / len(records)
+
+
+def _save_private(path: Path, save) -> None:
+    """Atomically write the private checkpoint with `save(file)`, readable by its owner only
+    (0600 whatever the umask): it holds the secret noise and sampling generators' states."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file left by an earlier crash
+    with os.fdopen(fd, "wb") as f:
+        save(f)
+    os.replace(tmp, path)  # atomic: a crash never leaves half a checkpoint
+
+
+def _load_private(path: Path, fingerprint: str, *, module, optimizer, engine: PrivacyEngine) -> dict:
+    """Read a checkpoint without running code (weights_only; Opacus' load_checkpoint unpickles
+    anything) and apply its module, optimizer and accountant states as Opacus would."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise TeacherError(
+            f"{path} holds objects other than tensors and plain containers, so it was not written by "
+            "this stage; refusing to load it (unpickling could run code). Delete it to start over"
+        ) from e
+    if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
+        raise TeacherError(
+            f"{path} was written by a teacher run with another config, data, base model, "
+            "seed, number of processes or version of this stage; resume with the same ones, or "
+            "delete it (and the run directory) to start over"
+        )
+    module.load_state_dict(state["module_state_dict"])
+    engine.accountant.load_state_dict(state["privacy_accountant_state_dict"])
+    optimizer.load_state_dict(state["optimizer_state_dict"])
+    return state
 
 
 def _fingerprint(
@@ -204,12 +263,13 @@ def _fingerprint(
     world_size: int = 1,
 ) -> str:
     """What a checkpoint must match to be resumed: same config, data, base model, seed, σ, KD,
-    and number of data-parallel processes (a DPDDP checkpoint holds wrapped weights and
-    per-rank RNG states)."""
+    number of data-parallel processes (a DPDDP checkpoint holds wrapped weights and
+    per-rank RNG states) and checkpoint layout (2: per-rank secret generator states)."""
     spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend"})
     if world_size > 1:
         spec["world_size"] = world_size
-    spec |= {"base_model": base_model, "train_sha256": sha256_file(train_path), "seed": seed, "sigma": sigma,
+    spec |= {"checkpoint_format": 2, "base_model": base_model, "train_sha256": sha256_file(train_path),
+             "seed": seed, "sigma": sigma,
              "kd": None if kd is None else [str(kd.teacher_dir), kd.alpha, kd.temperature]}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
@@ -228,9 +288,10 @@ def train_teacher(
 ) -> TeacherResult:
     """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
 
-    `on_progress` receives each logical step's record (step, loss, ε when computed, and
-    done/total steps) after the step and its checkpoint; an exception raised there
-    interrupts training like a crash.
+    `on_progress` receives each logical step's record after the step and its checkpoint:
+    step and done/total steps, plus ε, the validation loss and elapsed seconds every
+    `log_every` steps; never anything computed from a private batch. An exception raised
+    there interrupts training like a crash.
 
     `cfg.processes` > 1 outside a process group: runs itself under torchrun and returns
     the finished stage. Inside an initialised process group of W > 1 ranks: trains
@@ -249,7 +310,7 @@ def train_teacher(
     device = torch.device("cpu")
     if world > 1 and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(seed + rank)  # rank 0 draws the DP noise, from the same stream as one process
+    torch.manual_seed(seed + rank)  # dropout; DP randomness comes from the secret generators below
     np.random.seed(seed)
     out_dir = Path(out_dir)
     tok = load_tokenizer(base_model)
@@ -271,7 +332,12 @@ def train_teacher(
     records = TokenizedRecords(
         [encode_record(tok, c, t, cfg.max_length) for c, t in zip(codes, texts)], tok.pad_token_id, cfg.max_length
     )
-    user_pick = torch.Generator().manual_seed(seed + 2)
+    # Secret, per rank (pipeline/noise.py). The Poisson generator takes no rank: secret, it
+    # is independent on every rank anyway; under the test hook it is the same on every rank,
+    # so that data-parallel runs draw exactly the single-process sample.
+    noise_rng = noise.generator("noise", secure=cfg.secure_mode, rank=rank, device=device)
+    poisson_rng = noise.generator("poisson", secure=cfg.secure_mode)
+    user_pick = noise.generator("user_pick", secure=cfg.secure_mode, rank=rank)
     train = records if users is None else OneRecordPerUser(records, users, user_pick)
     unit = "record" if users is None else "user"
     n = len(train)  # privacy units: records, or users
@@ -285,43 +351,37 @@ def train_teacher(
         log.warning("%s", weak)
     if not cfg.secure_mode:
         log.warning(
-            "%s: secure_mode is off, DP noise comes from a non-cryptographic RNG; fine for "
-            "experiments, set teacher.secure_mode=true for a production release", stage,
+            "%s: secure_mode is off: DP noise and sampling come from torch's mt19937 seeded from OS "
+            "entropy, unpredictable from anything published but not a cryptographic generator; set "
+            "teacher.secure_mode=true (ChaCha20) for a production release", stage,
         )
 
-    generator = torch.Generator().manual_seed(seed)
-    loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=False, generator=generator)
+    loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=False)
     model.train()
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay
     )
-    try:
-        engine = PrivacyEngine(accountant=cfg.accountant, secure_mode=cfg.secure_mode)
-    except ImportError as e:
-        raise TeacherError(
-            "teacher.secure_mode=true needs the torchcsprng package, which is not installed "
-            "(and has no release for every torch version); install it, or set "
-            "teacher.secure_mode=false to draw the noise from torch's default generator"
-        ) from e
+    with warnings.catch_warnings():  # its "Secure RNG turned off": our generators are secret (warned above)
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        # Opacus' own secure_mode needs torchcsprng (no release for current torch): secure
+        # noise comes from noise_rng instead, through pipeline/noise.py's dispatcher.
+        engine = PrivacyEngine(accountant=cfg.accountant, secure_mode=False)
     # Poisson sampling set up as make_private would, but here, so that σ is calibrated for
     # exactly the steps that run and the rate the accountant records. Opacus' sampler runs
     # int(1 / q) steps per epoch and make_private accounts q' = 1 / steps >= q (for q = 1/99:
     # 98 steps accounted at 1/98). make_private_with_epsilon calibrates for
     # int(epochs / q) steps instead, which can differ by one and overspend the budget.
-    poisson_loader = DPDataLoader.from_data_loader(
-        loader, generator=engine.secure_rng if cfg.secure_mode else generator
+    dp_loader = DPDataLoader.from_data_loader(loader)  # its rate and empty-batch collate
+    sampling_probability = dp_loader.sample_rate
+    # Each rank trains on its share of the global Poisson draw (all of it in one process),
+    # drawn from the secret `poisson_rng`. A DataLoader also draws a base seed for its
+    # workers from its own `generator` at every new iterator: a public one of its own, so a
+    # resumed run (one extra iterator) consumes neither the sampler's stream nor dropout's.
+    share = RankShareSampler(
+        num_samples=n, sample_rate=sampling_probability, generator=poisson_rng, rank=rank, world_size=world
     )
-    sampling_probability = poisson_loader.sample_rate
-    if world > 1:  # each rank trains on its share of the same global Poisson draw
-        share = RankShareSampler(
-            num_samples=n, sample_rate=sampling_probability, generator=poisson_loader.batch_sampler.generator,
-            rank=rank, world_size=world,
-        )
-        poisson_loader = DataLoader(train, batch_sampler=share, collate_fn=poisson_loader.collate_fn)
-    # The sampler draws only from `generator`. A DataLoader also draws a base seed for its
-    # workers from its own `generator` at every new iterator; were that the same generator,
-    # a resumed run (one extra iterator) would sample other batches than an uninterrupted one.
-    poisson_loader.generator = torch.Generator().manual_seed(seed + 1)
+    poisson_loader = DataLoader(train, batch_sampler=share, collate_fn=dp_loader.collate_fn,
+                                generator=torch.Generator().manual_seed(seed + 1))
     sample_rate = 1.0 / len(poisson_loader)  # the rate make_private hands the accountant
     total_steps = cfg.epochs * len(poisson_loader)
     try:
@@ -358,6 +418,7 @@ def train_teacher(
         noise_multiplier=sigma,
         max_grad_norm=cfg.max_grad_norm,
         poisson_sampling=False,  # the loader above already samples with Poisson
+        noise_generator=noise_rng,
         grad_sample_mode=cfg.grad_sample_mode,
     )
     if cfg.grad_sample_mode == "ghost":
@@ -374,18 +435,11 @@ def train_teacher(
     history: list[dict] = []
     resumed_from = 0
     if ckpt_path.is_file():
-        state = engine.load_checkpoint(
-            path=ckpt_path, module=dp_model, optimizer=optimizer, torch_load_kwargs={"map_location": device}
-        )
-        if state.get("fingerprint") != fingerprint:
-            raise TeacherError(
-                f"{ckpt_path} was written by a teacher run with another config, data, base model, "
-                "seed or number of processes; resume with the same ones, or delete it (and the run "
-                "directory) to start over"
-            )
-        own = state["rank_rngs"][rank] if world > 1 else state
-        generator.set_state(own["poisson_rng"])
-        user_pick.set_state(own["user_pick_rng"])
+        state = _load_private(ckpt_path, fingerprint, module=dp_model, optimizer=optimizer, engine=engine)
+        own = state["rank_rngs"][rank]  # the generators go on from where they were, not re-seeded
+        noise.set_state(noise_rng, own["noise_rng"])
+        noise.set_state(poisson_rng, own["poisson_rng"])
+        noise.set_state(user_pick, own["user_pick_rng"])
         torch.set_rng_state(own["torch_rng"])
         history = state["history"]
         resumed_from = _steps_accounted(engine)
@@ -401,27 +455,28 @@ def train_teacher(
     )
 
     def save_checkpoint() -> None:
-        rngs = {"poisson_rng": generator.get_state(), "user_pick_rng": user_pick.get_state(),
-                "torch_rng": torch.get_rng_state()}
-        extra = {}
-        if world > 1:  # the ranks' RNGs differ (user picks, dropout): rank 0 saves them all
-            extra["rank_rngs"] = [None] * world
-            dist.all_gather_object(extra["rank_rngs"], rngs)
+        rngs = {"noise_rng": noise.get_state(noise_rng), "poisson_rng": noise.get_state(poisson_rng),
+                "user_pick_rng": noise.get_state(user_pick), "torch_rng": torch.get_rng_state()}
+        rank_rngs = [rngs]
+        if world > 1:  # the ranks' generators differ (noise, user picks, dropout): rank 0 saves them all
+            rank_rngs = [None] * world
+            dist.all_gather_object(rank_rngs, rngs)
         if rank != 0:
             return
-        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt_path.with_suffix(".tmp")
-        engine.save_checkpoint(
-            path=tmp,
-            module=dp_model,
-            optimizer=optimizer,
-            checkpoint_dict={"fingerprint": fingerprint, **rngs, **extra, "history": history},
-        )
-        os.replace(tmp, ckpt_path)  # atomic: a crash never leaves half a checkpoint
+        _save_private(ckpt_path, lambda f: engine.save_checkpoint(
+            path=f, module=dp_model, optimizer=optimizer,
+            checkpoint_dict={"fingerprint": fingerprint, "rank_rngs": rank_rngs, "history": history},
+        ))
+
+    val_codes, val_texts = read_split(validation_path)
+    monitor = TokenizedRecords(
+        [encode_record(tok, c, t, cfg.max_length)
+         for c, t in zip(val_codes[:VALIDATION_MONITOR_RECORDS], val_texts[:VALIDATION_MONITOR_RECORDS])],
+        tok.pad_token_id, cfg.max_length,
+    )
 
     t0 = time.time()
     done = resumed_from
-    step_loss, step_count = 0.0, 0
     while done < steps_allowed:
         with BatchMemoryManager(
             data_loader=loader, max_physical_batch_size=cfg.physical_batch_size, optimizer=optimizer
@@ -453,21 +508,21 @@ def train_teacher(
                     else:
                         loss = per_sequence_loss(logits, labels).mean()
                     loss.backward()
-                    step_loss += loss.item() * ids.shape[0]
-                    step_count += ids.shape[0]
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 if optimizer._is_last_step_skipped:
                     continue  # logical batch not finished yet
                 done = _steps_accounted(engine)
-                step_loss, step_count = _global_sum([step_loss, step_count], device)  # the global batch
-                record = {"step": done, "loss": step_loss / max(step_count, 1), "records": int(step_count)}
-                step_loss, step_count = 0.0, 0
+                # Published: public quantities and the validation loss, never the private batch's
+                # loss or size (a function of the records drawn, released without noise).
+                record = {"step": done}
                 if rank == 0 and (done % cfg.log_every == 0 or done == steps_allowed):
                     record["epsilon"] = engine.get_epsilon(delta)
+                    record["validation_loss"] = _validation_loss(model, monitor, cfg.physical_batch_size, device)
+                    record["seconds"] = round(time.time() - t0, 1)
                     log.info(
-                        "%s: step %d/%d loss %.4f ε=%.3f (%.0f s)",
-                        stage, done, steps_allowed, record["loss"], record["epsilon"], time.time() - t0,
+                        "%s: step %d/%d ε=%.3f validation loss %.4f (%.0f s)",
+                        stage, done, steps_allowed, record["epsilon"], record["validation_loss"], record["seconds"],
                     )
                 history.append(record)
                 if done % cfg.checkpoint_every == 0 and done < steps_allowed:
@@ -501,6 +556,7 @@ def train_teacher(
         privacy_unit=unit,
         epsilon_rdp=privacy.epsilon_of("rdp", accounted, delta),
         history=accounted,
+        noise_source=noise.source(cfg.secure_mode),
         note=f"{unit}-level DP-SGD ({cfg.mode}, {cfg.grad_sample_mode} clipping) on the private "
         f"training split (N={n} {unit}s"
         + ("" if users is None else f", {len(records)} records; one random record per sampled user per step")
@@ -514,15 +570,14 @@ def train_teacher(
     )
     dp_model._close()  # remove Opacus hooks and per-sample state before saving
     ckpt = out_dir / "model"
-    train_loss = [h["loss"] for h in history]
+    curve = _validation_curve(history)
     if rank != 0:  # rank 0 writes the stage's files
-        return TeacherResult(checkpoint=ckpt, ledger=entry, train_loss=train_loss, resumed_from_step=resumed_from)
+        return TeacherResult(checkpoint=ckpt, ledger=entry, validation_curve=curve, resumed_from_step=resumed_from)
     if cfg.mode == "lora":
         model = model.merge_and_unload()  # a plain checkpoint for generation and distillation
     for p in model.parameters():
         p.requires_grad_(True)
     model = model.cpu().eval()
-    val_codes, val_texts = read_split(validation_path)
     validation_loss = float("nan")
     if val_texts:
         ppl = perplexity(model, tok, val_codes, val_texts, cfg.max_length, cfg.physical_batch_size)
@@ -550,10 +605,14 @@ def train_teacher(
     return TeacherResult(
         checkpoint=ckpt,
         ledger=entry,
-        train_loss=train_loss,
+        validation_curve=curve,
         validation_loss=validation_loss,
         resumed_from_step=resumed_from,
     )
+
+
+def _validation_curve(history: list[dict]) -> list[tuple[int, float]]:
+    return [(h["step"], h["validation_loss"]) for h in history if "validation_loss" in h]
 
 
 def finished_teacher(out_dir: Path) -> TeacherResult | None:
@@ -572,7 +631,7 @@ def finished_teacher(out_dir: Path) -> TeacherResult | None:
     return TeacherResult(
         checkpoint=Path(out_dir) / "model",
         ledger=LedgerEntry.model_validate(manifest["ledger"]),
-        train_loss=[h["loss"] for h in log_["history"]],
+        validation_curve=_validation_curve(log_["history"]),
         validation_loss=log_["validation_loss"],
         resumed_from_step=log_["resumed_from_step"],
     )

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(backend=cfg.ddp_backend)
     on_progress = None
     if rank == 0:
-        def on_progress(record: dict) -> None:  # aggregates only: step, loss, ε, batch size
+        def on_progress(record: dict) -> None:  # public quantities only: step, ε, validation loss, seconds
             with open(work / PROGRESS, "a") as f:
                 f.write(json.dumps(record) + "\n")
 

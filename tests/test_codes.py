@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from conftest import YELP_DOMAIN as DOMAIN
@@ -13,6 +15,7 @@ from conftest import YELP_TEST, YELP_TRAIN
 from pipeline.codes import domain_codes, release_control_codes
 from pipeline.config import CodesConfig, DataConfig, TeacherConfig
 from pipeline.data import DataError, prepare_data, read_split, read_users
+from pipeline.noise import TEST_SEED_ENV
 from pipeline.teacher import train_teacher
 
 @pytest.fixture(scope="module")
@@ -21,10 +24,10 @@ def yelp(tmp_path_factory):
     return cfg, prepare_data(cfg, tmp_path_factory.mktemp("d"), seed=0, code_domain=DOMAIN)
 
 
-def _release(yelp, tmp_path, **kw):
+def _release(yelp, tmp_path, secure_mode=False, **kw):
     cfg, data = yelp
     return release_control_codes(CodesConfig(**kw), cfg, train_path=data.train, out_dir=tmp_path,
-                                 accountant="prv", seed=0)
+                                 accountant="prv", secure_mode=secure_mode)
 
 
 def test_exact_counts_come_from_the_training_split_and_are_flagged(yelp, tmp_path):
@@ -105,7 +108,61 @@ def test_user_level_codes_take_one_record_per_user(with_users, tmp_path):
     """With users, the DP histogram counts one record per user: total ≈ number of users."""
     cfg, data = with_users
     res = release_control_codes(CodesConfig(mechanism="gaussian", epsilon=50.0, domain=DOMAIN), cfg,
-                                train_path=data.train, out_dir=tmp_path, accountant="prv", seed=0)
+                                train_path=data.train, out_dir=tmp_path, accountant="prv")
     assert res.ledger.privacy_unit == "user"
     total = sum(json.loads(res.path.read_text())["counts"].values())
     assert abs(total - 24) < 8  # 24 users; σ is small at ε = 50, floors add a little
+
+
+def _released(res) -> dict[str, float]:
+    return json.loads(res.path.read_text())["counts"]
+
+
+def test_two_releases_with_the_same_seed_draw_other_noise(yelp, tmp_path):
+    """The seed is published with the config: it must not determine the histogram noise."""
+    a = _release(yelp, tmp_path / "a", mechanism="gaussian", epsilon=1.0, domain=DOMAIN)
+    b = _release(yelp, tmp_path / "b", mechanism="gaussian", epsilon=1.0, domain=DOMAIN)
+    assert _released(a) != _released(b)
+    assert a.ledger.noise_source.startswith("os-entropy")
+
+
+@pytest.mark.parametrize("mechanism", ["gaussian", "geometric"])
+def test_the_published_seed_does_not_regenerate_the_noise(yelp, tmp_path, mechanism):
+    """The attack: draw the noise again from the published seed, as the release used to, and
+    subtract it. Before, every released count came back exact; now (almost) none does
+    (integer geometric noise matches by chance in about 13% of bins at ε = 0.5)."""
+    cfg, data = yelp
+    res = _release(yelp, tmp_path, mechanism=mechanism, epsilon=0.5, domain=DOMAIN)
+    bins = domain_codes(cfg, DOMAIN)
+    rng = np.random.default_rng(0)  # config seed 0, the same calls as the old release
+    if mechanism == "gaussian":
+        guess = rng.normal(0.0, res.ledger.noise_multiplier, size=len(bins))
+    else:
+        p = 1.0 - math.exp(-0.5)
+        guess = rng.geometric(p, len(bins)) - rng.geometric(p, len(bins))
+    exact = Counter(read_split(data.train)[0])
+    released = _released(res)
+    recovered = [abs(released[b] - g - exact.get(b, 0)) < 1e-6 for b, g in zip(bins, guess) if b in released]
+    assert len(recovered) > 10
+    assert sum(recovered) <= (0 if mechanism == "gaussian" else len(recovered) // 2)
+
+
+def test_secure_mode_histogram_uses_the_csprng(yelp, tmp_path):
+    """secure_mode: ChaCha20 Gaussian noise of the calibrated σ, recorded in the ledger."""
+    _, data = yelp
+    res = _release(yelp, tmp_path, mechanism="gaussian", epsilon=1.0, domain=DOMAIN, secure_mode=True)
+    assert res.ledger.noise_source.startswith("csprng: ChaCha20")
+    exact = Counter(read_split(data.train)[0])
+    top = exact.most_common(1)[0][0]
+    assert abs(_released(res)[top] - exact[top]) < 6 * res.ledger.noise_multiplier
+    geo = _release(yelp, tmp_path / "geo", mechanism="geometric", epsilon=0.5, domain=DOMAIN, secure_mode=True)
+    assert all(float(v).is_integer() for v in _released(geo).values())
+
+
+def test_the_test_hook_fixes_the_noise_and_says_so(yelp, tmp_path, monkeypatch):
+    """DPDISTILL_TEST_NOISE_SEED makes releases identical, and their ledger entry says NOT private."""
+    monkeypatch.setenv(TEST_SEED_ENV, "3")
+    a = _release(yelp, tmp_path / "a", mechanism="gaussian", epsilon=1.0, domain=DOMAIN)
+    b = _release(yelp, tmp_path / "b", mechanism="gaussian", epsilon=1.0, domain=DOMAIN)
+    assert _released(a) == _released(b)
+    assert a.ledger.noise_source.startswith("TEST HOOK") and "NOT private" in a.ledger.noise_source

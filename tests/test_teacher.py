@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+import stat
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
@@ -11,11 +18,18 @@ from safetensors.torch import load_file
 from pipeline.batching import lm_batch
 from pipeline.config import TeacherConfig
 from pipeline import privacy  # noqa: F401
+from pipeline.noise import TEST_SEED_ENV
 from pipeline.teacher import TeacherError, per_sequence_loss, train_teacher
 from conftest import make_tiny_model, noise_free_dp_gradient
 
 
-def _teacher(splits, model_dir, out, **overrides):
+@pytest.fixture
+def fixed_noise(monkeypatch):
+    """The test-only hook: DP noise, sampling and picks from a fixed seed (NOT private)."""
+    monkeypatch.setenv(TEST_SEED_ENV, "1234")
+
+
+def _teacher(splits, model_dir, out, on_progress=None, **overrides):
     cfg = TeacherConfig(
         **{
             "target_epsilon": 3.0,
@@ -28,7 +42,8 @@ def _teacher(splits, model_dir, out, **overrides):
         }
     )
     return cfg, train_teacher(
-        cfg, train_path=splits.train, validation_path=splits.validation, base_model=str(model_dir), out_dir=out, seed=0
+        cfg, train_path=splits.train, validation_path=splits.validation, base_model=str(model_dir), out_dir=out, seed=0,
+        on_progress=on_progress,
     )
 
 
@@ -148,21 +163,29 @@ class _Crash(Exception):
     pass
 
 
-def test_resume_after_crash_continues_the_same_budget(splits, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("secure_mode", [False, True])
+def test_resume_after_crash_continues_the_same_budget(splits, tiny_model_dir, tmp_path, fixed_noise, secure_mode):
     """A run killed after step 3 (checkpoint at 2) resumes at step 2 and ends exactly as an
-    uninterrupted run: same ledger (ε, σ, q, steps) and the same weights."""
-    opts = dict(batch_size=10, physical_batch_size=10, epochs=1, checkpoint_every=2)
+    uninterrupted run: same ledger (ε, σ, q, steps) and the same weights. The noise is fixed
+    by the test hook for both runs, so equality needs the resumed run to restore the noise
+    and sampling generators from the checkpoint (re-seeding would replay steps 1-2's noise).
+    Also with secure_mode (ChaCha20 noise). The checkpoint is 0600 even under umask 0."""
+    opts = dict(batch_size=10, physical_batch_size=10, epochs=1, checkpoint_every=2, secure_mode=secure_mode)
     _, whole = _teacher(splits, tiny_model_dir, tmp_path / "whole", **opts)
 
     def crash_at_3(record):
         if record["step"] == 3:
             raise _Crash
 
-    with pytest.raises(_Crash):
-        cfg = TeacherConfig(target_epsilon=3.0, max_length=48, learning_rate=1e-3, **opts)
-        train_teacher(cfg, train_path=splits.train, validation_path=splits.validation,
-                      base_model=str(tiny_model_dir), out_dir=tmp_path / "cut", seed=0, on_progress=crash_at_3)
-    assert (tmp_path / "cut" / "checkpoint" / "state.pt").is_file()
+    old_umask = os.umask(0)
+    try:
+        with pytest.raises(_Crash):
+            _teacher(splits, tiny_model_dir, tmp_path / "cut", on_progress=crash_at_3, **opts)
+    finally:
+        os.umask(old_umask)
+    state = tmp_path / "cut" / "checkpoint" / "state.pt"
+    assert state.is_file()
+    assert stat.S_IMODE(state.stat().st_mode) == 0o600  # it holds the secret generators' states
     assert not (tmp_path / "cut" / "manifest.json").exists()  # not finished, and does not look it
 
     _, resumed = _teacher(splits, tiny_model_dir, tmp_path / "cut", **opts)
@@ -172,6 +195,93 @@ def test_resume_after_crash_continues_the_same_budget(splits, tiny_model_dir, tm
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
     assert not (tmp_path / "cut" / "checkpoint").exists()  # removed once the stage finished
+    assert whole.ledger.noise_source.startswith("TEST HOOK")  # and the ledger says so
+
+
+def test_same_seed_gives_other_noise_unless_the_test_hook_fixes_it(splits, tiny_model_dir, tmp_path, monkeypatch):
+    """The config's seed is published: two runs with the same seed must not draw the same DP
+    noise (or anyone could regenerate it). Only the test hook makes them identical, and the
+    ledger of such a run says so."""
+    monkeypatch.delenv(TEST_SEED_ENV, raising=False)
+    _, a = _teacher(splits, tiny_model_dir, tmp_path / "a")
+    _, b = _teacher(splits, tiny_model_dir, tmp_path / "b")
+    wa, wb = _weights(a.checkpoint), _weights(b.checkpoint)
+    assert not any(torch.equal(wa[k], wb[k]) for k in wa if k.endswith(".weight"))
+    assert a.ledger.noise_source.startswith("os-entropy")
+
+    monkeypatch.setenv(TEST_SEED_ENV, "7")
+    _, c = _teacher(splits, tiny_model_dir, tmp_path / "c")
+    _, d = _teacher(splits, tiny_model_dir, tmp_path / "d")
+    wc, wd = _weights(c.checkpoint), _weights(d.checkpoint)
+    assert all(torch.equal(wc[k], wd[k]) for k in wc)
+    assert c.ledger.noise_source.startswith("TEST HOOK") and "NOT private" in c.ledger.noise_source
+
+
+def test_secure_mode_trains_without_torchcsprng(splits, tiny_model_dir, tmp_path):
+    """secure_mode=true: ChaCha20 noise (no torchcsprng needed), recorded in the ledger."""
+    _, result = _teacher(splits, tiny_model_dir, tmp_path, secure_mode=True)
+    assert result.ledger.noise_source.startswith("csprng: ChaCha20")
+    before, after = _weights(tiny_model_dir), _weights(result.checkpoint)
+    assert all(torch.isfinite(w).all() for w in after.values())
+    assert sum(not torch.equal(before[k], after[k]) for k in before) > len(before) // 2
+
+
+def test_a_planted_pickle_checkpoint_is_refused_without_running_it(splits, tiny_model_dir, tmp_path):
+    """Opacus' load_checkpoint unpickles anything (weights_only=False): a state.pt planted in
+    the run directory could run code. Ours loads tensors only and refuses the file."""
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return open, (str(marker), "w")
+
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    torch.save({"fingerprint": Payload()}, tmp_path / "run" / "checkpoint" / "state.pt")
+    with pytest.raises(TeacherError, match="refusing to load it"):
+        _teacher(splits, tiny_model_dir, tmp_path / "run")
+    assert not marker.exists()
+
+
+PUBLIC_STEP_KEYS = {"step", "done", "total", "epsilon", "validation_loss", "seconds"}
+
+
+def _publications(splits, model_dir, out, caplog):
+    """Everything a teacher run publishes: progress records, log lines, training log, manifest."""
+    progress = []
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pipeline"):
+        _teacher(splits, model_dir, out, on_progress=progress.append, log_every=2)
+    logs = [r.getMessage() for r in caplog.records if r.name.startswith("pipeline")]
+    history = json.loads((out / "training_log.json").read_text())["history"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    return progress, logs, history, manifest
+
+
+def test_nothing_published_is_computed_from_a_private_batch(splits, tiny_model_dir, tmp_path, caplog, fixed_noise):
+    """The attack: read every record, log line, training log and manifest a run publishes.
+    Per step there are only public quantities and the validation loss (no batch loss, no
+    batch size), and with the noise fixed, replacing one training record changes nothing
+    published except what goes through the DP model (validation loss) and the clock."""
+    progress, logs, history, manifest = _publications(splits, tiny_model_dir, tmp_path / "a", caplog)
+    assert progress and all(set(p) <= PUBLIC_STEP_KEYS for p in progress)
+    assert history and all(set(h) <= PUBLIC_STEP_KEYS for h in history)
+    assert any("validation_loss" in p for p in progress)
+    assert not re.search(r'"(loss|records)"', json.dumps(manifest))
+    for line in logs:
+        assert not re.search(r"(?<!validation )\bloss\b", line), line
+
+    other = tmp_path / "other_train.parquet"  # the same split with one record rewritten
+    table = pq.read_table(splits.train)
+    texts = table["text"].to_pylist()
+    texts[0] = "zzzz qqqq " * 20
+    pq.write_table(table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts)), other)
+    changed = dataclasses.replace(splits, train=other)
+    progress2, _, history2, _ = _publications(changed, tiny_model_dir, tmp_path / "b", caplog)
+
+    def public(records):
+        return [{k: v for k, v in r.items() if k not in ("validation_loss", "seconds")} for r in records]
+
+    assert public(progress2) == public(progress) and public(history2) == public(history)
 
 
 def test_resume_refuses_a_checkpoint_of_another_config(splits, tiny_model_dir, tmp_path):

