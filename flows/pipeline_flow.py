@@ -29,6 +29,7 @@ from flows.artifacts import publish_ledger, publish_metrics, publish_report, pub
 from flows.caching import RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
 from flows.generation import generate_with_workers
 from flows.progress import StageProgress
+from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.data import DataResult, prepare_data
@@ -49,7 +50,8 @@ def _uses_builtin(cfg: PipelineConfig) -> bool:
 
 def stage_task(stage: str, config_of: Callable[[PipelineConfig], dict]):
     """A stage's Prefect task, cached under a key of the config it reads and its inputs."""
-    return task(name=stage, cache_policy=StageCache(stage=stage, config_of=config_of), persist_result=True)
+    return task(name=stage, cache_policy=StageCache(stage=stage, config_of=config_of), persist_result=True,
+                result_serializer=StageResultSerializer())
 
 
 @stage_task("base-models", lambda cfg: {"base_models": cfg.base_models, "builtin": _uses_builtin(cfg)})
@@ -258,7 +260,8 @@ class StageRunner:
 
     def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str]):
         self.cfg, self.run_dir, self.rerun = cfg, run_dir, set(rerun)
-        self.storage = (Path(cfg.run_root) / RESULTS_DIR).resolve()  # Prefect reads a Path as local storage
+        # JSON of our result types only, never a pickle (flows/results.py)
+        self.storage = stage_result_storage((Path(cfg.run_root) / RESULTS_DIR).resolve())
         info_path = run_dir / STAGES_INFO
         self.stages: dict[str, dict] = json.loads(info_path.read_text()) if info_path.is_file() else {}
         self.log = get_run_logger()
@@ -268,7 +271,12 @@ class StageRunner:
         atomic_write_json(self.run_dir / STAGES_INFO, self.stages)
 
     def _call(self, task_fn, args, refresh: bool):
-        state = task_fn.with_options(result_storage=self.storage, refresh_cache=refresh)(*args, return_state=True)
+        configured = task_fn.with_options(result_serializer=StageResultSerializer(), refresh_cache=refresh)
+        # Set after construction: `Task.__init__` refuses a block not saved on the server, which
+        # would register our storage class there. Prefect itself runs a `Path` storage as an
+        # unsaved LocalFileSystem; ours is that, with reads refused unless ours (flows/results.py).
+        configured.result_storage = self.storage
+        state = configured(*args, return_state=True)
         return state.result(), state.name == "Cached"
 
     def __call__(self, stage: str, task_fn, *args):
