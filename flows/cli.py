@@ -23,7 +23,7 @@ from pathlib import Path
 
 import flows  # noqa: F401  (sets up log routing before Prefect is imported)
 from flows.caching import STAGES, stages_to_rerun
-from flows.pipeline_flow import RUN_INFO, STAGES_INFO, run_alive
+from flows.pipeline_flow import RUN_INFO, STAGES_INFO, RunDirError, run_alive
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError
 from pipeline.distill import DistillError
@@ -32,7 +32,7 @@ from pipeline.ledger import LEDGER, format_table, read_ledger
 from pipeline.models import ModelError
 from pipeline.teacher import TeacherError
 
-USER_ERRORS = (ConfigError, DataError, TeacherError, GenerateError, DistillError, ModelError)
+USER_ERRORS = (ConfigError, DataError, TeacherError, GenerateError, DistillError, ModelError, RunDirError)
 
 
 def quiet_libraries() -> None:

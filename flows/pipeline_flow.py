@@ -32,12 +32,12 @@ from flows.progress import StageProgress
 from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
-from pipeline.data import DataResult, prepare_data
+from pipeline.data import DataResult, delete_private_copies, prepare_data
 from pipeline.distill import DistillResult, distill
 from pipeline.evaluate import evaluate_models
 from pipeline.generate import GenerateResult
 from pipeline.ledger import LEDGER, LedgerEntry, PrivacyLedger, compose, post_processing, write_ledger
-from pipeline.manifest import atomic_write_json, atomic_write_text, sha256_file
+from pipeline.manifest import atomic_write_json, atomic_write_text, private_dir, sha256_file
 from pipeline.models import BaseModels, build_base_models, resolve_model
 from pipeline.report import write_report
 from pipeline.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
@@ -68,13 +68,18 @@ def source_hashes(cfg: PipelineConfig) -> dict[str, str]:
     return {name: sha256_file(Path(p)) for name, p in paths.items() if p is not None and Path(p).is_file()}
 
 
-@stage_task("data", lambda cfg: {"data": cfg.data, "domain": cfg.control_codes.domain})
+def _data_key(cfg: PipelineConfig) -> dict:
+    # Whether the splits are deleted after evaluation changes nothing a stage computes.
+    return cfg.data.model_dump(mode="json", exclude={"keep_private_copies"})
+
+
+@stage_task("data", lambda cfg: {"data": _data_key(cfg), "domain": cfg.control_codes.domain})
 def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path) -> DataResult:
     return prepare_data(cfg.data, run_dir / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
 
 
 @stage_task("control-codes", lambda cfg: {
-    "control_codes": cfg.control_codes, "data": cfg.data, "delta": cfg.teacher.target_delta,
+    "control_codes": cfg.control_codes, "data": _data_key(cfg), "delta": cfg.teacher.target_delta,
     "accountant": cfg.teacher.accountant,
 })
 def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesResult:
@@ -202,6 +207,19 @@ def evaluation_task(
 
 RUN_INFO = "run.json"
 STAGES_INFO = "stages.json"
+TOOL = "dpdistill"  # run.json's mark that dpdistill made the directory (see checked_run_dir)
+
+
+class RunDirError(ValueError):
+    """A run directory the flow must not write into; the message says why and what to do."""
+
+
+def prepare_run_root(cfg: PipelineConfig) -> Path:
+    """`run_root` and its cache, 0700: they hold private splits, DP checkpoints, results."""
+    root = private_dir(Path(cfg.run_root)).resolve()
+    private_dir(root / ".cache")
+    private_dir(root / RESULTS_DIR)
+    return root
 
 
 def new_run_dir(cfg: PipelineConfig) -> Path:
@@ -211,8 +229,37 @@ def new_run_dir(cfg: PipelineConfig) -> Path:
     while run_dir.exists():
         n += 1
         run_dir = cfg.run_root / f"{cfg.name}-{stamp}-{n}"
-    run_dir.mkdir(parents=True)
-    return run_dir.resolve()
+    run_dir.mkdir(mode=0o700, parents=True)
+    return private_dir(run_dir).resolve()
+
+
+def read_run_info(run_dir: Path) -> dict:
+    """A run directory's run.json, or {} when it has none (or not a readable one)."""
+    try:
+        info = json.loads((Path(run_dir) / RUN_INFO).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def checked_run_dir(cfg: PipelineConfig, run_dir: str | Path) -> Path:
+    """The run directory a caller names, if the flow may write (and `--force` delete) there:
+    inside `run_root`, and either new, empty, or a run directory dpdistill made."""
+    root, out = Path(cfg.run_root).resolve(), Path(run_dir).resolve()
+    if out == root or not out.is_relative_to(root):
+        raise RunDirError(
+            f"run directory {out} is not inside run_root {root}: pass a directory under run_root, "
+            "or set run_root to where your run directories live"
+        )
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"run directory {out} exists and is not a directory; pass a new directory")
+    if out.is_dir() and any(out.iterdir()) and read_run_info(out).get("tool") != TOOL:
+        raise RunDirError(
+            f"{out} is not empty and holds no {RUN_INFO} written by dpdistill, so it is not a run "
+            "directory this flow may write into (a forced stage deletes its folder there); pass a "
+            "new or empty directory under run_root"
+        )
+    return out
 
 
 def run_alive(info: dict) -> bool:
@@ -284,6 +331,8 @@ class StageRunner:
         if forced and stage in STAGE_DIRS:
             own = self.run_dir / STAGE_DIRS[stage]
             if own.exists():  # only ever this run's copy; other runs' outputs are never touched
+                if read_run_info(self.run_dir).get("tool") != TOOL:
+                    raise RunDirError(f"not deleting {own}: {self.run_dir} is not a dpdistill run directory")
                 if stage in ("teacher", "dp-student"):
                     self.log.warning("%s: forced to rerun: this trains on the private data again and "
                                      "spends a new privacy budget; discard the old model", stage)
@@ -330,17 +379,18 @@ def dp_distill(
     """
     logger = get_run_logger()
     cfg = load_config(config, overrides) if isinstance(config, str) else config
+    prepare_run_root(cfg)
     if run_dir:
-        out = Path(run_dir).resolve()
+        out = checked_run_dir(cfg, run_dir)
     elif found := find_interrupted_run(cfg, flow_run.id):
         out, why = found
         logger.info("continuing %s (%s); pass a run directory to start elsewhere", out, why)
     else:
         out = new_run_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     atomic_write_text(out / "config.yaml", dump_config(cfg))
     run_info = {
-        "status": "running", "flow_run_id": flow_run.id, "host": socket.gethostname(), "pid": os.getpid(),
+        "tool": TOOL, "status": "running", "flow_run_id": flow_run.id, "host": socket.gethostname(), "pid": os.getpid(),
         "config_sha256": _config_sha(cfg), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rerun": rerun or [],
     }
@@ -401,6 +451,13 @@ def _run_stages(cfg: PipelineConfig, out: Path, rerun: list[str]) -> tuple[Priva
     )
     final = typed(ledger)
     write_ledger(out / LEDGER, final)
+    # Nothing after evaluation reads the splits (report, status and artifacts read manifests,
+    # ledgers and metrics). Only this run's copy: a cached data stage lives in another run.
+    if not cfg.data.keep_private_copies and Path(data.train).parent.is_relative_to(out):
+        deleted = delete_private_copies(data)
+        stage.log.info("data: deleted the private splits (%s) now that evaluation is done; their sha256 "
+                       "stay in data/manifest.json (data.keep_private_copies=true keeps them)",
+                       ", ".join(p.name for p in deleted))
 
     evaluation = {k: v for k, v in evaluation.items() if k != "evaluation_dir"}
     metrics = {**evaluation, "method": method,
