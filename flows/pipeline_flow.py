@@ -36,8 +36,9 @@ from pipeline.data import DataResult, delete_private_copies, prepare_data
 from pipeline.distill import DistillResult, distill
 from pipeline.evaluate import evaluate_models
 from pipeline.generate import GenerateResult
-from pipeline.ledger import LEDGER, LedgerEntry, PrivacyLedger, compose, post_processing, write_ledger
-from pipeline.manifest import atomic_write_json, atomic_write_text, private_dir, sha256_file
+from pipeline.budget import dataset_total, read_budget, record_release
+from pipeline.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
+from pipeline.manifest import atomic_write_json, atomic_write_text, manifest_digest, private_dir, sha256_file
 from pipeline.models import BaseModels, build_base_models, resolve_model
 from pipeline.report import write_report
 from pipeline.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
@@ -303,15 +304,47 @@ def _config_sha(cfg: PipelineConfig) -> str:
 
 class StageRunner:
     """Runs stage tasks: cache hits verified against their manifests, forced stages rerun,
-    and every stage's status, duration and output directory recorded in `stages.json`."""
+    and every stage's status, duration and output directory recorded in `stages.json`.
+    With `dataset_sha256`, each DP release is also added to the dataset's budget across runs
+    (pipeline/budget.py)."""
 
-    def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str]):
+    def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str], dataset_sha256: str | None = None):
         self.cfg, self.run_dir, self.rerun = cfg, run_dir, set(rerun)
+        self.dataset_sha256 = dataset_sha256
+        self.run_delta: float | None = None  # δ of this run's first Gaussian release
+        self.releases: set[str] = set()  # this run's releases (manifest digests)
         # JSON of our result types only, never a pickle (flows/results.py)
         self.storage = stage_result_storage((Path(cfg.run_root) / RESULTS_DIR).resolve())
         info_path = run_dir / STAGES_INFO
         self.stages: dict[str, dict] = json.loads(info_path.read_text()) if info_path.is_file() else {}
         self.log = get_run_logger()
+
+    def _delta(self, budget) -> float | None:
+        """The δ the dataset total is composed at: this run's, else the newest release's."""
+        deltas = [r.entry.delta for r in budget.releases if r.entry.delta]
+        return self.run_delta or (deltas[-1] if deltas else None)
+
+    def _record_release(self, stage: str, result, entry: LedgerEntry) -> None:
+        """Add this DP release to the dataset's budget; warn when it raises the total that
+        earlier runs had spent on the same data."""
+        root, sha = Path(self.cfg.run_root).resolve(), self.dataset_sha256
+        if self.run_delta is None and entry.history:
+            self.run_delta = entry.delta
+        release_id = manifest_digest(stage_dir_of(result))
+        before = read_budget(root, sha)
+        earlier = [r for r in before.releases if r.release_id not in self.releases | {release_id}]
+        budget, new = record_release(root, sha, release_id=release_id, stage=stage, run_dir=self.run_dir, entry=entry)
+        self.releases.add(release_id)
+        if not new or not earlier or (delta := self._delta(budget)) is None:
+            return
+        accountant = self.cfg.teacher.accountant
+        was, now = dataset_total(before, accountant, delta), dataset_total(budget, accountant, delta)
+        self.log.warning(
+            "%s: a new DP release on data already used by earlier runs: the privacy spent on this dataset "
+            "(sha256 %s…) over every run rises from ε = %.4f to ε = %.4f at δ = %.3g (%d releases); "
+            "see `dpdistill ledger show %s`", stage, sha[:12], was.epsilon, now.epsilon, delta,
+            len(budget.releases), self.run_dir,
+        )
 
     def _record(self, stage: str, **info) -> None:
         self.stages[stage] = {**self.stages.get(stage, {}), **info}
@@ -352,6 +385,8 @@ class StageRunner:
             where = f"outputs in {out}" if out else "its result"
             self.log.info("%s: cached (same config, inputs, version and seed): reusing %s", stage, where)
         ledger = getattr(result, "ledger", None)
+        if self.dataset_sha256 and isinstance(ledger, LedgerEntry) and ledger.private and ledger.epsilon:
+            self._record_release(stage, result, ledger)
         self._record(
             stage,
             status="cached" if cached else ("forced" if forced else "ran"),
@@ -389,22 +424,26 @@ def dp_distill(
         out = new_run_dir(cfg)
     private_dir(out)
     atomic_write_text(out / "config.yaml", dump_config(cfg))
+    sources = source_hashes(cfg)
     run_info = {
         "tool": TOOL, "status": "running", "flow_run_id": flow_run.id, "host": socket.gethostname(), "pid": os.getpid(),
         "config_sha256": _config_sha(cfg), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rerun": rerun or [],
+        # Where the budget spent on this dataset over every run is kept (pipeline/budget.py).
+        "run_root": str(Path(cfg.run_root).resolve()), "dataset_sha256": sources.get("path"),
     }
     atomic_write_json(out / RUN_INFO, run_info)
     logger.info("run directory: %s", out)
     try:
-        final, metrics = _run_stages(cfg, out, rerun or [])
+        final, metrics = _run_stages(cfg, out, rerun or [], sources)
     except BaseException:
         atomic_write_json(out / RUN_INFO, run_info | {"status": "failed"})
         write_report(out)  # what the finished stages show, to help find what went wrong
         raise
     report = write_report(out)
     publish_report(report, out)
-    publish_ledger(final)
+    budget = read_budget(Path(cfg.run_root).resolve(), sources["path"]) if sources.get("path") else None
+    publish_ledger(final, budget, _dataset_total(budget, final.total, cfg.teacher.accountant))
     publish_metrics(metrics)
     if "generation" in metrics:
         publish_synthetic_sample(Path(metrics["generation"]["path"]))
@@ -413,11 +452,18 @@ def dp_distill(
     return str(out)
 
 
-def _run_stages(cfg: PipelineConfig, out: Path, rerun: list[str]) -> tuple[PrivacyLedger, dict]:
-    stage = StageRunner(cfg, out, rerun)
+def _dataset_total(budget, run_total: LedgerTotal | None, accountant: str) -> LedgerTotal | None:
+    """Every release on the dataset composed at this run's δ."""
+    return dataset_total(budget, accountant, run_total.delta) if budget and run_total and budget.releases else None
+
+
+def _run_stages(
+    cfg: PipelineConfig, out: Path, rerun: list[str], sources: dict[str, str]
+) -> tuple[PrivacyLedger, dict]:
+    stage = StageRunner(cfg, out, rerun, dataset_sha256=sources.get("path"))
     method = cfg.distill.method
     base = stage("base-models", base_models_task, cfg)
-    data = stage("data", data_task, cfg, source_hashes(cfg), out)
+    data = stage("data", data_task, cfg, sources, out)
     ledger: list[LedgerEntry] = []
     teacher = codes = synthetic = None
 
