@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -217,7 +218,16 @@ class RunDirError(ValueError):
 
 def prepare_run_root(cfg: PipelineConfig) -> Path:
     """`run_root` and its cache, 0700: they hold private splits, DP checkpoints, results."""
-    root = private_dir(Path(cfg.run_root)).resolve()
+    root = Path(cfg.run_root)
+    if root.is_dir():
+        # Never chmod a shared directory (/tmp) or someone else's: others could write there.
+        st = root.stat()
+        if st.st_uid != os.geteuid() or st.st_mode & stat.S_ISVTX:
+            raise RunDirError(
+                f"run_root {root} is shared or not yours (owner or sticky bit); set run_root to a "
+                "directory only you use, e.g. runs"
+            )
+    root = private_dir(root).resolve()
     private_dir(root / ".cache")
     private_dir(root / RESULTS_DIR)
     return root
@@ -426,7 +436,8 @@ def dp_distill(
     atomic_write_text(out / "config.yaml", dump_config(cfg))
     sources = source_hashes(cfg)
     run_info = {
-        "tool": TOOL, "status": "running", "flow_run_id": flow_run.id, "host": socket.gethostname(), "pid": os.getpid(),
+        "tool": TOOL, "status": "running", "flow_run_id": flow_run.id, "host": socket.gethostname(),
+        "pid": os.getpid(),
         "config_sha256": _config_sha(cfg), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rerun": rerun or [],
         # Where the budget spent on this dataset over every run is kept (pipeline/budget.py).

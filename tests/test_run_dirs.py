@@ -38,6 +38,16 @@ def test_run_root_cache_and_run_dirs_are_0700(tmp_path, open_umask):
         (root, root / ".cache", root / RESULTS_DIR, run), 0o700)
 
 
+def test_a_shared_run_root_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp
+    cfg = config_from_dict(tiny_pipeline_dict(tmp_path) | {"run_root": str(shared)})
+    with pytest.raises(RunDirError, match="shared or not yours"):
+        prepare_run_root(cfg)
+    assert shared.stat().st_mode & 0o7777 == 0o1777  # left as it was
+
+
 def test_private_splits_are_0600_and_can_be_deleted(tmp_path, open_umask):
     cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=60, max_test_records=10)
     result = prepare_data(cfg, tmp_path / "data", seed=0)
