@@ -76,11 +76,15 @@ def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsy
     assert _stages(fifth)["distillation"] == "ran" and _stages(fifth)["teacher"] == "cached"
     assert (fifth / "student" / "model" / "model.safetensors").stat().st_size > 1000
 
-    # A forced teacher is a new DP release on the same data: the dataset total rises (and the
-    # run says so), while the run's own ledger shows one teacher as before.
+    # A retrained teacher is a new DP release on the same data: the dataset total rises (and
+    # the run says so), while the run's own ledger shows one teacher as before. (The changed
+    # learning rate makes the new teacher differ: with the same config and a seeded noise
+    # generator a forced teacher is bit-identical, the same release, and is counted once.)
     caplog.clear()
-    sixth = Path(dp_distill(cfg, rerun=["teacher"]))
-    assert _stages(sixth)["teacher"] == "forced"
+    tree["teacher"]["learning_rate"] = 2e-3
+    sixth = Path(dp_distill(config_from_dict(tree), rerun=["teacher"]))
+    assert _stages(sixth)["teacher"] == "forced" and _stages(sixth)["control-codes"] == "cached"
+    assert [e["stage"] for e in _entries(sixth)].count("teacher") == 1
     budget = read_budget(root, sha)
     assert [r.stage for r in budget.releases] == ["control-codes", "teacher", "teacher"]
     now = dataset_total(budget, "prv", spent.delta)
