@@ -7,7 +7,8 @@ from pathlib import Path
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.generate import read_synthetic
-from pipeline.ledger import PrivacyLedger
+from pipeline.budget import DatasetBudget
+from pipeline.ledger import LedgerTotal, PrivacyLedger
 
 LEDGER_KEY = "privacy-ledger"
 SUMMARY_KEY = "privacy-summary"
@@ -24,7 +25,9 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def ledger_summary(ledger: PrivacyLedger) -> str:
+def ledger_summary(
+    ledger: PrivacyLedger, budget: DatasetBudget | None = None, dataset_total: LedgerTotal | None = None
+) -> str:
     lines = ["# Privacy ledger", ""]
     t = ledger.total
     if t:
@@ -43,10 +46,26 @@ def ledger_summary(ledger: PrivacyLedger) -> str:
         "",
         "Generation, distillation and evaluation only post-process the DP teacher (ε = 0).",
     ]
+    if budget is not None and dataset_total is not None:
+        n = len(budget.releases)
+        lines += [
+            "", "## All releases on this dataset", "",
+            f"**Every run together: ε = {dataset_total.epsilon:.4f}, δ = {dataset_total.delta:.3g}** "
+            f"over {n} DP release{'s' * (n != 1)} on the same private training file "
+            f"(sha256 `{budget.dataset_sha256[:12]}…`), {dataset_total.composition}. A person in the "
+            "data is protected by this total, not by one run's.",
+            "",
+        ]
+        lines += [
+            f"- {r.recorded_at}: **{r.stage}**, ε = {r.entry.epsilon:.4f} ({r.entry.mechanism}), "
+            f"run `{Path(r.run_dir).name}`" for r in budget.releases
+        ]
     return "\n".join(lines)
 
 
-def publish_ledger(ledger: PrivacyLedger) -> None:
+def publish_ledger(
+    ledger: PrivacyLedger, budget: DatasetBudget | None = None, dataset_total: LedgerTotal | None = None
+) -> None:
     keep = ("stage", "private", "epsilon", "delta", "accountant", "mechanism", "noise_multiplier",
             "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "note")
     rows = [{k: _fmt(getattr(e, k)) for k in keep} for e in ledger.entries]
@@ -57,7 +76,9 @@ def publish_ledger(ledger: PrivacyLedger) -> None:
             "delta": _fmt(t.delta), "accountant": t.accountant, "note": f"{t.composition}. {t.note}",
         })
     create_table_artifact(key=LEDGER_KEY, table=rows, description="Privacy ledger: one row per stage")
-    create_markdown_artifact(key=SUMMARY_KEY, markdown=ledger_summary(ledger), description="Privacy guarantee")
+    create_markdown_artifact(
+        key=SUMMARY_KEY, markdown=ledger_summary(ledger, budget, dataset_total), description="Privacy guarantee"
+    )
 
 
 def publish_metrics(metrics: dict) -> None:

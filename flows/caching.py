@@ -8,8 +8,10 @@ earlier run finished, wherever they live, and a changed config reruns only the s
 key changed: their own, or one upstream of them.
 
 Prefect stores each stage's small result (paths and summaries, never a record) under its
-key in `run_root/.cache/prefect-results`. A hit is only trusted after the files its
-manifest names are found unchanged (`stale_reason`); otherwise the stage runs again.
+key in `run_root/.cache/prefect-results`, as JSON of our result types only: a record in any
+other form (a planted pickle) is refused unread and the stage runs again (flows/results.py).
+A hit is only trusted after the files its manifest names are found unchanged
+(`stale_reason`); otherwise the stage runs again.
 """
 
 from __future__ import annotations

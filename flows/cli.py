@@ -23,7 +23,8 @@ from pathlib import Path
 
 import flows  # noqa: F401  (sets up log routing before Prefect is imported)
 from flows.caching import STAGES, stages_to_rerun
-from flows.pipeline_flow import RUN_INFO, STAGES_INFO, run_alive
+from flows.pipeline_flow import RUN_INFO, STAGES_INFO, RunDirError, read_run_info, run_alive
+from pipeline.budget import dataset_total, format_budget, read_budget
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError
 from pipeline.distill import DistillError
@@ -32,7 +33,7 @@ from pipeline.ledger import LEDGER, format_table, read_ledger
 from pipeline.models import ModelError
 from pipeline.teacher import TeacherError
 
-USER_ERRORS = (ConfigError, DataError, TeacherError, GenerateError, DistillError, ModelError)
+USER_ERRORS = (ConfigError, DataError, TeacherError, GenerateError, DistillError, ModelError, RunDirError)
 
 
 def quiet_libraries() -> None:
@@ -136,6 +137,19 @@ def print_status(run_dir: Path) -> int:
     return 0
 
 
+def print_dataset_budget(run_dir: Path, ledger) -> None:
+    """Every DP release recorded on the run's private training file, by any run, composed at
+    this run's δ (pipeline/budget.py)."""
+    info = read_run_info(run_dir)
+    if not (info.get("dataset_sha256") and info.get("run_root")):
+        return  # a run from before the dataset budget was kept
+    budget = read_budget(Path(info["run_root"]), info["dataset_sha256"])
+    delta = ledger.total.delta if ledger.total else None
+    total = dataset_total(budget, ledger.total.accountant, delta) if delta and budget.releases else None
+    print(f"\nAll releases on this dataset (sha256 {info['dataset_sha256'][:12]}…, every run):")
+    print(format_budget(budget, total))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "status":
@@ -150,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             print(f"dpdistill: error: {path} not found; pass a run directory", file=sys.stderr)
             return 2
-        print(format_table(read_ledger(path)))
+        ledger = read_ledger(path)
+        print(format_table(ledger))
+        print_dataset_budget(Path(args.run_dir), ledger)
         return 0
     quiet_libraries()
     try:

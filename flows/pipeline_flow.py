@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,14 +30,16 @@ from flows.artifacts import publish_ledger, publish_metrics, publish_report, pub
 from flows.caching import RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
 from flows.generation import generate_with_workers
 from flows.progress import StageProgress
+from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
-from pipeline.data import DataResult, prepare_data
+from pipeline.data import DataResult, delete_private_copies, prepare_data
 from pipeline.distill import DistillResult, distill
 from pipeline.evaluate import evaluate_models
 from pipeline.generate import GenerateResult
-from pipeline.ledger import LEDGER, LedgerEntry, PrivacyLedger, compose, post_processing, write_ledger
-from pipeline.manifest import atomic_write_json, atomic_write_text, sha256_file
+from pipeline.budget import dataset_total, read_budget, record_release
+from pipeline.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
+from pipeline.manifest import atomic_write_json, atomic_write_text, manifest_digest, private_dir, sha256_file
 from pipeline.models import BaseModels, build_base_models, resolve_model
 from pipeline.report import write_report
 from pipeline.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
@@ -49,7 +52,8 @@ def _uses_builtin(cfg: PipelineConfig) -> bool:
 
 def stage_task(stage: str, config_of: Callable[[PipelineConfig], dict]):
     """A stage's Prefect task, cached under a key of the config it reads and its inputs."""
-    return task(name=stage, cache_policy=StageCache(stage=stage, config_of=config_of), persist_result=True)
+    return task(name=stage, cache_policy=StageCache(stage=stage, config_of=config_of), persist_result=True,
+                result_serializer=StageResultSerializer())
 
 
 @stage_task("base-models", lambda cfg: {"base_models": cfg.base_models, "builtin": _uses_builtin(cfg)})
@@ -66,13 +70,18 @@ def source_hashes(cfg: PipelineConfig) -> dict[str, str]:
     return {name: sha256_file(Path(p)) for name, p in paths.items() if p is not None and Path(p).is_file()}
 
 
-@stage_task("data", lambda cfg: {"data": cfg.data, "domain": cfg.control_codes.domain})
+def _data_key(cfg: PipelineConfig) -> dict:
+    # Whether the splits are deleted after evaluation changes nothing a stage computes.
+    return cfg.data.model_dump(mode="json", exclude={"keep_private_copies"})
+
+
+@stage_task("data", lambda cfg: {"data": _data_key(cfg), "domain": cfg.control_codes.domain})
 def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path) -> DataResult:
     return prepare_data(cfg.data, run_dir / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
 
 
 @stage_task("control-codes", lambda cfg: {
-    "control_codes": cfg.control_codes, "data": cfg.data, "delta": cfg.teacher.target_delta,
+    "control_codes": cfg.control_codes, "data": _data_key(cfg), "delta": cfg.teacher.target_delta,
     "accountant": cfg.teacher.accountant, "secure_mode": cfg.teacher.secure_mode,
 })
 def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesResult:
@@ -200,6 +209,28 @@ def evaluation_task(
 
 RUN_INFO = "run.json"
 STAGES_INFO = "stages.json"
+TOOL = "dpdistill"  # run.json's mark that dpdistill made the directory (see checked_run_dir)
+
+
+class RunDirError(ValueError):
+    """A run directory the flow must not write into; the message says why and what to do."""
+
+
+def prepare_run_root(cfg: PipelineConfig) -> Path:
+    """`run_root` and its cache, 0700: they hold private splits, DP checkpoints, results."""
+    root = Path(cfg.run_root)
+    if root.is_dir():
+        # Never chmod a shared directory (/tmp) or someone else's: others could write there.
+        st = root.stat()
+        if st.st_uid != os.geteuid() or st.st_mode & stat.S_ISVTX:
+            raise RunDirError(
+                f"run_root {root} is shared or not yours (owner or sticky bit); set run_root to a "
+                "directory only you use, e.g. runs"
+            )
+    root = private_dir(root).resolve()
+    private_dir(root / ".cache")
+    private_dir(root / RESULTS_DIR)
+    return root
 
 
 def new_run_dir(cfg: PipelineConfig) -> Path:
@@ -209,8 +240,37 @@ def new_run_dir(cfg: PipelineConfig) -> Path:
     while run_dir.exists():
         n += 1
         run_dir = cfg.run_root / f"{cfg.name}-{stamp}-{n}"
-    run_dir.mkdir(parents=True)
-    return run_dir.resolve()
+    run_dir.mkdir(mode=0o700, parents=True)
+    return private_dir(run_dir).resolve()
+
+
+def read_run_info(run_dir: Path) -> dict:
+    """A run directory's run.json, or {} when it has none (or not a readable one)."""
+    try:
+        info = json.loads((Path(run_dir) / RUN_INFO).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def checked_run_dir(cfg: PipelineConfig, run_dir: str | Path) -> Path:
+    """The run directory a caller names, if the flow may write (and `--force` delete) there:
+    inside `run_root`, and either new, empty, or a run directory dpdistill made."""
+    root, out = Path(cfg.run_root).resolve(), Path(run_dir).resolve()
+    if out == root or not out.is_relative_to(root):
+        raise RunDirError(
+            f"run directory {out} is not inside run_root {root}: pass a directory under run_root, "
+            "or set run_root to where your run directories live"
+        )
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"run directory {out} exists and is not a directory; pass a new directory")
+    if out.is_dir() and any(out.iterdir()) and read_run_info(out).get("tool") != TOOL:
+        raise RunDirError(
+            f"{out} is not empty and holds no {RUN_INFO} written by dpdistill, so it is not a run "
+            "directory this flow may write into (a forced stage deletes its folder there); pass a "
+            "new or empty directory under run_root"
+        )
+    return out
 
 
 def run_alive(info: dict) -> bool:
@@ -254,21 +314,59 @@ def _config_sha(cfg: PipelineConfig) -> str:
 
 class StageRunner:
     """Runs stage tasks: cache hits verified against their manifests, forced stages rerun,
-    and every stage's status, duration and output directory recorded in `stages.json`."""
+    and every stage's status, duration and output directory recorded in `stages.json`.
+    With `dataset_sha256`, each DP release is also added to the dataset's budget across runs
+    (pipeline/budget.py)."""
 
-    def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str]):
+    def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str], dataset_sha256: str | None = None):
         self.cfg, self.run_dir, self.rerun = cfg, run_dir, set(rerun)
-        self.storage = (Path(cfg.run_root) / RESULTS_DIR).resolve()  # Prefect reads a Path as local storage
+        self.dataset_sha256 = dataset_sha256
+        self.run_delta: float | None = None  # δ of this run's first Gaussian release
+        self.releases: set[str] = set()  # this run's releases (manifest digests)
+        # JSON of our result types only, never a pickle (flows/results.py)
+        self.storage = stage_result_storage((Path(cfg.run_root) / RESULTS_DIR).resolve())
         info_path = run_dir / STAGES_INFO
         self.stages: dict[str, dict] = json.loads(info_path.read_text()) if info_path.is_file() else {}
         self.log = get_run_logger()
+
+    def _delta(self, budget) -> float | None:
+        """The δ the dataset total is composed at: this run's, else the newest release's."""
+        deltas = [r.entry.delta for r in budget.releases if r.entry.delta]
+        return self.run_delta or (deltas[-1] if deltas else None)
+
+    def _record_release(self, stage: str, result, entry: LedgerEntry) -> None:
+        """Add this DP release to the dataset's budget; warn when it raises the total that
+        earlier runs had spent on the same data."""
+        root, sha = Path(self.cfg.run_root).resolve(), self.dataset_sha256
+        if self.run_delta is None and entry.history:
+            self.run_delta = entry.delta
+        release_id = manifest_digest(stage_dir_of(result))
+        before = read_budget(root, sha)
+        earlier = [r for r in before.releases if r.release_id not in self.releases | {release_id}]
+        budget, new = record_release(root, sha, release_id=release_id, stage=stage, run_dir=self.run_dir, entry=entry)
+        self.releases.add(release_id)
+        if not new or not earlier or (delta := self._delta(budget)) is None:
+            return
+        accountant = self.cfg.teacher.accountant
+        was, now = dataset_total(before, accountant, delta), dataset_total(budget, accountant, delta)
+        self.log.warning(
+            "%s: a new DP release on data already used by earlier runs: the privacy spent on this dataset "
+            "(sha256 %s…) over every run rises from ε = %.4f to ε = %.4f at δ = %.3g (%d releases); "
+            "see `dpdistill ledger show %s`", stage, sha[:12], was.epsilon, now.epsilon, delta,
+            len(budget.releases), self.run_dir,
+        )
 
     def _record(self, stage: str, **info) -> None:
         self.stages[stage] = {**self.stages.get(stage, {}), **info}
         atomic_write_json(self.run_dir / STAGES_INFO, self.stages)
 
     def _call(self, task_fn, args, refresh: bool):
-        state = task_fn.with_options(result_storage=self.storage, refresh_cache=refresh)(*args, return_state=True)
+        configured = task_fn.with_options(result_serializer=StageResultSerializer(), refresh_cache=refresh)
+        # Set after construction: `Task.__init__` refuses a block not saved on the server, which
+        # would register our storage class there. Prefect itself runs a `Path` storage as an
+        # unsaved LocalFileSystem; ours is that, with reads refused unless ours (flows/results.py).
+        configured.result_storage = self.storage
+        state = configured(*args, return_state=True)
         return state.result(), state.name == "Cached"
 
     def __call__(self, stage: str, task_fn, *args):
@@ -276,6 +374,8 @@ class StageRunner:
         if forced and stage in STAGE_DIRS:
             own = self.run_dir / STAGE_DIRS[stage]
             if own.exists():  # only ever this run's copy; other runs' outputs are never touched
+                if read_run_info(self.run_dir).get("tool") != TOOL:
+                    raise RunDirError(f"not deleting {own}: {self.run_dir} is not a dpdistill run directory")
                 if stage in ("teacher", "dp-student"):
                     self.log.warning("%s: forced to rerun: this trains on the private data again and "
                                      "spends a new privacy budget; discard the old model", stage)
@@ -295,6 +395,8 @@ class StageRunner:
             where = f"outputs in {out}" if out else "its result"
             self.log.info("%s: cached (same config, inputs, version and seed): reusing %s", stage, where)
         ledger = getattr(result, "ledger", None)
+        if self.dataset_sha256 and isinstance(ledger, LedgerEntry) and ledger.private and ledger.epsilon:
+            self._record_release(stage, result, ledger)
         self._record(
             stage,
             status="cached" if cached else ("forced" if forced else "ran"),
@@ -322,31 +424,37 @@ def dp_distill(
     """
     logger = get_run_logger()
     cfg = load_config(config, overrides) if isinstance(config, str) else config
+    prepare_run_root(cfg)
     if run_dir:
-        out = Path(run_dir).resolve()
+        out = checked_run_dir(cfg, run_dir)
     elif found := find_interrupted_run(cfg, flow_run.id):
         out, why = found
         logger.info("continuing %s (%s); pass a run directory to start elsewhere", out, why)
     else:
         out = new_run_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     atomic_write_text(out / "config.yaml", dump_config(cfg))
+    sources = source_hashes(cfg)
     run_info = {
-        "status": "running", "flow_run_id": flow_run.id, "host": socket.gethostname(), "pid": os.getpid(),
+        "tool": TOOL, "status": "running", "flow_run_id": flow_run.id, "host": socket.gethostname(),
+        "pid": os.getpid(),
         "config_sha256": _config_sha(cfg), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rerun": rerun or [],
+        # Where the budget spent on this dataset over every run is kept (pipeline/budget.py).
+        "run_root": str(Path(cfg.run_root).resolve()), "dataset_sha256": sources.get("path"),
     }
     atomic_write_json(out / RUN_INFO, run_info)
     logger.info("run directory: %s", out)
     try:
-        final, metrics = _run_stages(cfg, out, rerun or [])
+        final, metrics = _run_stages(cfg, out, rerun or [], sources)
     except BaseException:
         atomic_write_json(out / RUN_INFO, run_info | {"status": "failed"})
         write_report(out)  # what the finished stages show, to help find what went wrong
         raise
     report = write_report(out)
     publish_report(report, out)
-    publish_ledger(final)
+    budget = read_budget(Path(cfg.run_root).resolve(), sources["path"]) if sources.get("path") else None
+    publish_ledger(final, budget, _dataset_total(budget, final.total, cfg.teacher.accountant))
     publish_metrics(metrics)
     if "generation" in metrics:
         publish_synthetic_sample(Path(metrics["generation"]["path"]))
@@ -355,11 +463,18 @@ def dp_distill(
     return str(out)
 
 
-def _run_stages(cfg: PipelineConfig, out: Path, rerun: list[str]) -> tuple[PrivacyLedger, dict]:
-    stage = StageRunner(cfg, out, rerun)
+def _dataset_total(budget, run_total: LedgerTotal | None, accountant: str) -> LedgerTotal | None:
+    """Every release on the dataset composed at this run's δ."""
+    return dataset_total(budget, accountant, run_total.delta) if budget and run_total and budget.releases else None
+
+
+def _run_stages(
+    cfg: PipelineConfig, out: Path, rerun: list[str], sources: dict[str, str]
+) -> tuple[PrivacyLedger, dict]:
+    stage = StageRunner(cfg, out, rerun, dataset_sha256=sources.get("path"))
     method = cfg.distill.method
     base = stage("base-models", base_models_task, cfg)
-    data = stage("data", data_task, cfg, source_hashes(cfg), out)
+    data = stage("data", data_task, cfg, sources, out)
     ledger: list[LedgerEntry] = []
     teacher = codes = synthetic = None
 
@@ -393,6 +508,13 @@ def _run_stages(cfg: PipelineConfig, out: Path, rerun: list[str]) -> tuple[Priva
     )
     final = typed(ledger)
     write_ledger(out / LEDGER, final)
+    # Nothing after evaluation reads the splits (report, status and artifacts read manifests,
+    # ledgers and metrics). Only this run's copy: a cached data stage lives in another run.
+    if not cfg.data.keep_private_copies and Path(data.train).parent.is_relative_to(out):
+        deleted = delete_private_copies(data)
+        stage.log.info("data: deleted the private splits (%s) now that evaluation is done; their sha256 "
+                       "stay in data/manifest.json (data.keep_private_copies=true keeps them)",
+                       ", ".join(p.name for p in deleted))
 
     evaluation = {k: v for k, v in evaluation.items() if k != "evaluation_dir"}
     metrics = {**evaluation, "method": method,

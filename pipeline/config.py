@@ -66,6 +66,13 @@ class DataConfig(_Section):
         description="Drop records whose text or codes are empty (counted in the data manifest) "
         "instead of stopping with an error.",
     )
+    keep_private_copies: bool = Field(
+        False,
+        description="Keep the run's private splits (data/train|validation|test.parquet) after "
+        "evaluation. False: they are deleted once evaluation is done and only their sha256 stay "
+        "in the data manifest; a later run rewrites identical files (same data and seed), so the "
+        "stages after it stay cached. Not part of any cache key.",
+    )
 
     @model_validator(mode="after")
     def _template_names_value(self) -> "DataConfig":

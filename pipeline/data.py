@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,11 +150,28 @@ def _format_codes(
 
 
 def _write_split(path: Path, codes: list[str], texts: list[str], users: list[str] | None) -> None:
+    """Write one private split, readable by its owner only (0600) whatever the umask."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # O_EXCL below: never write through a file someone left there
     columns = {"control_code": codes, "text": texts} | ({"user": users} if users is not None else {})
-    pq.write_table(pa.table(columns), tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        pq.write_table(pa.table(columns), f)
     tmp.replace(path)
+
+
+def delete_private_copies(result: DataResult) -> list[Path]:
+    """Delete the private splits once nothing reads them any more (after evaluation). Their
+    sha256 stay in the data manifest; a later run with the same data rewrites identical files
+    (the split depends on the seed alone), so the stages after it stay cached."""
+    deleted = []
+    for path in (result.train, result.validation, result.test):
+        if Path(path).is_file():
+            Path(path).unlink()
+            deleted.append(Path(path))
+    return deleted
 
 
 def read_split(path: Path) -> tuple[list[str], list[str]]:

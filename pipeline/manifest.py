@@ -18,6 +18,15 @@ from typing import Any
 MANIFEST = "manifest.json"
 
 
+def private_dir(path: Path) -> Path:
+    """Create `path` (and its parents) and make it 0700, whatever the umask: run directories
+    hold private splits and DP checkpoints that only their owner may read."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -194,7 +194,9 @@ def test_flow_run_and_artifacts_render_in_the_ui(prefect_ui, tmp_path):
     base, env = prefect_ui
     t0 = time.monotonic()
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny_pipeline_dict(tmp_path)))
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["data"]["keep_private_copies"] = True  # the leak check below reads the splits
+    config.write_text(yaml.safe_dump(tree))
     run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     print(f"dashboard: the tiny run took {time.monotonic() - t0:.0f} s")  # shown when the test fails

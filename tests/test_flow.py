@@ -19,6 +19,7 @@ from pipeline.ledger import read_ledger
 
 def test_flow_end_to_end(prefect_server, tiny_config):
     """The flow writes the run directory and publishes the ledger and metrics artifacts."""
+    tiny_config.data.keep_private_copies = True  # the leak check below reads the splits
     state = dp_distill(tiny_config, return_state=True)
     assert state.is_completed()
     run = Path(state.result())

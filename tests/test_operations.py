@@ -16,7 +16,8 @@ from conftest import tiny_pipeline_dict
 
 from flows.caching import stages_to_rerun
 from flows.cli import main, make_deployment
-from flows.pipeline_flow import dp_distill
+from flows.pipeline_flow import dp_distill, source_hashes
+from pipeline.budget import dataset_total, read_budget
 from pipeline.config import config_from_dict
 from pipeline.ledger import read_ledger
 
@@ -31,18 +32,27 @@ def _entries(run: Path) -> list[dict]:
     return [e.model_dump() for e in read_ledger(run / "ledger.json").entries]
 
 
-def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsys):
+def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsys, caplog):
     """A second run reuses every finished stage (same ledger); a changed generation config
     reruns generation and what follows only; --from reruns a stage and the later ones; a
-    cache hit whose files changed is not trusted."""
+    cache hit whose files changed is not trusted. The private splits are deleted after
+    evaluation: a later run rewrites them (data reruns) and the rest stays cached. The
+    dataset's budget across runs counts a cached teacher once and a forced one again."""
     tree = tiny_pipeline_dict(tmp_path)
     cfg = config_from_dict(tree)
     first = Path(dp_distill(cfg))
     assert set(_stages(first).values()) == {"ran"}
+    assert not list((first / "data").glob("*.parquet")) and (first / "data" / "manifest.json").is_file()
+    assert (first.stat().st_mode & 0o777) == 0o700
+    root, sha = Path(tree["run_root"]).resolve(), source_hashes(cfg)["path"]
+    assert [r.stage for r in read_budget(root, sha).releases] == ["control-codes", "teacher"]
+    spent = dataset_total(read_budget(root, sha), "prv", read_ledger(first / "ledger.json").total.delta)
 
     second = Path(dp_distill(cfg))
-    assert second != first and set(_stages(second).values()) == {"cached"}
+    assert second != first and _stages(second).pop("data") == "ran"  # its splits were deleted: rewritten
+    assert set(_stages(second).values()) - {"ran"} == {"cached"} and _stages(second)["teacher"] == "cached"
     assert _entries(second) == _entries(first)  # the ledger is unchanged: no budget spent again
+    assert len(read_budget(root, sha).releases) == 2  # the cached teacher is the same release
     assert (second / "report.html").is_file()
     assert main(["status", str(second)]) == 0
     out = capsys.readouterr().out
@@ -51,7 +61,7 @@ def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsy
     tree["generate"]["num_samples"] = 30
     third = Path(dp_distill(config_from_dict(tree)))
     assert _stages(third) == {
-        "base-models": "cached", "data": "cached", "control-codes": "cached", "teacher": "cached",
+        "base-models": "cached", "data": "ran", "control-codes": "cached", "teacher": "cached",
         "generation": "ran", "distillation": "ran", "evaluation": "ran",
     }
     assert json.loads((third / "metrics.json").read_text())["generation"]["samples"] <= 30
@@ -65,6 +75,24 @@ def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsy
     fifth = Path(dp_distill(cfg))
     assert _stages(fifth)["distillation"] == "ran" and _stages(fifth)["teacher"] == "cached"
     assert (fifth / "student" / "model" / "model.safetensors").stat().st_size > 1000
+
+    # A retrained teacher is a new DP release on the same data: the dataset total rises (and
+    # the run says so), while the run's own ledger shows one teacher as before. (The changed
+    # learning rate makes the new teacher differ: with the same config and a seeded noise
+    # generator a forced teacher is bit-identical, the same release, and is counted once.)
+    caplog.clear()
+    tree["teacher"]["learning_rate"] = 2e-3
+    sixth = Path(dp_distill(config_from_dict(tree), rerun=["teacher"]))
+    assert _stages(sixth)["teacher"] == "forced" and _stages(sixth)["control-codes"] == "cached"
+    assert [e["stage"] for e in _entries(sixth)].count("teacher") == 1
+    budget = read_budget(root, sha)
+    assert [r.stage for r in budget.releases] == ["control-codes", "teacher", "teacher"]
+    now = dataset_total(budget, "prv", spent.delta)
+    assert now.epsilon > spent.epsilon
+    assert any("rises from" in r.getMessage() and "3 releases" in r.getMessage() for r in caplog.records)
+    assert main(["ledger", "show", str(sixth)]) == 0
+    shown = capsys.readouterr().out.split("All releases on this dataset")[1]
+    assert first.name in shown and sixth.name in shown and f"ε = {now.epsilon:.4f}" in shown
 
 
 def test_stages_to_rerun():
