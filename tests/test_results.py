@@ -32,11 +32,12 @@ class _Payload:
 
 def test_stage_results_round_trip_as_json():
     entry = LedgerEntry(stage="teacher", private=True, epsilon=1.0, history=[(1.0, 0.1, 3)], note="DP-SGD")
-    result = TeacherResult(checkpoint=Path("/runs/x/teacher/model"), ledger=entry, train_loss=[2.0])
+    result = TeacherResult(checkpoint=Path("/runs/x/teacher/model"), ledger=entry, validation_curve=[(2, 2.0)])
     blob = encode_result(result)
     json.loads(blob)  # plain JSON
     back = decode_result(blob)
     assert back.checkpoint == result.checkpoint and back.ledger == entry and math.isnan(back.validation_loss)
+    assert back.validation_curve == [(2, 2.0)]
     assert decode_result(encode_result({"perplexity": {"a": 1.5}})) == {"perplexity": {"a": 1.5}}
     assert decode_result(encode_result(None)) is None
     with pytest.raises(TypeError, match="not a stage result type"):
