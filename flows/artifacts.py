@@ -38,7 +38,7 @@ def ledger_summary(
                 f"- **{e.stage}**: (ε = {e.epsilon:.4f}, δ = {e.delta:.3g})-DP per {e.privacy_unit}, "
                 f"{e.accountant} accountant (RDP cross-check ε = {_fmt(e.epsilon_rdp)}), "
                 f"σ = {_fmt(e.noise_multiplier)}, q = {_fmt(e.sample_rate)}, {e.steps} steps, "
-                f"clipping norm {e.max_grad_norm}."
+                f"clipping norm {e.max_grad_norm}; noise from {e.noise_source or 'unrecorded'}."
             )
         elif not e.private:
             lines.append(f"- **{e.stage}** (not private): {e.note}")
@@ -67,7 +67,7 @@ def publish_ledger(
     ledger: PrivacyLedger, budget: DatasetBudget | None = None, dataset_total: LedgerTotal | None = None
 ) -> None:
     keep = ("stage", "private", "epsilon", "delta", "accountant", "mechanism", "noise_multiplier",
-            "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "note")
+            "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "noise_source", "note")
     rows = [{k: _fmt(getattr(e, k)) for k in keep} for e in ledger.entries]
     if ledger.total:
         t = ledger.total

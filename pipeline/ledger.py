@@ -154,7 +154,8 @@ def format_table(ledger: PrivacyLedger) -> str:
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths))  # noqa: E731
     out = [line(cols), line(["-" * w for w in widths]), *map(line, rows), ""]
-    out += [f"{e.stage}: {e.note}" for e in ledger.entries]
+    out += [f"{e.stage}: {e.note}" + (f" [noise: {e.noise_source}]" if e.noise_source else "")
+            for e in ledger.entries]
     if ledger.total:
         out += [f"TOTAL: {ledger.total.composition}. {ledger.total.note}"]
     return "\n".join(out)

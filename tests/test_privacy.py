@@ -112,3 +112,14 @@ def test_total_is_incomplete_when_noise_came_from_the_test_hook():
     total = compose([hooked], "prv", 1e-4)
     assert not total.complete and "test hook" in total.note and "teacher" in total.note
     assert total.epsilon == pytest.approx(a.epsilon)
+
+
+def test_ledger_table_and_summary_name_the_noise_source():
+    """`ledger show` and the privacy-summary artifact say where each mechanism's noise came from."""
+    from flows.artifacts import ledger_summary
+    from pipeline.ledger import PrivacyLedger, format_table
+
+    entry = _gaussian("teacher", 1.0, 0.05, 200).model_copy(update={"noise_source": "csprng: ChaCha20"})
+    ledger = PrivacyLedger(entries=[entry], total=compose([entry], "prv", 1e-4))
+    assert "[noise: csprng: ChaCha20]" in format_table(ledger)
+    assert "noise from csprng: ChaCha20" in ledger_summary(ledger)
