@@ -37,6 +37,7 @@ from pipeline.evaluate import evaluate_models
 from pipeline.generate import GenerateResult
 from pipeline.ledger import LEDGER, LedgerEntry, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text, sha256_file
+from pipeline.model_card import write_model_card
 from pipeline.models import BaseModels, build_base_models, resolve_model
 from pipeline.report import write_report
 from pipeline.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
@@ -393,6 +394,10 @@ def _run_stages(cfg: PipelineConfig, out: Path, rerun: list[str]) -> tuple[Priva
     )
     final = typed(ledger)
     write_ledger(out / LEDGER, final)
+    made_by = "student" if method in ("dp_sgd", "dpkd") else "distillation"
+    for model, stage_name in ((teacher, "teacher"), (student, made_by)):
+        if model is not None and Path(model.checkpoint).resolve().is_relative_to(out):  # not a cached run's copy
+            write_model_card(model.checkpoint, final, stage=stage_name, run_name=out.name)
 
     evaluation = {k: v for k, v in evaluation.items() if k != "evaluation_dir"}
     metrics = {**evaluation, "method": method,
