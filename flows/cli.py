@@ -119,7 +119,7 @@ def run_audit(args) -> int:
         extra, note = prefect_sources(run_dir)
         try:
             result = audit_run(run_dir, span=args.span, extra=extra, extra_note=note)
-        except AuditError as e:
+        except (AuditError, *USER_ERRORS) as e:  # their messages name rows and fields, never records
             return usage(str(e))
         print(format_audit(result.report))
         print(f"written: {result.path}")

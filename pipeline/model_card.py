@@ -85,9 +85,9 @@ def model_card(ledger: PrivacyLedger, stage: str, run_name: str | None = None) -
                      f"{'complete' if total.complete else 'INCOMPLETE'}")
     lines += ["", "## Not protected", ""]
     lines.append(
-        "- **The held-out splits.** The validation split (the teacher's validation loss, the student's "
-        "model selection) and the test split (the evaluation's perplexities) are read without DP; only "
-        "aggregate figures are published from them, and no guarantee covers the records in them."
+        "- **The held-out splits.** The private validation split (the DP-SGD stage's validation loss) and "
+        "the test split (the evaluation's perplexities) are read without DP; only aggregate figures are "
+        "published from them, and no guarantee covers the records in them."
     )
     for x in ledger.entries:
         if not x.private:
