@@ -124,10 +124,10 @@ def canary_audit(
     t0 = time.time()
     work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    canaries = make_canaries(n_canaries, read_source(cfg.data), cfg.data, repetitions)
-    suffix = "with_canaries.parquet"
-    data_copy = work_dir / f"{Path(cfg.data.path).stem}_{suffix}"
-    added = write_canary_data(read_source(cfg.data), canaries, cfg.data, data_copy)
+    source = read_source(cfg.data)
+    canaries = make_canaries(n_canaries, source, cfg.data, repetitions)
+    data_copy = work_dir / f"{Path(cfg.data.path).stem}_with_canaries.parquet"
+    added = write_canary_data(source, canaries, cfg.data, data_copy)
     tree = cfg.model_dump(mode="json")
     tree["data"] |= {"path": str(data_copy), "max_records": None}
     tree["run_root"] = str(work_dir / "runs")
