@@ -6,8 +6,8 @@ Random secrets ("my account number is 3 9 2 7 1 4 8 5 6", digits from `secrets`)
 inserted into a copy of the training data, some of them several times, as real secrets
 are; the pipeline is run on the copy, and each model is asked how likely each secret is
 compared with R random candidates of the same format. The secret's rank among the R + 1
-log-likelihoods gives its exposure, log2(R + 1) − log2(rank): about 1 bit for a model
-that never saw it, up to log2(R + 1) when the secret ranks first. DP bounds how far the
+log-likelihoods gives its exposure, log2(R + 1) − log2(rank): log2(e) = 1.44 bits on
+average for a model that never saw it (the rank is then uniform), up to log2(R + 1) when the secret ranks first. DP bounds how far the
 exposure can rise with ε; a non-private model that memorises a repeated secret shows it.
 
 The secrets are the tool's own, yet they stay out of the outputs: `canaries.json` and the
@@ -196,4 +196,5 @@ def format_table(summary: dict, models: list[str], max_bits: float) -> str:
                     + [f"{s[m]['mean']:.2f} / {s[m]['max']:.2f}" for m in models])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines + [f"exposure in bits; {max_bits:.2f} = the secret ranks first, ~1 = never seen"])
+    return "\n".join(lines + [f"exposure in bits; {max_bits:.2f} = the secret ranks first; "
+                               "a model that never saw it gives 1.44 on average (log2 e), often 0 to 3"])

@@ -154,7 +154,7 @@ def _train_on(model, tokenizer, canary: Canary, steps: int) -> None:
 def test_exposure_sees_a_memorised_canary_and_not_an_unseen_one(tiny_tokenizer):
     """Exposure (Carlini et al. 2019) with 100 candidates (max log2(101) = 6.66 bits): a model
     trained on a repeated canary ranks it first; an untrained one gives the canaries about
-    the 1 bit of chance."""
+    the log2(e) = 1.44 bits of chance."""
     model = make_tiny_model(tiny_tokenizer)
     untrained = canary_exposures(model, tiny_tokenizer, _CANARIES, _CFG, n_candidates=100, seed=0)
     assert sum(e["exposure"] for e in untrained) / len(untrained) < 3
