@@ -243,3 +243,14 @@ def test_canary_cli_on_the_tiny_flow_and_audit_with_prefect_logs(prefect_server,
     out, err = capsys.readouterr()
     assert json.loads((run / AUDIT).read_text())["files_with_hits"] == ["prefect:logs"]
     _assert_not_quoted(secret, out, err, (run / AUDIT).read_text())
+
+
+def test_model_card_of_a_dp_student_states_its_own_stage():
+    """dp_sgd / dpkd: the student's card reads the `student` entry (its own DP-SGD), not the teacher's."""
+    teacher = _ledger(codes_private=True).entry("teacher")
+    student = teacher.model_copy(update={"stage": "student", "epsilon": 0.9, "noise_multiplier": 2.345, "steps": 77})
+    entries = [teacher.model_copy(update={"epsilon": 0.95}), student, post_processing("evaluation", "aggregates")]
+    ledger = PrivacyLedger(entries=entries, total=compose(entries, "prv", 6.9e-4))
+    card = model_card(ledger, "student")
+    assert "`student` in the run's `ledger.json`" in card and "| noise multiplier σ | 2.345 |" in card
+    assert "| steps | 77 |" in card and "DP student" in card
