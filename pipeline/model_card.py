@@ -91,7 +91,7 @@ def model_card(ledger: PrivacyLedger, stage: str, run_name: str | None = None) -
     )
     for x in ledger.entries:
         if not x.private:
-            lines.append(f"- **`{x.stage}` is not differentially private**: {x.note}.")
+            lines.append(f"- **`{x.stage}` is released without DP**; the ledger says: {x.note}.")
     if e.privacy_unit != "user":
         lines.append(
             "- **People with many records.** The unit is one record (no `data.user_column`): a person with "

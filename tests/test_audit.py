@@ -185,10 +185,10 @@ def test_model_card_states_the_ledger_and_what_is_not_protected():
     for value in ("1.875", "0.00069", "1.234", "0.0853", "36", "prv", "record", fmt_value(ledger.total.epsilon)):
         assert value in card, value
     assert "post-processing" in card and "INCOMPLETE" in card
-    assert "`control_codes` is not differentially private" in card
+    assert "`control_codes` is released without DP" in card
     assert "held-out splits" in card and "group-privacy" in card and "Hyperparameter" in card
     clean = model_card(_ledger(codes_private=True), "teacher")
-    assert "not differentially private" not in clean and "complete" in clean
+    assert "released without DP" not in clean and "complete" in clean
 
 
 # --- the real flow ----------------------------------------------------------------------
