@@ -8,6 +8,8 @@
     dpdistill serve --config C --cron "0 3 * * *"              # a scheduled deployment
     dpdistill build-base --config configs/demo.yaml           # only the offline base models
     dpdistill ledger show runs/demo-...                       # a run's privacy ledger
+    dpdistill audit runs/demo-... [--span 10]                 # published files vs training records
+    dpdistill audit --canaries 8 --config C [key=value ...]   # canary exposure of a fresh run
 
 Overrides use dotted keys: `teacher.target_epsilon=4 generate.num_samples=500`.
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -81,7 +84,71 @@ def _parser() -> argparse.ArgumentParser:
     ledger = sub.add_parser("ledger", help="inspect a run's privacy ledger")
     ledger.add_argument("action", choices=["show"])
     ledger.add_argument("run_dir", help="a run directory (holding ledger.json)")
+    audit = sub.add_parser(
+        "audit",
+        help="scan what a run publishes for verbatim spans of its training records (exit 1 on a leak), "
+        "or with --canaries measure canary exposure of a new run",
+    )
+    audit.add_argument("run_dir", nargs="?", help="a run directory (not with --canaries)")
+    audit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides (with --canaries)")
+    audit.add_argument("--span", type=int, default=10, help="words in a matched span (default 10)")
+    audit.add_argument("--canaries", type=int, metavar="N", help="insert N secret canaries and run the pipeline")
+    audit.add_argument("--config", help="YAML config of the canary run (with --canaries)")
+    audit.add_argument("--repetitions", default="1,1,4,16",
+                       help="copies of each canary, cycled over the canaries (default 1,1,4,16)")
+    audit.add_argument("--candidates", type=int, default=1000, help="random candidates per canary (default 1000)")
+    audit.add_argument("--work-dir", help="where the data copy and the run go (default <run_root>/canaries-<time>)")
     return parser
+
+
+def run_audit(args) -> int:
+    """`dpdistill audit`: 0 clean, 1 a leak, 2 a usage error. Counts and names only."""
+    from pipeline.audit import AuditError, audit_run, format_audit
+
+    def usage(msg: str) -> int:
+        print(f"dpdistill audit: error: {msg}", file=sys.stderr)
+        return 2
+
+    if args.canaries is None:
+        if args.config or not args.run_dir or args.overrides:
+            return usage("pass one run directory (dpdistill audit RUN_DIR), or --canaries N --config C")
+        from flows.audit import prefect_sources
+
+        run_dir = Path(args.run_dir)
+        if not (run_dir / "config.yaml").is_file():
+            return usage(f"{run_dir} holds no config.yaml: pass a run directory")
+        extra, note = prefect_sources(run_dir)
+        try:
+            result = audit_run(run_dir, span=args.span, extra=extra, extra_note=note)
+        except (AuditError, *USER_ERRORS) as e:  # their messages name rows and fields, never records
+            return usage(str(e))
+        print(format_audit(result.report))
+        print(f"written: {result.path}")
+        return 1 if result.leak else 0
+
+    if not args.config:
+        return usage("--canaries needs --config, e.g. --config configs/demo.yaml")
+    overrides = ([args.run_dir] if args.run_dir else []) + args.overrides  # key=value lands in run_dir first
+    if any("=" not in o for o in overrides):
+        return usage("with --canaries, pass no run directory: the tool makes its own run")
+    try:
+        repetitions = tuple(int(r) for r in args.repetitions.split(","))
+    except ValueError:
+        return usage(f"--repetitions {args.repetitions!r}: use comma-separated counts, e.g. 1,1,4,16")
+    if args.canaries < 1 or args.candidates < 1 or min(repetitions) < 1:
+        return usage("--canaries, --candidates and every repetition must be at least 1")
+    quiet_libraries()
+    from flows.audit import canary_audit, format_canary_report
+
+    try:
+        cfg = load_config(args.config, overrides)
+        work = Path(args.work_dir) if args.work_dir else cfg.run_root / f"canaries-{time.strftime('%Y%m%d-%H%M%S')}"
+        path, report = canary_audit(cfg, args.canaries, work, repetitions, args.candidates)
+    except USER_ERRORS as e:
+        return usage(str(e))
+    print(format_canary_report(report))
+    print(f"written: {path}")
+    return 0
 
 
 def make_deployment(config_path: str, cron: str, overrides: list[str], name: str | None = None,
@@ -159,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(write_report(Path(args.run_dir)))
         return 0
+    if args.command == "audit":
+        return run_audit(args)
     if args.command == "ledger":
         path = Path(args.run_dir) / LEDGER
         if not path.is_file():

@@ -40,6 +40,7 @@ from pipeline.generate import GenerateResult
 from pipeline.budget import dataset_total, read_budget, record_release
 from pipeline.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text, manifest_digest, private_dir, sha256_file
+from pipeline.model_card import write_model_card
 from pipeline.models import BaseModels, build_base_models, resolve_model
 from pipeline.report import write_report
 from pipeline.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
@@ -508,6 +509,10 @@ def _run_stages(
     )
     final = typed(ledger)
     write_ledger(out / LEDGER, final)
+    made_by = "student" if method in ("dp_sgd", "dpkd") else "distillation"
+    for model, stage_name in ((teacher, "teacher"), (student, made_by)):
+        if model is not None and Path(model.checkpoint).resolve().is_relative_to(out):  # not a cached run's copy
+            write_model_card(model.checkpoint, final, stage=stage_name, run_name=out.name)
     # Nothing after evaluation reads the splits (report, status and artifacts read manifests,
     # ledgers and metrics). Only this run's copy: a cached data stage lives in another run.
     if not cfg.data.keep_private_copies and Path(data.train).parent.is_relative_to(out):

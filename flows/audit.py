@@ -1,0 +1,196 @@
+"""The Prefect side of `dpdistill audit`: a run's Prefect logs and artifacts, and canary runs.
+
+    dpdistill audit RUN_DIR [--span 10]                                 # verbatim spans
+    dpdistill audit --canaries 8 --config configs/demo.yaml [key=value]  # canary exposure
+
+`prefect_documents` reads what the Prefect server holds of a flow run (its logs, task
+runs' logs included, and its artifacts) so that `pipeline.audit.audit_run` scans them
+beside the run directory's files. `canary_audit` runs the real flow on a copy of the
+training data with canaries inserted and measures their exposure (`pipeline.canaries`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from pipeline.canaries import (
+    DEFAULT_CANDIDATES,
+    DEFAULT_REPETITIONS,
+    canary_exposures,
+    copies_in,
+    emissions,
+    format_table,
+    make_canaries,
+    read_source,
+    summarise,
+    write_canary_data,
+)
+from pipeline.config import PipelineConfig, config_from_dict, dump_config
+from pipeline.data import read_split
+from pipeline.ledger import LEDGER, read_ledger
+from pipeline.manifest import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+CANARIES = "canaries.json"
+
+
+def prefect_documents(flow_run_id: str) -> dict[str, list[str]]:
+    """The flow run's log messages and its artifacts' data and descriptions, by source
+    name (`prefect:logs`, `prefect:artifact:<key>`), read with the Prefect client."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    docs: dict[str, list[str]] = {"prefect:logs": []}
+    with get_client(sync_client=True) as client:
+        offset = 0
+        while True:  # the API pages its answers
+            page = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=offset
+            )
+            docs["prefect:logs"] += [entry.message for entry in page]
+            if len(page) < 200:
+                break
+            offset += len(page)
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    for a in artifacts:
+        data = a.data if isinstance(a.data, str) else json.dumps(a.data)
+        name = f"prefect:artifact:{a.key or a.id}"
+        docs.setdefault(name, []).extend([data, a.description or ""])
+    return docs
+
+
+def prefect_sources(run_dir: Path) -> tuple[dict[str, list[str]] | None, str]:
+    """The Prefect documents to scan, when a server is configured and the run names its
+    flow run; else None and why not (the audit then says so)."""
+    info_path = Path(run_dir) / "run.json"
+    flow_run_id = json.loads(info_path.read_text()).get("flow_run_id") if info_path.is_file() else None
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # the environment, the active profile or a test harness
+        return None, "not scanned (PREFECT_API_URL is not set)"
+    if not flow_run_id:
+        return None, "not scanned (run.json names no flow run)"
+    try:
+        docs = prefect_documents(str(flow_run_id))
+    except Exception as e:  # unreachable server, unknown flow run
+        return None, f"not scanned (the server could not be read: {type(e).__name__})"
+    n_logs = len(docs["prefect:logs"])
+    return docs, f"flow run {flow_run_id}: {n_logs} log lines, {len(docs) - 1} artifact(s)"
+
+
+# --- canaries ---------------------------------------------------------------------------
+
+
+def _models(cfg: PipelineConfig, run_dir: Path) -> dict[str, str]:
+    """The models whose exposure is measured: the base models as references, the DP
+    teacher (when the method has one) and the final student."""
+    from pipeline.models import build_base_models, resolve_model
+
+    base = build_base_models(cfg.base_models, seed=cfg.seed)  # cached: built by the run
+    models = {"base_teacher": resolve_model(cfg.teacher.model, base)}
+    if (run_dir / "teacher" / "model").is_dir():
+        models["dp_teacher"] = str(run_dir / "teacher" / "model")
+    models["base_student"] = resolve_model(cfg.distill.student_model, base)
+    models["student"] = str(run_dir / "student" / "model")
+    return models
+
+
+def canary_audit(
+    cfg: PipelineConfig,
+    n_canaries: int,
+    work_dir: Path,
+    repetitions: tuple[int, ...] = DEFAULT_REPETITIONS,
+    n_candidates: int = DEFAULT_CANDIDATES,
+) -> tuple[Path, dict]:
+    """Insert canaries into a copy of the training data, run the flow on it, measure their
+    exposure under each model and their verbatim emission in the synthetic data. Writes
+    `canaries.json` into the run directory and returns (its path, the report)."""
+    from flows.pipeline_flow import dp_distill
+    from pipeline.generate import read_synthetic
+    from pipeline.models import load_causal_lm, load_tokenizer
+
+    t0 = time.time()
+    work_dir = Path(work_dir).resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    source = read_source(cfg.data)
+    canaries = make_canaries(n_canaries, source, cfg.data, repetitions)
+    data_copy = work_dir / f"{Path(cfg.data.path).stem}_with_canaries.parquet"
+    added = write_canary_data(source, canaries, cfg.data, data_copy)
+    tree = cfg.model_dump(mode="json")
+    tree["data"] |= {"path": str(data_copy), "max_records": None}
+    tree["run_root"] = str(work_dir / "runs")
+    run_cfg = config_from_dict(tree)
+    (work_dir / "config.yaml").write_text(dump_config(run_cfg))
+
+    run_dir = Path(dp_distill(run_cfg))
+    flow_seconds = time.time() - t0
+    in_train = copies_in(read_split(run_dir / "data" / "train.parquet")[1], canaries)
+    synthetic = read_synthetic(run_dir / "synthetic")["text"].to_pylist() if (run_dir / "synthetic").is_dir() else []
+    emitted = emissions(synthetic, canaries)
+
+    models = _models(cfg, run_dir)
+    exposures = {}
+    for name, path in models.items():
+        exposures[name] = canary_exposures(
+            load_causal_lm(path), load_tokenizer(path), canaries, run_cfg.data, n_candidates, cfg.seed
+        )
+    rows = [
+        {"canary": c.id, "repetitions": c.repetitions, "copies_in_train": in_train[i],
+         "synthetic_emissions": emitted[i],
+         "exposure": {m: exposures[m][i]["exposure"] for m in models},
+         "rank": {m: exposures[m][i]["rank"] for m in models}}
+        for i, c in enumerate(canaries)
+    ]
+    ledger = read_ledger(run_dir / LEDGER)
+    teacher = next((e for e in ledger.entries if e.stage in ("teacher", "student") and e.epsilon), None)
+    report = {
+        "run_dir": str(run_dir),
+        "data_copy": str(data_copy),
+        "canaries": len(canaries),
+        "records_added": added,
+        "repetitions": list(repetitions),
+        "candidates": n_candidates,
+        "max_exposure_bits": math.log2(n_candidates + 1),
+        "format": "my account number is <9 random digits> (the secrets are not written here)",
+        "models": models,
+        "epsilon_total": ledger.total.epsilon if ledger.total else None,
+        "delta": ledger.total.delta if ledger.total else None,
+        "epsilon_dp_training": teacher.epsilon if teacher else None,
+        "noise_multiplier": teacher.noise_multiplier if teacher else None,
+        "ledger_complete": ledger.total.complete if ledger.total else None,
+        "synthetic_samples": len(synthetic),
+        "canaries_emitted": sum(e > 0 for e in emitted),
+        "by_repetitions": summarise(rows, list(models)),
+        "per_canary": rows,
+        "flow_seconds": round(flow_seconds, 1),
+        "elapsed_seconds": round(time.time() - t0, 1),
+    }
+    out = run_dir / CANARIES
+    atomic_write_json(out, report)
+    return out, report
+
+
+def format_canary_report(report: dict) -> str:
+    models = list(report["models"])
+    eps = report["epsilon_total"]
+    head = (f"canary exposure: {report['canaries']} canaries ({report['records_added']} records added), "
+            f"{report['candidates']} candidates each; ledger ε = {eps:.4g}, δ = {report['delta']:.3g}"
+            + ("" if report["ledger_complete"] else " (incomplete: not every release is DP)"))
+    return "\n".join([
+        head,
+        format_table(report["by_repetitions"], models, report["max_exposure_bits"]),
+        f"canaries emitted verbatim in {report['synthetic_samples']} synthetic samples: {report['canaries_emitted']}",
+        f"run {report['run_dir']} ({report['flow_seconds']:.0f} s flow, {report['elapsed_seconds']:.0f} s in all)",
+    ])
