@@ -17,6 +17,7 @@ import math
 import time
 from pathlib import Path
 
+from pipeline.audit import training_texts
 from pipeline.canaries import (
     DEFAULT_CANDIDATES,
     DEFAULT_REPETITIONS,
@@ -30,7 +31,6 @@ from pipeline.canaries import (
     write_canary_data,
 )
 from pipeline.config import PipelineConfig, config_from_dict, dump_config
-from pipeline.data import read_split
 from pipeline.ledger import LEDGER, read_ledger
 from pipeline.manifest import atomic_write_json
 
@@ -136,7 +136,8 @@ def canary_audit(
 
     run_dir = Path(dp_distill(run_cfg))
     flow_seconds = time.time() - t0
-    in_train = copies_in(read_split(run_dir / "data" / "train.parquet")[1], canaries)
+    # The run deletes its split copies after evaluation: rebuilt from the data copy if so.
+    in_train = copies_in(training_texts(run_dir)[0], canaries)
     synthetic = read_synthetic(run_dir / "synthetic")["text"].to_pylist() if (run_dir / "synthetic").is_dir() else []
     emitted = emissions(synthetic, canaries)
 

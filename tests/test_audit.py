@@ -17,7 +17,7 @@ import yaml
 from conftest import PUBLIC, make_tiny_model, tiny_pipeline_dict
 
 from flows.cli import main
-from pipeline.audit import AUDIT, words
+from pipeline.audit import AUDIT, training_texts, words
 from pipeline.batching import lm_batch
 from pipeline.canaries import Canary, canary_exposures
 from pipeline.config import DataConfig, config_from_dict, dump_config
@@ -235,7 +235,8 @@ def test_canary_cli_on_the_tiny_flow_and_audit_with_prefect_logs(prefect_server,
     audit = json.loads((run / AUDIT).read_text())
     assert audit["extra_sources"].startswith("flow run") and audit["files"]["prefect:logs"]["spans"] > 0
     flow_run_id = json.loads((run / "run.json").read_text())["flow_run_id"]
-    secret = _record(run)
+    assert not (run / "data" / "train.parquet").exists()  # deleted after evaluation: rebuilt by the audit
+    secret = next(t for t in training_texts(run)[0] if len(words(t)) >= 15)
     with get_client(sync_client=True) as client:
         client.create_logs([LogCreate(name="x", level=20, message=secret, timestamp=DateTime.now("UTC"),
                                       flow_run_id=flow_run_id)])
