@@ -155,6 +155,7 @@ def make_deployment(config_path: str, cron: str, overrides: list[str], name: str
                     timezone: str = "UTC"):
     """The scheduled deployment `serve` runs: the flow reads the YAML file at each run, so
     edits to it apply from the next run on."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.schedules import Cron
 
     from flows.pipeline_flow import dp_distill
@@ -163,6 +164,9 @@ def make_deployment(config_path: str, cron: str, overrides: list[str], name: str
     return dp_distill.to_deployment(
         name=name or f"{cfg.name}-scheduled",
         schedule=Cron(cron, timezone=timezone),
+        # One run at a time (issue 10): a slow run and the next scheduled one must never train
+        # two teachers on the same data at once; the later run waits (ENQUEUE), it is not dropped.
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
         parameters={"config": str(Path(config_path).resolve()), "overrides": overrides},
         description=f"dpdistill on {config_path}, schedule {cron} ({timezone})",
     )

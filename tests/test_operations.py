@@ -150,6 +150,9 @@ def test_serve_deployment_and_prefect_yaml():
     deployment = make_deployment("configs/demo.yaml", "0 3 * * *", ["generate.num_samples=10"])
     (schedule,) = deployment.schedules
     assert schedule.schedule.cron == "0 3 * * *"
+    # runs never overlap: a later one waits (tests/test_schedule.py reads this back from a server)
+    assert deployment.concurrency_limit == 1
+    assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
     assert deployment.parameters == {
         "config": str((ROOT / "configs/demo.yaml").resolve()), "overrides": ["generate.num_samples=10"]
     }
@@ -168,3 +171,4 @@ def test_serve_deployment_and_prefect_yaml():
         params = flow.validate_parameters(d["parameters"])
         assert (ROOT / params["config"]).is_file()
         assert all(s["cron"] for s in d["schedules"])
+        assert d["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
