@@ -2,9 +2,11 @@
 
 The session `prefect_server` fixture is not enough here: the failure of issue 10 (SQLAlchemy
 2.1 against Prefect 3.8.8: "Can't evaluate bulk DML statement") is in the server's scheduler
-services, which register nothing wrong and only show when a schedule must produce runs. So
-this test starts a server of its own, with its scheduler, and waits for a scheduled run of
-the tiny pipeline to be created and to complete. Takes about 2 minutes (docs/operations.md).
+services, and `prefect_test_harness` starts an ephemeral server, which runs no scheduler
+(Prefect's scheduler services are not `run_in_ephemeral`). The deployment registers either
+way. So this test starts a server of its own, with its scheduler, and waits for a scheduled
+run of the tiny pipeline to be created and to complete. Takes 1–2.5 minutes, mostly the
+wait for the next minute (docs/operations.md).
 """
 
 from __future__ import annotations
