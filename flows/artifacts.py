@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.generate import read_synthetic

@@ -23,9 +23,11 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable
 
+import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
 from prefect.cache_policies import CachePolicy
 from pydantic import BaseModel
 
+from flows.run_info import STAGES, stages_to_rerun  # noqa: F401 (re-exported)
 from pipeline.codes import CodesResult
 from pipeline.config import PipelineConfig
 from pipeline.data import DataResult
@@ -35,10 +37,6 @@ from pipeline.manifest import manifest_digest, manifest_problems
 from pipeline.models import BaseModels
 from pipeline.teacher import TeacherResult
 
-# In the order they run; `--from STAGE` reruns a stage and every stage after it.
-STAGES = (
-    "base-models", "data", "control-codes", "teacher", "dp-student", "generation", "distillation", "evaluation",
-)
 # Where each stage writes inside a run directory (base models live in their own cache).
 STAGE_DIRS = {
     "data": "data", "control-codes": "control_codes", "teacher": "teacher", "dp-student": "student",
@@ -52,15 +50,6 @@ except PackageNotFoundError:  # running from a checkout that is not installed
     VERSION = "unknown"
 
 
-def stages_to_rerun(rerun_from: str | None, force: list[str] | None) -> list[str]:
-    """`--from STAGE` → that stage and every later one; `--force STAGE` → that stage."""
-    for name in [rerun_from, *(force or [])]:
-        if name is not None and name not in STAGES:
-            raise ValueError(f"unknown stage {name!r}; stages are: {', '.join(STAGES)}")
-    chosen = set(force or [])
-    if rerun_from is not None:
-        chosen |= set(STAGES[STAGES.index(rerun_from):])
-    return [s for s in STAGES if s in chosen]
 
 
 def stage_dir_of(result: Any) -> Path | None:

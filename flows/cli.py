@@ -19,24 +19,83 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import warnings
 from pathlib import Path
 
-import flows  # noqa: F401  (sets up log routing before Prefect is imported)
-from flows.caching import STAGES, stages_to_rerun
-from flows.pipeline_flow import RUN_INFO, STAGES_INFO, RunDirError, read_run_info, run_alive
-from pipeline.budget import dataset_total, format_budget, read_budget
+# Only light modules here: `--help`, `status`, `ledger show`, `report` and config errors
+# must answer without importing torch, transformers, Opacus or Prefect (tens of seconds on a
+# loaded machine; issue 10). The commands that need them import them in their handlers.
+from flows.run_info import RUN_INFO, STAGES, STAGES_INFO, RunDirError, read_run_info, run_alive, stages_to_rerun
 from pipeline.config import ConfigError, load_config
-from pipeline.data import DataError
-from pipeline.distill import DistillError
-from pipeline.generate import GenerateError
 from pipeline.ledger import LEDGER, format_table, read_ledger
-from pipeline.models import ModelError
-from pipeline.teacher import TeacherError
 
-USER_ERRORS = (ConfigError, DataError, TeacherError, GenerateError, DistillError, ModelError, RunDirError)
+EPHEMERAL_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+
+
+class DamagedFileError(Exception):
+    """A run directory's JSON file that cannot be read; the message names it and the fix."""
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that carry a message for the user. Most live beside torch code, so only
+    the commands that run the pipeline call this."""
+    from pipeline.data import DataError
+    from pipeline.distill import DistillError
+    from pipeline.generate import GenerateError
+    from pipeline.models import ModelError
+    from pipeline.teacher import TeacherError
+
+    return (ConfigError, DataError, TeacherError, GenerateError, DistillError, ModelError, RunDirError)
+
+
+# What to do about each damaged file, as the flow treats it on a rerun: a run directory with
+# an unreadable run.json is refused (not provably ours), an unreadable stages.json stops the
+# resume, while ledger.json and metrics.json are rewritten from the finished stages.
+_REWRITE = {
+    RUN_INFO: "run the same config again without --run-dir (finished stages are reused from the cache)",
+    STAGES_INFO: "it holds only the table `dpdistill status` prints: delete it and run the same command "
+                 "with --run-dir {run_dir} to rebuild it",
+    LEDGER: "run the same command with --run-dir {run_dir} (finished stages are reused) to rewrite it",
+    "metrics.json": "run the same command with --run-dir {run_dir} --from evaluation to rewrite it",
+}
+
+
+def _damaged(path: Path, err: Exception) -> DamagedFileError:
+    fix = _REWRITE.get(path.name, "run the same command again").format(run_dir=path.parent)
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return DamagedFileError(f"{path} is damaged ({reason}); {fix}")
+
+
+def read_json_file(path: Path):
+    """A run directory's JSON file; a truncated or garbled one raises DamagedFileError."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise _damaged(Path(path), e) from e
+
+
+def read_ledger_file(path: Path):
+    try:
+        return read_ledger(path)
+    except (ValueError, UnicodeDecodeError) as e:  # bad JSON, or JSON that is not a ledger (pydantic)
+        raise _damaged(Path(path), e) from e
+
+
+def prefect_server_error(err: BaseException) -> str | None:
+    """One line for Prefect's 'ephemeral API server did not start in time' RuntimeError,
+    None for any other error."""
+    if not (isinstance(err, RuntimeError) and "ephemeral Prefect API server" in str(err)):
+        return None
+    timeout = os.environ.get(EPHEMERAL_TIMEOUT_ENV, "?")
+    return (
+        f"the temporary local Prefect server did not start within {timeout} s (PREFECT_API_URL is unset, "
+        f"so each run starts one; the machine is probably busy). Set {EPHEMERAL_TIMEOUT_ENV} higher "
+        "(e.g. 600), or run `prefect server start` in another terminal and set "
+        "PREFECT_API_URL=http://127.0.0.1:4200/api"
+    )
 
 
 def quiet_libraries() -> None:
@@ -103,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_audit(args) -> int:
     """`dpdistill audit`: 0 clean, 1 a leak, 2 a usage error. Counts and names only."""
+    import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
     from pipeline.audit import AuditError, audit_run, format_audit
 
     def usage(msg: str) -> int:
@@ -120,7 +180,7 @@ def run_audit(args) -> int:
         extra, note = prefect_sources(run_dir)
         try:
             result = audit_run(run_dir, span=args.span, extra=extra, extra_note=note)
-        except (AuditError, *USER_ERRORS) as e:  # their messages name rows and fields, never records
+        except (AuditError, *user_errors()) as e:  # their messages name rows and fields, never records
             return usage(str(e))
         print(format_audit(result.report))
         print(f"written: {result.path}")
@@ -144,7 +204,7 @@ def run_audit(args) -> int:
         cfg = load_config(args.config, overrides)
         work = Path(args.work_dir) if args.work_dir else cfg.run_root / f"canaries-{time.strftime('%Y%m%d-%H%M%S')}"
         path, report = canary_audit(cfg, args.canaries, work, repetitions, args.candidates)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         return usage(str(e))
     print(format_canary_report(report))
     print(f"written: {path}")
@@ -177,13 +237,17 @@ def print_status(run_dir: Path) -> int:
     if not info_path.is_file():
         print(f"dpdistill: error: {info_path} not found; pass a run directory", file=sys.stderr)
         return 2
-    info = json.loads(info_path.read_text())
+    # Every file is read before the first line prints: a damaged one gives one error line.
+    info = read_json_file(info_path)
+    if not isinstance(info, dict) or "status" not in info:
+        raise _damaged(info_path, ValueError("no status field"))
+    stages = read_json_file(stages_path) if stages_path.is_file() else {}
+    ledger = read_ledger_file(run_dir / LEDGER) if (run_dir / LEDGER).is_file() else None
     state = info["status"]
     if state == "running" and not run_alive(info):
         state = "interrupted (its process is gone): run the same command again to continue it"
     print(f"run {run_dir}\nstatus: {state}; started {info.get('started_at')}"
           + (f", finished {info['finished_at']}" if info.get("finished_at") else ""))
-    stages = json.loads(stages_path.read_text()) if stages_path.is_file() else {}
     rows = [("stage", "status", "seconds", "epsilon", "output")]
     for name in STAGES:
         if name not in stages:
@@ -200,8 +264,8 @@ def print_status(run_dir: Path) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
-    if (run_dir / LEDGER).is_file():
-        total = read_ledger(run_dir / LEDGER).total
+    if ledger is not None:
+        total = ledger.total
         if total:
             print(f"total: ε = {total.epsilon:.4f}, δ = {total.delta:.3g} ({total.accountant})"
                   + ("" if total.complete else "; incomplete: " + total.note))
@@ -211,6 +275,8 @@ def print_status(run_dir: Path) -> int:
 def print_dataset_budget(run_dir: Path, ledger) -> None:
     """Every DP release recorded on the run's private training file, by any run, composed at
     this run's δ (pipeline/budget.py)."""
+    from pipeline.budget import dataset_total, format_budget, read_budget
+
     info = read_run_info(run_dir)
     if not (info.get("dataset_sha256") and info.get("run_root")):
         return  # a run from before the dataset budget was kept
@@ -221,29 +287,43 @@ def print_dataset_budget(run_dir: Path, ledger) -> None:
     print(format_budget(budget, total))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "status":
-        return print_status(Path(args.run_dir))
-    if args.command == "report":
-        from pipeline.report import write_report
+def write_run_report(run_dir: Path) -> int:
+    """`dpdistill report`: check the files it reads, then (re)write report.html."""
+    if not run_dir.is_dir():
+        print(f"dpdistill: error: run directory {run_dir} does not exist; pass the directory a run wrote "
+              "(`dpdistill status` lists its stages)", file=sys.stderr)
+        return 2
+    for name in (RUN_INFO, STAGES_INFO, "metrics.json"):
+        if (run_dir / name).is_file():
+            read_json_file(run_dir / name)
+    if (run_dir / LEDGER).is_file():
+        read_ledger_file(run_dir / LEDGER)
+    from pipeline.report import write_report  # matplotlib and pyarrow, not torch
 
-        print(write_report(Path(args.run_dir)))
-        return 0
-    if args.command == "audit":
-        return run_audit(args)
-    if args.command == "ledger":
-        path = Path(args.run_dir) / LEDGER
-        if not path.is_file():
-            print(f"dpdistill: error: {path} not found; pass a run directory", file=sys.stderr)
-            return 2
-        ledger = read_ledger(path)
-        print(format_table(ledger))
-        print_dataset_budget(Path(args.run_dir), ledger)
-        return 0
+    print(write_report(run_dir))
+    return 0
+
+
+def show_ledger(run_dir: Path) -> int:
+    path = run_dir / LEDGER
+    if not path.is_file():
+        print(f"dpdistill: error: {path} not found; pass a run directory", file=sys.stderr)
+        return 2
+    ledger = read_ledger_file(path)
+    print(format_table(ledger))
+    print_dataset_budget(run_dir, ledger)
+    return 0
+
+
+def run_pipeline(args) -> int:
+    """`run`, `serve` and `build-base`: the commands that import torch and Prefect."""
+    try:
+        cfg = load_config(args.config, args.overrides)  # a config error answers before the heavy imports
+    except ConfigError as e:
+        print(f"dpdistill: error: {e}", file=sys.stderr)
+        return 2
     quiet_libraries()
     try:
-        cfg = load_config(args.config, args.overrides)
         if args.command == "build-base":
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
             from pipeline.models import build_base_models
@@ -261,11 +341,34 @@ def main(argv: list[str] | None = None) -> int:
 
         rerun = stages_to_rerun(args.rerun_from, args.force)
         run_dir = dp_distill(cfg, run_dir=args.run_dir, rerun=rerun)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         print(f"dpdistill: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        message = prefect_server_error(e)
+        if message is None:
+            raise
+        print(f"dpdistill: error: {message}", file=sys.stderr)
         return 2
     print(f"\nrun directory: {run_dir}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "status":
+            return print_status(Path(args.run_dir))
+        if args.command == "report":
+            return write_run_report(Path(args.run_dir))
+        if args.command == "ledger":
+            return show_ledger(Path(args.run_dir))
+    except DamagedFileError as e:
+        print(f"dpdistill: error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "audit":
+        return run_audit(args)
+    return run_pipeline(args)
 
 
 if __name__ == "__main__":

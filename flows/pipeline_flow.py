@@ -30,6 +30,7 @@ from flows.artifacts import publish_ledger, publish_metrics, publish_report, pub
 from flows.caching import RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
 from flows.generation import generate_with_workers
 from flows.progress import StageProgress
+from flows.run_info import RUN_INFO, STAGES_INFO, TOOL, RunDirError, read_run_info, run_alive  # noqa: F401 (re-exported)
 from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
@@ -208,15 +209,6 @@ def evaluation_task(
 
 # --- run directories -------------------------------------------------------------------
 
-RUN_INFO = "run.json"
-STAGES_INFO = "stages.json"
-TOOL = "dpdistill"  # run.json's mark that dpdistill made the directory (see checked_run_dir)
-
-
-class RunDirError(ValueError):
-    """A run directory the flow must not write into; the message says why and what to do."""
-
-
 def prepare_run_root(cfg: PipelineConfig) -> Path:
     """`run_root` and its cache, 0700: they hold private splits, DP checkpoints, results."""
     root = Path(cfg.run_root)
@@ -245,15 +237,6 @@ def new_run_dir(cfg: PipelineConfig) -> Path:
     return private_dir(run_dir).resolve()
 
 
-def read_run_info(run_dir: Path) -> dict:
-    """A run directory's run.json, or {} when it has none (or not a readable one)."""
-    try:
-        info = json.loads((Path(run_dir) / RUN_INFO).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
 def checked_run_dir(cfg: PipelineConfig, run_dir: str | Path) -> Path:
     """The run directory a caller names, if the flow may write (and `--force` delete) there:
     inside `run_root`, and either new, empty, or a run directory dpdistill made."""
@@ -272,19 +255,6 @@ def checked_run_dir(cfg: PipelineConfig, run_dir: str | Path) -> Path:
             "new or empty directory under run_root"
         )
     return out
-
-
-def run_alive(info: dict) -> bool:
-    """Whether the process that wrote a run.json may still be running."""
-    if info.get("host") != socket.gethostname():
-        return True  # another machine's run: assume it is alive
-    try:
-        os.kill(int(info["pid"]), 0)
-    except (ProcessLookupError, ValueError, KeyError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def find_interrupted_run(cfg: PipelineConfig, flow_run_id: str | None) -> tuple[Path, str] | None:

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
 from prefect.filesystems import LocalFileSystem
 from prefect.serializers import Serializer
 from pydantic import Field, TypeAdapter

@@ -19,7 +19,6 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.manifest import atomic_write_json
-from pipeline.privacy import epsilon_of
 
 LEDGER = "ledger.json"
 TEST_HOOK = "TEST HOOK"
@@ -95,6 +94,8 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
     if history:
         if accountant == "gdp" and len({(s, q) for s, q, _ in history}) > 1:
             used = "rdp"  # Opacus' GDP accountant reads only its last history entry
+        from pipeline.privacy import epsilon_of  # Opacus and torch: only when there is something to compose
+
         eps = epsilon_of(used, history, delta)
         gaussians = [e.stage for e in dp if e.history]
         parts.append(f"{used} accountant over the joint history of {', '.join(gaussians)}")
