@@ -88,17 +88,22 @@ def write_manifest(
 
 
 def manifest_problems(stage_dir: Path) -> list[str]:
-    """Why `stage_dir` cannot be trusted as finished: no manifest, or an output missing
-    or changed since the manifest was written. Empty when every output matches its hash."""
+    """Why `stage_dir` cannot be trusted as finished: no manifest, a damaged one, or an output
+    missing or changed since the manifest was written. Empty when every output matches its
+    hash. A cached stage with a problem runs again (flows/caching.py `stale_reason`)."""
     path = Path(stage_dir) / MANIFEST
     if not path.is_file():
         return [f"{path} is missing"]
+    try:
+        outputs = dict(json.loads(path.read_text())["outputs"])
+        items = [(name, Path(item["path"]), item["sha256"]) for name, item in outputs.items()]
+    except (ValueError, KeyError, TypeError) as e:  # truncated or edited: JSON, shape or encoding
+        return [f"{path} is damaged ({type(e).__name__}), so the stage's outputs cannot be checked"]
     problems = []
-    for name, item in json.loads(path.read_text())["outputs"].items():
-        f = Path(item["path"])
+    for name, f, sha in items:
         if not f.is_file():
             problems.append(f"{name}: {f} is missing")
-        elif sha256_file(f) != item["sha256"]:
+        elif sha256_file(f) != sha:
             problems.append(f"{name}: {f} changed since its manifest was written")
     return problems
 

@@ -35,7 +35,7 @@ def _entries(run: Path) -> list[dict]:
 def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsys, caplog):
     """A second run reuses every finished stage (same ledger); a changed generation config
     reruns generation and what follows only; --from reruns a stage and the later ones; a
-    cache hit whose files changed is not trusted. The private splits are deleted after
+    cache hit whose files changed, or whose manifest is damaged, is not trusted. The private splits are deleted after
     evaluation: a later run rewrites them (data reruns) and the rest stays cached. The
     dataset's budget across runs counts a cached teacher once and a forced one again."""
     tree = tiny_pipeline_dict(tmp_path)
@@ -48,7 +48,10 @@ def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsy
     assert [r.stage for r in read_budget(root, sha).releases] == ["control-codes", "teacher"]
     spent = dataset_total(read_budget(root, sha), "prv", read_ledger(first / "ledger.json").total.delta)
 
+    manifest = first / "evaluation" / "manifest.json"  # a truncated manifest of a cached stage:
+    manifest.write_text(manifest.read_text()[:40])  # that stage runs again, no JSON traceback
     second = Path(dp_distill(cfg))
+    assert _stages(second).pop("evaluation") == "ran"
     assert second != first and _stages(second).pop("data") == "ran"  # its splits were deleted: rewritten
     assert set(_stages(second).values()) - {"ran"} == {"cached"} and _stages(second)["teacher"] == "cached"
     assert _entries(second) == _entries(first)  # the ledger is unchanged: no budget spent again
