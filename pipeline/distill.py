@@ -103,6 +103,12 @@ def distill(
     data = TokenizedRecords(train_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
     prompt_lengths = torch.tensor(train_table["n_prompt_tokens"].to_pylist(), dtype=torch.long)
     validation = TokenizedRecords(val_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
+    if len(validation) == 0:  # e.g. 20 samples at generate.validation_fraction=0.01
+        log.warning(
+            "distillation: the synthetic data has no validation samples, so the student is never evaluated "
+            "during training and the last one is kept (no early stopping); raise generate.num_samples or "
+            "generate.validation_fraction"
+        )
     cached = CachedTopK(cache, train_table["sample_id"].to_pylist()) if cache is not None else None
     if cached is not None:
         log.info("distillation: teacher top-%d logits of %d train samples from %s (%.1f MB in memory)",

@@ -175,3 +175,20 @@ def test_top_k_cache_with_hidden_state_mse_is_refused():
 
     with pytest.raises(ValidationError, match="set distill.beta=0 or distill.teacher_top_k=null"):
         DistillConfig(teacher_top_k=20, beta=0.5)
+
+
+def test_no_synthetic_validation_samples_is_said(tiny_model_dir, tmp_path, caplog):
+    """Few samples at a 1% validation share give no validation split: training goes on with
+    the last student kept, and the log says so instead of silently skipping every evaluation."""
+    codes = tmp_path / "codes.json"
+    codes.write_text(json.dumps({"counts": {"Category: A": 1}}))
+    gen = GenerateConfig(num_samples=6, batch_size=6, max_length=20, validation_fraction=0.01)
+    synthetic = generate_synthetic(gen, teacher_dir=tiny_model_dir, control_codes_path=codes, ledger=[],
+                                   out_dir=tmp_path / "synthetic", seed=0)
+    assert synthetic.n_validation == 0
+    cfg = DistillConfig(epochs=1, batch_size=4, eval_every=1, log_every=100)
+    with caplog.at_level("WARNING", logger="pipeline.distill"):
+        distill(cfg, synthetic_path=synthetic.path, teacher_dir=tiny_model_dir, student_model=str(tiny_model_dir),
+                out_dir=tmp_path / "student", seed=0)
+    assert any("no validation samples" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "student" / "model" / "model.safetensors").is_file()
