@@ -45,10 +45,13 @@ class DataConfig(_Section):
         "e.g. '{column}: {value}'.",
     )
     max_records: int | None = Field(
-        None, gt=0, description="Use only the first N training records (None: all)."
+        None,
+        gt=0,
+        description="Read only the first N rows of `path` (None: all). The validation split (and the "
+        "test split when `test_path` is None) is taken from these rows, so fewer than N records train.",
     )
     max_test_records: int | None = Field(
-        None, gt=0, description="Use only the first N test records (None: all)."
+        None, gt=0, description="Read only the first N rows of `test_path` (None: all)."
     )
     validation_fraction: float = Field(
         0.05, ge=0.0, lt=0.5, description="Share of the training file held out for validation."

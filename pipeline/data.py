@@ -115,6 +115,8 @@ def _format_codes(
         empty, invalid = [], []  # empty fields may be dropped on request; invalid ones never
         if text is None or not text.strip():
             empty.append(f"row {row}, column {cfg.text_column!r}: empty text")
+        elif "\0" in text:
+            invalid.append(f"row {row}, column {cfg.text_column!r}: text contains a NUL byte (remove it)")
         parts = []
         for c in cfg.code_columns:
             v = columns[c][i]
@@ -145,6 +147,13 @@ def _format_codes(
             f"{where}: {len(problems)} unusable record(s):\n  - {shown}{more}\n"
             "Fix or remove these rows, or set data.drop_empty=true to drop empty ones "
             "(they are counted in the data manifest)."
+        )
+    if (n_copies := len(texts_out) - len(set(zip(codes_out, texts_out)))) > 0:
+        # Counts only, never which records: a duplicated text is n records to record-level DP.
+        log.warning(
+            "%s: %d record(s) repeat an earlier record exactly (same codes and text); at record level each "
+            "copy is a separate unit, so a repeated text is protected only as a group of its copies: "
+            "deduplicate the file, or set data.user_column", where, n_copies,
         )
     return codes_out, texts_out, (users_out if users is not None else None), dropped
 

@@ -174,3 +174,20 @@ def test_csv_codes_stay_strings(tmp_path):
     res = prepare_data(DataConfig(path=path, code_template="{column}: {value}"), tmp_path / "out", seed=0)
     codes = read_split(res.train)[0] + read_split(res.validation)[0] + read_split(res.test)[0]
     assert set(codes) == {"label1: Bars\tlabel2: 4.0", "label1: Bars\tlabel2: 05"}
+
+
+def test_nul_bytes_are_refused_and_duplicates_counted_without_content(tmp_path, caplog):
+    """A NUL byte in a text stops the data stage naming row and column; exact duplicate records
+    are accepted with a warning that gives their count only (they weaken record-level DP)."""
+    rows = _sentinel_rows()
+    rows[3][0] = "SECRET-RECORD-NUL\0here"  # row 4
+    with pytest.raises(DataError) as err:
+        prepare_data(DataConfig(path=_write_csv(tmp_path / "nul.csv", rows)), tmp_path / "a", seed=0)
+    assert "row 4, column 'text': text contains a NUL byte" in str(err.value)
+    assert "SECRET-RECORD" not in str(err.value)
+
+    rows = _sentinel_rows() + [_sentinel_rows()[1]] * 3  # three more copies of row 2
+    with caplog.at_level("WARNING", logger="pipeline.data"):
+        prepare_data(DataConfig(path=_write_csv(tmp_path / "dup.csv", rows)), tmp_path / "b", seed=0)
+    warned = [r.getMessage() for r in caplog.records if "repeat an earlier record" in r.getMessage()]
+    assert len(warned) == 1 and ": 3 record(s) repeat" in warned[0] and "SECRET-RECORD" not in warned[0]
