@@ -17,7 +17,7 @@ one user changes one bin by one, the same sensitivity as one record at record le
 
 The noise and the per-user picks come from secret OS entropy (pipeline/noise.py), never
 from the run's public seed: anyone could otherwise regenerate the noise and subtract it.
-`secure_mode=True` draws them from a ChaCha20 CSPRNG instead of numpy's PCG64.
+`secure_mode=True` draws them from a ChaCha20 CSPRNG instead of torch's mt19937.
 """
 
 from __future__ import annotations
@@ -60,31 +60,19 @@ def domain_codes(data: DataConfig, domain: dict[str, list[str]]) -> list[str]:
     return [CODE_JOINER.join(parts) for parts in itertools.product(*per_column)]
 
 
-Secret = np.random.Generator | noise.ChaCha20Normal  # both keyed from OS entropy
-
-
-def _one_per_user(codes: list[str], users: list[str], rng: Secret) -> list[str]:
+def _one_per_user(codes: list[str], users: list[str], rng: noise.Generator) -> list[str]:
     by_user: dict[str, list[str]] = {}
     for c, u in zip(codes, users):
         by_user.setdefault(u, []).append(c)
-    if isinstance(rng, noise.ChaCha20Normal):
-        return [v[noise.randbelow(rng, len(v))] for _, v in sorted(by_user.items())]
-    return [v[rng.integers(len(v))] for _, v in sorted(by_user.items())]
+    return [v[noise.randbelow(rng, len(v))] for _, v in sorted(by_user.items())]
 
 
-def _gaussian(sigma: float, size: int, rng: Secret) -> np.ndarray:
-    if isinstance(rng, noise.ChaCha20Normal):
-        return noise.secure_gaussian(rng, sigma, (size,)).numpy()
-    return rng.normal(0.0, sigma, size=size)
-
-
-def _two_sided_geometric(epsilon: float, size: int, rng: Secret) -> np.ndarray:
-    """Integer noise with P(k) ∝ exp(-ε|k|): the difference of two geometric variables."""
-    p = 1.0 - math.exp(-epsilon)
-    if isinstance(rng, noise.ChaCha20Normal):  # inverse CDF of Geometric(p) on {1, 2, ...}
-        g = np.floor(np.log(rng.uniform(2 * size).numpy()) / math.log1p(-p)).astype(np.int64) + 1
-        return g[:size] - g[size:]
-    return rng.geometric(p, size) - rng.geometric(p, size)
+def _two_sided_geometric(epsilon: float, size: int, rng: noise.Generator) -> np.ndarray:
+    """Integer noise with P(k) ∝ exp(-ε|k|): the difference of two Geometric(1 - e^-ε)
+    variables on {1, 2, ...}, each by the inverse CDF of a uniform in (0, 1]."""
+    u = 1.0 - noise.uniform(rng, 2 * size).numpy()
+    g = np.floor(np.log(u) / -epsilon).astype(np.int64) + 1  # log(1 - p) = -ε
+    return g[:size] - g[size:]
 
 
 def release_control_codes(
@@ -107,7 +95,7 @@ def release_control_codes(
             "control_codes.mechanism is unset and no control_codes.domain is declared: declare the domain "
             "(DP release) or set control_codes.mechanism=exact (NOT private)"
         )
-    rng = noise.generator("control_codes", secure=True) if secure_mode else noise.numpy_generator("control_codes")
+    rng = noise.generator("control_codes", secure=secure_mode)
     codes, _ = read_split(train_path)
     users = read_users(train_path)
     unit = "record" if users is None else "user"
@@ -139,7 +127,7 @@ def release_control_codes(
             sigma = get_noise_multiplier(
                 target_epsilon=cfg.epsilon, target_delta=delta, sample_rate=1.0, steps=1, accountant=calibrate
             )
-            noisy = exact + _gaussian(sigma, len(bins), rng)
+            noisy = exact + noise.normal(rng, sigma, len(bins)).numpy()
             history = [(sigma, 1.0, 1)]
             epsilon = epsilon_of(calibrate, history, delta)
             entry = LedgerEntry(

@@ -8,8 +8,8 @@ else (splits, prompts, dropout) keeps following `seed`.
 
 Two sources, both keyed from `os.urandom`:
 
-- default: torch's mt19937 (numpy's PCG64 for the histogram) seeded with 64 (128) secret
-  bits. Unpredictable from anything published, fast, but not a cryptographic generator.
+- default: torch's mt19937 seeded with 64 secret bits. Unpredictable from anything
+  published, fast, but not a cryptographic generator.
 - `secure=True`: `ChaCha20Normal`, a ChaCha20 keystream (the `cryptography` package) with
   a 256-bit key, turned into uniforms and Box–Muller Gaussians in float64. Opacus' own
   secure mode needs torchcsprng, which has no release for current torch; here the noise
@@ -67,7 +67,7 @@ def source(secure: bool) -> str:
         return f"{TEST_HOOK} fixed seed ({TEST_SEED_ENV}={seed}): reproducible, NOT private"
     if secure:
         return "csprng: ChaCha20 keyed with 256 bits from os.urandom (Box–Muller Gaussians, float64)"
-    return "os-entropy: torch mt19937 / numpy PCG64 seeded from os.urandom (not a CSPRNG)"
+    return "os-entropy: torch mt19937 seeded from os.urandom (not a CSPRNG)"
 
 
 class ChaCha20Normal:
@@ -129,16 +129,18 @@ def generator(purpose: str, *, secure: bool, rank: int = 0, device: torch.device
     return g
 
 
-def numpy_generator(purpose: str) -> np.random.Generator:
-    """A secret numpy generator (PCG64 with 128 bits of OS entropy)."""
-    return np.random.default_rng(int.from_bytes(_secret_bytes(16, purpose), "little"))
-
-
 def uniform(gen: Generator, n: int) -> torch.Tensor:
     """n uniforms in [0, 1) from either kind of generator (on the CPU)."""
     if isinstance(gen, ChaCha20Normal):
         return gen.uniform(n)
     return torch.rand(n, generator=gen)
+
+
+def normal(gen: Generator, std: float, n: int) -> torch.Tensor:
+    """n float64 N(0, std²) values from either kind of generator (ChaCha: the secure sum)."""
+    if isinstance(gen, ChaCha20Normal):
+        return secure_gaussian(gen, std, (n,))
+    return torch.normal(0.0, std, (n,), generator=gen, dtype=torch.float64)
 
 
 def randbelow(gen: Generator, k: int) -> int:

@@ -166,3 +166,20 @@ def test_the_test_hook_fixes_the_noise_and_says_so(yelp, tmp_path, monkeypatch):
     b = _release(yelp, tmp_path / "b", mechanism="gaussian", epsilon=1.0, domain=DOMAIN)
     assert _released(a) == _released(b)
     assert a.ledger.noise_source.startswith("TEST HOOK") and "NOT private" in a.ledger.noise_source
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_two_sided_geometric_noise_has_the_laplace_like_law(secure):
+    """P(k) ∝ exp(-ε|k|): P(0) = (1 - e^-ε) / (1 + e^-ε) and the law is symmetric, from
+    either secret generator (inverse CDF of their uniforms)."""
+    import math
+
+    from pipeline import noise
+    from pipeline.codes import _two_sided_geometric
+
+    eps, n = 0.5, 200_000
+    k = _two_sided_geometric(eps, n, noise.generator("control_codes", secure=secure))
+    p0 = (1 - math.exp(-eps)) / (1 + math.exp(-eps))
+    assert abs((k == 0).mean() - p0) < 5 * math.sqrt(p0 * (1 - p0) / n)
+    assert abs((k == 1).mean() - (k == -1).mean()) < 0.005
+    assert abs((k == 1).mean() / (k == 0).mean() - math.exp(-eps)) < 0.02
