@@ -69,6 +69,7 @@ from pipeline.ledger import LedgerEntry
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, sha256_file, write_manifest
 from pipeline.losses import per_sequence_distillation_loss
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer, untie_lm_head
+from pipeline.progress import DEFAULT_EVERY, ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -285,13 +286,15 @@ def train_teacher(
     on_progress: Callable[[dict], None] | None = None,
     stage: str = "teacher",
     kd: KnowledgeDistillation | None = None,
+    progress_every: float = DEFAULT_EVERY,
 ) -> TeacherResult:
     """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
 
     `on_progress` receives each logical step's record after the step and its checkpoint:
     step and done/total steps, plus ε, the validation loss and elapsed seconds every
     `log_every` steps; never anything computed from a private batch. An exception raised
-    there interrupts training like a crash.
+    there interrupts training like a crash. A progress line (steps, steps/s, ε spent, elapsed,
+    ETA) is logged after the first step, then at least every `progress_every` seconds.
 
     `cfg.processes` > 1 outside a process group: runs itself under torchrun and returns
     the finished stage. Inside an initialised process group of W > 1 ranks: trains
@@ -303,7 +306,8 @@ def train_teacher(
         from pipeline.teacher_ddp import launch
 
         return launch(cfg, train_path=train_path, validation_path=validation_path, base_model=base_model,
-                      out_dir=out_dir, seed=seed, on_progress=on_progress, stage=stage, kd=kd)
+                      out_dir=out_dir, seed=seed, on_progress=on_progress, stage=stage, kd=kd,
+                      progress_every=progress_every)
     if world > 1 and world != cfg.processes:
         log.warning("%s: teacher.processes=%d but the process group has %d ranks; training on %d",
                     stage, cfg.processes, world, world)
@@ -477,6 +481,8 @@ def train_teacher(
 
     t0 = time.time()
     done = resumed_from
+    # Steps, ε and time only: the size or token count of a Poisson batch is private.
+    steps_log = ProgressLog(log, stage, "steps", steps_allowed, every=progress_every, done=resumed_from)
     while done < steps_allowed:
         with BatchMemoryManager(
             data_loader=loader, max_physical_batch_size=cfg.physical_batch_size, optimizer=optimizer
@@ -527,6 +533,9 @@ def train_teacher(
                 history.append(record)
                 if done % cfg.checkpoint_every == 0 and done < steps_allowed:
                     save_checkpoint()
+                if rank == 0 and steps_log.due(done):
+                    spent = record["epsilon"] if "epsilon" in record else engine.get_epsilon(delta)
+                    steps_log.update(done, values={"ε": f"{spent:.3f}"})
                 if on_progress and rank == 0:
                     on_progress({**record, "done": done, "total": steps_allowed})
                 if done >= steps_allowed:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from pipeline.config import TeacherConfig
 from pipeline.manifest import atomic_write_json
+from pipeline.progress import DEFAULT_EVERY
 from pipeline.teacher import KnowledgeDistillation, TeacherError, TeacherResult, finished_teacher, train_teacher
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def launch(
     on_progress: Callable[[dict], None] | None = None,
     stage: str = "teacher",
     kd: KnowledgeDistillation | None = None,
+    progress_every: float = DEFAULT_EVERY,
 ) -> TeacherResult:
     """Run `train_teacher` in `cfg.processes` processes under torchrun; wait; return its result."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):
@@ -109,6 +111,7 @@ def launch(
         "out_dir": str(out_dir),
         "seed": seed,
         "stage": stage,
+        "progress_every": progress_every,
         "kd": None if kd is None else {"teacher_dir": str(Path(kd.teacher_dir).resolve()), "alpha": kd.alpha,
                                        "temperature": kd.temperature},
     }
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             seed=args["seed"],
             on_progress=on_progress,
             stage=args["stage"],
+            progress_every=args.get("progress_every", DEFAULT_EVERY),
             kd=None if kd is None else KnowledgeDistillation(Path(kd["teacher_dir"]), kd["alpha"], kd["temperature"]),
         )
     except BaseException:
