@@ -11,11 +11,19 @@ the teacher once and writes whole shards. With 1 worker the shards run in this p
 The shards are the same either way: shard i depends on (seed, i) alone
 (pipeline/generate.py). Only the plan (paths, config, fingerprint, released code counts)
 and per-shard aggregates cross Prefect and Dask, never a generated text.
+
+Progress is per generated batch either way. A Dask worker writes its shard's counts so far
+(samples, new tokens) to `synthetic/.progress-<shard>.json` after each batch; this process
+polls those files while it waits for the shards (simpler than a Dask queue, and it works
+with any task runner), and removes them when the shard is done.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import queue
 import time
 import warnings
 from collections.abc import Callable
@@ -24,34 +32,72 @@ from pathlib import Path
 import torch
 from prefect import flow, task, unmapped
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import as_completed
 from prefect_dask import DaskTaskRunner
 
 from pipeline.config import GenerateConfig
 from pipeline.generate import (
-    GenerateResult, GenerationPlan, finish_generation, generate_shard, plan_generation, progress,
+    GenerateResult, GenerationPlan, GenerationProgress, finish_generation, generate_shard, plan_generation,
 )
 from pipeline.ledger import LedgerEntry
+from pipeline.manifest import atomic_write_json
+from pipeline.progress import DEFAULT_EVERY
+
+POLL_SECONDS = 1.0  # how often the parent reads the workers' progress files
+
+
+def _progress_file(plan: GenerationPlan, shard: int) -> Path:
+    return plan.out_dir / f".progress-{shard:05d}.json"
+
+
+def _write_shard_progress(plan: GenerationPlan, shard: int, samples: int, new_tokens: int) -> None:
+    atomic_write_json(_progress_file(plan, shard), {"samples": samples, "new_tokens": new_tokens})
+
+
+def _read_shard_progress(plan: GenerationPlan, shard: int) -> tuple[int, int] | None:
+    try:
+        counts = json.loads(_progress_file(plan, shard).read_text())
+    except (OSError, ValueError):  # not written yet (atomic writes: never half a file)
+        return None
+    return counts["samples"], counts["new_tokens"]
 
 
 @task(name="generation-shard", task_run_name="generation-shard-{shard}", cache_policy=NO_CACHE,
       persist_result=False)
-def generation_shard_task(plan: GenerationPlan, shard: int, torch_threads: int | None = None) -> dict:
-    """Write one shard (or reuse it); returns its aggregate stats."""
+def generation_shard_task(plan: GenerationPlan, shard: int, torch_threads: int | None = None,
+                          on_batch: Callable[[int, int], None] | None = None) -> dict:
+    """Write one shard (or reuse it); returns its aggregate stats. Without `on_batch` (on a
+    worker process) the counts so far go to the shard's progress file after each batch."""
     if torch_threads:
         torch.set_num_threads(torch_threads)
-    return generate_shard(plan, shard)
+    return generate_shard(plan, shard, on_batch or functools.partial(_write_shard_progress, plan, shard))
 
 
 @flow(name="generation-workers", persist_result=False, validate_parameters=False)
-def generation_workers_flow(plan: GenerationPlan, on_progress: Callable[[dict], None] | None = None) -> list[dict]:
-    """Map the shards over this flow's task runner; stats in order of completion."""
+def generation_workers_flow(plan: GenerationPlan, on_progress: Callable[[dict], None] | None = None,
+                            progress_every: float = DEFAULT_EVERY) -> list[dict]:
+    """Map the shards over this flow's task runner and report the workers' batches while
+    they run; stats in order of completion."""
+    tracker = GenerationProgress(plan, on_progress, progress_every)
+    for shard in range(plan.n_shards):  # left by an interrupted run: not this run's progress
+        _progress_file(plan, shard).unlink(missing_ok=True)
     futures = generation_shard_task.map(unmapped(plan), range(plan.n_shards), torch_threads=1)
-    stats: list[dict] = []
-    for future in as_completed(futures):
-        stats.append(future.result())
-        if on_progress:
-            on_progress(progress(plan, stats))
+    finished: queue.Queue = queue.Queue()  # each future puts itself here when done (a Dask thread)
+    for future in futures:
+        future.add_done_callback(finished.put)
+    pending, stats = dict(enumerate(futures)), []
+    while pending:
+        try:
+            future = finished.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            pass
+        else:
+            stats.append(future.result())  # raises if the shard failed
+            pending.pop(stats[-1]["shard"])
+            _progress_file(plan, stats[-1]["shard"]).unlink(missing_ok=True)
+            tracker.shard_done(stats[-1])
+        for shard in pending:
+            if (counts := _read_shard_progress(plan, shard)) is not None:
+                tracker.batch(shard, *counts)
     return stats
 
 
@@ -73,11 +119,13 @@ def generate_with_workers(
     out_dir: Path,
     seed: int,
     on_progress: Callable[[dict], None] | None = None,
+    progress_every: float = DEFAULT_EVERY,
 ) -> GenerateResult:
     """`generate_synthetic` with the shards spread over `cfg.workers` local processes.
 
     Call it inside a flow or task. Finished shards are reused, whatever worker count wrote
     them. `tokens_per_second` counts the wall-clock time of all shards, cluster start included.
+    `on_progress` and the progress lines (every `progress_every` s) follow each generated batch.
     """
     plan = plan_generation(cfg, teacher_dir=teacher_dir, control_codes_path=control_codes_path, ledger=ledger,
                            out_dir=out_dir, seed=seed)
@@ -87,11 +135,11 @@ def generate_with_workers(
                       "the workers will compete for them (set generate.workers <= the cores)", stacklevel=2)
     t0 = time.perf_counter()
     if workers == 1:
+        tracker = GenerationProgress(plan, on_progress, progress_every)
         stats: list[dict] = []
         for shard in range(plan.n_shards):
-            stats.append(generation_shard_task(plan, shard))
-            if on_progress:
-                on_progress(progress(plan, stats))
+            stats.append(generation_shard_task(plan, shard, on_batch=functools.partial(tracker.batch, shard)))
+            tracker.shard_done(stats[-1])
     else:
-        stats = generation_workers_flow.with_options(task_runner=dask_runner(workers))(plan, on_progress)
+        stats = generation_workers_flow.with_options(task_runner=dask_runner(workers))(plan, on_progress, progress_every)
     return finish_generation(plan, stats, wall_seconds=time.perf_counter() - t0)

@@ -48,6 +48,7 @@ from pipeline.data import prompt_for, read_control_codes
 from pipeline.ledger import LedgerEntry
 from pipeline.manifest import sha256_file, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer
+from pipeline.progress import DEFAULT_EVERY, ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,11 @@ def _shard_seed(seed: int, shard: int) -> int:
 
 
 def _generate_shard(
-    model, tok, cfg: GenerateConfig, counts: dict[str, float], first_id: int, n: int, shard_seed: int
+    model, tok, cfg: GenerateConfig, counts: dict[str, float], first_id: int, n: int, shard_seed: int,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, list], dict]:
-    """Rows and stats of one shard of `n` samples with ids first_id, first_id + 1, ..."""
+    """Rows and stats of one shard of `n` samples with ids first_id, first_id + 1, ...;
+    `on_batch(samples, new_tokens)` after each batch, with the shard's totals so far."""
     rng = np.random.default_rng(shard_seed)
     torch.manual_seed(shard_seed)
     eos = tok.eos_token_id
@@ -126,7 +129,7 @@ def _generate_shard(
     assert max(by_length) < cfg.max_length, "plan_generation checks prompt lengths"
 
     kept: dict[int, tuple] = {}
-    dropped, new_tokens = 0, 0
+    dropped, new_tokens, samples_done = 0, 0, 0
     for length in sorted(by_length):
         budget = cfg.max_length - length
         if cfg.max_new_tokens:
@@ -161,6 +164,9 @@ def _generate_shard(
                     continue
                 seq = prompt_ids[requested[i]] + new + ([eos] if finished else [])
                 kept[i] = (text, seq, length, finished)
+            samples_done += len(chunk)
+            if on_batch:
+                on_batch(samples_done, new_tokens)
 
     rows: dict[str, list] = {name: [] for name in SCHEMA.names}
     for i in sorted(kept):
@@ -280,9 +286,10 @@ def _teacher(teacher_dir: str, teacher_sha: str):
     return load_causal_lm(teacher_dir).eval(), load_tokenizer(teacher_dir)
 
 
-def generate_shard(plan: GenerationPlan, shard: int) -> dict:
+def generate_shard(plan: GenerationPlan, shard: int, on_batch: Callable[[int, int], None] | None = None) -> dict:
     """Write shard `shard` of the plan (or reuse it if finished); return its counts, time and
-    the writing process id, never a text.
+    the writing process id, never a text. `on_batch(samples, new_tokens)` is called after
+    each generated batch with the shard's counts so far.
 
     Any process can run any shard: the shard depends on (seed, shard) only, and the file is
     written under a temporary name, then renamed.
@@ -295,7 +302,8 @@ def generate_shard(plan: GenerationPlan, shard: int) -> dict:
         return {**stats, "shard": shard, "samples": n, "reused": True}
     model, tok = _teacher(str(plan.teacher_dir), plan.metadata["dpdistill.teacher_sha256"])
     t0 = time.perf_counter()
-    rows, stats = _generate_shard(model, tok, plan.cfg, plan.counts, first, n, _shard_seed(plan.seed, shard))
+    rows, stats = _generate_shard(model, tok, plan.cfg, plan.counts, first, n, _shard_seed(plan.seed, shard),
+                                  on_batch)
     stats["seconds"] = time.perf_counter() - t0
     table = pa.table(rows, schema=SCHEMA).replace_schema_metadata(
         plan.metadata | {"dpdistill.shard_stats": json.dumps(stats)}
@@ -308,12 +316,45 @@ def generate_shard(plan: GenerationPlan, shard: int) -> dict:
     return {**stats, "shard": shard, "samples": n, "reused": False, "pid": os.getpid()}
 
 
-def progress(plan: GenerationPlan, stats: list[dict]) -> dict:
-    """The `on_progress` record after the shards in `stats` (aggregates only)."""
-    seconds = sum(s["seconds"] for s in stats)
-    return {"done": len(stats), "total": plan.n_shards, "samples": sum(s["samples"] for s in stats),
-            "reused": bool(stats) and stats[-1]["reused"],
-            "tokens_per_second": sum(s["new_tokens"] for s in stats) / max(seconds, 1e-9)}
+class GenerationProgress:
+    """Samples done over finished and running shards, reported per generated batch: an
+    `on_progress` record (done/total samples, shards, tokens/s) and a throttled progress line.
+    Counts only, never a text. Shards may run in any order, in any process: the caller feeds
+    `batch` (a running shard's counts so far) and `shard_done` (a finished shard's stats)."""
+
+    def __init__(self, plan: GenerationPlan, on_progress: Callable[[dict], None] | None = None,
+                 every: float = DEFAULT_EVERY, logger: logging.Logger | logging.LoggerAdapter = log):
+        self.plan, self.on_progress = plan, on_progress
+        self.finished: list[dict] = []
+        self.running: dict[int, tuple[int, int]] = {}  # shard -> (samples, new tokens) so far
+        self.lines = ProgressLog(logger, "generation", "samples", plan.cfg.num_samples, every=every)
+        self.t0 = time.perf_counter()
+
+    def batch(self, shard: int, samples: int, new_tokens: int) -> None:
+        if self.running.get(shard) == (samples, new_tokens):
+            return  # polled again before its next batch
+        self.running[shard] = (samples, new_tokens)
+        self._report()
+
+    def shard_done(self, stats: dict) -> None:
+        self.running.pop(stats["shard"], None)
+        self.finished.append(stats)
+        if stats["reused"]:
+            self.lines.skipped(stats["samples"])  # not generated now: not in samples/s or the ETA
+        self._report()
+
+    def _report(self) -> None:
+        fresh = [s for s in self.finished if not s["reused"]]
+        done = sum(s["samples"] for s in self.finished) + sum(n for n, _ in self.running.values())
+        tokens = sum(s["new_tokens"] for s in fresh) + sum(t for _, t in self.running.values())
+        self.lines.update(done, counts={"new tokens": tokens})
+        if self.on_progress:
+            self.on_progress({
+                "done": done, "total": self.plan.cfg.num_samples, "samples": done,
+                "shards_done": len(self.finished), "shards": self.plan.n_shards,
+                "reused": bool(self.finished) and self.finished[-1]["reused"],
+                "tokens_per_second": tokens / max(time.perf_counter() - self.t0, 1e-9),
+            })
 
 
 def finish_generation(plan: GenerationPlan, stats: list[dict], wall_seconds: float | None = None) -> GenerateResult:
@@ -391,21 +432,23 @@ def generate_synthetic(
     out_dir: Path,
     seed: int,
     on_progress: Callable[[dict], None] | None = None,
+    progress_every: float = DEFAULT_EVERY,
 ) -> GenerateResult:
     """Write `num_samples` synthetic records in Parquet shards, one after another, in this
     process (whatever `cfg.workers` says; flows/generation.py runs them in parallel).
     Finished shards are reused.
 
-    `on_progress` receives, after each shard, done/total shards, the samples so far and
-    the throughput (aggregates only, never a text).
+    `on_progress` receives, after each generated batch, done/total samples, the shards
+    finished and the throughput (aggregates only, never a text); a progress line is logged
+    after the first batch, then at least every `progress_every` seconds.
     """
     plan = plan_generation(cfg, teacher_dir=teacher_dir, control_codes_path=control_codes_path, ledger=ledger,
                            out_dir=out_dir, seed=seed)
+    tracker = GenerationProgress(plan, on_progress, progress_every)
     stats: list[dict] = []
     for shard in range(plan.n_shards):
-        stats.append(generate_shard(plan, shard))
-        if on_progress:
-            on_progress(progress(plan, stats))
+        stats.append(generate_shard(plan, shard, functools.partial(tracker.batch, shard)))
+        tracker.shard_done(stats[-1])
     return finish_generation(plan, stats)
 
 
