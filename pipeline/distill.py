@@ -31,6 +31,7 @@ from pipeline.logit_cache import CachedTopK, build_teacher_cache
 from pipeline.losses import distillation_loss, prompt_mask
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
+from pipeline.progress import DEFAULT_EVERY, ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,14 @@ def distill(
     seed: int,
     on_progress: Callable[[dict], None] | None = None,
     teacher_cache_dir: Path | None = None,
+    progress_every: float = DEFAULT_EVERY,
 ) -> DistillResult:
     """Train `student_model` on the synthetic data against the teacher; the best student is saved.
 
     With `cfg.teacher_top_k` set, teacher logits come from a top-k cache in
     `teacher_cache_dir` (default `<synthetic dir>/teacher_topk_k<k>/`), built or reused.
+    Progress lines (steps, steps/s, synthetic tokens/s, loss, ETA) come after the first step,
+    then at least every `progress_every` seconds; the cache build logs its own.
     """
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
@@ -85,7 +89,8 @@ def distill(
                            "does not hold; set distill.beta=0 or distill.teacher_top_k=null")
     else:
         cache = build_teacher_cache(Path(teacher_dir), Path(synthetic_path), k=cfg.teacher_top_k,
-                                    cache_dir=teacher_cache_dir, batch_size=cfg.batch_size)
+                                    cache_dir=teacher_cache_dir, batch_size=cfg.batch_size,
+                                    progress_every=progress_every)
         teacher_positions = cache.max_length
     student = load_causal_lm(student_model)
     vocab = len(student_tok)
@@ -147,6 +152,7 @@ def distill(
         return cfg.patience is not None and since_best >= cfg.patience
 
     t0, step, stopped_early = time.time(), 0, False
+    steps_log, tokens = ProgressLog(log, "distillation", "steps", total, every=progress_every), 0
     student.train()
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(data), generator=generator)
@@ -189,6 +195,8 @@ def distill(
             step += 1
             record = {"step": step, "epoch": epoch, **{k: v.detach().item() for k, v in parts._asdict().items()}}
             history.append(record)
+            tokens += int(data.lengths[idx].sum())  # synthetic tokens: public
+            steps_log.update(step, counts={"tokens": tokens}, values={"loss": f"{record['loss']:.4f}"})
             if step % cfg.log_every == 0 or step == total:
                 log.info(
                     "distillation: step %d/%d loss %.4f (ce %.4f, kl %.4f, mse %.4f) (%.0f s)",

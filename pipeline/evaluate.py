@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from pipeline.data import encode_record, read_split
 from pipeline.generate import read_synthetic
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
+from pipeline.progress import DEFAULT_EVERY, ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +53,11 @@ class Perplexity:
 
 @torch.no_grad()
 def _nll_by_owner(
-    model, data: TokenizedRecords, owners: list[int], n_owners: int, batch_size: int
+    model, data: TokenizedRecords, owners: list[int], n_owners: int, batch_size: int,
+    on_batch: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Summed next-token NLL and predicted-token count per owner of each sequence."""
+    """Summed next-token NLL and predicted-token count per owner of each sequence;
+    `on_batch(sequences)` after each batch."""
     model.eval()
     nll_sum, count = np.zeros(n_owners), np.zeros(n_owners)
     for start in range(0, len(data), batch_size):
@@ -65,6 +70,8 @@ def _nll_by_owner(
         for row, owner in enumerate(owners[start : start + batch_size]):
             nll_sum[owner] += float(nll[row].sum())
             count[owner] += int((labels[row] != IGNORE).sum())
+        if on_batch:
+            on_batch(len(labels))
     return nll_sum, count
 
 
@@ -83,7 +90,12 @@ def _chunks(ids: list[int], window: int) -> list[list[int]]:
     return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) > 1]
 
 
-def perplexity(model, tokenizer, codes: list[str], texts: list[str], window: int, batch_size: int) -> Perplexity:
+def perplexity(
+    model, tokenizer, codes: list[str], texts: list[str], window: int, batch_size: int,
+    on_windows: Callable[[int, int], None] | None = None,
+) -> Perplexity:
+    """Windowed and per-record perplexity; `on_windows(done, total)` after each batch of
+    windows (both passes: the joined stream's windows, then each record's)."""
     n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
     if window > n_positions:
         raise ValueError(
@@ -92,14 +104,23 @@ def perplexity(model, tokenizer, codes: list[str], texts: list[str], window: int
     records = [encode_record(tokenizer, c, t) for c, t in zip(codes, texts)]
     joined = [t for r in records for t in r]
     windows = _chunks(joined, window)
-    nll, cnt = _nll_by_owner(model, _windows(windows, tokenizer.pad_token_id), [0] * len(windows), 1, batch_size)
     per_windows, owners = [], []
     for i, r in enumerate(records):
         for w in _chunks(r, window):
             per_windows.append(w)
             owners.append(i)
+    done, total = 0, len(windows) + len(per_windows)
+
+    def on_batch(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_windows:
+            on_windows(done, total)
+
+    nll, cnt = _nll_by_owner(model, _windows(windows, tokenizer.pad_token_id), [0] * len(windows), 1, batch_size,
+                             on_batch)
     r_nll, r_cnt = _nll_by_owner(
-        model, _windows(per_windows, tokenizer.pad_token_id), owners, len(records), batch_size
+        model, _windows(per_windows, tokenizer.pad_token_id), owners, len(records), batch_size, on_batch
     )
     keep = r_cnt > 0
     per_record = np.exp(r_nll[keep] / r_cnt[keep])
@@ -145,12 +166,14 @@ def evaluate_models(
     out_dir: Path,
     seed: int,
     synthetic_path: Path | None = None,
+    progress_every: float = DEFAULT_EVERY,
 ) -> dict:
     """Perplexity of each named model on the test split; writes `out_dir/metrics.json`.
 
     All models must share one tokenizer, so that their perplexities count the same tokens.
     With `synthetic_path`, also compares the synthetic texts with the real test texts
-    (distinct-n, lengths): aggregate figures only.
+    (distinct-n, lengths): aggregate figures only. Progress lines count the windows scored
+    over all models (windows/s, ETA; no token counts), at least every `progress_every` s.
     """
     torch.manual_seed(seed)
     codes, texts = read_split(test_path)
@@ -158,7 +181,9 @@ def evaluate_models(
         raise ValueError(f"test split {str(test_path)!r} is empty; give data.test_path or a larger data.path")
     reference = None
     metrics: dict[str, dict] = {}
-    for name, path in models.items():
+    lines: ProgressLog | None = None
+    started = time.monotonic()
+    for position, (name, path) in enumerate(models.items()):
         tok = load_tokenizer(path)
         if reference is None:
             reference = tok
@@ -168,7 +193,15 @@ def evaluate_models(
                 "perplexities over different tokens cannot be compared: use one tokenizer family"
             )
         model = load_causal_lm(path)
-        ppl = perplexity(model, tok, codes, texts, cfg.window, cfg.batch_size)
+
+        def on_windows(done: int, total: int) -> None:
+            nonlocal lines
+            if lines is None:  # one tokenizer: every model scores the same windows
+                lines = ProgressLog(log, "evaluation", "windows", total * len(models), every=progress_every,
+                                    started=started)
+            lines.update(position * total + done, values={"model": name})
+
+        ppl = perplexity(model, tok, codes, texts, cfg.window, cfg.batch_size, on_windows)
         metrics[name] = {"model": path, **ppl.__dict__}
         log.info(
             "evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f",

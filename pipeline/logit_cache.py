@@ -41,6 +41,7 @@ from pipeline.generate import teacher_fingerprint
 from pipeline.losses import TopKLogits
 from pipeline.manifest import MANIFEST, sha256_file, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer
+from pipeline.progress import DEFAULT_EVERY, ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +132,9 @@ def _nested(flat: pa.Array, k: int, n_targets: np.ndarray) -> pa.ListArray:
 
 
 def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, batch_size: int,
-                 metadata: dict) -> tuple[int, int]:
-    """Top-k rows of one synthetic shard into `dst` (temp then rename), a batch at a time.
-    Returns (samples, target tokens)."""
+                 metadata: dict, on_batch=None) -> tuple[int, int]:
+    """Top-k rows of one synthetic shard into `dst` (temp then rename), a batch at a time;
+    `on_batch(samples, target tokens)` after each batch. Returns (samples, target tokens)."""
     table = pq.read_table(src, columns=["sample_id", "split", "token_ids"])
     token_ids = table["token_ids"].to_pylist()
     vocab = len(tok)
@@ -162,18 +163,22 @@ def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, ba
                 "indices": _nested(pa.array(flat_ids, pa.int32()), k, n_targets.numpy()),
                 "logits": _nested(pa.array(flat_values, pa.float32()), k, n_targets.numpy()),
             }, schema=SCHEMA))
+            if on_batch:
+                on_batch(len(rows), int(n_targets.sum()))
     tmp.replace(dst)  # atomic: a crash never leaves half a shard under the final name
     return len(order), n_tokens
 
 
 def build_teacher_cache(
-    teacher_dir: Path, synthetic_path: Path, *, k: int, cache_dir: Path | None = None, batch_size: int = 16
+    teacher_dir: Path, synthetic_path: Path, *, k: int, cache_dir: Path | None = None, batch_size: int = 16,
+    progress_every: float = DEFAULT_EVERY,
 ) -> TeacherCache:
     """Compute (or reuse) the teacher's top-k logits for every synthetic sample.
 
     A cache with the same fingerprint is reused without loading the teacher; a stale one
     (other teacher weights, synthetic shards, k or max_length) is recomputed, with a warning.
-    A crash while building keeps the finished shards: the next call resumes.
+    A crash while building keeps the finished shards: the next call resumes. Progress lines
+    (samples, samples/s, tokens/s, ETA) follow the batches, at least every `progress_every` s.
     """
     shards = _synthetic_shards(synthetic_path)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(synthetic_path, k)
@@ -203,14 +208,24 @@ def build_teacher_cache(
     metadata = {"dpdistill.fingerprint": fingerprint, "dpdistill.teacher_checkpoint": str(teacher_dir)}
     teacher = None
     t0, n_samples, n_tokens, resumed = time.time(), 0, 0, 0
+    sizes = [pq.ParquetFile(f).metadata.num_rows for f in shards]
+    lines = ProgressLog(log, "teacher cache", "samples", sum(sizes), every=progress_every)
+
+    def on_batch(samples: int, tokens: int) -> None:  # synthetic samples and tokens: public
+        made["samples"] += samples
+        made["tokens"] += tokens
+        lines.update(lines.start + made["samples"], counts={"tokens": made["tokens"]})
+
+    made = {"samples": 0, "tokens": 0}  # in the shards written now
     for i, src in enumerate(shards):
         dst = outputs[f"topk_{i}"]
         if _shard_fingerprint(dst) == fingerprint:
             resumed += 1
+            lines.skipped(sizes[i])
             continue
         if teacher is None:
             teacher = load_causal_lm(str(teacher_dir)).eval()
-        samples, tokens = _write_shard(teacher, tok, src, dst, k, max_length, batch_size, metadata)
+        samples, tokens = _write_shard(teacher, tok, src, dst, k, max_length, batch_size, metadata, on_batch)
         n_samples, n_tokens = n_samples + samples, n_tokens + tokens
         log.info("teacher cache: shard %d/%d, %d samples, %d target tokens (%.0f s)",
                  i + 1, len(shards), n_samples, n_tokens, time.time() - t0)
