@@ -118,6 +118,7 @@ def _dp_train(
             stage=stage,
             kd=kd,
             on_progress=progress,
+            progress_every=cfg.progress_seconds,
         )
 
 
@@ -153,7 +154,7 @@ def generation_task(
     cfg: PipelineConfig, teacher: TeacherResult, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path
 ) -> GenerateResult:
     # Only the DP checkpoint and the released control-code counts cross into this stage.
-    with StageProgress("generation", "shards") as progress:
+    with StageProgress("generation", "samples") as progress:
         return generate_with_workers(  # shards as tasks; over generate.workers processes when > 1
             cfg.generate,
             teacher_dir=teacher.checkpoint,
@@ -162,6 +163,7 @@ def generation_task(
             out_dir=run_dir / "synthetic",
             seed=cfg.seed,
             on_progress=progress,
+            progress_every=cfg.progress_seconds,
         )
 
 
@@ -181,6 +183,7 @@ def distillation_task(
             out_dir=run_dir / "student",
             seed=cfg.seed,
             on_progress=progress,
+            progress_every=cfg.progress_seconds,
         )
 
 
@@ -202,7 +205,7 @@ def evaluation_task(
     out_dir = run_dir / "evaluation"
     metrics = evaluate_models(
         cfg.evaluate, models=models, test_path=data.test, out_dir=out_dir, seed=cfg.seed,
-        synthetic_path=synthetic.path if synthetic else None,
+        synthetic_path=synthetic.path if synthetic else None, progress_every=cfg.progress_seconds,
     )
     return {**metrics, "evaluation_dir": str(out_dir)}
 

@@ -336,6 +336,11 @@ class PipelineConfig(_Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$", description="Run name prefix.")
     seed: int = Field(0, ge=0)
     run_root: Path = Field(Path("runs"), description="Run directories are created in here.")
+    progress_seconds: float = Field(
+        30.0, gt=0, description="Most seconds between two progress lines (done/total, rate, ETA) of a "
+        "long stage: teacher, generation, distillation, evaluation. The first step or batch is always "
+        "logged. Not part of any stage's cache key.",
+    )
     data: DataConfig
     control_codes: CodesConfig = Field(default_factory=CodesConfig)
     base_models: BaseModelsConfig = Field(default_factory=BaseModelsConfig)
