@@ -1,0 +1,160 @@
+"""Progress a person can trust (issue 10): every long stage logs done/total, rate and ETA
+after its first step or batch and then at least every `progress_every` seconds; generation
+reports per batch, not per shard; the DP teacher's lines hold steps, ε and times only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from contextlib import contextmanager
+
+import pytest
+
+from flows.generation import _read_shard_progress, generation_shard_task
+from pipeline.config import DistillConfig, EvalConfig, GenerateConfig, TeacherConfig
+from pipeline.distill import distill
+from pipeline.evaluate import evaluate_models
+from pipeline.generate import generate_synthetic, plan_generation
+from pipeline.progress import ProgressLog, eta_seconds, format_duration, format_rate, progress_line
+from pipeline.teacher import train_teacher
+
+CODES = {"Category: A\tStars: 5": 6, "Category: B\tStars: 1": 3, "Category: C": 1}
+
+
+@contextmanager
+def captured(logger_name: str):
+    """The messages logged to `logger_name` (and below) while inside, whatever handlers
+    Prefect's logging config put on the `pipeline` logger."""
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger(logger_name), Keep(level=logging.INFO)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+# --- the pure helpers --------------------------------------------------------------------
+
+def test_durations_and_rates_read_like_a_person_would_write_them():
+    assert [format_duration(s) for s in (0, 42.4, 65, 3599, 3720, 90000)] == [
+        "0s", "42s", "1m 05s", "59m 59s", "1h 02m", "1d 01h"]
+    assert format_duration(None) == format_duration(float("inf")) == "unknown"
+    assert format_rate(3, 14.1, "steps") == "0.213 steps/s"
+    assert format_rate(45, 10, "samples") == "4.50 samples/s"
+    assert format_rate(123, 10, "samples") == "12.3 samples/s"
+    assert format_rate(12345, 10, "tokens") == "1234 tokens/s"  # no exponent notation
+    assert format_rate(5, 0, "steps") == "? steps/s"
+
+
+def test_eta_counts_only_the_units_made_in_this_run():
+    assert eta_seconds(done=10, total=110, made=10, elapsed=20) == 200  # 2 s a unit, 100 to go
+    # resumed at 50: 10 made in 20 s, 50 to go -> 100 s, not (110-60)/60*20
+    assert eta_seconds(done=60, total=110, made=10, elapsed=20) == 100
+    assert eta_seconds(done=0, total=10, made=0, elapsed=5) is None  # nothing to extrapolate yet
+    assert eta_seconds(done=10, total=10, made=10, elapsed=5) == 0
+    line = progress_line("teacher", 12, 300, "steps", made=12, elapsed=56.3, values={"ε": "1.230"})
+    assert line == "teacher: 12/300 steps (4%), 0.213 steps/s, ε=1.230, elapsed 56s, ETA 22m 31s"  # 288 steps at 56.3 s / 12
+
+
+def test_lines_are_throttled_but_the_first_and_last_always_shown():
+    now = [0.0]
+    with captured("pipeline.test_progress") as lines:
+        log = ProgressLog(logging.getLogger("pipeline.test_progress"), "stage", "steps", 10, every=30,
+                          clock=lambda: now[0])
+        for step in range(1, 11):
+            now[0] += 10  # a step every 10 s: a line every third step
+            log.update(step)
+        log.update(10)  # the end reported again (a shard's last batch, then the shard): one line
+    assert [int(re.match(r"stage: (\d+)/10", line).group(1)) for line in lines] == [1, 4, 7, 10]
+    assert lines[-1].endswith("ETA 0s")
+
+
+# --- the stages ----------------------------------------------------------------------------
+
+TEACHER_LINE = re.compile(  # everything a teacher progress line may say: steps, ε and times
+    r"teacher: (\d+)/(\d+) steps \(\d+%\), [\d.?]+ steps/s, ε=[\d.]+, elapsed [\dmhd ]+s?, ETA [\w ]+")
+
+
+def test_teacher_logs_steps_rate_epsilon_and_eta_from_the_first_step_never_a_batch_size(
+    splits, tiny_model_dir, tmp_path
+):
+    cfg = TeacherConfig(target_epsilon=3.0, epochs=1, batch_size=25, physical_batch_size=10, max_length=48,
+                        log_every=100)  # log_every's own line never comes: progress lines do
+    with captured("pipeline.teacher") as messages:
+        result = train_teacher(cfg, train_path=splits.train, validation_path=splits.validation,
+                               base_model=str(tiny_model_dir), out_dir=tmp_path, seed=0, progress_every=0)
+    lines = [m for m in messages if "steps/s" in m]
+    steps = result.ledger.steps
+    assert len(lines) == steps >= 3  # an interval of ~0: one line per step, the first one included
+    for i, line in enumerate(lines, start=1):
+        m = TEACHER_LINE.fullmatch(line)
+        assert m, line  # nothing else: no tokens, no batch size (private under Poisson sampling)
+        assert (int(m.group(1)), int(m.group(2))) == (i, steps)
+    assert not re.search(r"token|batch|records", " ".join(lines))
+    # issue 9 settled what training_log.json holds; progress lines add nothing to it
+    history = json.loads((tmp_path / "training_log.json").read_text())["history"]
+    assert all(set(h) <= {"step", "epsilon", "validation_loss", "seconds"} for h in history)
+
+
+@pytest.fixture
+def codes_path(tmp_path):
+    path = tmp_path / "control_codes.json"
+    path.write_text(json.dumps({"columns": ["label1", "label2"], "private": False, "note": "", "counts": CODES}))
+    return path
+
+
+def test_generation_reports_every_batch_of_a_single_shard(tiny_model_dir, codes_path, tmp_path):
+    cfg = GenerateConfig(num_samples=24, shard_size=24, batch_size=6, max_length=24, validation_fraction=0.2)
+    updates: list[dict] = []
+    with captured("pipeline.generate") as messages:
+        result = generate_synthetic(cfg, teacher_dir=tiny_model_dir, control_codes_path=codes_path, ledger=[],
+                                    out_dir=tmp_path / "synthetic", seed=3, on_progress=updates.append,
+                                    progress_every=0)
+    assert len(result.shards) == 1
+    done = [u["done"] for u in updates]
+    assert done == sorted(done) and done[-1] == 24 and all(u["total"] == 24 for u in updates)
+    within = [u for u in updates if u["shards_done"] == 0]
+    assert len(within) >= 4 and within[0]["done"] <= 6  # per batch of <= 6, before the shard is written
+    lines = [m for m in messages if "samples/s" in m]
+    assert len(lines) >= 4 and all("ETA" in line and "new tokens/s" in line for line in lines)
+    assert lines[0].startswith("generation: ") and lines[-1].startswith("generation: 24/24 samples (100%)")
+
+    # A Dask worker cannot call back into this process: it leaves its counts in a file instead.
+    plan = plan_generation(cfg, teacher_dir=tiny_model_dir, control_codes_path=codes_path, ledger=[],
+                           out_dir=tmp_path / "again", seed=3)
+    stats = generation_shard_task.fn(plan, 0)
+    assert _read_shard_progress(plan, 0) == (24, stats["new_tokens"])
+
+    # The synthetic data is public: distilling from it logs steps, tokens/s and the loss, and
+    # the teacher cache logs its samples.
+    with captured("pipeline") as messages:
+        distill(DistillConfig(epochs=1, batch_size=8, teacher_top_k=5), synthetic_path=result.path,
+                teacher_dir=tiny_model_dir, student_model=str(tiny_model_dir), out_dir=tmp_path / "student",
+                seed=0, progress_every=0)
+    cache = [m for m in messages if m.startswith("teacher cache: ") and "samples/s" in m]
+    steps = [m for m in messages if m.startswith("distillation: ") and "steps/s" in m]
+    assert cache and cache[-1].startswith(f"teacher cache: {result.n_samples}/{result.n_samples} samples")
+    assert len(steps) >= 2 and all("tokens/s" in m and "loss=" in m and "ETA" in m for m in steps)
+
+
+def test_evaluation_counts_windows_over_all_models(splits, tiny_model_dir, tmp_path):
+    with captured("pipeline.evaluate") as messages:
+        evaluate_models(EvalConfig(window=32, batch_size=4), models={"a": str(tiny_model_dir),
+                                                                     "b": str(tiny_model_dir)},
+                        test_path=splits.test, out_dir=tmp_path, seed=0, progress_every=0)
+    lines = [m for m in messages if "windows/s" in m]
+    counts = [tuple(map(int, re.match(r"evaluation: (\d+)/(\d+) windows", m).groups())) for m in lines]
+    total = counts[0][1]
+    assert len(lines) >= 4 and [d for d, _ in counts] == sorted(d for d, _ in counts)
+    assert counts[-1] == (total, total) and "model=a" in lines[0] and "model=b" in lines[-1]
+    assert not re.search(r"token", " ".join(lines))
