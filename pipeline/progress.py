@@ -65,23 +65,30 @@ def eta_seconds(done: int, total: int, made: int, elapsed: float) -> float | Non
 
 
 def progress_line(
-    stage: str, done: int, total: int, unit: str, *, made: int, elapsed: float,
+    stage: str, done: int, total: int, unit: str, *, made: int, elapsed: float, seconds: float | None = None,
     counts: dict[str, float] | None = None, values: dict[str, str] | None = None,
 ) -> str:
-    """One progress line. `counts` are further units made in this run, shown as rates
-    ('tokens' -> 'tokens/s'); `values` are shown as given ('ε' -> 'ε=1.23')."""
+    """One progress line: `made` units (and `counts` of further units, shown as rates:
+    'tokens' -> 'tokens/s') in `seconds` (default `elapsed`) give the rate and the ETA;
+    `values` are shown as given ('ε' -> 'ε=1.23')."""
+    seconds = elapsed if seconds is None else seconds
     pct = 100 * done // max(total, 1)
-    parts = [f"{stage}: {done}/{total} {unit} ({pct}%)", format_rate(made, elapsed, unit)]
-    parts += [format_rate(n, elapsed, name) for name, n in (counts or {}).items()]
+    parts = [f"{stage}: {done}/{total} {unit} ({pct}%)", format_rate(made, seconds, unit)]
+    parts += [format_rate(n, seconds, name) for name, n in (counts or {}).items()]
     parts += [f"{name}={value}" for name, value in (values or {}).items()]
-    parts += [f"elapsed {format_duration(elapsed)}", f"ETA {format_duration(eta_seconds(done, total, made, elapsed))}"]
+    parts += [f"elapsed {format_duration(elapsed)}", f"ETA {format_duration(eta_seconds(done, total, made, seconds))}"]
     return ", ".join(parts)
 
 
 class ProgressLog:
     """Throttled progress lines for one loop of `total` units, starting at `done` (a resumed
     run: the rate and ETA count only the units made from here). `started`: when the work
-    began, if before this object (a clock() value); default now."""
+    began, if before this object (a clock() value); default now.
+
+    From the second line on, the rate and ETA count from the first update: start-up before
+    the first unit (loading models, starting Dask workers: minutes on a busy machine) would
+    otherwise make the early ETAs far too long. `elapsed` still counts from `started`.
+    """
 
     def __init__(
         self, logger: logging.Logger | logging.LoggerAdapter, stage: str, unit: str, total: int, *,
@@ -93,6 +100,7 @@ class ProgressLog:
         self.t0 = clock() if started is None else started
         self._last: float | None = None  # when the last line was logged
         self._last_done: int | None = None
+        self._first: tuple[float, int, dict[str, float]] | None = None  # (time, made, counts) at the first line
 
     def skipped(self, n: int) -> None:
         """`n` units were done without work (reused from an earlier run): not in the rate."""
@@ -112,6 +120,15 @@ class ProgressLog:
             return False
         now = self._last = self.clock()
         self._last_done = done
-        self.logger.info("%s", progress_line(self.stage, done, self.total, self.unit, made=done - self.start,
-                                             elapsed=now - self.t0, counts=counts, values=values))
+        made, counts = done - self.start, counts or {}
+        if self._first is None:
+            self._first = (now, made, dict(counts))
+        t1, made1, counts1 = self._first
+        if made > made1 and now > t1:  # the rate since the first unit, start-up left out
+            rate_made, seconds = made - made1, now - t1
+            counts = {name: n - counts1.get(name, 0) for name, n in counts.items()}
+        else:
+            rate_made, seconds = made, now - self.t0
+        self.logger.info("%s", progress_line(self.stage, done, self.total, self.unit, made=rate_made,
+                                             elapsed=now - self.t0, seconds=seconds, counts=counts, values=values))
         return True

@@ -79,6 +79,20 @@ def test_lines_are_throttled_but_the_first_and_last_always_shown():
     assert lines[-1].endswith("ETA 0s")
 
 
+def test_rate_and_eta_leave_out_the_start_up_before_the_first_unit():
+    """Dask workers took minutes to start on a busy machine: the ETA after it was 2 h 45 m for
+    a 3-minute generation. From the second line on, the rate counts from the first unit."""
+    now = [100.0]  # 100 s of start-up (models, workers) before the first sample
+    with captured("pipeline.test_progress") as lines:
+        log = ProgressLog(logging.getLogger("pipeline.test_progress"), "generation", "samples", 40, every=0,
+                          clock=lambda: now[0], started=0.0)
+        log.update(4, counts={"tokens": 40})
+        now[0] = 110.0
+        log.update(24, counts={"tokens": 240})  # 20 samples, 200 tokens in 10 s
+    assert lines[0] == "generation: 4/40 samples (10%), 0.04 samples/s, 0.4 tokens/s, elapsed 1m 40s, ETA 15m 00s"
+    assert lines[1] == "generation: 24/40 samples (60%), 2.00 samples/s, 20.0 tokens/s, elapsed 1m 50s, ETA 8s"
+
+
 # --- the stages ----------------------------------------------------------------------------
 
 TEACHER_LINE = re.compile(  # everything a teacher progress line may say: steps, ε and times
