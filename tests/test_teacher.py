@@ -108,7 +108,7 @@ def _clipped_sum_reference(model, batch, lengths_, C):
     return total, torch.stack(norms)
 
 
-@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("mode", ["ghost", "hooks", "bk"])
 def test_noise_free_step_clips_every_example_to_max_grad_norm(tiny_tokenizer, mode):
     """σ = 0: the DP gradient is the sum of per-example gradients each clipped to C (÷ batch)."""
     C = 0.01  # far below every raw per-example norm, so every example is clipped
