@@ -201,9 +201,10 @@ class TeacherConfig(_Section):
         description="What trains: 'full' every weight; 'bitfit' only the bias terms (DP-BiTFiT, "
         "Bu et al.); 'lora' low-rank adapters through peft (merged into the saved checkpoint).",
     )
-    grad_sample_mode: Literal["ghost", "hooks"] = Field(
+    grad_sample_mode: Literal["ghost", "hooks", "bk"] = Field(
         "ghost",
-        description="'ghost': ghost clipping (memory close to non-private); "
+        description="'ghost': Opacus ghost clipping (two backward passes; memory close to non-private); "
+        "'bk': book-keeping clipping (pipeline/bk.py: the same clipped gradient in one backward pass); "
         "'hooks': Opacus per-sample gradients (the reference).",
     )
     lora_rank: int = Field(8, ge=1, description="LoRA rank r (mode=lora).")
