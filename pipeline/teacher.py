@@ -7,9 +7,14 @@ batches into physical ones. ε in the ledger is what the accountant says after t
 step, and training stops before a step that would exceed the target.
 
 Modes: `full` (every weight), `bitfit` (bias terms only, DP-BiTFiT), `lora` (peft
-adapters, merged into the saved checkpoint). Clipping: `ghost` (Li et al. 2021: per-example
-norms without per-example gradients; GPT-2 needs an untied `lm_head` and explicit
+adapters, merged into the saved checkpoint). Clipping (`CLIPPING`, one line each): `bk`
+(book-keeping, pipeline/bk.py: one backward pass), `ghost` (Opacus ghost clipping, Li et
+al. 2021: a norm pass, then a reweighted one; GPT-2 needs an untied `lm_head` and explicit
 contiguous (B, T) `position_ids`) or `hooks` (Opacus' per-sample gradients, the reference).
+
+The stage reads as a recipe: `_setup` (models, private data behind secret Poisson
+sampling, σ, Opacus' engine), `_resume`, `_step` (one physical batch), `_record_step`,
+`_save_checkpoint`, `_ledger_entry` and `_save`, driven by `train_teacher`'s loop.
 
 Secret randomness: the DP noise, the Poisson sample and the record picked for each sampled
 user come from generators keyed with OS entropy (pipeline/noise.py), never from `seed`,
@@ -27,10 +32,11 @@ secret generators' states; deleted when the stage finishes). Run again into the 
 neither restarts the accountant (under-counting) nor repeats steps already counted. The
 checkpoint is read with `weights_only=True`: a planted file cannot run code.
 
-Data-parallel (`processes` > 1): `train_teacher` starts itself under torchrun
-(pipeline/teacher_ddp.py); inside the process group every rank runs this same function on
-its share of each Poisson draw, Opacus' DPDDP optimizers add the noise once (rank 0) and
-all-reduce, and the accountant sees the global batch, exactly as in one process.
+Data-parallel (`processes` > 1): `train_teacher` runs `ddp_worker` under torchrun
+(pipeline/teacher_ddp.py, which imports it by name); inside the process group every rank
+runs `train_teacher` on its share of each Poisson draw, Opacus' DPDDP optimizers add the
+noise once (rank 0) and all-reduce, and the accountant sees the global batch, exactly as
+in one process.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_every_clipping_mode_trains_the_same_teacher(splits, tiny_model_dir, tmp
     """Same data, sampling and noise (the test hook): per-sample hooks (the reference) and
     book-keeping train to ghost clipping's weights and ledger through the whole stage, with
     padded records, several physical batches per logical one, and Adam on top."""
-    ghost = _teacher(splits, tiny_model_dir, tmp_path / "ghost", mode=teacher_mode)[1]
+    ghost = _teacher(splits, tiny_model_dir, tmp_path / "ghost", mode=teacher_mode, grad_sample_mode="ghost")[1]
     other = _teacher(splits, tiny_model_dir, tmp_path / mode, mode=teacher_mode, grad_sample_mode=mode)[1]
     assert f"{mode} clipping" in other.ledger.note
     assert other.ledger.epsilon == ghost.ledger.epsilon and other.ledger.steps == ghost.ledger.steps
