@@ -46,12 +46,15 @@ sys.path.insert(0, str(ROOT))
 PRESETS = {  # tiny: BaseModelsConfig's default builtin:teacher shape, at the default physical batch
     "tiny": dict(layers=4, width=192, heads=4, vocab=4096, seq=128, batch=16, steps=8),
     "gpt2": dict(layers=12, width=768, heads=12, vocab=50257, seq=128, batch=32, steps=10),
+    # GPT-2 small's shape at a batch a CPU steps in seconds (issue 13's measurement)
+    "gpt2-cpu": dict(layers=12, width=768, heads=12, vocab=50257, seq=128, batch=4, steps=5),
 }
 SHAPE = ("layers", "width", "heads", "vocab", "seq", "batch", "steps")
 MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-private)
     "nonprivate": ("non-private full", "full", None),
     "full-ghost": ("DP full, ghost (default)", "full", "ghost"),
     "full-hooks": ("DP full, per-sample hooks", "full", "hooks"),
+    "full-bk": ("DP full, book-keeping (one backward)", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
     "lora-ghost": ("DP lora r=8 on c_attn, ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
@@ -64,7 +67,6 @@ def child(mode: str, a: argparse.Namespace) -> None:
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
     import torch
     import transformers
-    from opacus import PrivacyEngine
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from torch.utils.data import DataLoader, TensorDataset
     from transformers.pytorch_utils import Conv1D
@@ -73,7 +75,10 @@ def child(mode: str, a: argparse.Namespace) -> None:
     from pipeline.config import TeacherConfig
     from pipeline.models import untie_lm_head
 
+    from pipeline.bk import BookKeepingPrivacyEngine as PrivacyEngine  # Opacus' engine plus mode "bk"
+
     transformers.logging.set_verbosity_error()
+    torch.set_num_threads(a.threads)  # the same for every mode
     label, teacher_mode, gsm = MODES[mode]
     if mode == "full-ghost-nosamplers":  # pipeline.teacher imports pipeline.privacy: not here
         assert Conv1D not in GradSampleModuleFastGradientClipping.NORM_SAMPLERS
@@ -110,6 +115,12 @@ def child(mode: str, a: argparse.Namespace) -> None:
 
     def step() -> float:
         logits = model(**batch).logits  # (B, T, V)
+        if gsm == "bk":  # one backward of the per-sequence losses; .grad = clipped sum
+            per_example = per_sequence_loss(logits, labels)
+            model.backward_clipped(per_example)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return per_example.mean().item()
         if criterion is not None:  # as train_teacher: per-sequence mean CE, wrapped by Opacus
             shifted = logits[:, :-1]
             loss = criterion(shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape)
@@ -161,7 +172,7 @@ class Child:
 
     def __init__(self, mode: str, a: argparse.Namespace):
         self.mode, self.err = mode, tempfile.TemporaryFile("w+")  # a file: stderr cannot block it
-        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "device", "warmup")]
+        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "device", "warmup", "threads")]
         self.proc = subprocess.Popen([sys.executable, __file__, "--one", mode, *args], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
         self.call(None, "READY")
@@ -224,6 +235,7 @@ def main() -> None:
         p.add_argument(f"--{name}", type=int, help="overrides the preset")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in every mode's process (default 1)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction,
                    help="keep every mode's process alive and step them round-robin (default: on CPU)")
@@ -245,7 +257,7 @@ def main() -> None:
     base = next((r for r in rows if r["mode"] == "nonprivate" and "error" not in r), None)
     exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
     print(f"GPT-2 shape: {a.layers} layers, width {a.width}, {a.heads} heads, vocab {a.vocab}, seq {a.seq}, "
-          f"batch {a.batch} | device {a.device}, {torch.get_num_threads()} torch threads | torch "
+          f"batch {a.batch} | device {a.device}, {a.threads} torch thread(s) per mode | torch "
           f"{torch.__version__}, opacus {opacus.__version__} | load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     print(f"Command: `{shlex.join([exe, os.path.relpath(__file__, ROOT), *sys.argv[1:]])}`\n")
     mem = "peak CUDA memory above setup" if a.device == "cuda" else "peak RSS growth"
@@ -285,6 +297,10 @@ def main() -> None:
               "above the step's start, summed from the allocation records: exact for tensors, blind to the "
               "allocator, and without the optimizer state (allocated at the first step).")
     print(f"Benchmark wall time: {time.time() - t0:.0f} s.")
+    bk = next((r for r in rows if r["mode"] == "full-bk" and "error" not in r), None)
+    if bk and base:  # the last line: bk against non-private (memory: live tensor bytes on CPU)
+        key = "tensor_mem" if cpu else "mem"
+        print(f"mode=bk time_ratio={bk['time'] / base['time']:.2f} memory_ratio={bk[key] / base[key]:.2f}")
 
 
 if __name__ == "__main__":

@@ -201,10 +201,11 @@ class TeacherConfig(_Section):
         description="What trains: 'full' every weight; 'bitfit' only the bias terms (DP-BiTFiT, "
         "Bu et al.); 'lora' low-rank adapters through peft (merged into the saved checkpoint).",
     )
-    grad_sample_mode: Literal["ghost", "hooks"] = Field(
-        "ghost",
-        description="'ghost': ghost clipping (memory close to non-private); "
-        "'hooks': Opacus per-sample gradients (the reference).",
+    grad_sample_mode: Literal["bk", "ghost", "hooks"] = Field(
+        "bk",
+        description="'bk': book-keeping clipping (pipeline/bk.py), the clipped gradient in one backward "
+        "pass, the fastest (docs/teacher_modes.md); 'ghost': Opacus ghost clipping (two backward passes); "
+        "'hooks': Opacus per-sample gradients (the reference). All three give the same update.",
     )
     lora_rank: int = Field(8, ge=1, description="LoRA rank r (mode=lora).")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling α (mode=lora).")

@@ -7,9 +7,14 @@ batches into physical ones. ε in the ledger is what the accountant says after t
 step, and training stops before a step that would exceed the target.
 
 Modes: `full` (every weight), `bitfit` (bias terms only, DP-BiTFiT), `lora` (peft
-adapters, merged into the saved checkpoint). Clipping: `ghost` (Li et al. 2021: per-example
-norms without per-example gradients; GPT-2 needs an untied `lm_head` and explicit
+adapters, merged into the saved checkpoint). Clipping (`CLIPPING`, one line each): `bk`
+(book-keeping, pipeline/bk.py: one backward pass), `ghost` (Opacus ghost clipping, Li et
+al. 2021: a norm pass, then a reweighted one; GPT-2 needs an untied `lm_head` and explicit
 contiguous (B, T) `position_ids`) or `hooks` (Opacus' per-sample gradients, the reference).
+
+The stage reads as a recipe: `_setup` (models, private data behind secret Poisson
+sampling, σ, Opacus' engine), `_resume`, `_step` (one physical batch), `_record_step`,
+`_save_checkpoint`, `_ledger_entry` and `_save`, driven by `train_teacher`'s loop.
 
 Secret randomness: the DP noise, the Poisson sample and the record picked for each sampled
 user come from generators keyed with OS entropy (pipeline/noise.py), never from `seed`,
@@ -27,10 +32,11 @@ secret generators' states; deleted when the stage finishes). Run again into the 
 neither restarts the accountant (under-counting) nor repeats steps already counted. The
 checkpoint is read with `weights_only=True`: a planted file cannot run code.
 
-Data-parallel (`processes` > 1): `train_teacher` starts itself under torchrun
-(pipeline/teacher_ddp.py); inside the process group every rank runs this same function on
-its share of each Poisson draw, Opacus' DPDDP optimizers add the noise once (rank 0) and
-all-reduce, and the accountant sees the global batch, exactly as in one process.
+Data-parallel (`processes` > 1): `train_teacher` runs `ddp_worker` under torchrun
+(pipeline/teacher_ddp.py, which imports it by name); inside the process group every rank
+runs `train_teacher` on its share of each Poisson draw, Opacus' DPDDP optimizers add the
+noise once (rank 0) and all-reduce, and the accountant sees the global batch, exactly as
+in one process.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClippi
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset
 
-from pipeline import noise, privacy
+from pipeline import noise, privacy, teacher_ddp
+from pipeline.bk import BookKeepingPrivacyEngine
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import TeacherConfig
 from pipeline.data import encode_record, read_split, read_users
@@ -184,16 +191,26 @@ def prepare_trainable(model: torch.nn.Module, cfg: TeacherConfig) -> torch.nn.Mo
         raise TeacherError(f"teacher.mode=lora: {e}; set teacher.lora_target_modules") from e
 
 
+# One backward for each clipping mode: after it, Opacus' optimizer finds what it expects
+# (per-sample gradients for hooks, the clipped sum in .grad for ghost and bk).
+CLIPPING: dict[str, Callable] = {
+    "ghost": lambda model, optimizer, per_example: DPTensorFastGradientClipping(
+        model, optimizer, per_example, "mean").backward(),  # Opacus: a norm pass, then a reweighted one
+    "hooks": lambda model, optimizer, per_example: per_example.mean().backward(),  # per-sample gradients
+    "bk": lambda model, optimizer, per_example: model.backward_clipped(per_example),  # pipeline/bk.py
+}
+
+
 def _noise_only_step(model: torch.nn.Module, optimizer, mode: str) -> None:
     """Poisson sampling drew an empty logical batch (for this rank): the step still happens
     (noise only; under DDP the rank still joins the all-reduce), so the accountant's step
     count matches what was released."""
     for p in model.parameters():
         if p.requires_grad:
-            if mode == "ghost":
-                p.grad = torch.zeros_like(p)
-            else:
+            if mode == "hooks":
                 p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            else:  # ghost, bk: the optimizer reads the clipped sum from .grad
+                p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -275,6 +292,312 @@ def _fingerprint(
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
+@dataclass
+class _Run:
+    """One teacher training in progress: what setup builds and the step, checkpoint and save
+    functions read. Everything in it is this process's (one rank's) state."""
+
+    cfg: TeacherConfig
+    stage: str
+    out_dir: Path
+    rank: int
+    world: int
+    device: torch.device
+    tok: object
+    model: torch.nn.Module  # the trainable model, unwrapped
+    dp_model: torch.nn.Module  # Opacus' wrapper of it
+    optimizer: object  # Opacus' DPOptimizer
+    loader: DataLoader  # the Poisson loader, this rank's share
+    engine: PrivacyEngine
+    rngs: dict  # the secret generators (pipeline/noise.py): noise, poisson, user_pick
+    n: int  # privacy units: records, or users
+    n_records: int
+    unit: str
+    delta: float
+    sigma: float
+    sampling_probability: float
+    sample_rate: float  # as accounted
+    total_steps: int
+    steps_allowed: int
+    fingerprint: str
+    monitor: TokenizedRecords  # the first validation records, scored every log_every steps
+    kd: KnowledgeDistillation | None = None
+    kd_teacher: torch.nn.Module | None = None
+    history: list[dict] = field(default_factory=list)
+    resumed_from: int = 0
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out_dir / CHECKPOINT
+
+
+def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | None, device):
+    """Tokenizer, the trainable model (lm_head untied for ghost clipping) and the KD teacher."""
+    tok = load_tokenizer(base_model)
+    model = load_causal_lm(base_model)
+    untie_lm_head(model)
+    n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    if cfg.max_length > n_positions:
+        raise TeacherError(
+            f"teacher.max_length={cfg.max_length} exceeds the model's {n_positions} positions; "
+            f"set teacher.max_length <= {n_positions}"
+        )
+    model = prepare_trainable(model, cfg).to(device)
+    kd_teacher = load_causal_lm(str(kd.teacher_dir)).eval().to(device) if kd else None
+    if kd_teacher is not None and not same_tokenizer(tok, load_tokenizer(str(kd.teacher_dir))):
+        raise TeacherError(f"the KD teacher {kd.teacher_dir} uses another tokenizer than {base_model!r}")
+    return tok, model, kd_teacher
+
+
+def _calibrate(cfg: TeacherConfig, delta: float, sample_rate: float, total_steps: int, stage: str):
+    """σ for the target (ε, δ) at exactly these steps and rate, and the steps it allows."""
+    try:
+        sigma = get_noise_multiplier(target_epsilon=cfg.target_epsilon, target_delta=delta, sample_rate=sample_rate,
+                                     steps=total_steps, accountant=cfg.accountant)
+        steps_allowed = privacy.max_steps_within_budget(
+            cfg.accountant, sigma, sample_rate, delta, cfg.target_epsilon, total_steps
+        )
+    except Exception as e:  # the accountants fail in several ways on extreme (q, steps)
+        raise TeacherError(
+            f"the {cfg.accountant} accountant could not calibrate the noise for "
+            f"ε={cfg.target_epsilon}, δ={delta:.3g}, q={sample_rate:.4g}, {total_steps} steps "
+            f"({type(e).__name__}: {e}). Raise teacher.target_epsilon, lower teacher.epochs, "
+            "lower teacher.batch_size (a smaller sampling rate), or try teacher.accountant=rdp"
+        ) from e
+    if steps_allowed < total_steps:
+        log.warning(
+            "%s: σ=%.4f would exceed ε=%.2f after step %d of %d (calibration tolerance); "
+            "training stops there", stage, sigma, cfg.target_epsilon, steps_allowed, total_steps,
+        )
+    return sigma, steps_allowed
+
+
+def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_model: str, out_dir: Path,
+           seed: int, stage: str, kd: KnowledgeDistillation | None) -> _Run:
+    """Models, the private data behind secret Poisson sampling, σ, and Opacus' engine."""
+    rank, world = _world()
+    device = torch.device("cuda", torch.cuda.current_device()) if world > 1 and dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    torch.manual_seed(seed + rank)  # dropout; DP randomness comes from the secret generators below
+    np.random.seed(seed)
+    tok, model, kd_teacher = _models(cfg, base_model, kd, device)
+    codes, texts = read_split(train_path)
+    users = read_users(train_path)
+    records = TokenizedRecords(
+        [encode_record(tok, c, t, cfg.max_length) for c, t in zip(codes, texts)], tok.pad_token_id, cfg.max_length
+    )
+    # Secret, per rank (pipeline/noise.py). The Poisson generator takes no rank: secret, it
+    # is independent on every rank anyway; under the test hook it is the same on every rank,
+    # so that data-parallel runs draw exactly the single-process sample.
+    rngs = {"noise": noise.generator("noise", secure=cfg.secure_mode, rank=rank, device=device),
+            "poisson": noise.generator("poisson", secure=cfg.secure_mode),
+            "user_pick": noise.generator("user_pick", secure=cfg.secure_mode, rank=rank)}
+    train = records if users is None else OneRecordPerUser(records, users, rngs["user_pick"])
+    unit, n = ("record" if users is None else "user"), len(train)
+    if cfg.batch_size >= n:
+        raise TeacherError(
+            f"teacher.batch_size={cfg.batch_size} is not smaller than the {n} training {unit}s; "
+            "Poisson sampling needs a sampling rate below 1: lower teacher.batch_size"
+        )
+    delta = privacy.resolve_delta(cfg.target_delta, n)
+    if weak := privacy.weak_delta_warning(delta, n, unit, stage):
+        log.warning("%s", weak)
+    if not cfg.secure_mode:
+        log.warning(
+            "%s: secure_mode is off: DP noise and sampling come from torch's mt19937 seeded from OS "
+            "entropy, unpredictable from anything published but not a cryptographic generator; set "
+            "teacher.secure_mode=true (ChaCha20) for a production release", stage,
+        )
+    # Poisson sampling set up as make_private would, but here, so that σ is calibrated for
+    # exactly the steps that run and the rate the accountant records. Opacus' sampler runs
+    # int(1 / q) steps per epoch and make_private accounts q' = 1 / steps >= q (for q = 1/99:
+    # 98 steps accounted at 1/98). make_private_with_epsilon calibrates for
+    # int(epochs / q) steps instead, which can differ by one and overspend the budget.
+    dp_loader = DPDataLoader.from_data_loader(DataLoader(train, batch_size=cfg.batch_size))  # rate, empty collate
+    # Each rank trains on its share of the global Poisson draw (all of it in one process),
+    # drawn from the secret generator. A DataLoader also draws a base seed for its workers
+    # from its own `generator` at every new iterator: a public one of its own, so a resumed
+    # run (one extra iterator) consumes neither the sampler's stream nor dropout's.
+    share = RankShareSampler(num_samples=n, sample_rate=dp_loader.sample_rate, generator=rngs["poisson"],
+                             rank=rank, world_size=world)
+    poisson_loader = DataLoader(train, batch_sampler=share, collate_fn=dp_loader.collate_fn,
+                                generator=torch.Generator().manual_seed(seed + 1))
+    sample_rate = 1.0 / len(poisson_loader)  # the rate make_private hands the accountant
+    total_steps = cfg.epochs * len(poisson_loader)
+    sigma, steps_allowed = _calibrate(cfg, delta, sample_rate, total_steps, stage)
+
+    model.train()
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    )
+    with warnings.catch_warnings():  # its "Secure RNG turned off": our generators are secret (warned above)
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        # Opacus' own secure_mode needs torchcsprng (no release for current torch): secure
+        # noise comes from the noise generator instead, through pipeline/noise.py's dispatcher.
+        engine = BookKeepingPrivacyEngine(accountant=cfg.accountant, secure_mode=False)
+    made = engine.make_private(
+        # DPDDP: make_private then picks Opacus' Distributed(FastGradientClipping)DPOptimizer,
+        # whose step adds the noise on rank 0 only, all-reduces the sum of the ranks' clipped
+        # gradients and divides by the global expected batch (per-rank expected batch × W).
+        module=DPDDP(model) if world > 1 else model, optimizer=optimizer, data_loader=poisson_loader,
+        noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm,
+        poisson_sampling=False,  # the loader above already samples with Poisson
+        noise_generator=rngs["noise"], grad_sample_mode=cfg.grad_sample_mode,
+        # ghost: Opacus wraps a criterion it needs; our steps call CLIPPING["ghost"] instead
+        **({"criterion": torch.nn.CrossEntropyLoss(ignore_index=IGNORE)} if cfg.grad_sample_mode == "ghost" else {}),
+    )
+    dp_model, dp_optimizer, loader = made[0], made[1], made[-1]
+    dp_model.forbid_grad_accumulation()  # what make_private does for Poisson sampling
+
+    val_codes, val_texts = read_split(validation_path)
+    k = VALIDATION_MONITOR_RECORDS
+    monitor = TokenizedRecords([encode_record(tok, c, t, cfg.max_length) for c, t in zip(val_codes[:k], val_texts[:k])],
+                               tok.pad_token_id, cfg.max_length)
+    return _Run(
+        cfg=cfg, stage=stage, out_dir=Path(out_dir), rank=rank, world=world, device=device, tok=tok, model=model,
+        dp_model=dp_model, optimizer=dp_optimizer, loader=loader, engine=engine, rngs=rngs, n=n,
+        n_records=len(records), unit=unit, delta=delta, sigma=sigma, sampling_probability=dp_loader.sample_rate,
+        sample_rate=sample_rate, total_steps=total_steps, steps_allowed=steps_allowed,
+        fingerprint=_fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world),
+        monitor=monitor, kd=kd, kd_teacher=kd_teacher,
+    )
+
+
+def _resume(run: _Run) -> None:
+    """Continue from the checkpoint of an interrupted run with the same fingerprint, if any:
+    model, optimizer, accountant and the generators go on from where they were."""
+    if not run.checkpoint_path.is_file():
+        return
+    state = _load_private(run.checkpoint_path, run.fingerprint, module=run.dp_model, optimizer=run.optimizer,
+                          engine=run.engine)
+    own = state["rank_rngs"][run.rank]
+    for name, rng in run.rngs.items():
+        noise.set_state(rng, own[f"{name}_rng"])
+    torch.set_rng_state(own["torch_rng"])
+    run.history = state["history"]
+    run.resumed_from = _steps_accounted(run.engine)
+    log.info("%s: resuming at step %d/%d, ε so far %.3f", run.stage, run.resumed_from, run.total_steps,
+             run.engine.get_epsilon(run.delta) if run.resumed_from else 0.0)
+
+
+def _save_checkpoint(run: _Run) -> None:
+    """Rank 0 writes model, optimizer, accountant and every rank's generator states (0600)."""
+    rngs = {f"{name}_rng": noise.get_state(rng) for name, rng in run.rngs.items()}
+    rngs["torch_rng"] = torch.get_rng_state()
+    rank_rngs = [rngs]
+    if run.world > 1:  # the ranks' generators differ (noise, user picks, dropout): rank 0 saves them all
+        rank_rngs = [None] * run.world
+        dist.all_gather_object(rank_rngs, rngs)
+    if run.rank != 0:
+        return
+    _save_private(run.checkpoint_path, lambda f: run.engine.save_checkpoint(
+        path=f, module=run.dp_model, optimizer=run.optimizer,
+        checkpoint_dict={"fingerprint": run.fingerprint, "rank_rngs": rank_rngs, "history": run.history},
+    ))
+
+
+def _step(run: _Run, ids: torch.Tensor, lengths: torch.Tensor) -> None:
+    """One physical batch: per-example losses, the clipping mode's backward, Opacus' step
+    (which only accumulates until the logical batch is complete)."""
+    if ids.shape[0] == 0:
+        _noise_only_step(run.dp_model, run.optimizer, run.cfg.grad_sample_mode)
+        return
+    batch = {k: v.to(run.device) for k, v in lm_batch(ids, lengths).items()}
+    labels = batch.pop("labels")
+    logits = run.dp_model(**batch).logits  # (B, L, V)
+    if run.kd_teacher is None:
+        per_example = per_sequence_loss(logits, labels)  # (B,)
+    else:
+        with torch.no_grad():
+            t_logits = run.kd_teacher(**batch).logits  # (B, L, V)
+        vocab = min(logits.shape[-1], t_logits.shape[-1])
+        per_example = per_sequence_distillation_loss(
+            logits[:, :-1, :vocab], t_logits[:, :-1, :vocab], labels, alpha=run.kd.alpha,
+            temperature=run.kd.temperature,
+        )  # (B,)
+    CLIPPING[run.cfg.grad_sample_mode](run.dp_model, run.optimizer, per_example)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def _record_step(run: _Run, t0: float) -> dict:
+    """What a finished logical step publishes: public quantities and, every log_every steps,
+    the validation loss; never the private batch's loss or size (a function of the records
+    drawn, released without noise)."""
+    done = _steps_accounted(run.engine)
+    record = {"step": done}
+    if run.rank == 0 and (done % run.cfg.log_every == 0 or done == run.steps_allowed):
+        record["epsilon"] = run.engine.get_epsilon(run.delta)
+        record["validation_loss"] = _validation_loss(run.model, run.monitor, run.cfg.physical_batch_size, run.device)
+        record["seconds"] = round(time.time() - t0, 1)
+        log.info("%s: step %d/%d ε=%.3f validation loss %.4f (%.0f s)", run.stage, done, run.steps_allowed,
+                 record["epsilon"], record["validation_loss"], record["seconds"])
+    run.history.append(record)
+    return record
+
+
+def _ledger_entry(run: _Run) -> LedgerEntry:
+    """The release, as the accountant saw it; refused if ε ended above the target."""
+    cfg, steps, epsilon = run.cfg, _steps_accounted(run.engine), run.engine.get_epsilon(run.delta)
+    assert steps == run.steps_allowed, (steps, run.steps_allowed)
+    assert {q for _, q, _ in run.engine.accountant.history} == {run.sample_rate}
+    if epsilon > cfg.target_epsilon:
+        raise TeacherError(
+            f"accountant reports ε={epsilon:.4f} above the target {cfg.target_epsilon}; "
+            "refusing to release this teacher"
+        )
+    accounted = [(run.sigma, run.sample_rate, steps)]
+    kd, unit = run.kd, run.unit
+    return LedgerEntry(
+        stage=run.stage, private=True, epsilon=epsilon, delta=run.delta, accountant=cfg.accountant,
+        mechanism="subsampled_gaussian", noise_multiplier=run.sigma, sample_rate=run.sample_rate, steps=steps,
+        max_grad_norm=cfg.max_grad_norm, privacy_unit=unit,
+        epsilon_rdp=privacy.epsilon_of("rdp", accounted, run.delta), history=accounted,
+        noise_source=noise.source(cfg.secure_mode),
+        note=f"{unit}-level DP-SGD ({cfg.mode}, {cfg.grad_sample_mode} clipping) on the private "
+        f"training split (N={run.n} {unit}s"
+        + ("" if unit == "record" else f", {run.n_records} records; one random record per sampled user per step")
+        + f"), Poisson sampling with probability {run.sampling_probability:.6g} (accounted as "
+        f"q={run.sample_rate:.6g}), lm_head untied from the input embedding; σ calibrated by Opacus "
+        f"for target ε={cfg.target_epsilon}"
+        + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else "")
+        + (f"; KD loss (α={kd.alpha}, T={kd.temperature}) from the DP teacher" if kd else "")
+        + (f"; data-parallel over {run.world} processes (Opacus DPDDP: each samples its share of the "
+           "global Poisson batch, noise added once, by rank 0)" if run.world > 1 else ""),
+    )
+
+
+def _save(run: _Run, entry: LedgerEntry, *, train_path: Path, validation_path: Path, base_model: str) -> TeacherResult:
+    """Rank 0 writes the plain checkpoint (LoRA merged), accountant state, training log and,
+    last, the manifest; then deletes the resume checkpoint."""
+    run.dp_model._close()  # remove Opacus hooks and per-sample state before saving
+    out_dir, ckpt, curve = run.out_dir, run.out_dir / "model", _validation_curve(run.history)
+    if run.rank != 0:  # rank 0 writes the stage's files
+        return TeacherResult(checkpoint=ckpt, ledger=entry, validation_curve=curve, resumed_from_step=run.resumed_from)
+    model = run.model.merge_and_unload() if run.cfg.mode == "lora" else run.model  # a plain checkpoint
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model = model.cpu().eval()
+    validation_loss = float("nan")
+    val_codes, val_texts = read_split(validation_path)
+    if val_texts:
+        ppl = perplexity(model, run.tok, val_codes, val_texts, run.cfg.max_length, run.cfg.physical_batch_size)
+        validation_loss = math.log(ppl.windowed)
+        log.info("%s: validation perplexity %.2f", run.stage, ppl.windowed)
+    model.save_pretrained(ckpt)
+    run.tok.save_pretrained(ckpt)
+    torch.save({"accountant": run.engine.accountant.state_dict(), "mechanism": run.engine.accountant.mechanism()},
+               out_dir / "accountant_state.pt")
+    atomic_write_json(out_dir / "training_log.json", {"history": run.history, "validation_loss": validation_loss,
+                                                      "resumed_from_step": run.resumed_from})
+    write_manifest(out_dir, stage=run.stage, inputs={"train": train_path, "validation": validation_path},
+                   outputs={"model": ckpt, "accountant_state": out_dir / "accountant_state.pt"},
+                   extra={"base_model": base_model, "ledger": entry.model_dump()})
+    shutil.rmtree(run.checkpoint_path.parent, ignore_errors=True)  # finished: the manifest now says so
+    return TeacherResult(checkpoint=ckpt, ledger=entry, validation_curve=curve, validation_loss=validation_loss,
+                         resumed_from_step=run.resumed_from)
+
+
 def train_teacher(
     cfg: TeacherConfig,
     *,
@@ -296,327 +619,79 @@ def train_teacher(
     there interrupts training like a crash. A progress line (steps, steps/s, ε spent, elapsed,
     ETA) is logged after the first step, then at least every `progress_every` seconds.
 
-    `cfg.processes` > 1 outside a process group: runs itself under torchrun and returns
-    the finished stage. Inside an initialised process group of W > 1 ranks: trains
-    data-parallel (DPDDP); rank 0 alone writes the checkpoints, model, ledger and
-    manifest, and the other ranks return the same ledger entry without writing anything.
+    `cfg.processes` > 1 outside a process group: runs `ddp_worker` under torchrun
+    (pipeline/teacher_ddp.py) and returns the finished stage. Inside an initialised process
+    group of W > 1 ranks: trains data-parallel (DPDDP); rank 0 alone writes the checkpoints,
+    model, ledger and manifest, and the other ranks return the same ledger entry.
     """
-    rank, world = _world()
-    if cfg.processes > 1 and world == 1:
-        from pipeline.teacher_ddp import launch
-
-        return launch(cfg, train_path=train_path, validation_path=validation_path, base_model=base_model,
-                      out_dir=out_dir, seed=seed, on_progress=on_progress, stage=stage, kd=kd,
-                      progress_every=progress_every)
-    if world > 1 and world != cfg.processes:
+    paths = dict(train_path=Path(train_path), validation_path=Path(validation_path), base_model=base_model)
+    if cfg.processes > 1 and _world()[1] == 1:
+        return _train_data_parallel(cfg, out_dir=Path(out_dir), seed=seed, on_progress=on_progress, stage=stage,
+                                    kd=kd, progress_every=progress_every, **paths)
+    run = _setup(cfg, out_dir=out_dir, seed=seed, stage=stage, kd=kd, **paths)
+    if run.world > 1 and run.world != cfg.processes:
         log.warning("%s: teacher.processes=%d but the process group has %d ranks; training on %d",
-                    stage, cfg.processes, world, world)
-    device = torch.device("cpu")
-    if world > 1 and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(seed + rank)  # dropout; DP randomness comes from the secret generators below
-    np.random.seed(seed)
-    out_dir = Path(out_dir)
-    tok = load_tokenizer(base_model)
-    model = load_causal_lm(base_model)
-    untie_lm_head(model)
-    n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
-    if cfg.max_length > n_positions:
-        raise TeacherError(
-            f"teacher.max_length={cfg.max_length} exceeds the model's {n_positions} positions; "
-            f"set teacher.max_length <= {n_positions}"
-        )
-    model = prepare_trainable(model, cfg).to(device)
-    kd_teacher = load_causal_lm(str(kd.teacher_dir)).eval().to(device) if kd else None
-    if kd_teacher is not None and not same_tokenizer(tok, load_tokenizer(str(kd.teacher_dir))):
-        raise TeacherError(f"the KD teacher {kd.teacher_dir} uses another tokenizer than {base_model!r}")
-
-    codes, texts = read_split(train_path)
-    users = read_users(train_path)
-    records = TokenizedRecords(
-        [encode_record(tok, c, t, cfg.max_length) for c, t in zip(codes, texts)], tok.pad_token_id, cfg.max_length
-    )
-    # Secret, per rank (pipeline/noise.py). The Poisson generator takes no rank: secret, it
-    # is independent on every rank anyway; under the test hook it is the same on every rank,
-    # so that data-parallel runs draw exactly the single-process sample.
-    noise_rng = noise.generator("noise", secure=cfg.secure_mode, rank=rank, device=device)
-    poisson_rng = noise.generator("poisson", secure=cfg.secure_mode)
-    user_pick = noise.generator("user_pick", secure=cfg.secure_mode, rank=rank)
-    train = records if users is None else OneRecordPerUser(records, users, user_pick)
-    unit = "record" if users is None else "user"
-    n = len(train)  # privacy units: records, or users
-    if cfg.batch_size >= n:
-        raise TeacherError(
-            f"teacher.batch_size={cfg.batch_size} is not smaller than the {n} training {unit}s; "
-            "Poisson sampling needs a sampling rate below 1: lower teacher.batch_size"
-        )
-    delta = privacy.resolve_delta(cfg.target_delta, n)
-    if weak := privacy.weak_delta_warning(delta, n, unit, stage):
-        log.warning("%s", weak)
-    if not cfg.secure_mode:
-        log.warning(
-            "%s: secure_mode is off: DP noise and sampling come from torch's mt19937 seeded from OS "
-            "entropy, unpredictable from anything published but not a cryptographic generator; set "
-            "teacher.secure_mode=true (ChaCha20) for a production release", stage,
-        )
-
-    loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=False)
-    model.train()
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-    )
-    with warnings.catch_warnings():  # its "Secure RNG turned off": our generators are secret (warned above)
-        warnings.filterwarnings("ignore", message="Secure RNG turned off")
-        # Opacus' own secure_mode needs torchcsprng (no release for current torch): secure
-        # noise comes from noise_rng instead, through pipeline/noise.py's dispatcher.
-        engine = PrivacyEngine(accountant=cfg.accountant, secure_mode=False)
-    # Poisson sampling set up as make_private would, but here, so that σ is calibrated for
-    # exactly the steps that run and the rate the accountant records. Opacus' sampler runs
-    # int(1 / q) steps per epoch and make_private accounts q' = 1 / steps >= q (for q = 1/99:
-    # 98 steps accounted at 1/98). make_private_with_epsilon calibrates for
-    # int(epochs / q) steps instead, which can differ by one and overspend the budget.
-    dp_loader = DPDataLoader.from_data_loader(loader)  # its rate and empty-batch collate
-    sampling_probability = dp_loader.sample_rate
-    # Each rank trains on its share of the global Poisson draw (all of it in one process),
-    # drawn from the secret `poisson_rng`. A DataLoader also draws a base seed for its
-    # workers from its own `generator` at every new iterator: a public one of its own, so a
-    # resumed run (one extra iterator) consumes neither the sampler's stream nor dropout's.
-    share = RankShareSampler(
-        num_samples=n, sample_rate=sampling_probability, generator=poisson_rng, rank=rank, world_size=world
-    )
-    poisson_loader = DataLoader(train, batch_sampler=share, collate_fn=dp_loader.collate_fn,
-                                generator=torch.Generator().manual_seed(seed + 1))
-    sample_rate = 1.0 / len(poisson_loader)  # the rate make_private hands the accountant
-    total_steps = cfg.epochs * len(poisson_loader)
-    try:
-        sigma = get_noise_multiplier(
-            target_epsilon=cfg.target_epsilon,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=total_steps,
-            accountant=cfg.accountant,
-        )
-        steps_allowed = privacy.max_steps_within_budget(
-            cfg.accountant, sigma, sample_rate, delta, cfg.target_epsilon, total_steps
-        )
-    except Exception as e:  # the accountants fail in several ways on extreme (q, steps)
-        raise TeacherError(
-            f"the {cfg.accountant} accountant could not calibrate the noise for "
-            f"ε={cfg.target_epsilon}, δ={delta:.3g}, q={sample_rate:.4g}, {total_steps} steps "
-            f"({type(e).__name__}: {e}). Raise teacher.target_epsilon, lower teacher.epochs, "
-            "lower teacher.batch_size (a smaller sampling rate), or try teacher.accountant=rdp"
-        ) from e
-    if steps_allowed < total_steps:
-        log.warning(
-            "%s: σ=%.4f would exceed ε=%.2f after step %d of %d (calibration tolerance); "
-            "training stops there", stage, sigma, cfg.target_epsilon, steps_allowed, total_steps,
-        )
-
-    private = dict(
-        # DPDDP: make_private then picks Opacus' Distributed(FastGradientClipping)DPOptimizer,
-        # whose step adds the noise on rank 0 only, all-reduces the sum of the ranks' clipped
-        # gradients and divides by the global expected batch (per-rank expected batch × W).
-        module=DPDDP(model) if world > 1 else model,
-        optimizer=optimizer,
-        data_loader=poisson_loader,
-        noise_multiplier=sigma,
-        max_grad_norm=cfg.max_grad_norm,
-        poisson_sampling=False,  # the loader above already samples with Poisson
-        noise_generator=noise_rng,
-        grad_sample_mode=cfg.grad_sample_mode,
-    )
-    if cfg.grad_sample_mode == "ghost":
-        private["criterion"] = torch.nn.CrossEntropyLoss(ignore_index=IGNORE)
-        dp_model, optimizer, criterion, loader = engine.make_private(**private)
-    else:
-        dp_model, optimizer, loader = engine.make_private(**private)
-        criterion = None
-    dp_model.forbid_grad_accumulation()  # what make_private does for Poisson sampling
-
-    # Resume from a checkpoint of an interrupted run with the same fingerprint.
-    ckpt_path = out_dir / CHECKPOINT
-    fingerprint = _fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world)
-    history: list[dict] = []
-    resumed_from = 0
-    if ckpt_path.is_file():
-        state = _load_private(ckpt_path, fingerprint, module=dp_model, optimizer=optimizer, engine=engine)
-        own = state["rank_rngs"][rank]  # the generators go on from where they were, not re-seeded
-        noise.set_state(noise_rng, own["noise_rng"])
-        noise.set_state(poisson_rng, own["poisson_rng"])
-        noise.set_state(user_pick, own["user_pick_rng"])
-        torch.set_rng_state(own["torch_rng"])
-        history = state["history"]
-        resumed_from = _steps_accounted(engine)
-        log.info("%s: resuming at step %d/%d, ε so far %.3f", stage, resumed_from, total_steps,
-                 engine.get_epsilon(delta) if resumed_from else 0.0)
-
+                    stage, cfg.processes, run.world, run.world)
+    _resume(run)
     log.info(
         "%s: N=%d %ss, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, mode %s, %s clipping, "
-        "%d trainable parameters%s",
-        stage, n, unit, sample_rate, total_steps, sigma, cfg.max_grad_norm, cfg.target_epsilon, delta, cfg.mode,
-        cfg.grad_sample_mode, sum(p.numel() for p in model.parameters() if p.requires_grad),
-        f", data-parallel rank {rank} of {world}" if world > 1 else "",
+        "%d trainable parameters%s", stage, run.n, run.unit, run.sample_rate, run.total_steps, run.sigma,
+        cfg.max_grad_norm, cfg.target_epsilon, run.delta, cfg.mode, cfg.grad_sample_mode,
+        sum(p.numel() for p in run.model.parameters() if p.requires_grad),
+        f", data-parallel rank {run.rank} of {run.world}" if run.world > 1 else "",
     )
-
-    def save_checkpoint() -> None:
-        rngs = {"noise_rng": noise.get_state(noise_rng), "poisson_rng": noise.get_state(poisson_rng),
-                "user_pick_rng": noise.get_state(user_pick), "torch_rng": torch.get_rng_state()}
-        rank_rngs = [rngs]
-        if world > 1:  # the ranks' generators differ (noise, user picks, dropout): rank 0 saves them all
-            rank_rngs = [None] * world
-            dist.all_gather_object(rank_rngs, rngs)
-        if rank != 0:
-            return
-        _save_private(ckpt_path, lambda f: engine.save_checkpoint(
-            path=f, module=dp_model, optimizer=optimizer,
-            checkpoint_dict={"fingerprint": fingerprint, "rank_rngs": rank_rngs, "history": history},
-        ))
-
-    val_codes, val_texts = read_split(validation_path)
-    monitor = TokenizedRecords(
-        [encode_record(tok, c, t, cfg.max_length)
-         for c, t in zip(val_codes[:VALIDATION_MONITOR_RECORDS], val_texts[:VALIDATION_MONITOR_RECORDS])],
-        tok.pad_token_id, cfg.max_length,
-    )
-
-    t0 = time.time()
-    done = resumed_from
+    t0, done = time.time(), run.resumed_from
     # Steps, ε and time only: the size or token count of a Poisson batch is private.
-    steps_log = ProgressLog(log, stage, "steps", steps_allowed, every=progress_every, done=resumed_from)
-    while done < steps_allowed:
-        with BatchMemoryManager(
-            data_loader=loader, max_physical_batch_size=cfg.physical_batch_size, optimizer=optimizer
-        ) as physical_loader:
+    steps_log = ProgressLog(log, stage, "steps", run.steps_allowed, every=progress_every, done=run.resumed_from)
+    while done < run.steps_allowed:
+        with BatchMemoryManager(data_loader=run.loader, max_physical_batch_size=cfg.physical_batch_size,
+                                optimizer=run.optimizer) as physical_loader:
             for ids, lengths in physical_loader:
-                if ids.shape[0] == 0:
-                    _noise_only_step(dp_model, optimizer, cfg.grad_sample_mode)
-                else:
-                    batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
-                    labels = batch.pop("labels")
-                    logits = dp_model(**batch).logits  # (B, L, V)
-                    if kd_teacher is not None:
-                        with torch.no_grad():
-                            t_logits = kd_teacher(**batch).logits  # (B, L, V)
-                        vocab = min(logits.shape[-1], t_logits.shape[-1])
-                        per_example = per_sequence_distillation_loss(
-                            logits[:, :-1, :vocab], t_logits[:, :-1, :vocab], labels,
-                            alpha=kd.alpha, temperature=kd.temperature,
-                        )  # (B,)
-                        loss = (
-                            DPTensorFastGradientClipping(dp_model, optimizer, per_example, "mean")
-                            if criterion is not None else per_example.mean()
-                        )
-                    elif criterion is not None:
-                        shifted = logits[:, :-1]  # (B, L-1, V)
-                        loss = criterion(
-                            shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape
-                        )
-                    else:
-                        loss = per_sequence_loss(logits, labels).mean()
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                if optimizer._is_last_step_skipped:
+                _step(run, ids, lengths)
+                if run.optimizer._is_last_step_skipped:
                     continue  # logical batch not finished yet
-                done = _steps_accounted(engine)
-                # Published: public quantities and the validation loss, never the private batch's
-                # loss or size (a function of the records drawn, released without noise).
-                record = {"step": done}
-                if rank == 0 and (done % cfg.log_every == 0 or done == steps_allowed):
-                    record["epsilon"] = engine.get_epsilon(delta)
-                    record["validation_loss"] = _validation_loss(model, monitor, cfg.physical_batch_size, device)
-                    record["seconds"] = round(time.time() - t0, 1)
-                    log.info(
-                        "%s: step %d/%d ε=%.3f validation loss %.4f (%.0f s)",
-                        stage, done, steps_allowed, record["epsilon"], record["validation_loss"], record["seconds"],
-                    )
-                history.append(record)
-                if done % cfg.checkpoint_every == 0 and done < steps_allowed:
-                    save_checkpoint()
-                if rank == 0 and steps_log.due(done):
-                    spent = record["epsilon"] if "epsilon" in record else engine.get_epsilon(delta)
+                record = _record_step(run, t0)
+                done = record["step"]
+                if done % cfg.checkpoint_every == 0 and done < run.steps_allowed:
+                    _save_checkpoint(run)
+                if run.rank == 0 and steps_log.due(done):
+                    spent = record["epsilon"] if "epsilon" in record else run.engine.get_epsilon(run.delta)
                     steps_log.update(done, values={"ε": f"{spent:.3f}"})
-                if on_progress and rank == 0:
-                    on_progress({**record, "done": done, "total": steps_allowed})
-                if done >= steps_allowed:
+                if on_progress and run.rank == 0:
+                    on_progress({**record, "done": done, "total": run.steps_allowed})
+                if done >= run.steps_allowed:
                     break
+    return _save(run, _ledger_entry(run), **paths)
 
-    steps = _steps_accounted(engine)
-    epsilon = engine.get_epsilon(delta)
-    assert steps == steps_allowed, (steps, steps_allowed)
-    assert {q for _, q, _ in engine.accountant.history} == {sample_rate}
-    if epsilon > cfg.target_epsilon:
-        raise TeacherError(
-            f"accountant reports ε={epsilon:.4f} above the target {cfg.target_epsilon}; "
-            "refusing to release this teacher"
-        )
-    accounted = [(sigma, sample_rate, steps)]
-    entry = LedgerEntry(
-        stage=stage,
-        private=True,
-        epsilon=epsilon,
-        delta=delta,
-        accountant=cfg.accountant,
-        mechanism="subsampled_gaussian",
-        noise_multiplier=sigma,
-        sample_rate=sample_rate,
-        steps=steps,
-        max_grad_norm=cfg.max_grad_norm,
-        privacy_unit=unit,
-        epsilon_rdp=privacy.epsilon_of("rdp", accounted, delta),
-        history=accounted,
-        noise_source=noise.source(cfg.secure_mode),
-        note=f"{unit}-level DP-SGD ({cfg.mode}, {cfg.grad_sample_mode} clipping) on the private "
-        f"training split (N={n} {unit}s"
-        + ("" if users is None else f", {len(records)} records; one random record per sampled user per step")
-        + f"), Poisson sampling with probability {sampling_probability:.6g} (accounted as "
-        f"q={sample_rate:.6g}), lm_head untied from the input embedding; σ calibrated by Opacus "
-        f"for target ε={cfg.target_epsilon}"
-        + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else "")
-        + (f"; KD loss (α={kd.alpha}, T={kd.temperature}) from the DP teacher" if kd else "")
-        + (f"; data-parallel over {world} processes (Opacus DPDDP: each samples its share of the "
-           "global Poisson batch, noise added once, by rank 0)" if world > 1 else ""),
-    )
-    dp_model._close()  # remove Opacus hooks and per-sample state before saving
-    ckpt = out_dir / "model"
-    curve = _validation_curve(history)
-    if rank != 0:  # rank 0 writes the stage's files
-        return TeacherResult(checkpoint=ckpt, ledger=entry, validation_curve=curve, resumed_from_step=resumed_from)
-    if cfg.mode == "lora":
-        model = model.merge_and_unload()  # a plain checkpoint for generation and distillation
-    for p in model.parameters():
-        p.requires_grad_(True)
-    model = model.cpu().eval()
-    validation_loss = float("nan")
-    if val_texts:
-        ppl = perplexity(model, tok, val_codes, val_texts, cfg.max_length, cfg.physical_batch_size)
-        validation_loss = math.log(ppl.windowed)
-        log.info("%s: validation perplexity %.2f", stage, ppl.windowed)
 
-    model.save_pretrained(ckpt)
-    tok.save_pretrained(ckpt)
-    torch.save(
-        {"accountant": engine.accountant.state_dict(), "mechanism": engine.accountant.mechanism()},
-        out_dir / "accountant_state.pt",
-    )
-    atomic_write_json(
-        out_dir / "training_log.json",
-        {"history": history, "validation_loss": validation_loss, "resumed_from_step": resumed_from},
-    )
-    write_manifest(
-        out_dir,
-        stage=stage,
-        inputs={"train": train_path, "validation": validation_path},
-        outputs={"model": ckpt, "accountant_state": out_dir / "accountant_state.pt"},
-        extra={"base_model": base_model, "ledger": entry.model_dump()},
-    )
-    shutil.rmtree(ckpt_path.parent, ignore_errors=True)  # finished: the manifest now says so
-    return TeacherResult(
-        checkpoint=ckpt,
-        ledger=entry,
-        validation_curve=curve,
-        validation_loss=validation_loss,
-        resumed_from_step=resumed_from,
+def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stage: str,
+                         kd: KnowledgeDistillation | None, progress_every: float, **job) -> TeacherResult:
+    """`cfg.processes` ranks under torchrun, each running `ddp_worker`; the result is read
+    back from the finished stage, the same TeacherResult as one process returns."""
+    args = {"config": cfg.model_dump(mode="json"), "out_dir": str(out_dir.resolve()), "stage": stage,
+            "train_path": str(job["train_path"].resolve()), "validation_path": str(job["validation_path"].resolve()),
+            "base_model": job["base_model"], "seed": job["seed"], "progress_every": progress_every,
+            "kd": None if kd is None else {"teacher_dir": str(Path(kd.teacher_dir).resolve()), "alpha": kd.alpha,
+                                           "temperature": kd.temperature}}
+    teacher_ddp.launch(args, target="pipeline.teacher:ddp_worker", processes=cfg.processes,
+                       backend=cfg.ddp_backend, work=out_dir / teacher_ddp.WORKDIR, stage=stage,
+                       on_progress=on_progress, error=TeacherError)
+    result = finished_teacher(out_dir)
+    if result is None:
+        raise TeacherError(f"{stage}: torchrun exited cleanly but {out_dir} holds no finished teacher; "
+                           f"see {out_dir / teacher_ddp.WORKDIR}")
+    return result
+
+
+def ddp_worker(args: dict, on_progress: Callable[[dict], None] | None) -> None:
+    """One torchrun rank (pipeline/teacher_ddp.py calls it inside the process group)."""
+    kd = args["kd"]
+    train_teacher(
+        TeacherConfig.model_validate(args["config"]), train_path=Path(args["train_path"]),
+        validation_path=Path(args["validation_path"]), base_model=args["base_model"], out_dir=Path(args["out_dir"]),
+        seed=args["seed"], on_progress=on_progress, stage=args["stage"],
+        progress_every=args.get("progress_every", DEFAULT_EVERY),
+        kd=None if kd is None else KnowledgeDistillation(Path(kd["teacher_dir"]), kd["alpha"], kd["temperature"]),
     )
 
 

@@ -1,19 +1,21 @@
-"""The data-parallel teacher's two sides of the process boundary (teacher.processes > 1).
+"""The two sides of the torchrun process boundary for a data-parallel stage (teacher.processes > 1).
 
-`launch` (called by `train_teacher`) writes the stage's arguments to `out_dir/ddp/args.json`
+`launch` (called by pipeline/teacher.py) writes the job's arguments to `<work>/args.json`
 (paths and config only, never private text on a command line) and runs
 
-    python -m torch.distributed.run --standalone --nproc_per_node=<processes> -m pipeline.teacher_ddp out_dir/ddp/args.json
+    python -m torch.distributed.run --standalone --nproc_per_node=<processes> -m pipeline.teacher_ddp <work>/args.json
 
-Each process runs `main`: it joins the process group and calls `train_teacher` again, which
-trains data-parallel inside it (see pipeline/teacher.py). Each rank logs to
-`out_dir/ddp/rank<r>.log`; rank 0's log lines and step records are relayed to the caller's
-logger and `on_progress` while the job runs. The result is read back from the finished
-stage with `finished_teacher`, the same TeacherResult as one process would return.
+Each process runs `main`: it joins the process group and calls the job's `target`
+("module:function", e.g. pipeline.teacher:ddp_worker) with the arguments and, on rank 0, an
+`on_progress` that appends to a file. Each rank logs to `<work>/rank<r>.log`; rank 0's log
+lines and progress records are relayed to the caller's logger and `on_progress` while the
+job runs. This module knows nothing of the teacher: it imports the target by name, so the
+teacher imports this module and not the other way round.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -27,10 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.config import TeacherConfig
 from pipeline.manifest import atomic_write_json
-from pipeline.progress import DEFAULT_EVERY
-from pipeline.teacher import KnowledgeDistillation, TeacherError, TeacherResult, finished_teacher, train_teacher
 
 log = logging.getLogger(__name__)
 
@@ -75,52 +74,37 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def launch(
-    cfg: TeacherConfig,
+    args: dict,
     *,
-    train_path: Path,
-    validation_path: Path,
-    base_model: str,
-    out_dir: Path,
-    seed: int,
+    target: str,
+    processes: int,
+    backend: str,
+    work: Path,
+    stage: str,
     on_progress: Callable[[dict], None] | None = None,
-    stage: str = "teacher",
-    kd: KnowledgeDistillation | None = None,
-    progress_every: float = DEFAULT_EVERY,
-) -> TeacherResult:
-    """Run `train_teacher` in `cfg.processes` processes under torchrun; wait; return its result."""
+    error: type[Exception] = RuntimeError,
+) -> None:
+    """Run `target(args, on_progress)` in `processes` ranks under torchrun and wait; a failed
+    job raises `error` with the end of rank 0's log."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):
-        raise TeacherError(
-            "train_teacher was called inside torchrun without an initialised process group; call "
-            "torch.distributed.init_process_group first, or call it outside torchrun with teacher.processes > 1"
+        raise error(
+            f"{stage}: called inside torchrun without an initialised process group; call "
+            "torch.distributed.init_process_group first, or call it outside torchrun with processes > 1"
         )
-    if cfg.ddp_backend == "nccl" and torch.cuda.device_count() < cfg.processes:
-        raise TeacherError(
-            f"teacher.ddp_backend=nccl needs one CUDA device per process (teacher.processes={cfg.processes}, "
-            f"{torch.cuda.device_count()} visible); use teacher.ddp_backend=gloo on CPU or fewer processes"
+    if backend == "nccl" and torch.cuda.device_count() < processes:
+        raise error(
+            f"{stage}: ddp_backend=nccl needs one CUDA device per process ({processes} processes, "
+            f"{torch.cuda.device_count()} visible); use ddp_backend=gloo on CPU or fewer processes"
         )
-    out_dir = Path(out_dir).resolve()
-    work = out_dir / WORKDIR
     work.mkdir(parents=True, exist_ok=True)
     for old in [work / PROGRESS, *work.glob("rank*.log")]:
         old.unlink(missing_ok=True)
-    args = {
-        "config": cfg.model_dump(mode="json"),
-        "train_path": str(Path(train_path).resolve()),
-        "validation_path": str(Path(validation_path).resolve()),
-        "base_model": base_model,
-        "out_dir": str(out_dir),
-        "seed": seed,
-        "stage": stage,
-        "progress_every": progress_every,
-        "kd": None if kd is None else {"teacher_dir": str(Path(kd.teacher_dir).resolve()), "alpha": kd.alpha,
-                                       "temperature": kd.temperature},
-    }
-    atomic_write_json(work / "args.json", args)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.processes}",
+    atomic_write_json(work / "args.json", {"target": target, "backend": backend, "args": args})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
            "-m", "pipeline.teacher_ddp", str(work / "args.json")]
     # Share the cores out instead of every process using all of them.
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cfg.processes)), **os.environ}
-    log.info("%s: data-parallel over %d processes (%s): %s", stage, cfg.processes, cfg.ddp_backend, " ".join(cmd))
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes)), **os.environ}
+    log.info("%s: data-parallel over %d processes (%s): %s", stage, processes, backend, " ".join(cmd))
     progress, rank0_log = _Tail(work / PROGRESS), _Tail(work / "rank0.log")
 
     def relay() -> None:
@@ -141,21 +125,17 @@ def launch(
             _stop(proc)
             raise
     if proc.returncode != 0:
-        raise TeacherError(
-            f"{stage}: the data-parallel teacher (torchrun, {cfg.processes} processes) failed with exit code "
+        raise error(
+            f"{stage}: the data-parallel job (torchrun, {processes} processes) failed with exit code "
             f"{proc.returncode}; rank 0's log ({work / 'rank0.log'}) ends with:\n{_tail(work / 'rank0.log')}\n"
             f"(all processes: {work / 'torchrun.log'})"
         )
-    result = finished_teacher(out_dir)
-    if result is None:
-        raise TeacherError(f"{stage}: torchrun exited cleanly but {out_dir} holds no finished teacher; see {work}")
-    return result
 
 
 def main(argv: list[str] | None = None) -> None:
-    """One torchrun process: join the group, train this rank's share, leave the group."""
+    """One torchrun process: join the group, run the target on this rank, leave the group."""
     args_path = Path((argv if argv is not None else sys.argv[1:])[0])
-    args = json.loads(args_path.read_text())
+    job = json.loads(args_path.read_text())
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     work = args_path.parent
     logging.basicConfig(
@@ -164,30 +144,18 @@ def main(argv: list[str] | None = None) -> None:
         handlers=[logging.FileHandler(work / f"rank{rank}.log"), logging.StreamHandler()],
         force=True,
     )
-    cfg = TeacherConfig.model_validate(args["config"])
-    if cfg.ddp_backend == "nccl":
+    if job["backend"] == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=cfg.ddp_backend)
+    dist.init_process_group(backend=job["backend"])
     on_progress = None
     if rank == 0:
-        def on_progress(record: dict) -> None:  # public quantities only: step, ε, validation loss, seconds
+        def on_progress(record: dict) -> None:  # the target's progress records (public quantities only)
             with open(work / PROGRESS, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    kd = args["kd"]
+    module, function = job["target"].split(":")
     try:
-        train_teacher(
-            cfg,
-            train_path=Path(args["train_path"]),
-            validation_path=Path(args["validation_path"]),
-            base_model=args["base_model"],
-            out_dir=Path(args["out_dir"]),
-            seed=args["seed"],
-            on_progress=on_progress,
-            stage=args["stage"],
-            progress_every=args.get("progress_every", DEFAULT_EVERY),
-            kd=None if kd is None else KnowledgeDistillation(Path(kd["teacher_dir"]), kd["alpha"], kd["temperature"]),
-        )
+        getattr(importlib.import_module(module), function)(job["args"], on_progress)
     except BaseException:
         logging.getLogger(__name__).exception("rank %d failed", rank)
         raise

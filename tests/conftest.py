@@ -112,9 +112,8 @@ def noise_free_dp_gradient(tokenizer, mode: str, max_grad_norm: float):
     Returns (model whose .grad holds the DP gradient after Opacus' clipping and scaling by
     the batch size, an untouched copy of the initial model, the batch inputs, labels, lengths).
     """
-    from opacus import PrivacyEngine
-
     from pipeline.batching import TokenizedRecords, lm_batch
+    from pipeline.bk import BookKeepingPrivacyEngine as PrivacyEngine  # Opacus' own for ghost and hooks
     from pipeline.data import encode_record
     from pipeline.models import untie_lm_head
     from pipeline.teacher import per_sequence_loss
@@ -134,10 +133,13 @@ def noise_free_dp_gradient(tokenizer, mode: str, max_grad_norm: float):
         dp_model, optimizer, criterion, _ = PrivacyEngine().make_private(criterion=torch.nn.CrossEntropyLoss(), **kwargs)
         shifted = dp_model(**batch).logits[:, :-1]
         loss = criterion(shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape)
+        loss.backward()
+    elif mode == "bk":
+        dp_model, optimizer, _ = PrivacyEngine().make_private(**kwargs)
+        dp_model.backward_clipped(per_sequence_loss(dp_model(**batch).logits, labels))
     else:
         dp_model, optimizer, _ = PrivacyEngine().make_private(**kwargs)
-        loss = per_sequence_loss(dp_model(**batch).logits, labels).mean()
-    loss.backward()
+        per_sequence_loss(dp_model(**batch).logits, labels).mean().backward()
     optimizer.pre_step()  # clip, accumulate, add (zero) noise, scale by the expected batch size
     return model, initial, batch, labels, lengths
 

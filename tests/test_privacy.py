@@ -94,7 +94,7 @@ def test_empirical_poisson_sampling_rate_matches_q():
     assert sizes.std() > 0  # variable batch sizes: Poisson, not fixed-size batches
 
 
-@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("mode", ["ghost", "hooks", "bk"])
 def test_no_noise_no_clipping_equals_an_ordinary_step(tiny_tokenizer, mode):
     """σ = 0 and C = ∞: the DP gradient is the ordinary gradient of the mean per-sequence loss."""
     model, plain, batch, labels, _ = noise_free_dp_gradient(tiny_tokenizer, mode, max_grad_norm=1e9)

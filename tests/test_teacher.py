@@ -75,9 +75,11 @@ def test_dp_training_changes_weights_and_saves_safetensors(splits, tiny_model_di
     assert (tmp_path / "manifest.json").is_file() and (tmp_path / "accountant_state.pt").is_file()
 
 
-def test_empty_poisson_batches_still_count_as_steps(splits, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+def test_empty_poisson_batches_still_count_as_steps(splits, tiny_model_dir, tmp_path, mode):
     """With q = 1/N about a third of the logical batches are empty; each is a noise-only step."""
-    cfg, result = _teacher(splits, tiny_model_dir, tmp_path, batch_size=1, physical_batch_size=1, target_epsilon=8.0)
+    cfg, result = _teacher(splits, tiny_model_dir, tmp_path, batch_size=1, physical_batch_size=1, target_epsilon=8.0,
+                           grad_sample_mode=mode)
     # One epoch is int(1 / q) Poisson draws (N - 1 or N, float rounding), each one accounted.
     assert result.ledger.steps in (splits.n_train - 1, splits.n_train)
     assert result.ledger.steps == round(1 / result.ledger.sample_rate)
@@ -108,7 +110,7 @@ def _clipped_sum_reference(model, batch, lengths_, C):
     return total, torch.stack(norms)
 
 
-@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("mode", ["ghost", "hooks", "bk"])
 def test_noise_free_step_clips_every_example_to_max_grad_norm(tiny_tokenizer, mode):
     """σ = 0: the DP gradient is the sum of per-example gradients each clipped to C (÷ batch)."""
     C = 0.01  # far below every raw per-example norm, so every example is clipped
@@ -153,10 +155,21 @@ def test_lora_saves_a_merged_plain_checkpoint(splits, tiny_model_dir, tmp_path):
     assert changed and all("c_attn.weight" in k for k in changed), changed
 
 
-def test_hooks_mode_trains_too(splits, tiny_model_dir, tmp_path):
-    """The reference per-sample mode goes through the same stage and ledger."""
-    _, result = _teacher(splits, tiny_model_dir, tmp_path, grad_sample_mode="hooks")
-    assert 0 < result.ledger.epsilon <= 3.0 and "hooks clipping" in result.ledger.note
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+@pytest.mark.parametrize("teacher_mode", ["full", "bitfit"])
+def test_every_clipping_mode_trains_the_same_teacher(splits, tiny_model_dir, tmp_path, fixed_noise, mode,
+                                                     teacher_mode):
+    """Same data, sampling and noise (the test hook): per-sample hooks (the reference) and
+    book-keeping train to ghost clipping's weights and ledger through the whole stage, with
+    padded records, several physical batches per logical one, and Adam on top."""
+    ghost = _teacher(splits, tiny_model_dir, tmp_path / "ghost", mode=teacher_mode, grad_sample_mode="ghost")[1]
+    other = _teacher(splits, tiny_model_dir, tmp_path / mode, mode=teacher_mode, grad_sample_mode=mode)[1]
+    assert f"{mode} clipping" in other.ledger.note
+    assert other.ledger.epsilon == ghost.ledger.epsilon and other.ledger.steps == ghost.ledger.steps
+    want, got = _weights(ghost.checkpoint), _weights(other.checkpoint)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert any(not torch.equal(want[k], v) for k, v in _weights(tiny_model_dir).items() if k in want)
 
 
 class _Crash(Exception):

@@ -60,3 +60,18 @@ def test_a_failing_rank_raises_with_rank0_log(splits, tiny_model_dir, tmp_path):
     with pytest.raises(TeacherError, match=r"(?s)rank 0's log.*teacher.max_length=100 exceeds"):
         _run(_cfg(processes=2, max_length=100), splits, tiny_model_dir, tmp_path)
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_teacher_ddp_does_not_import_the_teacher():
+    """One direction only: teacher.py imports teacher_ddp.py, which runs the worker it is
+    named (`pipeline.teacher:ddp_worker` in the job file) and imports no pipeline stage."""
+    import ast
+    from pathlib import Path
+
+    import pipeline.teacher_ddp as ddp
+
+    tree = ast.parse(Path(ddp.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "pipeline.teacher" not in imported and not any(m.startswith("pipeline.teacher.") for m in imported)
+    assert imported & {"pipeline.manifest"}  # the parse saw the module's own imports
