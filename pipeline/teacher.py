@@ -1,7 +1,8 @@
 """Stage 1: DP-SGD fine-tuning of the teacher on the private records, with Opacus 1.6.
 
-Opacus is used as its API intends: `get_noise_multiplier` calibrates σ from the target
-(ε, δ), the sampling rate and the exact number of steps; `PrivacyEngine.make_private`
+Opacus is used as its API intends: its accountant calibrates σ from the target (ε, δ), the
+sampling rate and the exact number of steps (`get_noise_multiplier`'s search, with a deadline:
+pipeline/privacy.py); `PrivacyEngine.make_private`
 wraps model, optimizer and the Poisson loader; BatchMemoryManager splits large logical
 batches into physical ones. ε in the ledger is what the accountant says after the last
 step, and training stops before a step that would exceed the target.
@@ -52,7 +53,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from opacus import PrivacyEngine
-from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.utils.batch_memory_manager import BatchMemoryManager
@@ -155,6 +155,49 @@ class RankShareSampler(UniformWithReplacementSampler):
         for _ in range(self.steps):
             drawn = (noise.uniform(self.generator, self.num_samples) < self.sample_rate).nonzero().view(-1)
             yield [i for i in drawn.tolist() if i % self.world_size == self.rank]
+
+
+def poisson_schedule(n: int, batch_size: int, epochs: int, unit: str = "record") -> tuple[float, float, int]:
+    """(Poisson sampling probability, rate the accountant records, steps) of DP-SGD over N units.
+
+    Made with Opacus' own objects, as `train_teacher` samples: `DPDataLoader` takes the
+    probability 1 / ceil(N / batch_size); its sampler runs int(1 / probability) steps per
+    epoch, and make_private hands the accountant q = 1 / steps per epoch (for 1/99: 98 steps
+    accounted at 1/98). `dpdistill plan` calls this too, so it shows the run's own q and steps.
+    """
+    if batch_size >= n:
+        raise TeacherError(
+            f"teacher.batch_size={batch_size} is not smaller than the {n} training {unit}s; "
+            "Poisson sampling needs a sampling rate below 1: lower teacher.batch_size"
+        )
+    probability = DPDataLoader.from_data_loader(DataLoader(range(n), batch_size=batch_size)).sample_rate
+    steps_per_epoch = len(UniformWithReplacementSampler(num_samples=n, sample_rate=probability))
+    return probability, 1.0 / steps_per_epoch, epochs * steps_per_epoch
+
+
+def calibrate_noise(cfg: TeacherConfig, sample_rate: float, steps: int, delta: float) -> tuple[float, int]:
+    """(σ for the target (ε, δ) after `steps`, the steps that stay within it), by the accountant.
+
+    Bounded in time (privacy.CALIBRATION_DEADLINE_S): PRV never returns at a very large ε.
+    """
+    try:
+        sigma = privacy.calibrate_sigma(cfg.accountant, cfg.target_epsilon, delta, sample_rate, steps)
+        steps_allowed = privacy.max_steps_within_budget(
+            cfg.accountant, sigma, sample_rate, delta, cfg.target_epsilon, steps
+        )
+    except privacy.CalibrationTimeout as e:
+        raise TeacherError(
+            f"{e} (q={sample_rate:.4g}, {steps} steps, δ={delta:.3g}; at very large ε the PRV accountant "
+            "overflows). Use teacher.accountant=rdp, or a smaller teacher.target_epsilon"
+        ) from e
+    except Exception as e:  # the accountants fail in several ways on extreme (q, steps)
+        raise TeacherError(
+            f"the {cfg.accountant} accountant could not calibrate the noise for "
+            f"ε={cfg.target_epsilon}, δ={delta:.3g}, q={sample_rate:.4g}, {steps} steps "
+            f"({type(e).__name__}: {e}). Raise teacher.target_epsilon, lower teacher.epochs, "
+            "lower teacher.batch_size (a smaller sampling rate), or try teacher.accountant=rdp"
+        ) from e
+    return sigma, steps_allowed
 
 
 def prepare_trainable(model: torch.nn.Module, cfg: TeacherConfig) -> torch.nn.Module:
@@ -341,11 +384,7 @@ def train_teacher(
     train = records if users is None else OneRecordPerUser(records, users, user_pick)
     unit = "record" if users is None else "user"
     n = len(train)  # privacy units: records, or users
-    if cfg.batch_size >= n:
-        raise TeacherError(
-            f"teacher.batch_size={cfg.batch_size} is not smaller than the {n} training {unit}s; "
-            "Poisson sampling needs a sampling rate below 1: lower teacher.batch_size"
-        )
+    sampling_probability, sample_rate, total_steps = poisson_schedule(n, cfg.batch_size, cfg.epochs, unit)
     delta = privacy.resolve_delta(cfg.target_delta, n)
     if weak := privacy.weak_delta_warning(delta, n, unit, stage):
         log.warning("%s", weak)
@@ -371,8 +410,7 @@ def train_teacher(
     # int(1 / q) steps per epoch and make_private accounts q' = 1 / steps >= q (for q = 1/99:
     # 98 steps accounted at 1/98). make_private_with_epsilon calibrates for
     # int(epochs / q) steps instead, which can differ by one and overspend the budget.
-    dp_loader = DPDataLoader.from_data_loader(loader)  # its rate and empty-batch collate
-    sampling_probability = dp_loader.sample_rate
+    dp_loader = DPDataLoader.from_data_loader(loader)  # its empty-batch collate
     # Each rank trains on its share of the global Poisson draw (all of it in one process),
     # drawn from the secret `poisson_rng`. A DataLoader also draws a base seed for its
     # workers from its own `generator` at every new iterator: a public one of its own, so a
@@ -382,26 +420,8 @@ def train_teacher(
     )
     poisson_loader = DataLoader(train, batch_sampler=share, collate_fn=dp_loader.collate_fn,
                                 generator=torch.Generator().manual_seed(seed + 1))
-    sample_rate = 1.0 / len(poisson_loader)  # the rate make_private hands the accountant
-    total_steps = cfg.epochs * len(poisson_loader)
-    try:
-        sigma = get_noise_multiplier(
-            target_epsilon=cfg.target_epsilon,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=total_steps,
-            accountant=cfg.accountant,
-        )
-        steps_allowed = privacy.max_steps_within_budget(
-            cfg.accountant, sigma, sample_rate, delta, cfg.target_epsilon, total_steps
-        )
-    except Exception as e:  # the accountants fail in several ways on extreme (q, steps)
-        raise TeacherError(
-            f"the {cfg.accountant} accountant could not calibrate the noise for "
-            f"ε={cfg.target_epsilon}, δ={delta:.3g}, q={sample_rate:.4g}, {total_steps} steps "
-            f"({type(e).__name__}: {e}). Raise teacher.target_epsilon, lower teacher.epochs, "
-            "lower teacher.batch_size (a smaller sampling rate), or try teacher.accountant=rdp"
-        ) from e
+    assert cfg.epochs * len(poisson_loader) == total_steps and dp_loader.sample_rate == sampling_probability
+    sigma, steps_allowed = calibrate_noise(cfg, sample_rate, total_steps, delta)
     if steps_allowed < total_steps:
         log.warning(
             "%s: σ=%.4f would exceed ε=%.2f after step %d of %d (calibration tolerance); "
