@@ -170,7 +170,8 @@ def poisson_schedule(n: int, batch_size: int, epochs: int, unit: str = "record")
             f"teacher.batch_size={batch_size} is not smaller than the {n} training {unit}s; "
             "Poisson sampling needs a sampling rate below 1: lower teacher.batch_size"
         )
-    probability = DPDataLoader.from_data_loader(DataLoader(range(n), batch_size=batch_size)).sample_rate
+    units = torch.utils.data.TensorDataset(torch.empty(n, 0))  # N items of nothing: only the count matters
+    probability = DPDataLoader.from_data_loader(DataLoader(units, batch_size=batch_size)).sample_rate
     steps_per_epoch = len(UniformWithReplacementSampler(num_samples=n, sample_rate=probability))
     return probability, 1.0 / steps_per_epoch, epochs * steps_per_epoch
 
