@@ -4,6 +4,7 @@ without training or writing anything, and without Prefect (issue 10)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,10 +65,11 @@ def test_plan_command_prints_them_with_a_time_estimate_and_writes_nothing(tmp_pa
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().endswith("NO-PREFECT")
-    plan = make_plan(config_from_dict(_tree(tmp_path, tiny_model_dir)), timing=False)
-    teacher = next(e for e in plan.entries if e.stage == "teacher")
-    assert f"σ = {teacher.noise_multiplier:.4f}, {teacher.steps} steps, ε = {teacher.epsilon:.4f}" in p.stdout
-    assert f"total: ε = {plan.total.epsilon:.4f}" in p.stdout
+    # The numbers are make_plan's (checked against a real run above); here, that they are printed.
+    assert re.search(r"N = 108 training records", p.stdout), p.stdout
+    assert re.search(r"teacher: DP-SGD, batch size 32 .*q = 0\.25 .*σ = \d+\.\d{4}, 4 steps, ε = \d\.\d{4} at δ", p.stdout)
+    assert re.search(r"control codes: Gaussian histogram, σ = \d+\.\d{4}, ε = \d\.\d{4}", p.stdout)
+    assert re.search(r"total: ε = \d\.\d{4}", p.stdout)
     for stage in ("teacher", "generation", "distillation", "evaluation"):
         assert f"    {stage}: ~" in p.stdout, p.stdout
     assert "estimated" in p.stdout
