@@ -90,6 +90,8 @@ def _data_file(path: Path, field: str, columns: list[str]) -> list[str]:
             table_schema = _jsonl_schema(path)
         except UnicodeDecodeError:
             return [f"{where} is not UTF-8 text; save it as UTF-8 JSON lines"]
+        except (pa.ArrowInvalid, OSError) as e:  # Arrow's message may quote a line: only its kind
+            return [f"{where} cannot be read as JSON lines ({type(e).__name__}); check the file's format"]
         if table_schema is None:
             return [f"{where} holds no records (only blank lines)"]
         names, types = table_schema.names, {f.name: f.type for f in table_schema}

@@ -110,3 +110,15 @@ def test_cli_subprocess_fails_fast_before_prefect(tmp_path):
     assert p.returncode == 2 and p.stdout.strip() == "NO-PREFECT", (p.stdout, p.stderr)
     _assert_one_error_line(p.stderr, "is a directory")
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_flow_checks_too_before_making_its_run_directory(prefect_server, tmp_path):
+    """A scheduled run calls the flow without the CLI: it stops at the same check, nothing made."""
+    from flows.pipeline_flow import dp_distill
+    from pipeline.preflight import PreflightError
+
+    cfg = config_from_dict(tiny_pipeline_dict(tmp_path))
+    cfg.data.path = tmp_path / "missing.csv"
+    with pytest.raises(PreflightError, match="data.path .* not found"):
+        dp_distill(cfg)
+    assert not (tmp_path / "runs").exists()
