@@ -7,6 +7,7 @@
     dpdistill report runs/demo-...                             # (re)write its report.html
     dpdistill serve --config C --cron "0 3 * * *"              # a scheduled deployment
     dpdistill build-base --config configs/demo.yaml           # only the offline base models
+    dpdistill plan --config C [key=value ...]                 # N, q, σ, steps, ε and time; trains nothing
     dpdistill ledger show runs/demo-...                       # a run's privacy ledger
     dpdistill audit runs/demo-... [--span 10]                 # published files vs training records
     dpdistill audit --canaries 8 --config C [key=value ...]   # canary exposure of a fresh run
@@ -117,6 +118,8 @@ def _parser() -> argparse.ArgumentParser:
         ("run", "run the whole pipeline as a Prefect flow"),
         ("serve", "serve the flow on a cron schedule against a Prefect server (blocks)"),
         ("build-base", "build the offline tokenizer and tiny base models from public text"),
+        ("plan", "print N, batch size, q, σ, steps, ε (each stage and total) and a time estimate; "
+                 "trains and writes nothing"),
     ):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True, help="YAML config, e.g. configs/demo.yaml")
@@ -316,14 +319,28 @@ def show_ledger(run_dir: Path) -> int:
 
 
 def run_pipeline(args) -> int:
-    """`run`, `serve` and `build-base`: the commands that import torch and Prefect."""
+    """`run`, `serve`, `plan` and `build-base`: the commands that import torch (and but for
+    `plan`, Prefect)."""
     try:
         cfg = load_config(args.config, args.overrides)  # a config error answers before the heavy imports
     except ConfigError as e:
         print(f"dpdistill: error: {e}", file=sys.stderr)
         return 2
+    if args.command in ("run", "serve", "plan"):
+        from pipeline.preflight import PreflightError, require_inputs  # no torch, no Prefect
+
+        try:  # before any Prefect server starts or run directory is made (issue 10)
+            require_inputs(cfg)
+        except PreflightError as e:
+            print(f"dpdistill: error: {e}", file=sys.stderr)
+            return 2
     quiet_libraries()
     try:
+        if args.command == "plan":
+            from pipeline.plan import format_plan, make_plan  # torch, Opacus; no Prefect
+
+            print(format_plan(make_plan(cfg, timing=True)))
+            return 0
         if args.command == "build-base":
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
             from pipeline.models import build_base_models

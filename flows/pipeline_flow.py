@@ -42,6 +42,8 @@ from pipeline.budget import dataset_total, read_budget, record_release
 from pipeline.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text, manifest_digest, private_dir, sha256_file
 from pipeline.model_card import write_model_card
+from pipeline.plan import dp_sgd_budgets, format_plan, make_plan
+from pipeline.preflight import require_inputs
 from pipeline.models import BaseModels, build_base_models, resolve_model
 from pipeline.report import write_report
 from pipeline.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
@@ -123,8 +125,7 @@ def _dp_train(
 
 
 def _teacher_epsilon(cfg: PipelineConfig) -> float:
-    # DPKD splits the budget: ε/2 for the teacher, ε/2 for the student trained with KD.
-    return cfg.teacher.target_epsilon / 2 if cfg.distill.method == "dpkd" else cfg.teacher.target_epsilon
+    return dp_sgd_budgets(cfg)["teacher"]  # DPKD: ε/2 (pipeline/plan.py)
 
 
 @stage_task("teacher", lambda cfg: {"teacher": cfg.teacher, "model": cfg.teacher.model})
@@ -398,6 +399,10 @@ def dp_distill(
     """
     logger = get_run_logger()
     cfg = load_config(config, overrides) if isinstance(config, str) else config
+    # Fail clean before anything is made (scheduled runs never pass through the CLI's check),
+    # then say what the run will spend: the plan reads the data's split and calibrates σ.
+    require_inputs(cfg)
+    logger.info("%s", format_plan(make_plan(cfg, timing=False)))
     prepare_run_root(cfg)
     if run_dir:
         out = checked_run_dir(cfg, run_dir)
@@ -469,7 +474,7 @@ def _run_stages(
         student = stage("distillation", distillation_task, cfg, synthetic, teacher, base, out)
         ledger.append(post_processing("distillation", "trains on synthetic samples and the DP teacher only"))
     else:  # dp_sgd, dpkd: the student itself trains on the private data with DP-SGD
-        student_epsilon = cfg.teacher.target_epsilon - (_teacher_epsilon(cfg) if teacher else 0.0)
+        student_epsilon = dp_sgd_budgets(cfg)["student"]
         student = stage("dp-student", dp_student_task, cfg, data, base, teacher, student_epsilon, out)
         ledger.append(student.ledger)
     evaluation = stage("evaluation", evaluation_task, cfg, data, base, teacher, student, synthetic, out)

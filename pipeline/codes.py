@@ -30,14 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from opacus.accountants.utils import get_noise_multiplier
 
 from pipeline import noise
-from pipeline.config import CodesConfig, DataConfig
+from pipeline.config import CodesConfig, ConfigError, DataConfig
 from pipeline.data import CODE_JOINER, read_split, read_users
 from pipeline.ledger import LedgerEntry
 from pipeline.manifest import atomic_write_json, write_manifest
-from pipeline.privacy import DEFAULT_DELTA, epsilon_of, resolve_delta, weak_delta_warning
+from pipeline.privacy import (
+    DEFAULT_DELTA, CalibrationTimeout, calibrate_sigma, epsilon_of, resolve_delta, weak_delta_warning,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,16 @@ def domain_codes(data: DataConfig, domain: dict[str, list[str]]) -> list[str]:
     if n_bins > MAX_BINS:
         raise ValueError(f"control_codes.domain spans {n_bins} combinations (> {MAX_BINS}); declare fewer values")
     return [CODE_JOINER.join(parts) for parts in itertools.product(*per_column)]
+
+
+def gaussian_sigma(epsilon: float, delta: float, accountant: str) -> tuple[float, str]:
+    """(σ of the Gaussian histogram for (ε, δ), the accountant that calibrated it). The Gaussian
+    mechanism is one step of the subsampled Gaussian with q = 1; gdp cannot account it, so rdp does."""
+    calibrate = "rdp" if accountant == "gdp" else accountant
+    try:
+        return calibrate_sigma(calibrate, epsilon, delta, sample_rate=1.0, steps=1), calibrate
+    except CalibrationTimeout as e:
+        raise ConfigError(f"control_codes.epsilon={epsilon}: {e}; use a smaller control_codes.epsilon") from e
 
 
 def _one_per_user(codes: list[str], users: list[str], rng: noise.Generator) -> list[str]:
@@ -122,11 +133,7 @@ def release_control_codes(
         assert set(true) <= set(bins), "prepare_data checks every code against the domain"
         exact = np.array([true.get(b, 0) for b in bins], dtype=float)
         if cfg.mechanism == "gaussian":
-            # The Gaussian mechanism is one step of the subsampled Gaussian with q = 1.
-            calibrate = "rdp" if accountant == "gdp" else accountant
-            sigma = get_noise_multiplier(
-                target_epsilon=cfg.epsilon, target_delta=delta, sample_rate=1.0, steps=1, accountant=calibrate
-            )
+            sigma, calibrate = gaussian_sigma(cfg.epsilon, delta, accountant)
             noisy = exact + noise.normal(rng, sigma, len(bins)).numpy()
             history = [(sigma, 1.0, 1)]
             epsilon = epsilon_of(calibrate, history, delta)

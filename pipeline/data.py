@@ -84,6 +84,9 @@ def read_table(path: Path) -> pa.Table:
         if suffix == ".parquet":
             return pq.read_table(path)
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+        if suffix in (".jsonl", ".json") and (problems := jsonl_problems(path)):
+            # Arrow's own message names a row of its block, not of the file, and often the wrong one.
+            raise DataError(f"{str(path)!r}: {'; '.join(problems)}") from None
         # Arrow's message can quote a line of the file: keep only the kind of failure.
         raise DataError(
             f"could not parse {str(path)!r} as {suffix[1:]} ({type(e).__name__}); "
@@ -92,6 +95,64 @@ def read_table(path: Path) -> pa.Table:
     raise DataError(
         f"data file {str(path)!r} has unsupported type {suffix!r}; use .csv, .jsonl or .parquet"
     )
+
+
+def _kind(value) -> str:
+    return {str: "a string", bool: "true/false", int: "a number", float: "a number", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def jsonl_problems(path: Path, limit: int = 5) -> list[str]:
+    """Rows of a JSON-lines file that Arrow cannot read into one table, each named by row and
+    column (never quoted): a line that is not a JSON object, or a value whose kind differs from
+    the rest of its column (a number or a list among texts). Streams the file with the json
+    module; Arrow stops at the first such row and names a row of its block, not of the file."""
+    kinds: dict[str, dict[str, list[int]]] = {}  # column -> kind -> first rows having it
+    counts: dict[str, dict[str, int]] = {}
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        row = 0
+        for line in f:
+            if not line.strip():
+                continue
+            row += 1
+            try:
+                record = json.loads(line)
+            except ValueError:
+                problems.append(f"row {row}: not valid JSON (each line must hold one JSON object)")
+                continue
+            if not isinstance(record, dict):
+                problems.append(f"row {row}: {_kind(record)}, not a JSON object of columns")
+                continue
+            for column, value in record.items():
+                if value is None:
+                    continue
+                kind = _kind(value)
+                rows = kinds.setdefault(column, {}).setdefault(kind, [])
+                counts.setdefault(column, {}).setdefault(kind, 0)
+                counts[column][kind] += 1
+                if len(rows) < limit:
+                    rows.append(row)
+    for column, by_kind in kinds.items():
+        usual = max(counts[column], key=counts[column].get)
+        for kind, rows in by_kind.items():
+            if kind != usual:
+                more = counts[column][kind] - len(rows)
+                problems.append(
+                    f"row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}{f' (and {more} more)' if more else ''}, "
+                    f"column {column!r}: {kind} where the other rows have {usual} "
+                    "(write every value of a column as the same JSON type, texts as strings)"
+                )
+    return problems[: 2 * limit]
+
+
+def column_type_problem(column: str, type_: pa.DataType, where: str) -> str | None:
+    """Why a text, code or user column cannot be used, if it cannot: one value per row is needed,
+    not a list or a struct (Arrow would fail with ArrowNotImplementedError on the cast)."""
+    if pa.types.is_nested(type_):
+        return (f"{where}: column {column!r} holds {type_} values, not one text or code per row; "
+                "store a single string in each row (e.g. join a list into one string)")
+    return None
 
 
 def _format_codes(
@@ -105,11 +166,16 @@ def _format_codes(
             f"{where}: column(s) {missing} not found; the file has {table.column_names}. "
             "Set data.text_column / data.code_columns / data.user_column to existing columns."
         )
+    if table.num_rows == 0:
+        raise DataError(f"{where}: the file has no records (a header or schema only); point it at a file with rows")
+    if problems := [p for c in wanted if (p := column_type_problem(c, table.schema.field(c).type, where))]:
+        raise DataError("; ".join(problems))
     texts = pc.cast(table[cfg.text_column], pa.string()).to_pylist()
     columns = {c: pc.cast(table[c], pa.string()).to_pylist() for c in cfg.code_columns}
     users = pc.cast(table[cfg.user_column], pa.string()).to_pylist() if cfg.user_column else None
     allowed = {c: set(v) for c, v in (domain or {}).items()}
     codes_out, texts_out, users_out, dropped, problems = [], [], [], [], []
+    dropped_for_text = 0
     for i, text in enumerate(texts):
         row = i + 1  # 1-based data row, header excluded
         empty, invalid = [], []  # empty fields may be dropped on request; invalid ones never
@@ -132,6 +198,7 @@ def _format_codes(
             empty.append(f"row {row}, column {cfg.user_column!r}: empty user")
         if empty and not invalid and cfg.drop_empty:
             dropped.append(row)
+            dropped_for_text += text is None or not text.strip()
             continue
         if empty or invalid:
             problems.extend(empty + invalid)
@@ -147,6 +214,13 @@ def _format_codes(
             f"{where}: {len(problems)} unusable record(s):\n  - {shown}{more}\n"
             "Fix or remove these rows, or set data.drop_empty=true to drop empty ones "
             "(they are counted in the data manifest)."
+        )
+    if not texts_out:  # every row dropped (data.drop_empty): say so, not "only 0 training records"
+        what = (f"empty text in column {cfg.text_column!r}" if dropped_for_text == len(dropped)
+                else "an empty text, control code or user")
+        raise DataError(
+            f"{where}: all {len(dropped)} rows have {what}, so data.drop_empty=true left no record; "
+            "check that data.text_column / data.code_columns / data.user_column name the right columns"
         )
     if (n_copies := len(texts_out) - len(set(zip(codes_out, texts_out)))) > 0:
         # Counts only, never which records: a duplicated text is n records to record-level DP.
@@ -206,15 +280,23 @@ def _split_units(units: list[str], n_out: int, rng: np.random.Generator) -> tupl
     return out, set(distinct) - out
 
 
-def prepare_data(
-    cfg: DataConfig, out_dir: Path, seed: int, code_domain: dict[str, list[str]] | None = None
-) -> DataResult:
-    """Read, validate, split and write the private splits (train / validation / test).
+@dataclass(frozen=True)
+class _Split:
+    """The records and which of them go to each split (indices into codes/texts/users)."""
 
-    With `data.user_column`, splits are made by user, so that no author has records on both
-    sides of a split (the test perplexity would otherwise flatter the models).
-    """
-    out_dir = Path(out_dir)
+    codes: list[str]
+    texts: list[str]
+    users: list[str] | None
+    train_idx: list[int]
+    val_idx: list[int]
+    test: tuple[list[str], list[str], list[str] | None]  # codes, texts, users of the test split
+    dropped: list[int]
+    test_dropped: list[int]
+    train_units: set[str]
+
+
+def _split(cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None) -> _Split:
+    """Read, validate and split, writing nothing (prepare_data writes; training_units counts)."""
     table = read_table(cfg.path)
     if cfg.max_records:
         table = table.slice(0, cfg.max_records)
@@ -240,15 +322,46 @@ def prepare_data(
     rest_units = [u for u in units if u in rest]
     n_val = int(round(cfg.validation_fraction * len(set(rest_units))))
     val_units, train_units = _split_units(rest_units, n_val, rng)
-    val_idx = [i for i, u in enumerate(units) if u in val_units]
-    train_idx = [i for i, u in enumerate(units) if u in train_units]
     if len(set(train_units)) < 2:
         raise DataError(
             f"only {len(set(train_units))} training {'user' if users is not None else 'record'}(s) "
             "after the split; DP-SGD needs many: use a larger data.path or lower "
             "data.validation_fraction / data.test_fraction"
         )
+    return _Split(
+        codes=codes, texts=texts, users=users,
+        train_idx=[i for i, u in enumerate(units) if u in train_units],
+        val_idx=[i for i, u in enumerate(units) if u in val_units],
+        test=(test_codes, test_texts, test_users), dropped=dropped, test_dropped=test_dropped,
+        train_units=train_units,
+    )
 
+
+def training_units(
+    cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None = None
+) -> tuple[int, str, int]:
+    """(N, 'record' or 'user', test records) as the data stage will split them, writing nothing:
+    N is what the teacher's DP-SGD samples from (`dpdistill plan`)."""
+    split = _split(cfg, seed, code_domain)
+    unit = "record" if split.users is None else "user"
+    n = len(split.train_units) if split.users is not None else len(split.train_idx)
+    return n, unit, len(split.test[1])
+
+
+def prepare_data(
+    cfg: DataConfig, out_dir: Path, seed: int, code_domain: dict[str, list[str]] | None = None
+) -> DataResult:
+    """Read, validate, split and write the private splits (train / validation / test).
+
+    With `data.user_column`, splits are made by user, so that no author has records on both
+    sides of a split (the test perplexity would otherwise flatter the models).
+    """
+    out_dir = Path(out_dir)
+    split = _split(cfg, seed, code_domain)
+    codes, texts, users = split.codes, split.texts, split.users
+    train_idx, val_idx, dropped, test_dropped = split.train_idx, split.val_idx, split.dropped, split.test_dropped
+    test_codes, test_texts, test_users = split.test
+    train_units = split.train_units
     train_codes = [codes[i] for i in train_idx]
     result = DataResult(
         train=out_dir / "train.parquet",

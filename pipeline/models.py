@@ -140,6 +140,11 @@ def _pretrain(model: GPT2LMHeadModel, blocks: torch.Tensor, spec: TinyModelSpec,
     return loss_value
 
 
+def base_models_built(cfg: BaseModelsConfig) -> bool:
+    """Whether build_base_models would reuse its cache (`dpdistill plan` asks, building nothing)."""
+    return (cfg.cache_dir / _cache_key(cfg) / MANIFEST).is_file()
+
+
 def build_base_models(cfg: BaseModelsConfig, seed: int = 0) -> BaseModels:
     """Build (or reuse from the cache) the tokenizer and the tiny teacher and student."""
     out = cfg.cache_dir / _cache_key(cfg)

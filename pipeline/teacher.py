@@ -1,7 +1,8 @@
 """Stage 1: DP-SGD fine-tuning of the teacher on the private records, with Opacus 1.6.
 
-Opacus is used as its API intends: `get_noise_multiplier` calibrates σ from the target
-(ε, δ), the sampling rate and the exact number of steps; `PrivacyEngine.make_private`
+Opacus is used as its API intends: its accountant calibrates σ from the target (ε, δ), the
+sampling rate and the exact number of steps (`get_noise_multiplier`'s search, with a deadline:
+pipeline/privacy.py); `PrivacyEngine.make_private`
 wraps model, optimizer and the Poisson loader; BatchMemoryManager splits large logical
 batches into physical ones. ε in the ledger is what the accountant says after the last
 step, and training stops before a step that would exceed the target.
@@ -58,7 +59,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from opacus import PrivacyEngine
-from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.utils.batch_memory_manager import BatchMemoryManager
@@ -163,6 +163,52 @@ class RankShareSampler(UniformWithReplacementSampler):
         for _ in range(self.steps):
             drawn = (noise.uniform(self.generator, self.num_samples) < self.sample_rate).nonzero().view(-1)
             yield [i for i in drawn.tolist() if i % self.world_size == self.rank]
+
+
+def poisson_schedule(n: int, batch_size: int, epochs: int, unit: str = "record") -> tuple[float, float, int]:
+    """(Poisson sampling probability, rate the accountant records, steps) of DP-SGD over N units.
+
+    Made with Opacus' own objects, as `train_teacher` samples: `DPDataLoader` takes the
+    probability 1 / ceil(N / batch_size); its sampler runs int(1 / probability) steps per
+    epoch, and make_private hands the accountant q = 1 / steps per epoch (for 1/99: 98 steps
+    accounted at 1/98). make_private_with_epsilon calibrates for int(epochs / q) steps
+    instead, which can differ by one and overspend the budget, so σ is calibrated here for
+    exactly these steps. `dpdistill plan` calls this too, so it shows the run's own q and steps.
+    """
+    if batch_size >= n:
+        raise TeacherError(
+            f"teacher.batch_size={batch_size} is not smaller than the {n} training {unit}s; "
+            "Poisson sampling needs a sampling rate below 1: lower teacher.batch_size"
+        )
+    units = torch.utils.data.TensorDataset(torch.empty(n, 0))  # N items of nothing: only the count matters
+    probability = DPDataLoader.from_data_loader(DataLoader(units, batch_size=batch_size)).sample_rate
+    steps_per_epoch = len(UniformWithReplacementSampler(num_samples=n, sample_rate=probability))
+    return probability, 1.0 / steps_per_epoch, epochs * steps_per_epoch
+
+
+def calibrate_noise(cfg: TeacherConfig, sample_rate: float, steps: int, delta: float) -> tuple[float, int]:
+    """(σ for the target (ε, δ) after `steps`, the steps that stay within it), by the accountant.
+
+    Bounded in time (privacy.CALIBRATION_DEADLINE_S): PRV never returns at a very large ε.
+    """
+    try:
+        sigma = privacy.calibrate_sigma(cfg.accountant, cfg.target_epsilon, delta, sample_rate, steps)
+        steps_allowed = privacy.max_steps_within_budget(
+            cfg.accountant, sigma, sample_rate, delta, cfg.target_epsilon, steps
+        )
+    except privacy.CalibrationTimeout as e:
+        raise TeacherError(
+            f"{e} (q={sample_rate:.4g}, {steps} steps, δ={delta:.3g}; at very large ε the PRV accountant "
+            "overflows). Use teacher.accountant=rdp, or a smaller teacher.target_epsilon"
+        ) from e
+    except Exception as e:  # the accountants fail in several ways on extreme (q, steps)
+        raise TeacherError(
+            f"the {cfg.accountant} accountant could not calibrate the noise for "
+            f"ε={cfg.target_epsilon}, δ={delta:.3g}, q={sample_rate:.4g}, {steps} steps "
+            f"({type(e).__name__}: {e}). Raise teacher.target_epsilon, lower teacher.epochs, "
+            "lower teacher.batch_size (a smaller sampling rate), or try teacher.accountant=rdp"
+        ) from e
+    return sigma, steps_allowed
 
 
 def prepare_trainable(model: torch.nn.Module, cfg: TeacherConfig) -> torch.nn.Module:
@@ -349,29 +395,6 @@ def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | Non
     return tok, model, kd_teacher
 
 
-def _calibrate(cfg: TeacherConfig, delta: float, sample_rate: float, total_steps: int, stage: str):
-    """σ for the target (ε, δ) at exactly these steps and rate, and the steps it allows."""
-    try:
-        sigma = get_noise_multiplier(target_epsilon=cfg.target_epsilon, target_delta=delta, sample_rate=sample_rate,
-                                     steps=total_steps, accountant=cfg.accountant)
-        steps_allowed = privacy.max_steps_within_budget(
-            cfg.accountant, sigma, sample_rate, delta, cfg.target_epsilon, total_steps
-        )
-    except Exception as e:  # the accountants fail in several ways on extreme (q, steps)
-        raise TeacherError(
-            f"the {cfg.accountant} accountant could not calibrate the noise for "
-            f"ε={cfg.target_epsilon}, δ={delta:.3g}, q={sample_rate:.4g}, {total_steps} steps "
-            f"({type(e).__name__}: {e}). Raise teacher.target_epsilon, lower teacher.epochs, "
-            "lower teacher.batch_size (a smaller sampling rate), or try teacher.accountant=rdp"
-        ) from e
-    if steps_allowed < total_steps:
-        log.warning(
-            "%s: σ=%.4f would exceed ε=%.2f after step %d of %d (calibration tolerance); "
-            "training stops there", stage, sigma, cfg.target_epsilon, steps_allowed, total_steps,
-        )
-    return sigma, steps_allowed
-
-
 def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_model: str, out_dir: Path,
            seed: int, stage: str, kd: KnowledgeDistillation | None) -> _Run:
     """Models, the private data behind secret Poisson sampling, σ, and Opacus' engine."""
@@ -394,11 +417,7 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_
             "user_pick": noise.generator("user_pick", secure=cfg.secure_mode, rank=rank)}
     train = records if users is None else OneRecordPerUser(records, users, rngs["user_pick"])
     unit, n = ("record" if users is None else "user"), len(train)
-    if cfg.batch_size >= n:
-        raise TeacherError(
-            f"teacher.batch_size={cfg.batch_size} is not smaller than the {n} training {unit}s; "
-            "Poisson sampling needs a sampling rate below 1: lower teacher.batch_size"
-        )
+    sampling_probability, sample_rate, total_steps = poisson_schedule(n, cfg.batch_size, cfg.epochs, unit)
     delta = privacy.resolve_delta(cfg.target_delta, n)
     if weak := privacy.weak_delta_warning(delta, n, unit, stage):
         log.warning("%s", weak)
@@ -408,23 +427,23 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_
             "entropy, unpredictable from anything published but not a cryptographic generator; set "
             "teacher.secure_mode=true (ChaCha20) for a production release", stage,
         )
-    # Poisson sampling set up as make_private would, but here, so that σ is calibrated for
-    # exactly the steps that run and the rate the accountant records. Opacus' sampler runs
-    # int(1 / q) steps per epoch and make_private accounts q' = 1 / steps >= q (for q = 1/99:
-    # 98 steps accounted at 1/98). make_private_with_epsilon calibrates for
-    # int(epochs / q) steps instead, which can differ by one and overspend the budget.
-    dp_loader = DPDataLoader.from_data_loader(DataLoader(train, batch_size=cfg.batch_size))  # rate, empty collate
+    # Poisson sampling set up as make_private would, but here (poisson_schedule says why).
+    dp_loader = DPDataLoader.from_data_loader(DataLoader(train, batch_size=cfg.batch_size))  # empty-batch collate
     # Each rank trains on its share of the global Poisson draw (all of it in one process),
     # drawn from the secret generator. A DataLoader also draws a base seed for its workers
     # from its own `generator` at every new iterator: a public one of its own, so a resumed
     # run (one extra iterator) consumes neither the sampler's stream nor dropout's.
-    share = RankShareSampler(num_samples=n, sample_rate=dp_loader.sample_rate, generator=rngs["poisson"],
+    share = RankShareSampler(num_samples=n, sample_rate=sampling_probability, generator=rngs["poisson"],
                              rank=rank, world_size=world)
     poisson_loader = DataLoader(train, batch_sampler=share, collate_fn=dp_loader.collate_fn,
                                 generator=torch.Generator().manual_seed(seed + 1))
-    sample_rate = 1.0 / len(poisson_loader)  # the rate make_private hands the accountant
-    total_steps = cfg.epochs * len(poisson_loader)
-    sigma, steps_allowed = _calibrate(cfg, delta, sample_rate, total_steps, stage)
+    assert cfg.epochs * len(poisson_loader) == total_steps and dp_loader.sample_rate == sampling_probability
+    sigma, steps_allowed = calibrate_noise(cfg, sample_rate, total_steps, delta)
+    if steps_allowed < total_steps:
+        log.warning(
+            "%s: σ=%.4f would exceed ε=%.2f after step %d of %d (calibration tolerance); "
+            "training stops there", stage, sigma, cfg.target_epsilon, steps_allowed, total_steps,
+        )
 
     model.train()
     optimizer = torch.optim.AdamW(
@@ -456,7 +475,7 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_
     return _Run(
         cfg=cfg, stage=stage, out_dir=Path(out_dir), rank=rank, world=world, device=device, tok=tok, model=model,
         dp_model=dp_model, optimizer=dp_optimizer, loader=loader, engine=engine, rngs=rngs, n=n,
-        n_records=len(records), unit=unit, delta=delta, sigma=sigma, sampling_probability=dp_loader.sample_rate,
+        n_records=len(records), unit=unit, delta=delta, sigma=sigma, sampling_probability=sampling_probability,
         sample_rate=sample_rate, total_steps=total_steps, steps_allowed=steps_allowed,
         fingerprint=_fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world),
         monitor=monitor, kd=kd, kd_teacher=kd_teacher,

@@ -191,3 +191,34 @@ def test_nul_bytes_are_refused_and_duplicates_counted_without_content(tmp_path, 
         prepare_data(DataConfig(path=_write_csv(tmp_path / "dup.csv", rows)), tmp_path / "b", seed=0)
     warned = [r.getMessage() for r in caplog.records if "repeat an earlier record" in r.getMessage()]
     assert len(warned) == 1 and ": 3 record(s) repeat" in warned[0] and "SECRET-RECORD" not in warned[0]
+
+
+def test_jsonl_value_of_another_kind_is_named_by_row_and_column(tmp_path):
+    """A number or a list in one row's text of a valid JSONL file names that row and column
+    (Arrow's own message names a row of its block, here the wrong one), never the content."""
+    rows = [{"text": f"SECRET-RECORD {i}", "label1": "a", "label2": "b"} for i in range(8)]
+    rows[0]["text"] = 4242  # row 1: Arrow would blame row 2
+    rows[5]["text"] = ["SECRET-RECORD", "list"]  # row 6
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as err:
+        prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)
+    msg = str(err.value)
+    assert "row 1, column 'text': a number where the other rows have a string" in msg
+    assert "row 6, column 'text': a list" in msg
+    assert "SECRET-RECORD" not in msg and "4242" not in msg
+
+
+def test_drop_empty_dropping_every_row_says_so(tmp_path):
+    """data.drop_empty=true on a file whose texts are all empty: 'all N rows', not 'only 0 records'."""
+    path = _write_csv(tmp_path / "d.csv", [["", f"cat{i}", "stars"] for i in range(7)])
+    with pytest.raises(DataError, match=r"all 7 rows have empty text in column 'text'"):
+        prepare_data(DataConfig(path=path, drop_empty=True), tmp_path / "out", seed=0)
+
+
+def test_list_typed_parquet_column_is_named(tmp_path):
+    """A list column gives a DataError naming it, not Arrow's ArrowNotImplementedError."""
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": [f"r{i}" for i in range(5)], "label1": [["a"]] * 5, "label2": ["b"] * 5}), path)
+    with pytest.raises(DataError, match=r"column 'label1' holds list"):
+        prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)

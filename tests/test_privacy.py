@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 import pytest
 import torch
@@ -9,8 +10,10 @@ from opacus.data_loader import DPDataLoader
 
 from conftest import noise_free_dp_gradient
 from pipeline.ledger import LedgerEntry, compose
-from pipeline.privacy import epsilon_of, max_steps_within_budget
-from pipeline.teacher import per_sequence_loss
+from pipeline import privacy
+from pipeline.config import TeacherConfig
+from pipeline.privacy import calibrate_sigma, epsilon_of, max_steps_within_budget
+from pipeline.teacher import TeacherError, calibrate_noise, per_sequence_loss
 
 
 # Published in Opacus' own tests (opacus/tests/accountants_test.py, AccountingTest):
@@ -123,3 +126,26 @@ def test_ledger_table_and_summary_name_the_noise_source():
     ledger = PrivacyLedger(entries=[entry], total=compose([entry], "prv", 1e-4))
     assert "[noise: csprng: ChaCha20]" in format_table(ledger)
     assert "noise from csprng: ChaCha20" in ledger_summary(ledger)
+
+
+@pytest.mark.parametrize("accountant,epsilon,q,steps", [("prv", 2.0, 1 / 12, 36), ("rdp", 0.5, 1.0, 1)])
+def test_calibration_finds_opacus_sigma(accountant, epsilon, q, steps):
+    """The deadline-bounded search gives exactly the σ of Opacus' get_noise_multiplier."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    expected = get_noise_multiplier(target_epsilon=epsilon, target_delta=1e-5, sample_rate=q, steps=steps,
+                                    accountant=accountant)
+    assert calibrate_sigma(accountant, epsilon, 1e-5, q, steps) == expected
+
+
+def test_calibration_that_never_ends_stops_at_its_deadline_with_advice(monkeypatch):
+    """PRV at ε=1000 (q=1/12, 36 steps, the demo's) overflows to ε=inf below some σ and Opacus'
+    search never returns; the calibration stops at its deadline and says what to change."""
+    monkeypatch.setattr(privacy, "CALIBRATION_DEADLINE_S", 2.0)
+    cfg = TeacherConfig(target_epsilon=1000, accountant="prv")
+    t0 = time.time()
+    with pytest.raises(TeacherError) as err:
+        calibrate_noise(cfg, sample_rate=1 / 12, steps=36, delta=1 / 14250)
+    assert time.time() - t0 < 30  # the deadline plus at most one slow accountant call
+    msg = str(err.value)
+    assert "within 2 s" in msg and "teacher.accountant=rdp" in msg and "smaller teacher.target_epsilon" in msg
