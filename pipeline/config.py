@@ -255,7 +255,8 @@ class GenerateConfig(_Section):
         10_000, ge=1, description="Samples per Parquet shard: memory bound and unit of resumption."
     )
     validation_fraction: float = Field(
-        0.01, ge=0, lt=0.5, description="Share of samples marked split='validation' for distillation."
+        0.01, ge=0, lt=0.5, description="Share of samples marked split='validation' for distillation, "
+        "rounded up per shard: a shard of 2 or more samples has at least one (0: none).",
     )
     workers: int = Field(
         1,
