@@ -28,11 +28,12 @@ import yaml
 from browser import BROWSER, Chromium, stop_group
 from conftest import ROOT, tiny_pipeline_dict
 
-from flows.artifacts import LEDGER_KEY, METRICS_KEY, SUMMARY_KEY
+from flows.artifacts import LEDGER_KEY, METRICS_KEY, SUMMARY_KEY, SYNTHETIC_KEY
 from pipeline.data import read_split
+from pipeline.generate import read_synthetic
 from pipeline.ledger import read_ledger
 
-ARTIFACT_KEYS = (LEDGER_KEY, SUMMARY_KEY, METRICS_KEY)
+ARTIFACT_KEYS = (LEDGER_KEY, SUMMARY_KEY, METRICS_KEY, SYNTHETIC_KEY)
 
 pytestmark = [
     pytest.mark.dashboard,
@@ -114,6 +115,8 @@ def test_flow_run_and_artifacts_render_in_the_ui(prefect_ui, tmp_path):
     ledger = read_ledger(run_dir / "ledger.json")
     stages = [e.stage for e in ledger.entries]
     teacher_epsilon = next(e.epsilon for e in ledger.entries if e.stage == "teacher")
+    first_samples = read_synthetic(run_dir / "synthetic", "train")["control_code"][:10].to_pylist()
+    codes_shown = {code.replace("\t", " | ") for code in first_samples}  # as publish_synthetic_sample writes them
     shots = Path(os.environ.get("DASHBOARD_SCREENSHOT_DIR", tmp_path))
     shots.mkdir(parents=True, exist_ok=True)
 
@@ -136,6 +139,13 @@ def test_flow_run_and_artifacts_render_in_the_ui(prefect_ui, tmp_path):
         rendered.append(browser.wait_for(run_name, *stages, "TOTAL", f"{teacher_epsilon:.4g}"))
         browser.goto(f"{base}/artifacts/artifact/{artifacts[SUMMARY_KEY]}")
         rendered.append(browser.wait_for(run_name, "Total: ε =", f"{teacher_epsilon:.4f}"))
+        # The pages of an artifact key show the latest artifact's description, not its table
+        # (flows/artifacts.py says why): the description holds the table, cells included.
+        browser.goto(f"{base}/artifacts/key/{LEDGER_KEY}")
+        rendered.append(browser.wait_for(*stages, "TOTAL", "noise_multiplier", f"{teacher_epsilon:.4g}"))
+        browser.screenshot(shots / "dashboard-privacy-ledger-key.png")
+        browser.goto(f"{base}/artifacts/key/{SYNTHETIC_KEY}")
+        rendered.append(browser.wait_for("control_code", *codes_shown))
     finally:
         browser.close()
     print(f"dashboard: run and browser checks took {time.monotonic() - t0:.0f} s")
