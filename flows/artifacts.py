@@ -112,7 +112,7 @@ def publish_metrics(metrics: dict) -> None:
             "windowed_perplexity": _fmt(m["windowed"]),
             "per_record_mean": _fmt(m["per_record_mean"]),
             "per_record_median": _fmt(m["per_record_median"]),
-            "test_tokens": str(m["tokens"]),
+            "test_tokens": m["tokens"],
         }
         for name, m in metrics["perplexity"].items()
     ]
@@ -120,7 +120,8 @@ def publish_metrics(metrics: dict) -> None:
         f"Perplexity on the held-out test split ({metrics['window']}-token windows), method {metrics['method']}"
         + (f", {metrics['generation']['samples']} synthetic samples" if "generation" in metrics else "")
     )
-    create_table_artifact(key=METRICS_KEY, table=rows, description=description + "\n\n" + markdown_table(rows, list(rows[0])))
+    description += "\n\n" + markdown_table(rows, list(rows[0]))
+    create_table_artifact(key=METRICS_KEY, table=rows, description=description)
 
 
 def publish_synthetic_sample(synthetic_dir: Path, n: int = 10, max_chars: int = 300) -> None:
@@ -131,10 +132,9 @@ def publish_synthetic_sample(synthetic_dir: Path, n: int = 10, max_chars: int = 
         {"control_code": code.replace("\t", " | "), "text": text[:max_chars] + ("…" if len(text) > max_chars else "")}
         for code, text in zip(table["control_code"].to_pylist(), table["text"].to_pylist())
     ]
-    description = f"The first {len(rows)} synthetic samples written by the DP teacher (not private records)"
-    create_table_artifact(
-        key=SYNTHETIC_KEY, table=rows, description=description + "\n\n" + markdown_table(rows, ["control_code", "text"]),
-    )
+    description = (f"The first {len(rows)} synthetic samples written by the DP teacher (not private records)\n\n"
+                   + markdown_table(rows, ["control_code", "text"]))
+    create_table_artifact(key=SYNTHETIC_KEY, table=rows, description=description)
 
 
 def publish_report(report: Path, run_dir: Path) -> None:

@@ -2,9 +2,10 @@
 
 It reads aggregates and logs only (metrics.json, ledger.json, the training logs, the stage
 manifests, run.json and stages.json, config.yaml and the numeric columns of the synthetic
-shards) and never opens `data/`, so it cannot show a private record. Plots are matplotlib figures inlined as SVG:
-no network, no external script or style. A stage that did not run, or has not finished,
-is skipped with a short note, so a report can be written for a partly finished run.
+shards) and never opens `data/`, so it cannot show a private record. Plots are matplotlib
+figures inlined as SVG: no network, no external script or style. A stage that did not run,
+or has not finished, is skipped with a short note, so a report can be written for a partly
+finished run.
 
     from pipeline.report import write_report, write_comparison_report
     write_report(Path("runs/demo-20261121-064807"))          # -> .../report.html

@@ -232,8 +232,9 @@ def test_an_empty_text_part_is_left_out_and_all_parts_empty_is_an_empty_text(tmp
 
 def test_code_values_name_the_codes_and_the_domain_holds_the_names(tmp_path):
     """YAML reads `{1: World}` with a number: it still matches the file's "1"."""
+    yaml_names = {int(k): v for k, v in NEWS_NAMES.items()}
     tree = {"data": {"path": str(_news(tmp_path)), "text_column": ["title", "description"], "code_columns": ["label"],
-                     "code_template": "Topic: {value}", "code_values": {"label": {int(k): v for k, v in NEWS_NAMES.items()}}},
+                     "code_template": "Topic: {value}", "code_values": {"label": yaml_names}},
             "control_codes": {"domain": {"label": list(NEWS_NAMES.values())}}}
     cfg = config_from_dict(tree)
     res = prepare_data(cfg.data, tmp_path / "out", seed=0, code_domain=cfg.control_codes.domain)
@@ -262,7 +263,8 @@ def test_config_refuses_code_values_that_cannot_agree_with_the_domain(tmp_path):
     keep = data | {"unmapped_code_values": "keep"}  # raw values may then occur too
     assert config_from_dict({"data": keep, "control_codes": {"domain": {"label": ["1", "World"]}}})
     with pytest.raises(ConfigError, match=r"code_values names \['topic'\], which are not code columns"):
-        config_from_dict({"data": data | {"code_values": {"topic": NEWS_NAMES}}, "control_codes": {"mechanism": "exact"}})
+        config_from_dict({"data": data | {"code_values": {"topic": NEWS_NAMES}},
+                          "control_codes": {"mechanism": "exact"}})
     with pytest.raises(ConfigError, match=r"names \['Sci\\tTech'\] that are empty or hold a tab"):
         config_from_dict({"data": data | {"code_values": {"label": {"4": "Sci\tTech"}}},
                           "control_codes": {"mechanism": "exact"}})

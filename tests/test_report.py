@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -277,7 +278,11 @@ def test_wide_tables_stay_inside_the_page_at_1280_px(tmp_path):
     browser = Chromium(BROWSER)
     try:
         browser.goto(page.as_uri())
-        browser.wait_for("Privacy ledger", "noise_multiplier")
+        browser.wait_for("Privacy ledger", "noise_multiplier", "method: distil")  # the last section
+        deadline = time.monotonic() + 30
+        while browser.js("document.readyState") != "complete":  # every table laid out
+            assert time.monotonic() < deadline, "report.html did not finish loading in 30 s"
+            time.sleep(0.1)
         sizes = browser.js(
             "({page: document.documentElement.scrollWidth, window: window.innerWidth,"
             " body: document.body.getBoundingClientRect().right,"
