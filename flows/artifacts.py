@@ -1,4 +1,12 @@
-"""Prefect artifacts of a run: the privacy ledger, the metrics and synthetic samples, never a private record."""
+"""Prefect artifacts of a run: the privacy ledger, the metrics and synthetic samples, never a private record.
+
+Each table artifact also carries its table as Markdown in its description. The Prefect 3.8.8
+UI's page of an artifact key (`/artifacts/key/privacy-ledger`) shows the description and a
+timeline of collapsed artifacts: it expands the latest one only when the collection it reads
+has a `latest_id`, and the server's `GET /artifacts/{key}/latest` answers with an `Artifact`,
+which has none. So the table itself shows only on the artifact's own page or after a click;
+the description is what the key page shows.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +32,18 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
     return str(x)
+
+
+_MARKDOWN_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|~#&"} | {"\n": " ", "\r": " ", "\t": " "})
+
+
+def markdown_table(rows: list[dict[str, str]], columns: list[str]) -> str:
+    """`rows` (string values) as a GitHub Markdown table of `columns`; a cell's Markdown
+    characters are escaped, so a synthetic text shows as text and stays in its cell."""
+    def line(cells) -> str:
+        return "| " + " | ".join(str(c).translate(_MARKDOWN_SPECIAL) for c in cells) + " |"
+
+    return "\n".join([line(columns), "|" + "---|" * len(columns)] + [line(r.get(c, "") for c in columns) for r in rows])
 
 
 def ledger_summary(
@@ -76,7 +96,10 @@ def publish_ledger(
             "stage": "TOTAL", "private": _fmt(t.complete), "epsilon": _fmt(t.epsilon),
             "delta": _fmt(t.delta), "accountant": t.accountant, "note": f"{t.composition}. {t.note}",
         })
-    create_table_artifact(key=LEDGER_KEY, table=rows, description="Privacy ledger: one row per stage")
+    short = ["stage", "private", "epsilon", "delta", "noise_multiplier", "sample_rate", "steps", "accountant"]
+    description = ("Privacy ledger: one row per stage\n\n" + markdown_table(rows, short)
+                   + "\n\nEvery column (mechanism, clipping norm, noise source, notes): the artifact below.")
+    create_table_artifact(key=LEDGER_KEY, table=rows, description=description)
     create_markdown_artifact(
         key=SUMMARY_KEY, markdown=ledger_summary(ledger, budget, dataset_total), description="Privacy guarantee"
     )
@@ -93,13 +116,12 @@ def publish_metrics(metrics: dict) -> None:
         }
         for name, m in metrics["perplexity"].items()
     ]
-    create_table_artifact(
-        key=METRICS_KEY,
-        table=rows,
-        description=f"Perplexity on the held-out test split ({metrics['window']}-token windows), "
-        f"method {metrics['method']}"
-        + (f", {metrics['generation']['samples']} synthetic samples" if "generation" in metrics else ""),
+    description = (
+        f"Perplexity on the held-out test split ({metrics['window']}-token windows), method {metrics['method']}"
+        + (f", {metrics['generation']['samples']} synthetic samples" if "generation" in metrics else "")
     )
+    description += "\n\n" + markdown_table(rows, list(rows[0]))
+    create_table_artifact(key=METRICS_KEY, table=rows, description=description)
 
 
 def publish_synthetic_sample(synthetic_dir: Path, n: int = 10, max_chars: int = 300) -> None:
@@ -110,10 +132,9 @@ def publish_synthetic_sample(synthetic_dir: Path, n: int = 10, max_chars: int = 
         {"control_code": code.replace("\t", " | "), "text": text[:max_chars] + ("…" if len(text) > max_chars else "")}
         for code, text in zip(table["control_code"].to_pylist(), table["text"].to_pylist())
     ]
-    create_table_artifact(
-        key=SYNTHETIC_KEY, table=rows,
-        description=f"The first {len(rows)} synthetic samples written by the DP teacher (not private records)",
-    )
+    description = (f"The first {len(rows)} synthetic samples written by the DP teacher (not private records)\n\n"
+                   + markdown_table(rows, ["control_code", "text"]))
+    create_table_artifact(key=SYNTHETIC_KEY, table=rows, description=description)
 
 
 def publish_report(report: Path, run_dir: Path) -> None:

@@ -303,7 +303,9 @@ def write_run_report(run_dir: Path) -> int:
         read_ledger_file(run_dir / LEDGER)
     from pipeline.report import write_report  # matplotlib and pyarrow, not torch
 
-    print(write_report(run_dir))
+    # A stage that stages.json records as running is running only while the run's process is.
+    info = read_run_info(run_dir)
+    print(write_report(run_dir, writer_alive=info.get("status") == "running" and run_alive(info)))
     return 0
 
 

@@ -33,7 +33,7 @@ import torch
 from pipeline.audit import words
 from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
-from pipeline.data import CODE_JOINER, encode_record, read_table
+from pipeline.data import CODE_JOINER, code_name, encode_record, read_table
 
 TEMPLATE = "my account number is {}"
 DIGITS = 9
@@ -54,7 +54,8 @@ class Canary:
 
     def control_code(self, cfg: DataConfig) -> str:
         """The record's control code as the data stage builds it."""
-        return CODE_JOINER.join(cfg.code_template.format(column=c, value=self.codes[c]) for c in cfg.code_columns)
+        return CODE_JOINER.join(cfg.code_template.format(column=c, value=code_name(cfg, c, self.codes[c]))
+                                for c in cfg.code_columns)
 
 
 def make_canaries(n: int, table: pa.Table, cfg: DataConfig, repetitions=DEFAULT_REPETITIONS) -> list[Canary]:
@@ -81,14 +82,16 @@ def write_canary_data(source: pa.Table, canaries: list[Canary], cfg: DataConfig,
     """The training data (`source`, already cut to data.max_records) with every canary's
     copies inserted at random rows, as Parquet at `path`. Returns the number of rows added.
     Only the columns the data stage reads are kept; a canary's copies share one user."""
-    keep = [cfg.text_column, *cfg.code_columns] + ([cfg.user_column] if cfg.user_column else [])
+    keep = [*cfg.text_columns, *cfg.code_columns] + ([cfg.user_column] if cfg.user_column else [])
     rows = {c: pc.cast(source[c], pa.string()).to_pylist() for c in keep}
     rng = secrets.SystemRandom()
     added = 0
     for canary in canaries:
         for _ in range(canary.repetitions):
-            at = rng.randrange(len(rows[cfg.text_column]) + 1)
-            rows[cfg.text_column].insert(at, canary.text)
+            at = rng.randrange(len(rows[cfg.text_columns[0]]) + 1)
+            rows[cfg.text_columns[0]].insert(at, canary.text)  # its other text columns empty: left out
+            for c in cfg.text_columns[1:]:
+                rows[c].insert(at, None)
             for c in cfg.code_columns:
                 rows[c].insert(at, canary.codes[c])
             if cfg.user_column:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -33,7 +33,12 @@ class DataConfig(_Section):
     test_path: Path | None = Field(
         None, description="Held-out private test data (same columns). None: split it off `path`."
     )
-    text_column: str = Field("text", min_length=1, description="Column holding the record's text.")
+    text_column: str | list[str] = Field(
+        "text",
+        description="Column holding the record's text, or a list of columns whose texts are joined "
+        "with `text_separator`, e.g. [title, description]; an empty or missing part is left out.",
+    )
+    text_separator: str = Field("\n", description="What joins the texts of several `text_column`s.")
     code_columns: list[str] = Field(
         default_factory=lambda: ["label1", "label2"],
         min_length=1,
@@ -43,6 +48,18 @@ class DataConfig(_Section):
         "{value}",
         description="How one control code is written; may use {column} and {value}, "
         "e.g. '{column}: {value}'.",
+    )
+    code_values: dict[str, dict[str, str]] = Field(
+        default_factory=dict,
+        description="Names for the raw values of code columns, per column, e.g. {label: {'1': World, "
+        "'2': Sports}}: the control codes (and control_codes.domain) use the names. A value its "
+        "column's mapping lacks stops the data stage, naming row and column, unless "
+        "`unmapped_code_values` is 'keep'. Columns not listed keep their values.",
+    )
+    unmapped_code_values: Literal["error", "keep"] = Field(
+        "error",
+        description="A value missing from its column's `code_values`: 'error' (a typo in the mapping "
+        "would otherwise mix raw values and names in the codes) or 'keep' it unchanged.",
     )
     max_records: int | None = Field(
         None,
@@ -77,13 +94,44 @@ class DataConfig(_Section):
         "stages after it stay cached. Not part of any cache key.",
     )
 
+    @property
+    def text_columns(self) -> list[str]:
+        """`text_column` as a list: the columns a record's text is joined from."""
+        return [self.text_column] if isinstance(self.text_column, str) else list(self.text_column)
+
+    @field_validator("code_values", mode="before")
+    @classmethod
+    def _numbers_as_strings(cls, v):
+        """YAML reads `{label: {1: World}}` with a number for 1; the data stage compares each value
+        as the string it reads (CSV "1", a Parquet 1 cast to "1")."""
+        def s(x):
+            return str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+
+        if isinstance(v, dict):
+            return {c: {s(k): s(n) for k, n in m.items()} if isinstance(m, dict) else m for c, m in v.items()}
+        return v
+
     @model_validator(mode="after")
     def _template_names_value(self) -> "DataConfig":
+        problems = []
         if "{value}" not in self.code_template:
-            raise ValueError(
+            problems.append(
                 f"code_template {self.code_template!r} must contain '{{value}}', "
                 "e.g. '{value}' or '{column}: {value}'"
             )
+        texts = self.text_columns
+        if not texts or any(not c for c in texts) or len(set(texts)) != len(texts):
+            problems.append(f"text_column {self.text_column!r} must name one column or a list of distinct columns")
+        if unknown := [c for c in self.code_values if c not in self.code_columns]:
+            problems.append(f"code_values names {unknown}, which are not code columns; "
+                            f"map values of {self.code_columns} only")
+        for c, mapping in self.code_values.items():
+            bad = [name for name in mapping.values() if not name.strip() or any(ch in name for ch in "\t\n\r")]
+            if bad:
+                problems.append(f"code_values[{c!r}] has names {bad} that are empty or hold a tab or newline; "
+                                "a control code is one line")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
@@ -256,7 +304,8 @@ class GenerateConfig(_Section):
         10_000, ge=1, description="Samples per Parquet shard: memory bound and unit of resumption."
     )
     validation_fraction: float = Field(
-        0.01, ge=0, lt=0.5, description="Share of samples marked split='validation' for distillation."
+        0.01, ge=0, lt=0.5, description="Share of samples marked split='validation' for distillation, "
+        "rounded up per shard: a shard of 2 or more samples has at least one (0: none).",
     )
     workers: int = Field(
         1,
@@ -372,6 +421,15 @@ class PipelineConfig(_Section):
                 problems.append(
                     f"control_codes.mechanism={codes.mechanism} needs control_codes.domain to list the "
                     f"possible values of {missing} (public knowledge, not read from the private data)"
+                )
+        for c, mapping in self.data.code_values.items():
+            names = set(mapping.values())
+            if self.data.unmapped_code_values == "error" and (raw := [v for v in (codes.domain or {}).get(c, [])
+                                                                      if v not in names]):
+                problems.append(
+                    f"control_codes.domain[{c!r}] lists {raw}, which data.code_values[{c!r}] never produces: "
+                    f"the domain holds the mapped names ({sorted(names)}), or set "
+                    "data.unmapped_code_values=keep if these raw values also occur"
                 )
         if problems:
             raise ValueError("; ".join(problems))

@@ -155,11 +155,32 @@ def column_type_problem(column: str, type_: pa.DataType, where: str) -> str | No
     return None
 
 
+def code_name(cfg: DataConfig, column: str, value: str) -> str | None:
+    """The name a code column's value stands for (`data.code_values`); None when the column's
+    mapping lacks it and `data.unmapped_code_values` is 'error'."""
+    mapping = cfg.code_values.get(column)
+    if mapping is None or value in mapping:
+        return mapping[value] if mapping else value
+    return value if cfg.unmapped_code_values == "keep" else None
+
+
+def _joined_texts(table: pa.Table, cfg: DataConfig) -> tuple[list[str | None], list[str | None]]:
+    """Each row's text, its text columns' non-empty parts joined with `data.text_separator`
+    (None when every part is empty), and the first text column holding a NUL byte (or None)."""
+    columns = [pc.cast(table[c], pa.string()).to_pylist() for c in cfg.text_columns]
+    texts, nul = [], []
+    for parts in zip(*columns):
+        kept = [t for t in parts if t is not None and t.strip()]
+        texts.append(cfg.text_separator.join(kept) if kept else None)
+        nul.append(next((c for c, t in zip(cfg.text_columns, parts) if t and "\0" in t), None))
+    return texts, nul
+
+
 def _format_codes(
     table: pa.Table, cfg: DataConfig, where: str, domain: dict[str, list[str]] | None = None
 ) -> tuple[list[str], list[str], list[str] | None, list[int]]:
     """Validate columns and rows; return (control_codes, texts, users or None, dropped rows)."""
-    wanted = [cfg.text_column, *cfg.code_columns] + ([cfg.user_column] if cfg.user_column else [])
+    wanted = [*cfg.text_columns, *cfg.code_columns] + ([cfg.user_column] if cfg.user_column else [])
     missing = [c for c in wanted if c not in table.column_names]
     if missing:
         raise DataError(
@@ -170,7 +191,9 @@ def _format_codes(
         raise DataError(f"{where}: the file has no records (a header or schema only); point it at a file with rows")
     if problems := [p for c in wanted if (p := column_type_problem(c, table.schema.field(c).type, where))]:
         raise DataError("; ".join(problems))
-    texts = pc.cast(table[cfg.text_column], pa.string()).to_pylist()
+    texts, nul_columns = _joined_texts(table, cfg)
+    one = len(cfg.text_columns) == 1
+    text_name = f"column {cfg.text_columns[0]!r}" if one else f"columns {cfg.text_columns}"  # for messages
     columns = {c: pc.cast(table[c], pa.string()).to_pylist() for c in cfg.code_columns}
     users = pc.cast(table[cfg.user_column], pa.string()).to_pylist() if cfg.user_column else None
     allowed = {c: set(v) for c, v in (domain or {}).items()}
@@ -179,10 +202,10 @@ def _format_codes(
     for i, text in enumerate(texts):
         row = i + 1  # 1-based data row, header excluded
         empty, invalid = [], []  # empty fields may be dropped on request; invalid ones never
-        if text is None or not text.strip():
-            empty.append(f"row {row}, column {cfg.text_column!r}: empty text")
-        elif "\0" in text:
-            invalid.append(f"row {row}, column {cfg.text_column!r}: text contains a NUL byte (remove it)")
+        if text is None:
+            empty.append(f"row {row}, {text_name}: empty text")
+        elif nul_columns[i] is not None:
+            invalid.append(f"row {row}, column {nul_columns[i]!r}: text contains a NUL byte (remove it)")
         parts = []
         for c in cfg.code_columns:
             v = columns[c][i]
@@ -190,10 +213,14 @@ def _format_codes(
                 empty.append(f"row {row}, column {c!r}: empty control code")
             elif any(ch in v for ch in "\t\n\r"):
                 invalid.append(f"row {row}, column {c!r}: control code contains a tab or newline")
-            elif allowed and v.strip() not in allowed[c]:
-                invalid.append(f"row {row}, column {c!r}: value not in control_codes.domain[{c!r}]")
+            elif (name := code_name(cfg, c, v.strip())) is None:
+                invalid.append(f"row {row}, column {c!r}: value not in data.code_values[{c!r}]; add it to the "
+                               "mapping, or set data.unmapped_code_values=keep to keep such values as they are")
+            elif c in allowed and name not in allowed[c]:
+                mapped = " (after data.code_values)" if c in cfg.code_values else ""
+                invalid.append(f"row {row}, column {c!r}: value{mapped} not in control_codes.domain[{c!r}]")
             else:
-                parts.append(cfg.code_template.format(column=c, value=v.strip()))
+                parts.append(cfg.code_template.format(column=c, value=name))
         if users is not None and (users[i] is None or not users[i].strip()):
             empty.append(f"row {row}, column {cfg.user_column!r}: empty user")
         if empty and not invalid and cfg.drop_empty:

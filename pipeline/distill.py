@@ -108,7 +108,7 @@ def distill(
     data = TokenizedRecords(train_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
     prompt_lengths = torch.tensor(train_table["n_prompt_tokens"].to_pylist(), dtype=torch.long)
     validation = TokenizedRecords(val_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
-    if len(validation) == 0:  # e.g. 20 samples at generate.validation_fraction=0.01
+    if len(validation) == 0:  # generate.validation_fraction=0, or shards of a single kept sample
         log.warning(
             "distillation: the synthetic data has no validation samples, so the student is never evaluated "
             "during training and the last one is kept (no early stopping); raise generate.num_samples or "

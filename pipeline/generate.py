@@ -9,8 +9,9 @@ Scale: samples are written in shards of `shard_size` (`synthetic/shard-00000.par
 ...), one shard in memory at a time. Shard i draws its prompts and samples from a seed
 derived from (seed, i) alone, so a shard is deterministic for a given seed and shard, and
 a rerun into the same directory skips every finished shard (resumable after a crash).
-Each sample is marked split='train' or 'validation' (`validation_fraction`, 1% by
-default: the distillation's validation split). Empty or prompt-only generations are
+Each shard marks `validation_fraction` of its kept samples split='validation' (1% by
+default, rounded up: a shard of 2 or more samples has at least one; the distillation's
+validation split), the rest split='train'. Empty or prompt-only generations are
 counted and dropped.
 
 Parallel: `plan_generation` (checks, fingerprint, shard ranges) → `generate_shard(plan, i)`
@@ -110,6 +111,15 @@ def _shard_seed(seed: int, shard: int) -> int:
     return int(np.random.SeedSequence([seed, shard]).generate_state(1)[0])
 
 
+def _validation_positions(kept: list[int], fraction: float, rng: np.random.Generator) -> set[int]:
+    """The kept samples marked split='validation': `fraction` of them rounded up, so that a shard
+    of 2 or more kept samples always has one (20 samples at 1% gave none when each sample was
+    drawn at random). Chosen among the kept samples: a dropped empty one cannot take the place.
+    Never all of them: fraction < 0.5 leaves at least one training sample."""
+    n_validation = math.ceil(fraction * len(kept)) if len(kept) >= 2 else 0
+    return {int(i) for i in rng.choice(kept, size=n_validation, replace=False)} if n_validation else set()
+
+
 def _generate_shard(
     model, tok, cfg: GenerateConfig, counts: dict[str, float], first_id: int, n: int, shard_seed: int,
     on_batch: Callable[[int, int], None] | None = None,
@@ -121,7 +131,6 @@ def _generate_shard(
     eos = tok.eos_token_id
     n_prompts = math.ceil(n / cfg.samples_per_prompt)
     requested = [c for c in sample_control_codes(counts, n_prompts, rng) for _ in range(cfg.samples_per_prompt)][:n]
-    is_validation = rng.random(n) < cfg.validation_fraction
     prompt_ids = {c: tok.encode(prompt_for(c), add_special_tokens=False) for c in set(requested)}
     by_length: dict[int, list[int]] = defaultdict(list)  # prompt length -> sample positions
     for i, code in enumerate(requested):
@@ -168,11 +177,12 @@ def _generate_shard(
             if on_batch:
                 on_batch(samples_done, new_tokens)
 
+    validation = _validation_positions(sorted(kept), cfg.validation_fraction, rng)
     rows: dict[str, list] = {name: [] for name in SCHEMA.names}
     for i in sorted(kept):
         text, seq, length, finished = kept[i]
         rows["sample_id"].append(first_id + i)
-        rows["split"].append("validation" if is_validation[i] else "train")
+        rows["split"].append("validation" if i in validation else "train")
         rows["control_code"].append(requested[i])
         rows["text"].append(text)
         rows["n_tokens"].append(len(seq))
@@ -194,7 +204,7 @@ def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: i
     # `workers` changes how shards are scheduled, never what they hold: shards written with any
     # number of workers are the same generation (and resume each other).
     spec = {"config": cfg.model_dump(mode="json", exclude={"shard_size", "workers"}), "teacher": teacher_sha,
-            "codes": counts_sha, "seed": seed, "shard_size": cfg.shard_size, "format": 2}
+            "codes": counts_sha, "seed": seed, "shard_size": cfg.shard_size, "format": 3}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 

@@ -42,7 +42,7 @@ def require_inputs(cfg: PipelineConfig) -> None:
 def check_inputs(cfg: PipelineConfig) -> list[str]:
     """Every problem with the files a run reads, its models and its run_root (no run started)."""
     data = cfg.data
-    columns = [data.text_column, *data.code_columns] + ([data.user_column] if data.user_column else [])
+    columns = [*data.text_columns, *data.code_columns] + ([data.user_column] if data.user_column else [])
     problems = _data_file(data.path, "data.path", columns)
     if data.test_path is not None:
         problems += _data_file(data.test_path, "data.test_path", columns)

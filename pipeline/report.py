@@ -1,10 +1,11 @@
 """The run report: one self-contained `report.html` per run directory, built from what the run wrote.
 
 It reads aggregates and logs only (metrics.json, ledger.json, the training logs, the stage
-manifests, config.yaml and the numeric columns of the synthetic shards) and never opens
-`data/`, so it cannot show a private record. Plots are matplotlib figures inlined as SVG:
-no network, no external script or style. A stage that did not run, or has not finished,
-is skipped with a short note, so a report can be written for a partly finished run.
+manifests, run.json and stages.json, config.yaml and the numeric columns of the synthetic
+shards) and never opens `data/`, so it cannot show a private record. Plots are matplotlib
+figures inlined as SVG: no network, no external script or style. A stage that did not run,
+or has not finished, is skipped with a short note, so a report can be written for a partly
+finished run.
 
     from pipeline.report import write_report, write_comparison_report
     write_report(Path("runs/demo-20261121-064807"))          # -> .../report.html
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import matplotlib
 import pyarrow.parquet as pq
+import yaml
 from matplotlib.figure import Figure
 
 from pipeline.ledger import LEDGER, fmt_value, read_ledger
@@ -32,6 +34,9 @@ log = logging.getLogger(__name__)
 
 REPORT = "report.html"
 STAGES = ("data", "control_codes", "teacher", "synthetic", "student", "evaluation")
+GENERATING_METHODS = ("distil", "dp_syn")  # the others train the student on the private data itself
+# What the flow writes into stages.json (flows/pipeline_flow.py StageRunner), as the report says it.
+_STAGE_STATUS = {"ran": "finished", "forced": "finished (forced rerun)", "cached": "cached", "failed": "failed"}
 MAX_CODES_PLOTTED = 40  # a bar per code combination stays readable up to about this many
 _SYNTHETIC_COLUMNS = ("n_tokens", "n_prompt_tokens", "finished")  # numeric only: never the text
 _STYLE = """
@@ -39,6 +44,9 @@ body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; 
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 0.2em; margin-top: 1.6em; }
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+/* A wide table (the ledger has 12 columns) scrolls inside its own box instead of widening the
+   page; long paths and names (reused outputs, accountants) may break anywhere. */
+.table-wrap { max-width: 100%; overflow-x: auto; } td, th { overflow-wrap: anywhere; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; } th { background: #f4f4f4; }
 .note { color: #666; font-style: italic; } .warn { color: #a40000; font-weight: bold; }
 pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
@@ -63,7 +71,7 @@ def _table(header: list[str], rows: list[list]) -> str:
 
     head = "".join(f"<th>{_esc(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(cell(v) for v in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f'<div class="table-wrap"><table><tr>{head}</tr>{body}</table></div>'
 
 
 def _page(title: str, body: str) -> str:
@@ -101,7 +109,42 @@ def _read_json(path: Path) -> dict | None:
 
 # ---------------------------------------------------------------- the sections of a run report
 
-def _overview(run_dir: Path, metrics: dict | None) -> str:
+def _flow_stages(run_dir: Path, writer_alive: bool) -> str | None:
+    """The stage table from stages.json, the flow's own record of each stage (None: no such file,
+    e.g. a directory made by hand). A failed, interrupted or cached stage often has no manifest in
+    this directory, so the manifests alone would call it "not run"."""
+    stages = _read_json(run_dir / "stages.json")
+    if not isinstance(stages, dict):
+        return None
+    running = (_read_json(run_dir / "run.json") or {}).get("status") == "running" and writer_alive
+    rows, warnings = [], []
+    for name, s in stages.items():
+        status = s.get("status")
+        if status == "running" and not running:
+            status = "interrupted"
+            warnings.append(f"The run was interrupted during stage {name} (its process is gone): "
+                            "run the same command again to continue it.")
+        elif status == "failed":
+            warnings.append(f"Stage {name} failed: the run's log says why.")
+        out = s.get("output")
+        if out and Path(out).resolve().is_relative_to(run_dir.resolve()):
+            out = str(Path(out).resolve().relative_to(run_dir.resolve()))
+        elif out:
+            out = f"reused from {out}"
+        rows.append([name, _STAGE_STATUS.get(status, status), s.get("seconds"), s.get("finished_at"), out])
+    table = _table(["stage", "status", "seconds", "finished at", "output"], rows)
+    notes = "".join(_note(w, "warn") for w in warnings)
+    return notes + table + _note("A stage not listed has not started (or this method has no such stage).")
+
+
+def _overview(run_dir: Path, metrics: dict | None, writer_alive: bool) -> str:
+    method = (metrics or {}).get("method")
+    if method:
+        head = f"<p>Method: <b>{_esc(method)}</b></p>"
+    else:
+        head = _note("metrics.json is missing: the run has not finished.")
+    if (table := _flow_stages(run_dir, writer_alive)) is not None:
+        return head + table
     rows = []
     for stage in STAGES:
         manifest = _read_json(run_dir / stage / MANIFEST)
@@ -111,11 +154,6 @@ def _overview(run_dir: Path, metrics: dict | None) -> str:
             rows.append([stage, "started, not finished (no manifest)", None])
         else:
             rows.append([stage, "not run", None])
-    method = (metrics or {}).get("method")
-    if method:
-        head = f"<p>Method: <b>{_esc(method)}</b></p>"
-    else:
-        head = _note("metrics.json is missing: the run has not finished.")
     return head + _table(["stage", "status", "finished at"], rows)
 
 
@@ -294,11 +332,22 @@ def _generation(run_dir: Path, metrics: dict | None) -> str:
     if gen:
         keys = ["samples", "validation_samples", "dropped_empty", "new_tokens_per_second", "shards", "resumed_shards"]
         out += _table(keys, [[gen.get(k) for k in keys]]) + _code_shares(gen)
-    elif not (run_dir / "synthetic").is_dir():
+    elif _method(run_dir, metrics) not in (None, *GENERATING_METHODS):
         return _note("This run has no generation stage (its method trains the student on the private data).")
     else:
-        out += _note("No generation summary in metrics.json yet.")
+        out += _note("The generation stage has not finished (no generation summary in metrics.json yet).")
     return out + _lengths(run_dir, metrics)
+
+
+def _method(run_dir: Path, metrics: dict | None) -> str | None:
+    """distill.method, from metrics.json or, before the run has finished, from config.yaml."""
+    if (metrics or {}).get("method"):
+        return metrics["method"]
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return cfg["distill"]["method"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
 
 
 def _timings(metrics: dict | None) -> str:
@@ -326,14 +375,18 @@ def _render(title: str, build: Callable[[], str]) -> str:
     return f"<section><h2>{_esc(title)}</h2>\n{body}\n</section>\n"
 
 
-def write_report(run_dir: Path) -> Path:
-    """Write `run_dir/report.html` from what the run directory holds, atomically; returns its path."""
+def write_report(run_dir: Path, writer_alive: bool = False) -> Path:
+    """Write `run_dir/report.html` from what the run directory holds, atomically; returns its path.
+
+    `writer_alive`: whether the process that runs this run directory still runs
+    (flows/run_info.py `run_alive`); without it a stage that stages.json records as running
+    is reported as interrupted. The flow writes its report once its stages have ended."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist; pass the directory a run wrote")
     metrics = _read_json(run_dir / "metrics.json")
     sections = [
-        ("Run", lambda: _overview(run_dir, metrics)),
+        ("Run", lambda: _overview(run_dir, metrics, writer_alive)),
         ("Privacy ledger", lambda: _privacy(run_dir)),
         ("DP-SGD training", lambda: _dp_training(run_dir)),
         ("Distillation", lambda: _distillation(run_dir)),
@@ -398,7 +451,8 @@ def write_comparison_report(run_dirs: dict[str, Path], out: Path) -> Path:
         + (f'<td><a href="{_esc(r["report"])}">report</a></td>' if r["report"] else "<td>–</td>") + "</tr>"
         for r in rows
     )
-    body += "<table><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in header + ["report"]) + f"</tr>{table_rows}</table>"
+    body += ('<div class="table-wrap"><table><tr>' + "".join(f"<th>{_esc(h)}</th>" for h in header + ["report"])
+             + f"</tr>{table_rows}</table></div>")
     body += _note("ε complete = NO: the run released something not differentially private (the exact control-code "
                   "counts); its ε covers the DP stages only.")
     atomic_write_text(out, _page("dpdistill: perplexity per method", body))

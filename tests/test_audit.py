@@ -19,7 +19,7 @@ from conftest import PUBLIC, make_tiny_model, tiny_pipeline_dict
 from flows.cli import main
 from pipeline.audit import AUDIT, training_texts, words
 from pipeline.batching import lm_batch
-from pipeline.canaries import Canary, canary_exposures
+from pipeline.canaries import Canary, canary_exposures, make_canaries, write_canary_data
 from pipeline.config import DataConfig, config_from_dict, dump_config
 from pipeline.data import encode_record, prepare_data, read_split
 from pipeline.ledger import LedgerEntry, PrivacyLedger, compose, fmt_value, post_processing, read_ledger
@@ -255,3 +255,18 @@ def test_model_card_of_a_dp_student_states_its_own_stage():
     card = model_card(ledger, "student")
     assert "`student` in the run's `ledger.json`" in card and "| noise multiplier σ | 2.345 |" in card
     assert "| steps | 77 |" in card and "DP student" in card
+
+
+def test_canaries_in_several_text_columns_with_named_codes_are_the_records_the_data_stage_builds(tmp_path):
+    """A canary's control code and text, as the exposure test scores them, are what the data
+    stage makes of its inserted rows (joined text columns, data.code_values applied)."""
+    source = pa.table({"title": ["a title"] * 8, "body": ["a body"] * 8, "label": ["1", "2"] * 4})
+    cfg = DataConfig(path=tmp_path / "with-canaries.parquet", text_column=["title", "body"], code_columns=["label"],
+                     code_template="Topic: {value}", code_values={"label": {"1": "World", "2": "Sports"}},
+                     validation_fraction=0.0, test_fraction=0.2)
+    [canary] = make_canaries(1, source, cfg, repetitions=(3,))
+    assert write_canary_data(source, [canary], cfg, cfg.path) == 3
+    res = prepare_data(cfg, tmp_path / "data", seed=0)
+    records = list(zip(*read_split(res.train))) + list(zip(*read_split(res.test)))
+    assert records.count((canary.control_code(cfg), canary.text)) == 3
+    assert canary.control_code(cfg) in ("Topic: World", "Topic: Sports")

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import YELP_TEST, YELP_TRAIN
-from pipeline.config import DataConfig
+from pipeline.codes import domain_codes
+from pipeline.config import ConfigError, DataConfig, config_from_dict
 from pipeline.data import DataError, encode_record, prepare_data, prompt_for, read_split, read_table
 
 CODE_RE = re.compile(r"^Business Category: [^\t\n]+\tReview Stars: [^\t\n]+$")
@@ -222,3 +223,79 @@ def test_list_typed_parquet_column_is_named(tmp_path):
     pq.write_table(pa.table({"text": [f"r{i}" for i in range(5)], "label1": [["a"]] * 5, "label2": ["b"] * 5}), path)
     with pytest.raises(DataError, match=r"column 'label1' holds list"):
         prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)
+
+
+# ---------------------------------------------------------------- shaping records in the config
+
+NEWS_NAMES = {"1": "World", "2": "Sports", "3": "Business", "4": "Sci/Tech"}
+
+
+def _news(tmp_path, n=20, label=lambda i: str(i % 4 + 1)):
+    """An AG News-like file: title and description columns, a numeric class label."""
+    rows = [[f"SECRET-TITLE-{i}", f"SECRET-BODY-{i} happened", label(i)] for i in range(n)]
+    return _write_csv(tmp_path / "news.csv", rows, header=("title", "description", "label"))
+
+
+def test_several_text_columns_are_joined_with_the_separator(tmp_path):
+    path = _news(tmp_path)
+    cfg = DataConfig(path=path, text_column=["title", "description"], text_separator=" // ",
+                     code_columns=["label"], validation_fraction=0.0)
+    res = prepare_data(cfg, tmp_path / "out", seed=0)
+    texts = read_split(res.train)[1] + read_split(res.test)[1]
+    assert sorted(texts) == sorted(f"SECRET-TITLE-{i} // SECRET-BODY-{i} happened" for i in range(20))
+    assert DataConfig(path=path).text_separator == "\n" and DataConfig(path=path).text_columns == ["text"]
+
+
+def test_an_empty_text_part_is_left_out_and_all_parts_empty_is_an_empty_text(tmp_path):
+    rows = [[f"SECRET-TITLE-{i}", f"SECRET-BODY-{i}", "1"] for i in range(20)]
+    rows[3][0] = ""  # no title: the description alone
+    rows[7][0] = rows[7][1] = " "  # nothing: an empty record
+    path = _write_csv(tmp_path / "news.csv", rows, header=("title", "description", "label"))
+    cfg = DataConfig(path=path, text_column=["title", "description"], code_columns=["label"])
+    with pytest.raises(DataError) as err:
+        prepare_data(cfg, tmp_path / "out", seed=0)
+    assert "row 8, columns ['title', 'description']: empty text" in str(err.value)
+    assert "1 unusable record" in str(err.value) and "SECRET" not in str(err.value)
+    res = prepare_data(cfg.model_copy(update={"drop_empty": True, "validation_fraction": 0.0}), tmp_path / "o2", seed=0)
+    texts = read_split(res.train)[1] + read_split(res.test)[1]
+    assert "SECRET-BODY-3" in texts and res.n_dropped == 1
+
+
+def test_code_values_name_the_codes_and_the_domain_holds_the_names(tmp_path):
+    """YAML reads `{1: World}` with a number: it still matches the file's "1"."""
+    yaml_names = {int(k): v for k, v in NEWS_NAMES.items()}
+    tree = {"data": {"path": str(_news(tmp_path)), "text_column": ["title", "description"], "code_columns": ["label"],
+                     "code_template": "Topic: {value}", "code_values": {"label": yaml_names}},
+            "control_codes": {"domain": {"label": list(NEWS_NAMES.values())}}}
+    cfg = config_from_dict(tree)
+    res = prepare_data(cfg.data, tmp_path / "out", seed=0, code_domain=cfg.control_codes.domain)
+    codes = read_split(res.train)[0] + read_split(res.test)[0]
+    assert set(codes) == {f"Topic: {name}" for name in NEWS_NAMES.values()}
+    assert domain_codes(cfg.data, cfg.control_codes.domain) == [f"Topic: {n}" for n in NEWS_NAMES.values()]
+
+
+def test_a_value_missing_from_code_values_names_row_column_and_fix(tmp_path):
+    path = _news(tmp_path, label=lambda i: "5" if i == 6 else str(i % 4 + 1))
+    cfg = DataConfig(path=path, text_column=["title", "description"], code_columns=["label"],
+                     code_values={"label": NEWS_NAMES})
+    with pytest.raises(DataError) as err:
+        prepare_data(cfg, tmp_path / "out", seed=0)
+    msg = str(err.value)
+    assert "row 7, column 'label': value not in data.code_values['label']" in msg
+    assert "data.unmapped_code_values=keep" in msg and "SECRET" not in msg and "'5'" not in msg
+    kept = prepare_data(cfg.model_copy(update={"unmapped_code_values": "keep"}), tmp_path / "o2", seed=0)
+    assert "5" in read_split(kept.train)[0] + read_split(kept.test)[0] + read_split(kept.validation)[0]
+
+
+def test_config_refuses_code_values_that_cannot_agree_with_the_domain(tmp_path):
+    data = {"path": str(tmp_path / "news.csv"), "code_columns": ["label"], "code_values": {"label": NEWS_NAMES}}
+    with pytest.raises(ConfigError, match=r"control_codes.domain\['label'\] lists \['1', '2'\].*mapped names"):
+        config_from_dict({"data": data, "control_codes": {"domain": {"label": ["1", "2"]}}})
+    keep = data | {"unmapped_code_values": "keep"}  # raw values may then occur too
+    assert config_from_dict({"data": keep, "control_codes": {"domain": {"label": ["1", "World"]}}})
+    with pytest.raises(ConfigError, match=r"code_values names \['topic'\], which are not code columns"):
+        config_from_dict({"data": data | {"code_values": {"topic": NEWS_NAMES}},
+                          "control_codes": {"mechanism": "exact"}})
+    with pytest.raises(ConfigError, match=r"names \['Sci\\tTech'\] that are empty or hold a tab"):
+        config_from_dict({"data": data | {"code_values": {"label": {"4": "Sci\tTech"}}},
+                          "control_codes": {"mechanism": "exact"}})

@@ -129,3 +129,15 @@ def test_baselines_run_through_the_same_flow(prefect_server, tmp_path, method):
         t, s = typed.entry("teacher"), typed.entry("student")
         assert t.epsilon <= eps / 2 and s.epsilon <= eps / 2 and "KD loss" in s.note
         assert typed.total.complete and max(t.epsilon, s.epsilon) < typed.total.epsilon <= t.epsilon + s.epsilon
+
+
+def test_markdown_table_keeps_every_cell_text_in_its_cell():
+    """The key pages of the UI show a table artifact's description only (flows/artifacts.py),
+    so it repeats the table: a generated text with Markdown or HTML in it stays literal text
+    in its own cell."""
+    from flows.artifacts import markdown_table
+
+    rows = [{"control_code": "Bars | Stars: 5.0", "text": "a|b <script>x</script> *em*\nline [l](u)", "n": 3}]
+    md = markdown_table(rows, ["control_code", "text", "n"]).splitlines()
+    assert md[:2] == [r"| control\_code | text | n |", "|---|---|---|"] and len(md) == 3
+    assert md[2] == r"| Bars \| Stars: 5.0 | a\|b \<script\>x\</script\> \*em\* line \[l\](u) | 3 |"

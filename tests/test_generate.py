@@ -12,7 +12,9 @@ import pytest
 
 from pipeline.config import GenerateConfig
 from pipeline.data import prompt_for
-from pipeline.generate import GenerateError, read_synthetic, SCHEMA, generate_synthetic, sample_control_codes
+from pipeline.generate import (
+    GenerateError, SCHEMA, _validation_positions, generate_synthetic, read_synthetic, sample_control_codes,
+)
 from pipeline.ledger import LedgerEntry
 from pipeline.models import load_tokenizer
 
@@ -186,3 +188,20 @@ def test_validation_split_and_generation_options(tmp_path, tiny_model_dir):
     rows = sorted(zip(table["sample_id"].to_pylist(), table["control_code"].to_pylist()))
     codes = dict(rows)
     assert all(codes[i] == codes[i - i % 3] for i in codes if i - i % 3 in codes)
+
+
+@pytest.mark.parametrize(("kept", "fraction", "expected"), [
+    (0, 0.01, 0), (1, 0.3, 0), (2, 0.01, 1), (20, 0.01, 1), (101, 0.01, 2), (20, 0.0, 0), (3, 0.49, 2),
+])
+def test_validation_share_is_rounded_up_and_leaves_training_samples(kept, fraction, expected):
+    chosen = _validation_positions(list(range(100, 100 + kept)), fraction, np.random.default_rng(0))
+    assert len(chosen) == expected and chosen <= set(range(100, 100 + kept))
+    assert kept - len(chosen) >= min(kept, 1)  # never every sample of a shard
+
+
+def test_twenty_samples_at_the_default_fraction_keep_one_for_validation(tmp_path, tiny_model_dir):
+    """20 samples at 1% gave 0 validation samples, so distillation never evaluated."""
+    res = _generate(tmp_path, tiny_model_dir, CODES, seed=0, num_samples=20, batch_size=20, max_length=24)
+    assert GenerateConfig.model_fields["validation_fraction"].default == 0.01
+    assert res.n_samples >= 2 and res.n_validation == 1
+    assert read_synthetic(res.path)["split"].to_pylist().count("validation") == 1

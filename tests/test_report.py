@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from browser import BROWSER, Chromium
+from flows.cli import main as cli_main
 from pipeline.ledger import LedgerEntry, LedgerTotal, PrivacyLedger, post_processing, write_ledger
 from pipeline.report import REPORT, write_comparison_report, write_report
 
@@ -190,3 +197,99 @@ def test_comparison_report_shows_each_methods_student_perplexity(tmp_path):
     assert "<td>not finished</td>" in page
     assert 'href="run-distil/report.html"' in page  # relative link to the run's own report
     assert _external_refs(page) == set() and SECRET not in page
+
+
+def _stopped_during(run: Path, stage_dir: str, statuses: dict[str, dict], run_status: str, pid: int) -> None:
+    """Make `run` a run that stopped in its last stage of `statuses`: that stage's directory,
+    metrics.json and everything after it gone, stages.json and run.json as the flow writes them."""
+    (run / "metrics.json").unlink()
+    for d in (stage_dir, "synthetic", "student", "evaluation"):
+        for f in sorted((run / d).glob("*"), reverse=True):
+            f.unlink()
+        if (run / d).is_dir():
+            (run / d).rmdir()
+    _json(run / "stages.json", statuses)
+    _json(run / "run.json", {"tool": "dpdistill", "status": run_status, "host": socket.gethostname(), "pid": pid})
+
+
+def _ran(**extra) -> dict:
+    return {"status": "ran", "seconds": 1.5, "finished_at": "2026-11-21T09:00:00"} | extra
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_failed_teacher_is_shown_as_failed_not_as_not_run(tmp_path):
+    run = make_run(tmp_path, "distil")
+    stages = {"base-models": _ran(), "data": _ran(output=str(run / "data")),
+              "control-codes": _ran(), "teacher": {"status": "failed", "seconds": 3.0}}
+    _stopped_during(run, "teacher", stages, "failed", os.getpid())
+    page = write_report(run).read_text()
+    assert "<td>teacher</td><td>failed</td>" in page
+    assert "Stage teacher failed" in page and "<td>data</td><td>finished</td>" in page
+    assert "not run" not in page and "could not be drawn" not in page
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_stage_recorded_as_running_is_running_only_while_its_process_is(tmp_path, alive):
+    """`dpdistill report` on a run in progress, and on one whose process was killed."""
+    run = make_run(tmp_path, "distil")
+    stages = {"data": _ran(), "control-codes": _ran(), "teacher": {"status": "running"}}
+    _stopped_during(run, "teacher", stages, "running", os.getpid() if alive else _dead_pid())
+    assert cli_main(["report", str(run)]) == 0
+    page = (run / REPORT).read_text()
+    if alive:
+        assert "<td>teacher</td><td>running</td>" in page and "interrupted" not in page
+    else:
+        assert "<td>teacher</td><td>interrupted</td>" in page
+        assert "interrupted during stage teacher" in page and "run the same command again" in page
+
+
+def test_a_cached_stage_says_cached_and_where_its_outputs_are(tmp_path):
+    run = make_run(tmp_path, "distil")
+    other = tmp_path / "an-earlier-run" / "teacher"
+    stages = {"data": _ran(output=str(run / "data")),
+              "teacher": {"status": "cached", "seconds": 0.2, "output": str(other)}}
+    _json(run / "stages.json", stages)
+    page = write_report(run).read_text()
+    assert f"<td>teacher</td><td>cached</td><td class=\"num\">0.2</td><td>-</td><td>reused from {other}</td>" in page
+    assert "<td>data</td><td>finished</td>" in page and "<td>data</td></tr>" in page  # this run's own: relative
+
+
+def test_an_unfinished_distil_run_says_generation_has_not_finished(tmp_path):
+    """Not that its method has no generation stage: config.yaml says it has one."""
+    run = make_run(tmp_path, "distil")
+    stages = {"data": _ran(), "control-codes": _ran(), "teacher": _ran(), "generation": {"status": "running"}}
+    _stopped_during(run, "synthetic", stages, "running", _dead_pid())
+    page = write_report(run).read_text()
+    assert "The generation stage has not finished" in page
+    assert "no generation stage" not in page
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no chromium/google-chrome binary (apt-get install chromium)")
+def test_wide_tables_stay_inside_the_page_at_1280_px(tmp_path):
+    """The 12-column ledger table was 1402 px wide in a 1280 px window: it must wrap or scroll
+    inside its own box, never widen the page."""
+    run = make_run(tmp_path, "distil")
+    page = write_report(run)
+    browser = Chromium(BROWSER)
+    try:
+        browser.goto(page.as_uri())
+        browser.wait_for("Privacy ledger", "noise_multiplier", "method: distil")  # the last section
+        deadline = time.monotonic() + 30
+        while browser.js("document.readyState") != "complete":  # every table laid out
+            assert time.monotonic() < deadline, "report.html did not finish loading in 30 s"
+            time.sleep(0.1)
+        sizes = browser.js(
+            "({page: document.documentElement.scrollWidth, window: window.innerWidth,"
+            " body: document.body.getBoundingClientRect().right,"
+            " tables: [...document.querySelectorAll('.table-wrap')].map(t => t.getBoundingClientRect().right)})"
+        )
+    finally:
+        browser.close()
+    assert sizes["window"] == 1280
+    assert sizes["page"] <= sizes["window"], sizes
+    assert len(sizes["tables"]) == page.read_text().count("<table>") and max(sizes["tables"]) <= sizes["body"], sizes
