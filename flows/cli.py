@@ -246,6 +246,9 @@ def print_status(run_dir: Path) -> int:
     state = info["status"]
     if state == "running" and not run_alive(info):
         state = "interrupted (its process is gone): run the same command again to continue it"
+    elif state in ("failed", "interrupted"):
+        why = f" ({info['reason']})" if info.get("reason") else ""
+        state = f"{state}{why}: run the same command again to continue it (log: {run_dir / 'run.log'})"
     print(f"run {run_dir}\nstatus: {state}; started {info.get('started_at')}"
           + (f", finished {info['finished_at']}" if info.get("finished_at") else ""))
     rows = [("stage", "status", "seconds", "epsilon", "output")]
@@ -342,15 +345,18 @@ def _failure(err: BaseException) -> tuple[str, int]:
 
 
 def _stop_prefect() -> None:
-    """Send Prefect's queued log lines and events, then stop the temporary server this
-    process started, so that none of their shutdown messages lands after our last line."""
+    """Send Prefect's queued log lines and events, then stop the temporary server if this
+    run started one (PREFECT_API_URL unset), so that none of their shutdown messages lands
+    after our last line (Prefect would stop it at exit)."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
     from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
 
     for worker in (APILogWorker, EventsWorker):
-        worker.drain_all(timeout=10)
-    SubprocessASGIServer().stop()  # the temporary server, if one was started (else nothing)
+        worker.drain_all(timeout=10, at_exit=False)
+    if not PREFECT_API_URL.value():
+        SubprocessASGIServer().stop()
 
 
 def run_flow(args, cfg) -> int:
@@ -360,7 +366,7 @@ def run_flow(args, cfg) -> int:
     from prefect.exceptions import TerminationSignal
 
     from flows.interrupts import Interrupts
-    from flows.run_log import mute_terminal, quiet_expected_errors
+    from flows.run_log import quiet_expected_errors
 
     with Interrupts() as interrupts:
         try:
@@ -379,7 +385,6 @@ def run_flow(args, cfg) -> int:
         else:
             line, code = f"\nrun directory: {run_dir}", 0
         _stop_prefect()
-        mute_terminal()  # whatever Prefect still logs at exit stays off the terminal
         print(line, file=sys.stderr if code else sys.stdout, flush=True)
         return code
 

@@ -34,8 +34,8 @@ import psutil
 from flows.run_info import mark_stopped
 from flows.run_log import latest_run_dir, mute_terminal
 
-GRACE_S = 5.0  # for the flow to unwind; the whole stop stays under 10 s
-KILL_WAIT_S = 2.0  # for children to exit after SIGTERM before SIGKILL
+GRACE_S = 4.0  # for the flow to unwind; with KILL_WAIT_S the whole stop stays well under 10 s
+KILL_WAIT_S = 1.0  # for children to exit after SIGTERM before SIGKILL
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 

@@ -69,9 +69,7 @@ def run_log(run_dir: Path) -> Iterator[Path]:
     handler = _RunLogHandler(os.fdopen(fd, "a", encoding="utf-8"))
     handler.setFormatter(_terminal_formatter())
     root = logging.getLogger()
-    # First among the root's handlers: it sees each record before the terminal's filter
-    # (QuietExpectedErrors) shortens it, so the file keeps Prefect's full message.
-    root.handlers.insert(0, handler)
+    root.addHandler(handler)
     _latest = Path(run_dir)
     handler.stream.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} dpdistill (pid {os.getpid()}) ---\n")
     try:
@@ -104,11 +102,13 @@ class QuietExpectedErrors(logging.Filter):
     with the traceback, "Failed to write result" when the result serializer refuses the
     exception, "Finished in state Failed(...)") and a failed flow run twice ("Encountered
     exception during execution" with the traceback, "Finished in state Failed(...)"); the
-    first two kinds are dropped here and the last shortened to the exception's type."""
+    first two kinds are dropped here and the last shortened to the exception's type (a
+    shortened copy is printed through `handler`; the record itself, which the other
+    handlers also see, is never changed)."""
 
-    def __init__(self, expected: tuple[type[BaseException], ...]):
+    def __init__(self, expected: tuple[type[BaseException], ...], handler: logging.Handler):
         super().__init__()
-        self.expected = expected
+        self.expected, self.handler = expected, handler
         self.names = {t.__name__ for t in expected}
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -121,7 +121,10 @@ class QuietExpectedErrors(logging.Filter):
             return False  # our result serializer refused to store the exception: expected
         match = _FAILED.match(msg)
         if match and match.group(1) in self.names:
-            record.msg, record.args = f"Finished in state Failed ({match.group(1)})", ()
+            short = logging.makeLogRecord(record.__dict__)
+            short.msg, short.args = f"Finished in state Failed ({match.group(1)})", ()
+            self.handler.handle(short)  # passes this filter: no "Failed(" in it
+            return False
         return True
 
 
@@ -134,13 +137,12 @@ def quiet_expected_errors(expected: tuple[type[BaseException], ...]) -> None:
     """Install `QuietExpectedErrors` on the terminal's handlers (not on run.log's)."""
     for h in _console_handlers():
         if not any(isinstance(f, QuietExpectedErrors) for f in h.filters):
-            h.addFilter(QuietExpectedErrors(expected))
+            h.addFilter(QuietExpectedErrors(expected, h))
 
 
 def mute_terminal() -> None:
     """Nothing more from logging on the terminal (run.log still gets it): after an interrupt,
-    Prefect's attempts to reach a temporary server that is gone, and after the CLI's last
-    line, whatever Prefect logs while it shuts down."""
+    Prefect's crash reports and its attempts to reach a temporary server that is gone."""
     for h in _console_handlers():
         if not any(isinstance(f, _Mute) for f in h.filters):
             h.addFilter(_Mute())
