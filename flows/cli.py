@@ -249,6 +249,9 @@ def print_status(run_dir: Path) -> int:
     state = info["status"]
     if state == "running" and not run_alive(info):
         state = "interrupted (its process is gone): run the same command again to continue it"
+    elif state in ("failed", "interrupted"):
+        why = f" ({info['reason']})" if info.get("reason") else ""
+        state = f"{state}{why}: run the same command again to continue it (log: {run_dir / 'run.log'})"
     print(f"run {run_dir}\nstatus: {state}; started {info.get('started_at')}"
           + (f", finished {info['finished_at']}" if info.get("finished_at") else ""))
     rows = [("stage", "status", "seconds", "epsilon", "output")]
@@ -320,6 +323,77 @@ def show_ledger(run_dir: Path) -> int:
     return 0
 
 
+def one_line(err: BaseException, run_log: str | None = None, limit: int = 1500) -> str:
+    """An error's message on one line (a data error lists its rows on several), cut at
+    `limit` characters with a pointer to the run's log, which holds all of it."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+    if len(text) > limit:
+        text = text[:limit] + " ... (cut; all of it in " + (run_log or "the output above") + ")"
+    return text
+
+
+def _failure(err: BaseException) -> tuple[str, int]:
+    """The last line of a failed `dpdistill run`, and its exit code: 2 for a user error (the
+    message says what to fix), 1 for a bug (the traceback was logged)."""
+    log = getattr(err, "dpdistill_run_log", None)
+    if isinstance(err, user_errors()):
+        return f"dpdistill: error: {one_line(err, log)}", 2
+    if (message := prefect_server_error(err)) is not None:
+        return f"dpdistill: error: {message}", 2
+    if log is None:  # raised before the flow's run log existed: Prefect logged no traceback
+        import traceback
+
+        traceback.print_exc()
+    where = f"above and in {log}" if log else "above"
+    return (f"dpdistill: error: unexpected {type(err).__name__}: {one_line(err, log, 300)} "
+            f"(a bug: the traceback is {where}; please report it)"), 1
+
+
+def _stop_prefect() -> None:
+    """Send Prefect's queued log lines and events, then stop the temporary server if this
+    run started one (PREFECT_API_URL unset), so that none of their shutdown messages lands
+    after our last line (Prefect would stop it at exit)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=10, at_exit=False)
+    if not PREFECT_API_URL.value():
+        SubprocessASGIServer().stop()
+
+
+def run_flow(args, cfg) -> int:
+    """`dpdistill run`: the flow, with one line at the end of the terminal output saying how
+    it ended (run.log in the run directory holds the tracebacks). Exit codes: 0 done, 2 a
+    user error, 1 a bug, 130/143 interrupted by SIGINT/SIGTERM (flows/interrupts.py)."""
+    from prefect.exceptions import TerminationSignal
+
+    from flows.interrupts import Interrupts
+    from flows.run_log import quiet_expected_errors
+
+    with Interrupts() as interrupts:
+        try:
+            from flows.pipeline_flow import dp_distill
+
+            quiet_expected_errors(user_errors())
+            rerun = stages_to_rerun(args.rerun_from, args.force)
+            run_dir = dp_distill(cfg, run_dir=args.run_dir, rerun=rerun)
+        except (KeyboardInterrupt, TerminationSignal) as e:
+            interrupts.finish(getattr(e, "signal", None))  # does not return
+            raise
+        except Exception as e:
+            if interrupts.signum is not None:  # e.g. a worker that the signal stopped first
+                interrupts.finish()
+            line, code = _failure(e)
+        else:
+            line, code = f"\nrun directory: {run_dir}", 0
+        _stop_prefect()
+        print(line, file=sys.stderr if code else sys.stdout, flush=True)
+        return code
+
+
 def run_pipeline(args) -> int:
     """`run`, `serve`, `plan` and `build-base`: the commands that import torch (and but for
     `plan`, Prefect)."""
@@ -337,6 +411,8 @@ def run_pipeline(args) -> int:
             print(f"dpdistill: error: {e}", file=sys.stderr)
             return 2
     quiet_libraries()
+    if args.command == "run":
+        return run_flow(args, cfg)
     try:
         if args.command == "plan":
             from pipeline.plan import format_plan, make_plan  # torch, Opacus; no Prefect
@@ -356,10 +432,6 @@ def run_pipeline(args) -> int:
             deployment = make_deployment(args.config, args.cron, args.overrides, args.name, args.timezone)
             serve(deployment)
             return 0
-        from flows.pipeline_flow import dp_distill
-
-        rerun = stages_to_rerun(args.rerun_from, args.force)
-        run_dir = dp_distill(cfg, run_dir=args.run_dir, rerun=rerun)
     except user_errors() as e:
         print(f"dpdistill: error: {e}", file=sys.stderr)
         return 2
@@ -369,7 +441,6 @@ def run_pipeline(args) -> int:
             raise
         print(f"dpdistill: error: {message}", file=sys.stderr)
         return 2
-    print(f"\nrun directory: {run_dir}")
     return 0
 
 

@@ -30,7 +30,10 @@ from flows.artifacts import publish_ledger, publish_metrics, publish_report, pub
 from flows.caching import RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
 from flows.generation import generate_with_workers
 from flows.progress import StageProgress
-from flows.run_info import RUN_INFO, STAGES_INFO, TOOL, RunDirError, read_run_info, run_alive  # noqa: F401 (re-exported)
+from flows.run_info import (  # noqa: F401 (RunDirError re-exported)
+    RUN_INFO, STAGES_INFO, TOOL, RunDirError, mark_stopped, read_run_info, run_alive, stop_reason,
+)
+from flows.run_log import run_log
 from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
@@ -278,8 +281,9 @@ def find_interrupted_run(cfg: PipelineConfig, flow_run_id: str | None) -> tuple[
     same = [(path, info) for _, path, info in runs if info.get("config_sha256") == config_sha]
     if same:
         path, info = same[0]
-        if info.get("status") == "failed" or (info.get("status") == "running" and not run_alive(info)):
-            return path.resolve(), f"the newest run with this config was {'killed' if info['status'] == 'running' else 'failed'}"
+        status = info.get("status")
+        if status in ("failed", "interrupted") or (status == "running" and not run_alive(info)):
+            return path.resolve(), f"the newest run with this config was {'killed' if status == 'running' else status}"
     return None
 
 
@@ -362,8 +366,8 @@ class StageRunner:
             if cached and (reason := stale_reason(result)):
                 self.log.warning("%s: the cached result cannot be trusted (%s); running the stage again", stage, reason)
                 result, cached = self._call(task_fn, args, refresh=True)
-        except BaseException:
-            self._record(stage, status="failed", seconds=round(time.time() - t0, 2))
+        except BaseException as e:
+            self._record(stage, status=stop_reason(e)[0], seconds=round(time.time() - t0, 2))
             raise
         out = stage_dir_of(result)
         if cached:
@@ -423,13 +427,23 @@ def dp_distill(
         "run_root": str(Path(cfg.run_root).resolve()), "dataset_sha256": sources.get("path"),
     }
     atomic_write_json(out / RUN_INFO, run_info)
-    logger.info("run directory: %s", out)
-    try:
-        final, metrics = _run_stages(cfg, out, rerun or [], sources)
-    except BaseException:
-        atomic_write_json(out / RUN_INFO, run_info | {"status": "failed"})
-        write_report(out)  # what the finished stages show, to help find what went wrong
-        raise
+    with run_log(out):  # every log line from here on also in out/run.log, tracebacks only there
+        logger.info("run directory: %s", out)
+        try:
+            final, metrics = _run_stages(cfg, out, rerun or [], sources)
+        except BaseException as e:
+            status, reason = stop_reason(e)
+            mark_stopped(out, status, reason)  # first: an interrupted run may be killed soon after
+            write_report(out)  # what the finished stages show, to help find what went wrong
+            raise
+        _finish(cfg, out, run_info, final, metrics, sources)
+    return str(out)
+
+
+def _finish(cfg: PipelineConfig, out: Path, run_info: dict, final: PrivacyLedger, metrics: dict,
+            sources: dict[str, str]) -> None:
+    """Report, artifacts, and run.json's "completed", once every stage is done."""
+    logger = get_run_logger()
     report = write_report(out)
     publish_report(report, out)
     budget = read_budget(Path(cfg.run_root).resolve(), sources["path"]) if sources.get("path") else None
@@ -439,7 +453,6 @@ def dp_distill(
         publish_synthetic_sample(Path(metrics["generation"]["path"]))
     atomic_write_json(out / RUN_INFO, run_info | {"status": "completed", "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     logger.info("finished: %s", out)
-    return str(out)
 
 
 def _dataset_total(budget, run_total: LedgerTotal | None, accountant: str) -> LedgerTotal | None:

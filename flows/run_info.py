@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 # In the order they run; `--from STAGE` reruns a stage and every stage after it.
@@ -56,3 +57,44 @@ def run_alive(info: dict) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def stop_reason(err: BaseException) -> tuple[str, str]:
+    """(run.json status, reason) for an exception that ended a run: "interrupted" for a
+    signal (SIGINT's KeyboardInterrupt, Prefect's TerminationSignal for SIGTERM), else
+    "failed" with the error's type and first line (errors name rows and fields, never
+    record text)."""
+    signum = getattr(err, "signal", None)
+    if isinstance(err, KeyboardInterrupt) or isinstance(signum, int):
+        return "interrupted", f"stopped by {_signal_name(signum or 2)}"
+    first = str(err).splitlines()[0] if str(err) else ""
+    return "failed", f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
+def _signal_name(signum) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def mark_stopped(run_dir: Path, status: str, reason: str) -> None:
+    """Record in run.json why a run stopped, and in stages.json that its running stage did
+    not finish: what `dpdistill status` shows and what the next run continues from. Only a
+    run.json that still says "running": a finished run, or one already marked, is kept."""
+    from pipeline.manifest import atomic_write_json
+
+    info = read_run_info(run_dir)
+    if info.get("status") != "running":
+        return
+    when = time.strftime("%Y-%m-%dT%H:%M:%S")
+    atomic_write_json(Path(run_dir) / RUN_INFO, info | {"status": status, "reason": reason, "stopped_at": when})
+    try:
+        stages = json.loads((Path(run_dir) / STAGES_INFO).read_text())
+    except (OSError, ValueError):
+        return
+    running = [s for s, v in stages.items() if isinstance(v, dict) and v.get("status") == "running"]
+    if running:
+        atomic_write_json(Path(run_dir) / STAGES_INFO, stages | {s: stages[s] | {"status": status} for s in running})

@@ -1,0 +1,148 @@
+"""A run's log file, `<run_dir>/run.log`, and a terminal that ends on one clean line.
+
+    with run_log(run_dir):          # in the flow: every log line of the run also goes to run.log
+        ...
+    quiet_expected_errors(types)    # in the CLI: no traceback on the terminal for a user error
+
+The file receives every record the terminal does (our `pipeline.*` loggers and Prefect's
+flow/task run loggers reach the root logger, whose console handler prints them), in the
+same format, plus the tracebacks: those of user errors stay out of the terminal (the CLI
+prints their message once, last), and the traceback of whatever ended the run is written
+to the file only. Log lines never quote a private record (house rule), so the file holds
+what the terminal showed; it is 0600 inside the 0700 run directory, and `dpdistill audit`
+scans it with the run's other files.
+
+No torch, transformers or Opacus here; Prefect only through the handlers it installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+RUN_LOG = "run.log"
+
+# The run directory of this process's latest run: on SIGINT/SIGTERM the CLI marks it
+# interrupted when the flow cannot do so itself in time (flows/interrupts.py).
+_latest: Path | None = None
+
+
+def latest_run_dir() -> Path | None:
+    return _latest
+
+
+def _console_handlers() -> list[logging.Handler]:
+    """The handlers that print to the terminal: Prefect's console handler on the root logger
+    (and on the loggers it configures without propagation, e.g. uvicorn)."""
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in ("uvicorn", "fastapi"))]
+    return [h for lg in loggers for h in lg.handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, (logging.FileHandler, _RunLogHandler))]
+
+
+class _RunLogHandler(logging.StreamHandler):
+    """run.log's handler (told apart from the terminal's)."""
+
+
+def _terminal_formatter() -> logging.Formatter:
+    """The formatter of the terminal's lines, so that run.log reads the same."""
+    for h in _console_handlers():
+        if h.formatter is not None:
+            return h.formatter
+    return logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
+
+
+@contextmanager
+def run_log(run_dir: Path) -> Iterator[Path]:
+    """Copy every log line of the run into `run_dir/run.log` (appended on a resumed run);
+    on an exception, write its traceback there (not on the terminal) and re-raise it with
+    `dpdistill_run_log` set to the file, for the CLI's last line."""
+    global _latest
+    path = Path(run_dir) / RUN_LOG
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # also when an older run.log was made with another mode
+    handler = _RunLogHandler(os.fdopen(fd, "a", encoding="utf-8"))
+    handler.setFormatter(_terminal_formatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    _latest = Path(run_dir)
+    handler.stream.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} dpdistill (pid {os.getpid()}) ---\n")
+    try:
+        yield path
+    except BaseException as e:
+        # The file alone gets this traceback; the terminal gets the CLI's one line.
+        handler.emit(logging.LogRecord("dpdistill", logging.ERROR, __file__, 0, "the run stopped: %s",
+                                       (type(e).__name__,), sys.exc_info()))
+        try:
+            e.dpdistill_run_log = str(path)
+        except AttributeError:  # an exception type with __slots__
+            pass
+        raise
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+# Prefect's failure messages: "Task run encountered an exception DataError: ..." and
+# "Flow run encountered an exception: DataError: ..." inside "Finished in state Failed(...)".
+_FAILED = re.compile(r"Finished in state Failed\(.*?encountered an exception:? (\w+):", re.DOTALL)
+
+
+class QuietExpectedErrors(logging.Filter):
+    """On the terminal, a user error (a config, data, ... error whose message says what to
+    fix) costs one line per failed task or flow run, and no traceback: the CLI prints the
+    message itself as the last line. Other exceptions keep their tracebacks.
+
+    Prefect 3.8.8 logs a failed task run three times ("Task run failed with exception: ..."
+    with the traceback, "Failed to write result" when the result serializer refuses the
+    exception, "Finished in state Failed(...)") and a failed flow run twice ("Encountered
+    exception during execution" with the traceback, "Finished in state Failed(...)"); the
+    first two kinds are dropped here and the last shortened to the exception's type (a
+    shortened copy is printed through `handler`; the record itself, which the other
+    handlers also see, is never changed)."""
+
+    def __init__(self, expected: tuple[type[BaseException], ...], handler: logging.Handler):
+        super().__init__()
+        self.expected, self.handler = expected, handler
+        self.names = {t.__name__ for t in expected}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], self.expected):
+            return False  # its traceback is in run.log; the CLI prints its message
+        if not record.name.startswith("prefect"):
+            return True
+        msg = record.getMessage()
+        if msg.startswith("Failed to write result") and any(f"type '{n}'" in msg for n in self.names):
+            return False  # our result serializer refused to store the exception: expected
+        match = _FAILED.match(msg)
+        if match and match.group(1) in self.names:
+            short = logging.makeLogRecord(record.__dict__)
+            short.msg, short.args = f"Finished in state Failed ({match.group(1)})", ()
+            self.handler.handle(short)  # passes this filter: no "Failed(" in it
+            return False
+        return True
+
+
+class _Mute(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+def quiet_expected_errors(expected: tuple[type[BaseException], ...]) -> None:
+    """Install `QuietExpectedErrors` on the terminal's handlers (not on run.log's)."""
+    for h in _console_handlers():
+        if not any(isinstance(f, QuietExpectedErrors) for f in h.filters):
+            h.addFilter(QuietExpectedErrors(expected, h))
+
+
+def mute_terminal() -> None:
+    """Nothing more from logging on the terminal (run.log still gets it): after an interrupt,
+    Prefect's crash reports and its attempts to reach a temporary server that is gone."""
+    for h in _console_handlers():
+        if not any(isinstance(f, _Mute) for f in h.filters):
+            h.addFilter(_Mute())

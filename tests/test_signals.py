@@ -1,0 +1,99 @@
+"""SIGTERM stops `dpdistill run` within 10 s, processes and all, marks the run interrupted,
+and the same command continues it (issue 10).
+
+The signal goes to the whole process group, as Ctrl-C or a service manager sends it: the
+temporary Prefect server (started by the run, in its group) stops at once too, which is
+what used to leave the run retrying to reach it for minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from conftest import ROOT, tiny_pipeline_dict
+
+
+def cli_env(tmp_path: Path) -> dict:
+    """Without the caller's Prefect settings: the run starts its own temporary server (in its
+    process group), on a database of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    return env | {"PREFECT_HOME": str(tmp_path / "prefect_home"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _group(pgid: int) -> list[psutil.Process]:
+    """Live (not zombie) processes of a process group."""
+    found = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return found
+
+
+def _stage_status(run_root: Path, stage: str) -> str | None:
+    for path in run_root.glob("tiny-*/stages.json"):
+        try:
+            return json.loads(path.read_text()).get(stage, {}).get("status")
+        except ValueError:  # being replaced
+            return None
+    return None
+
+
+def test_sigterm_stops_the_run_and_the_same_command_continues_it(tmp_path):
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["teacher"] |= {"epochs": 4, "batch_size": 8, "physical_batch_size": 8, "checkpoint_every": 2}
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    run_root = Path(tree["run_root"])
+    command = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
+    env = cli_env(tmp_path)
+
+    with (tmp_path / "out.txt").open("w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 600
+            while _stage_status(run_root, "teacher") != "running":
+                assert proc.poll() is None, "the run ended before the teacher started"
+                assert time.time() < deadline, "the teacher did not start within 10 minutes"
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            os.killpg(proc.pid, signal.SIGTERM)
+            code = proc.wait(timeout=60)
+            seconds = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    output = (tmp_path / "out.txt").read_text()
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert seconds < 10, f"stopped after {seconds:.1f} s"
+    assert code == 143, output[-3000:]
+    assert lines[-1].startswith("dpdistill: interrupted (SIGTERM); run the same command again"), lines[-5:]
+    assert "Traceback" not in output and "ConnectError" not in output
+    assert _group(proc.pid) == [], "processes of the run are still there"
+
+    (run,) = run_root.glob("tiny-*")
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "interrupted" and info["reason"] == "stopped by SIGTERM"
+    assert json.loads((run / "stages.json").read_text())["teacher"]["status"] == "interrupted"
+    assert "Traceback" in (run / "run.log").read_text()  # what the terminal was spared
+
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in run_root.glob("tiny-*")] == [run.name]  # continued, not a new run
+    stages = json.loads((run / "stages.json").read_text())
+    assert stages["data"]["status"] == stages["control-codes"]["status"] == "cached"
+    assert stages["teacher"]["status"] == "ran" and stages["evaluation"]["status"] == "ran"
+    assert json.loads((run / "run.json").read_text())["status"] == "completed"
