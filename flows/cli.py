@@ -109,6 +109,8 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     warnings.filterwarnings("ignore", message="Secure RNG turned off")  # we log our own warning
     warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+    # numpy's divide-by-zero/overflow inside the PRV accountant at extreme σ: ε stays correct
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"opacus\.accountants")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -375,6 +377,11 @@ def run_flow(args, cfg) -> int:
 
     with Interrupts() as interrupts:
         try:
+            from pipeline.plan import make_plan
+
+            # Every row of the data read and σ calibrated before any Prefect server starts: a
+            # bad record or an unreachable budget is one line, with no run directory left.
+            make_plan(cfg, timing=False)
             from flows.pipeline_flow import dp_distill
 
             quiet_expected_errors(user_errors())

@@ -24,9 +24,18 @@ def cli_env(tmp_path: Path) -> dict:
     return env | {"PREFECT_HOME": str(tmp_path / "prefect_home"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def test_data_error_in_the_flow_is_one_last_line(tmp_path):
-    """A control-code value outside the declared domain: only the data stage can find it
-    (it reads every row). The terminal shows the progress and one error line at the end."""
+def _run(tmp_path: Path, tree: dict) -> tuple[subprocess.CompletedProcess, list[str]]:
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    p = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], cwd=ROOT,
+                       env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+    return p, [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+
+
+def test_a_bad_record_is_one_line_before_any_server_starts(tmp_path):
+    """A control-code value outside the declared domain, in row 5: found by reading every row
+    before the run starts (the plan splits the data as the data stage will), so no Prefect
+    server and no run directory; one error line, last, naming the row and never the value."""
     rows = list(csv.reader(YELP_TRAIN.open()))[:60]
     rows[5][1] = "Business Category: Spaceships"  # data row 5
     bad = tmp_path / "bad.csv"
@@ -34,27 +43,37 @@ def test_data_error_in_the_flow_is_one_last_line(tmp_path):
         csv.writer(f).writerows(rows)
     tree = tiny_pipeline_dict(tmp_path)
     tree["data"]["path"] = str(bad)
-    config = tmp_path / "bad.yaml"
-    config.write_text(yaml.safe_dump(tree))
-
-    p = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], cwd=ROOT,
-                       env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
-    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    p, lines = _run(tmp_path, tree)
     assert p.returncode == 2, p.stderr[-3000:]
     assert lines[-1].startswith("dpdistill: error: data.path ") and "row 5, column 'label1'" in lines[-1], lines
     assert sum("dpdistill: error:" in line for line in lines) == 1
-    assert "Traceback" not in p.stdout + p.stderr
-    assert len(lines) < 15, "\n".join(lines)
+    assert "Traceback" not in p.stdout + p.stderr and len(lines) < 15, "\n".join(lines)
     assert "Spaceships" not in p.stdout + p.stderr  # a row is named, its value never quoted
+    assert not list((tmp_path / "prefect_home").glob("*.db"))  # no Prefect server ever started (its SQLite)
+    assert not list(Path(tree["run_root"]).glob("tiny-*"))
+
+
+def test_a_stage_error_in_the_flow_is_one_last_line(tmp_path):
+    """A teacher longer than the built-in model's positions: found when the teacher stage
+    loads it, inside the flow. The terminal shows the progress and one error line at the end;
+    the traceback is in run.log."""
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["teacher"]["max_length"] = 120  # the built-in models have 96 positions
+    p, lines = _run(tmp_path, tree)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert lines[-1].startswith("dpdistill: error: teacher.max_length=120 exceeds"), lines
+    assert sum("dpdistill: error:" in line for line in lines) == 1
+    assert "Traceback" not in p.stdout + p.stderr
+    assert len(lines) < 25, "\n".join(lines)
 
     (run,) = Path(tree["run_root"]).glob("tiny-*")
     log = run / "run.log"
     assert log.stat().st_mode & 0o777 == 0o600
     text = log.read_text()
-    assert "Traceback" in text and "pipeline.data.DataError" in text and "row 5, column 'label1'" in text
+    assert "Traceback" in text and "pipeline.teacher.TeacherError" in text and "teacher.max_length=120" in text
     assert "base models" in text  # the progress lines are there too
     info = yaml.safe_load((run / "run.json").read_text())
-    assert info["status"] == "failed" and info["reason"].startswith("DataError: data.path")
+    assert info["status"] == "failed" and info["reason"].startswith("TeacherError: teacher.max_length")
 
 
 def _record(exc: BaseException, name: str = "prefect.task_runs", msg: str = "Task run failed with exception: %r"):
