@@ -2,24 +2,31 @@
 #   make demo   installs everything and runs the demo pipeline (offline, CPU, ~7 min)
 #   make test   installs everything and runs the test suite
 #
+# Both install the exact versions this project tests, from constraints.txt; pyproject.toml
+# only holds ranges (so `pip install -e .` into an environment of your own keeps its torch).
+#
 # torch is installed on its own, first: a plain `torch` requirement would pull several GB
-# of CUDA packages on a CPU machine. Where pip has a CPU wheel of torch==2.13.0 at hand
-# (this project's machines do), that wheel is taken. Elsewhere, pass the CPU wheel index:
+# of CUDA packages on a CPU machine. Its version is read from constraints.txt (torch==2.13.0, the
+# public version, which any build satisfies); where pip has a CPU wheel of it at hand (this
+# project's machines do), that wheel is taken. Only this step sees TORCH_PIP_ARGS: torch's own
+# dependencies come from that index, and the next step moves them to the constrained versions.
+# Elsewhere, pass the CPU wheel index:
 #   make demo TORCH_PIP_ARGS="--index-url <your PyTorch CPU wheel index>"
-# On a GPU machine, TORCH_PIP_ARGS="" installs the default CUDA build.
+# On a GPU machine, TORCH_PIP_ARGS="" installs the default CUDA build of the same version.
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.installed
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
 
 .PHONY: install demo test clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_PIP_ARGS)
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
