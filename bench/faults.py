@@ -145,9 +145,12 @@ def kill_in(window: str, delay: float, command: list[str], env: dict, run_root: 
         else:
             return "finished before the kill"
     finally:
-        if proc.poll() is None:
+        alive = proc.poll() is None
+        if alive:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    if not alive and proc.returncode == 0:
+        return "finished before the kill"
     run = _run_dir(run_root)
     running = [s for s, st in _stage_status(run).items() if st == "running"]
     where = running[0] if running else "between stages"
@@ -250,7 +253,8 @@ def main() -> None:
             totals["duplicated"] += duplicated
             if not (run / "metrics.json").is_file():
                 problems.append("no metrics.json")
-            resumed = json.loads((run / "teacher" / "training_log.json").read_text())["resumed_from_step"]
+            log_path = run / "teacher" / "training_log.json"
+            resumed = json.loads(log_path.read_text())["resumed_from_step"] if log_path.is_file() else "-"
             print(f"trial {trial}: {window} +{delay:.1f} s, killed in {where}; {reruns} rerun(s), "
                   f"{time.perf_counter() - t0:.0f} s; teacher resumed from step {resumed}; lost={lost} "
                   f"duplicated={duplicated}; synthetic {'same as' if digest == ref_digest else 'DIFFERS from'} "

@@ -517,8 +517,10 @@ def train_teacher(
                 # loss or size (a function of the records drawn, released without noise).
                 record = {"step": done}
                 if rank == 0 and (done % cfg.log_every == 0 or done == steps_allowed):
-                    record["epsilon"] = engine.get_epsilon(delta)
-                    record["validation_loss"] = _validation_loss(model, monitor, cfg.physical_batch_size, device)
+                    # Plain floats: the history goes into the checkpoint, which is read back with
+                    # weights_only=True, and that refuses a numpy scalar (the PRV accountant's ε).
+                    record["epsilon"] = float(engine.get_epsilon(delta))
+                    record["validation_loss"] = float(_validation_loss(model, monitor, cfg.physical_batch_size, device))
                     record["seconds"] = round(time.time() - t0, 1)
                     log.info(
                         "%s: step %d/%d ε=%.3f validation loss %.4f (%.0f s)",
