@@ -43,6 +43,11 @@ STAGE_DIRS = {
     "generation": "synthetic", "distillation": "student", "evaluation": "evaluation",
 }
 RESULTS_DIR = Path(".cache") / "prefect-results"
+# One flock file per cache key, held while a run computes that entry (pipeline/locks.py).
+# Not Prefect's SERIALIZABLE isolation: its FileSystemLockManager marks a lock by a file's
+# existence, with no expiry unless a hold timeout is set (the task engine sets none), so a
+# run killed mid-stage would leave every later run waiting forever; flock dies with it.
+CACHE_LOCKS = Path(".cache") / "locks"
 
 try:
     VERSION = version("dpdistill")

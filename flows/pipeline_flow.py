@@ -14,6 +14,7 @@ state, parameters, results or artifacts.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -25,13 +26,14 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
+from prefect.utilities.callables import get_call_parameters
 
 from flows.artifacts import publish_ledger, publish_metrics, publish_report, publish_synthetic_sample
-from flows.caching import RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
+from flows.caching import CACHE_LOCKS, RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
 from flows.generation import generate_with_workers
 from flows.progress import StageProgress
 from flows.run_info import (  # noqa: F401 (RunDirError re-exported)
-    RUN_INFO, STAGES_INFO, TOOL, RunDirError, mark_stopped, read_run_info, run_alive, stop_reason,
+    RUN_INFO, RUN_LOCK, STAGES_INFO, TOOL, RunDirError, mark_stopped, read_run_info, run_alive, stop_reason,
 )
 from flows.run_log import run_log
 from flows.results import StageResultSerializer, stage_result_storage
@@ -42,6 +44,7 @@ from pipeline.distill import DistillResult, distill
 from pipeline.evaluate import evaluate_models
 from pipeline.generate import GenerateResult
 from pipeline.budget import dataset_total, read_budget, record_release
+from pipeline.locks import file_lock, try_lock, unlock
 from pipeline.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text, manifest_digest, private_dir, sha256_file
 from pipeline.model_card import write_model_card
@@ -234,14 +237,19 @@ def prepare_run_root(cfg: PipelineConfig) -> Path:
 
 
 def new_run_dir(cfg: PipelineConfig) -> Path:
+    """A new, empty run directory named after the config and the time. Two runs started in
+    the same second get `-2`, `-3`...: `mkdir` either creates the name or fails, atomically,
+    so no two processes ever get the same directory."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = cfg.run_root / f"{cfg.name}-{stamp}"
-    n = 1
-    while run_dir.exists():
-        n += 1
-        run_dir = cfg.run_root / f"{cfg.name}-{stamp}-{n}"
-    run_dir.mkdir(mode=0o700, parents=True)
-    return private_dir(run_dir).resolve()
+    Path(cfg.run_root).mkdir(mode=0o700, parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        run_dir = cfg.run_root / (f"{cfg.name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            run_dir.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        return private_dir(run_dir).resolve()
+    raise AssertionError("unreachable")
 
 
 def checked_run_dir(cfg: PipelineConfig, run_dir: str | Path) -> Path:
@@ -255,7 +263,7 @@ def checked_run_dir(cfg: PipelineConfig, run_dir: str | Path) -> Path:
         )
     if out.exists() and not out.is_dir():
         raise RunDirError(f"run directory {out} exists and is not a directory; pass a new directory")
-    if out.is_dir() and any(out.iterdir()) and read_run_info(out).get("tool") != TOOL:
+    if out.is_dir() and any(p.name != RUN_LOCK for p in out.iterdir()) and read_run_info(out).get("tool") != TOOL:
         raise RunDirError(
             f"{out} is not empty and holds no {RUN_INFO} written by dpdistill, so it is not a run "
             "directory this flow may write into (a forced stage deletes its folder there); pass a "
@@ -264,9 +272,13 @@ def checked_run_dir(cfg: PipelineConfig, run_dir: str | Path) -> Path:
     return out
 
 
-def find_interrupted_run(cfg: PipelineConfig, flow_run_id: str | None) -> tuple[Path, str] | None:
-    """The run directory to continue, if any: the one this very flow run wrote before (a
-    retry from the UI), else the newest run with the same config if it was killed or failed."""
+def find_interrupted_run(cfg: PipelineConfig, flow_run_id: str | None) -> tuple[Path, str, int] | None:
+    """The run directory to continue, if any, with its lock taken (the lock's descriptor
+    third): the one this very flow run wrote before (a retry from the UI), else the newest
+    run with the same config that no live process holds, if it was killed or failed.
+
+    A directory whose lock is held belongs to a live run and is skipped, never shared. The
+    lock is taken before run.json is trusted: the run may have finished in between."""
     config_sha = _config_sha(cfg)
     runs = []
     for info_path in Path(cfg.run_root).glob(f"{cfg.name}-*/{RUN_INFO}"):
@@ -275,16 +287,44 @@ def find_interrupted_run(cfg: PipelineConfig, flow_run_id: str | None) -> tuple[
         except (OSError, json.JSONDecodeError):
             continue
     runs.sort(key=lambda r: r[0], reverse=True)
-    for _, path, info in runs:
-        if flow_run_id and info.get("flow_run_id") == flow_run_id:
-            return path.resolve(), "a retry of the same flow run"
-    same = [(path, info) for _, path, info in runs if info.get("config_sha256") == config_sha]
-    if same:
-        path, info = same[0]
-        status = info.get("status")
-        if status in ("failed", "interrupted") or (status == "running" and not run_alive(info)):
-            return path.resolve(), f"the newest run with this config was {'killed' if status == 'running' else status}"
+    retried = [path for _, path, info in runs if flow_run_id and info.get("flow_run_id") == flow_run_id]
+    same = [path for _, path, info in runs if info.get("config_sha256") == config_sha]
+    for path, retry in [(p, True) for p in retried] + [(p, False) for p in same]:
+        fd = try_lock(path / RUN_LOCK)
+        if fd is None:
+            continue  # a live run is writing it
+        status = read_run_info(path).get("status")  # read again, now that nobody else can write it
+        if retry:
+            return path.resolve(), "a retry of the same flow run", fd
+        if status in ("failed", "interrupted", "running"):  # "running" with its lock free: its process was killed
+            return path.resolve(), f"the newest run with this config was {'killed' if status == 'running' else status}", fd
+        unlock(fd)
+        return None  # the newest run with this config completed: start a new one
     return None
+
+
+def claim_run_dir(cfg: PipelineConfig, run_dir: str | Path | None, flow_run_id: str | None) -> tuple[Path, int, str | None]:
+    """The run directory this flow writes, locked for this process: (path, the lock's
+    descriptor, why an earlier run is continued or None). `run_dir` named by the caller
+    must not be in use by another process; unnamed, an interrupted run no live process
+    holds is continued, else a new directory is made."""
+    if run_dir:
+        out = checked_run_dir(cfg, run_dir)
+        private_dir(out)
+        fd = try_lock(out / RUN_LOCK)
+        if fd is None:
+            raise RunDirError(
+                f"run directory {out} is in use by another dpdistill run (its {RUN_LOCK} is locked); "
+                "wait for that run to finish, or pass another --run-dir (or none: a new one is made)"
+            )
+        return out, fd, None
+    if found := find_interrupted_run(cfg, flow_run_id):
+        out, why, fd = found
+        return out, fd, why
+    out = new_run_dir(cfg)
+    fd = try_lock(out / RUN_LOCK)
+    assert fd is not None, "a directory this process just made is locked by another"
+    return out, fd, None
 
 
 def _config_sha(cfg: PipelineConfig) -> str:
@@ -339,6 +379,12 @@ class StageRunner:
         self.stages[stage] = {**self.stages.get(stage, {}), **info}
         atomic_write_json(self.run_dir / STAGES_INFO, self.stages)
 
+    def _lock_path(self, task_fn, args) -> Path:
+        """The lock file of the cache entry this call reads or writes, named by its key
+        (the key Prefect computes from the same policy and arguments)."""
+        key = task_fn.cache_policy.compute_key(None, get_call_parameters(task_fn.fn, args, {}), {})
+        return Path(self.cfg.run_root).resolve() / CACHE_LOCKS / f"{key}.lock"
+
     def _call(self, task_fn, args, refresh: bool):
         configured = task_fn.with_options(result_serializer=StageResultSerializer(), refresh_cache=refresh)
         # Set after construction: `Task.__init__` refuses a block not saved on the server, which
@@ -362,10 +408,17 @@ class StageRunner:
         t0 = time.time()
         self._record(stage, status="running", started_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
         try:
-            result, cached = self._call(task_fn, args, refresh=forced)
-            if cached and (reason := stale_reason(result)):
-                self.log.warning("%s: the cached result cannot be trusted (%s); running the stage again", stage, reason)
-                result, cached = self._call(task_fn, args, refresh=True)
+            # One process at a time computes a cache entry: a second run of the same stage
+            # waits here, then finds the first one's result in the cache instead of computing
+            # (and, for a DP stage, spending budget on) it again.
+            with file_lock(self._lock_path(task_fn, args), on_wait=lambda: self.log.info(
+                    "%s: another run is computing this stage with the same cache key; waiting for it "
+                    "to reuse its result", stage)):
+                result, cached = self._call(task_fn, args, refresh=forced)
+                if cached and (reason := stale_reason(result)):
+                    self.log.warning("%s: the cached result cannot be trusted (%s); running the stage again",
+                                     stage, reason)
+                    result, cached = self._call(task_fn, args, refresh=True)
         except BaseException as e:
             self._record(stage, status=stop_reason(e)[0], seconds=round(time.time() - t0, 2))
             raise
@@ -399,7 +452,8 @@ def dp_distill(
     `config` is a config or the path of a YAML file (with dotted `overrides`); `rerun`
     names stages to run again even when cached (`flows.caching.stages_to_rerun`).
     Without `run_dir`, a retried flow run, or a killed or failed run with the same
-    config, continues in its directory; otherwise a new one is made.
+    config, continues in its directory; otherwise a new one is made. The run directory is
+    locked for this process (flows.run_info.RUN_LOCK): two runs never share one.
     """
     logger = get_run_logger()
     cfg = load_config(config, overrides) if isinstance(config, str) else config
@@ -408,13 +462,17 @@ def dp_distill(
     require_inputs(cfg)
     logger.info("%s", format_plan(make_plan(cfg, timing=False)))
     prepare_run_root(cfg)
-    if run_dir:
-        out = checked_run_dir(cfg, run_dir)
-    elif found := find_interrupted_run(cfg, flow_run.id):
-        out, why = found
+    out, lock, why = claim_run_dir(cfg, run_dir, flow_run.id)
+    if why:
         logger.info("continuing %s (%s); pass a run directory to start elsewhere", out, why)
-    else:
-        out = new_run_dir(cfg)
+    try:  # the lock is held until the flow ends, and dropped by the kernel if it is killed
+        return _run_in(cfg, out, rerun, logger)
+    finally:
+        unlock(lock)
+
+
+def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger) -> str:
+    """The flow's body, in the run directory `out` this process holds the lock of."""
     private_dir(out)
     atomic_write_text(out / "config.yaml", dump_config(cfg))
     sources = source_hashes(cfg)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -131,10 +132,17 @@ class StageResultStorage(LocalFileSystem):
     def write_path(self, path: str, content: bytes, **_: Any) -> str:
         target = self._resolve_path(path)
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(content)
+        # A temp file (mkstemp: new, 0600) renamed over the record: a run killed mid-write, or
+        # a reader in another process, never sees half a record. The rename replaces a planted
+        # symlink itself, never the file it points to.
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return str(target)
 
     async def awrite_path(self, path: str, content: bytes) -> str:

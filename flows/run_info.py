@@ -20,6 +20,7 @@ STAGES = (
 RUN_INFO = "run.json"
 STAGES_INFO = "stages.json"
 TOOL = "dpdistill"  # run.json's mark that dpdistill made the directory (see checked_run_dir)
+RUN_LOCK = ".lock"  # flocked by the process writing the run directory, for the whole flow (pipeline/locks.py)
 
 
 class RunDirError(ValueError):

@@ -17,15 +17,14 @@ DP noise) is a new one.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.ledger import LedgerEntry, LedgerTotal, compose, fmt_value
+from pipeline.locks import file_lock
 from pipeline.manifest import atomic_write_json, private_dir
 
 BUDGET_DIR = ".privacy"
@@ -64,18 +63,6 @@ def read_budget(run_root: Path, dataset_sha256: str) -> DatasetBudget:
     return DatasetBudget.model_validate(json.loads(path.read_text()))
 
 
-@contextmanager
-def _locked(path: Path):
-    """One writer at a time on this machine (flock on a lock file beside the budget)."""
-    private_dir(path.parent)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def record_release(
     run_root: Path, dataset_sha256: str, *, release_id: str, stage: str, run_dir: Path, entry: LedgerEntry
 ) -> tuple[DatasetBudget, bool]:
@@ -84,7 +71,9 @@ def record_release(
     if not (entry.private and entry.epsilon):
         raise ValueError(f"{stage}: only a DP release with ε > 0 spends budget (got ε = {entry.epsilon})")
     path = budget_path(run_root, dataset_sha256)
-    with _locked(path):  # read-modify-write under the lock; the write itself is atomic (0600)
+    private_dir(path.parent)
+    # One writer at a time (pipeline/locks.py): read-modify-write; the write itself is atomic (0600).
+    with file_lock(path.with_suffix(".lock")):
         budget = read_budget(run_root, dataset_sha256)
         if any(r.release_id == release_id for r in budget.releases):
             return budget, False

@@ -33,6 +33,7 @@ from transformers import (
 )
 
 from pipeline.config import BaseModelsConfig, TinyModelSpec
+from pipeline.locks import file_lock
 from pipeline.manifest import MANIFEST, sha256_file, write_manifest
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,13 @@ def base_models_built(cfg: BaseModelsConfig) -> bool:
 
 def build_base_models(cfg: BaseModelsConfig, seed: int = 0) -> BaseModels:
     """Build (or reuse from the cache) the tokenizer and the tiny teacher and student."""
+    # Runs with different run_roots can share cache_dir: one builds (through a fixed temp
+    # name), the others wait for it and then reuse what it built (pipeline/locks.py).
+    with file_lock(Path(cfg.cache_dir) / f".{_cache_key(cfg)}.lock"):
+        return _build_base_models(cfg, seed)
+
+
+def _build_base_models(cfg: BaseModelsConfig, seed: int) -> BaseModels:
     out = cfg.cache_dir / _cache_key(cfg)
     result = BaseModels(teacher=out / "teacher", student=out / "student")
     if (out / MANIFEST).is_file():

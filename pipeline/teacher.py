@@ -546,8 +546,11 @@ def _record_step(run: _Run, t0: float) -> dict:
     done = _steps_accounted(run.engine)
     record = {"step": done}
     if run.rank == 0 and (done % run.cfg.log_every == 0 or done == run.steps_allowed):
-        record["epsilon"] = run.engine.get_epsilon(run.delta)
-        record["validation_loss"] = _validation_loss(run.model, run.monitor, run.cfg.physical_batch_size, run.device)
+        # Plain floats: the history goes into the checkpoint, which is read back with
+        # weights_only=True, and that refuses a numpy scalar (the PRV accountant's ε).
+        record["epsilon"] = float(run.engine.get_epsilon(run.delta))
+        record["validation_loss"] = float(_validation_loss(run.model, run.monitor, run.cfg.physical_batch_size,
+                                                           run.device))
         record["seconds"] = round(time.time() - t0, 1)
         log.info("%s: step %d/%d ε=%.3f validation loss %.4f (%.0f s)", run.stage, done, run.steps_allowed,
                  record["epsilon"], record["validation_loss"], record["seconds"])

@@ -91,3 +91,22 @@ def test_planted_pickle_result_does_not_run(prefect_server, tiny_config, tmp_pat
     check_record((store / key).read_bytes())  # replaced by our own JSON record
     assert (store / key).stat().st_mode & 0o777 == 0o600
     assert _data_stage(cfg, str(cfg.run_root / "tiny-2")) == "cached"  # and our record is read back
+
+
+def test_records_are_written_whole_and_private(tmp_path):
+    """A record replaces the old one by rename (a run killed mid-write, or a reader in another
+    process, never sees half of one), 0600; a planted symlink out of the store is refused."""
+    from flows.results import stage_result_storage
+
+    storage = stage_result_storage(tmp_path / "results")
+    storage.write_path("key-1", b"old")
+    storage.write_path("key-1", b"new")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    (tmp_path / "results" / "key-2").symlink_to(outside)
+    with pytest.raises(ValueError, match="outside of the base path"):  # Prefect's own check
+        storage.write_path("key-2", b"record")
+    results = tmp_path / "results"
+    assert sorted(p.name for p in results.iterdir()) == ["key-1", "key-2"]  # no temp file left
+    assert (results / "key-1").read_bytes() == b"new" and (results / "key-1").stat().st_mode & 0o777 == 0o600
+    assert outside.read_bytes() == b"keep"

@@ -182,8 +182,11 @@ def test_resume_after_crash_continues_the_same_budget(splits, tiny_model_dir, tm
     uninterrupted run: same ledger (ε, σ, q, steps) and the same weights. The noise is fixed
     by the test hook for both runs, so equality needs the resumed run to restore the noise
     and sampling generators from the checkpoint (re-seeding would replay steps 1-2's noise).
-    Also with secure_mode (ChaCha20 noise). The checkpoint is 0600 even under umask 0."""
-    opts = dict(batch_size=10, physical_batch_size=10, epochs=1, checkpoint_every=2, secure_mode=secure_mode)
+    Also with secure_mode (ChaCha20 noise). The checkpoint is 0600 even under umask 0.
+    ε is logged before the checkpoint (log_every=1): the accountant's numpy float once made
+    every such checkpoint unloadable (found by bench/faults.py)."""
+    opts = dict(batch_size=10, physical_batch_size=10, epochs=1, checkpoint_every=2, secure_mode=secure_mode,
+                log_every=1)
     _, whole = _teacher(splits, tiny_model_dir, tmp_path / "whole", **opts)
 
     def crash_at_3(record):
