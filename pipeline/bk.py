@@ -88,9 +88,11 @@ class _LinearFn(torch.autograd.Function):
             sq = sq + _matmul_sq_norms(a3, g3)
 
             def weight_sum(coef, a3=a3, g3=g3, transposed=ctx.transposed):
-                gw = (g3 * coef.view(-1, 1, 1)).reshape(-1, g3.shape[-1])  # (B·T, p)
-                aa = a3.reshape(-1, a3.shape[-1])  # (B·T, d)
-                return aa.t() @ gw if transposed else gw.t() @ aa
+                # aᵀ·diag(C)·g: scale the smaller of a and g (for lm_head, a: d=768 beside V=50257)
+                c = coef.view(-1, 1, 1)
+                a, g = (a3 * c, g3) if a3.shape[-1] <= g3.shape[-1] else (a3, g3 * c)
+                a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])  # (B·T, d), (B·T, p)
+                return a.t() @ g if transposed else g.t() @ a
 
             sums.append((ctx.weight, weight_sum))
         if ctx.bias is not None and ctx.needs_input_grad[2]:
@@ -222,9 +224,15 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
         kept, self._kept = self._kept, []
         norms = torch.stack([k.sq_norm for k in kept]).sum(0).sqrt()  # (B,)
         coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        for k in kept:
-            for param, weighted_sum in k.sums:
+        # Layer by layer, dropping each layer's a and g as soon as its sums are formed: the
+        # gradients grow while the kept activations shrink, so the peak stays near the larger
+        # of the two instead of their sum.
+        while kept:
+            sums = kept.pop().sums
+            while sums:
+                param, weighted_sum = sums.pop()
                 grad = weighted_sum(coef).to(param.dtype)
+                del weighted_sum  # its closure holds the layer's a and g
                 param.grad = grad if param.grad is None else param.grad + grad
         return coef
 
