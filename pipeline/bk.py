@@ -81,7 +81,7 @@ class _LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         w = weight if ctx.transposed else weight.t()  # (d, p)
         grad_x = g @ w.t() if ctx.needs_input_grad[0] else None
-        a3, g3 = _flat3(x).float(), _flat3(g).float()
+        a3, g3 = _flat3(x.detach()).float(), _flat3(g).float()  # x is an activation: no graph on it later
         sq = torch.zeros(a3.shape[0], device=g.device)
         sums = []
         if ctx.needs_input_grad[1]:
@@ -145,7 +145,7 @@ class _AffineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         xhat, weight = ctx.saved_tensors
-        g3, x3 = _flat3(g).float(), _flat3(xhat).float()
+        g3, x3 = _flat3(g).float(), _flat3(xhat.detach()).float()
         sq = torch.zeros(g3.shape[0], device=g.device)
         sums = []
         if ctx.needs_input_grad[1]:
@@ -227,13 +227,14 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
         # Layer by layer, dropping each layer's a and g as soon as its sums are formed: the
         # gradients grow while the kept activations shrink, so the peak stays near the larger
         # of the two instead of their sum.
-        while kept:
-            sums = kept.pop().sums
-            while sums:
-                param, weighted_sum = sums.pop()
-                grad = weighted_sum(coef).to(param.dtype)
-                del weighted_sum  # its closure holds the layer's a and g
-                param.grad = grad if param.grad is None else param.grad + grad
+        with torch.no_grad():
+            while kept:
+                sums = kept.pop(0).sums  # backward order: lm_head's large g goes first
+                while sums:
+                    param, weighted_sum = sums.pop()
+                    grad = weighted_sum(coef).to(param.dtype)
+                    del weighted_sum  # its closure holds the layer's a and g
+                    param.grad = grad if param.grad is None else param.grad + grad
         return coef
 
     def remove_hooks(self) -> None:
