@@ -61,7 +61,8 @@ def resolve_device(spec: str, precision: str = "fp32") -> torch.device:
     if problem := device_problem(spec, precision):
         raise DeviceError(problem)
     if spec == "auto":
-        return torch.device("cuda", 0) if torch.cuda.is_available() and torch.cuda.device_count() else torch.device("cpu")
+        on_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        return torch.device("cuda", 0) if on_cuda else torch.device("cpu")
     if spec == "cuda":
         return torch.device("cuda", 0)
     return torch.device(spec)

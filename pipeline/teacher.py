@@ -705,7 +705,8 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
     nccl get one GPU each (cuda:local_rank), on gloo the CPU; each its share of the cores."""
     threads = runtime.threads_for(cfg.processes)
     rank_runtime = Runtime(runtime.for_ddp(cfg.ddp_backend).device, runtime.precision, threads)
-    args = {"runtime": rank_runtime.to_json(), "config": cfg.model_dump(mode="json"), "out_dir": str(out_dir.resolve()), "stage": stage,
+    args = {"runtime": rank_runtime.to_json(),
+            "config": cfg.model_dump(mode="json"), "out_dir": str(out_dir.resolve()), "stage": stage,
             "train_path": str(job["train_path"].resolve()), "validation_path": str(job["validation_path"].resolve()),
             "base_model": job["base_model"], "seed": job["seed"], "progress_every": progress_every,
             "kd": None if kd is None else {"teacher_dir": str(Path(kd.teacher_dir).resolve()), "alpha": kd.alpha,

@@ -179,7 +179,8 @@ class _Forwards:
 
 def test_tiny_pipeline_in_bf16_on_the_configured_device(splits, tiny_model_dir, tmp_path, monkeypatch):
     """The stages run in bf16 on CPU, every model call on the configured device and in the
-    configured precision, and the perplexities come within a few percent of fp32's.
+    configured precision, and the perplexities come within 1% of fp32's (the tiny models are
+    near uniform: a loose check of bf16, a strict one of the plumbing).
 
     What the observation proves, on a CPU-only machine: every call of every parameterised
     module in every stage (Opacus' wrapped teacher included) had its parameters and its inputs
@@ -215,7 +216,7 @@ def test_tiny_pipeline_in_bf16_on_the_configured_device(splits, tiny_model_dir, 
 
     for name in ("dp_teacher", "student"):
         a, b = fp32["perplexity"][name]["windowed"], bf16["perplexity"][name]["windowed"]
-        assert abs(b - a) / a < 0.05, (name, a, b)
+        assert abs(b - a) / a < 0.01, (name, a, b)  # measured: 0.0000 and 0.0006
 
 
 STAGE_MODULES = ["pipeline/teacher.py", "pipeline/generate.py", "pipeline/logit_cache.py", "pipeline/distill.py",
