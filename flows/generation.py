@@ -6,7 +6,9 @@
 
 With `generate.workers` > 1 the `generation-shard` task is mapped over a subflow whose task
 runner is a DaskTaskRunner on a LocalCluster of that many processes, one thread each (and
-one torch thread each, so N workers on N cores do not oversubscribe them). Each worker loads
+the run's `threads` torch threads each, by default the cores shared out, so N workers on N
+cores do not oversubscribe them). Every worker samples on the run's device and precision
+(the plan's `runtime`); on one GPU, workers > 1 share it. Each worker loads
 the teacher once and writes whole shards. With 1 worker the shards run in this process.
 The shards are the same either way: shard i depends on (seed, i) alone
 (pipeline/generate.py). Only the plan (paths, config, fingerprint, released code counts)
@@ -38,6 +40,7 @@ from pipeline.config import GenerateConfig
 from pipeline.generate import (
     GenerateResult, GenerationPlan, GenerationProgress, finish_generation, generate_shard, plan_generation,
 )
+from pipeline.devices import CPU_FP32, Runtime
 from pipeline.ledger import LedgerEntry
 from pipeline.manifest import atomic_write_json
 from pipeline.progress import DEFAULT_EVERY
@@ -66,7 +69,8 @@ def _read_shard_progress(plan: GenerationPlan, shard: int) -> tuple[int, int] | 
 def generation_shard_task(plan: GenerationPlan, shard: int, torch_threads: int | None = None,
                           on_batch: Callable[[int, int], None] | None = None) -> dict:
     """Write one shard (or reuse it); returns its aggregate stats. Without `on_batch` (on a
-    worker process) the counts so far go to the shard's progress file after each batch."""
+    worker process) the counts so far go to the shard's progress file after each batch.
+    `torch_threads`: this process's torch threads (a Dask worker's share of the cores)."""
     if torch_threads:
         torch.set_num_threads(torch_threads)
     return generate_shard(plan, shard, on_batch or functools.partial(_write_shard_progress, plan, shard))
@@ -80,7 +84,8 @@ def generation_workers_flow(plan: GenerationPlan, on_progress: Callable[[dict], 
     tracker = GenerationProgress(plan, on_progress, progress_every)
     for shard in range(plan.n_shards):  # left by an interrupted run: not this run's progress
         _progress_file(plan, shard).unlink(missing_ok=True)
-    futures = generation_shard_task.map(unmapped(plan), range(plan.n_shards), torch_threads=1)
+    threads = plan.runtime.threads_for(min(plan.cfg.workers, plan.n_shards))  # per worker process
+    futures = generation_shard_task.map(unmapped(plan), range(plan.n_shards), torch_threads=threads)
     finished: queue.Queue = queue.Queue()  # each future puts itself here when done (a Dask thread)
     for future in futures:
         future.add_done_callback(finished.put)
@@ -120,6 +125,7 @@ def generate_with_workers(
     seed: int,
     on_progress: Callable[[dict], None] | None = None,
     progress_every: float = DEFAULT_EVERY,
+    runtime: Runtime = CPU_FP32,
 ) -> GenerateResult:
     """`generate_synthetic` with the shards spread over `cfg.workers` local processes.
 
@@ -128,13 +134,14 @@ def generate_with_workers(
     `on_progress` and the progress lines (every `progress_every` s) follow each generated batch.
     """
     plan = plan_generation(cfg, teacher_dir=teacher_dir, control_codes_path=control_codes_path, ledger=ledger,
-                           out_dir=out_dir, seed=seed)
+                           out_dir=out_dir, seed=seed, runtime=runtime)
     workers = min(cfg.workers, plan.n_shards)
     if cfg.workers > (os.cpu_count() or 1):
         warnings.warn(f"generate.workers={cfg.workers} exceeds the {os.cpu_count()} CPU cores; "
                       "the workers will compete for them (set generate.workers <= the cores)", stacklevel=2)
     t0 = time.perf_counter()
     if workers == 1:
+        runtime.apply_threads()
         tracker = GenerationProgress(plan, on_progress, progress_every)
         stats: list[dict] = []
         for shard in range(plan.n_shards):

@@ -40,6 +40,7 @@ from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.data import DataResult, delete_private_copies, prepare_data
+from pipeline.devices import Runtime
 from pipeline.distill import DistillResult, distill
 from pipeline.evaluate import evaluate_models
 from pipeline.generate import GenerateResult
@@ -127,6 +128,7 @@ def _dp_train(
             kd=kd,
             on_progress=progress,
             progress_every=cfg.progress_seconds,
+            runtime=Runtime.from_config(cfg),
         )
 
 
@@ -134,7 +136,15 @@ def _teacher_epsilon(cfg: PipelineConfig) -> float:
     return dp_sgd_budgets(cfg)["teacher"]  # DPKD: ε/2 (pipeline/plan.py)
 
 
-@stage_task("teacher", lambda cfg: {"teacher": cfg.teacher, "model": cfg.teacher.model})
+def _precision(cfg: PipelineConfig) -> dict:
+    """The precision is in the keys of every stage that runs a model (bf16 gives other weights,
+    samples and perplexities); the device and threads are not: they change rounding, not results.
+    fp32 adds nothing, so results cached before the setting existed stay hits (a teacher found
+    again spends no new budget)."""
+    return {} if cfg.precision == "fp32" else {"precision": cfg.precision}
+
+
+@stage_task("teacher", lambda cfg: {"teacher": cfg.teacher, "model": cfg.teacher.model, **_precision(cfg)})
 def teacher_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, epsilon: float, run_dir: Path
 ) -> TeacherResult:
@@ -142,7 +152,7 @@ def teacher_task(
                      epsilon=epsilon)
 
 
-@stage_task("dp-student", lambda cfg: {"teacher": cfg.teacher, "distill": cfg.distill})
+@stage_task("dp-student", lambda cfg: {"teacher": cfg.teacher, "distill": cfg.distill, **_precision(cfg)})
 def dp_student_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, teacher: TeacherResult | None,
     epsilon: float, run_dir: Path,
@@ -156,7 +166,8 @@ def dp_student_task(
 
 
 # The worker count changes how fast, not what: shards depend on (seed, shard) alone.
-@stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(mode="json", exclude={"workers"})})
+@stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(mode="json", exclude={"workers"}),
+                                       **_precision(cfg)})
 def generation_task(
     cfg: PipelineConfig, teacher: TeacherResult, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path
 ) -> GenerateResult:
@@ -171,10 +182,11 @@ def generation_task(
             seed=cfg.seed,
             on_progress=progress,
             progress_every=cfg.progress_seconds,
+            runtime=Runtime.from_config(cfg),
         )
 
 
-@stage_task("distillation", lambda cfg: {"distill": cfg.distill})
+@stage_task("distillation", lambda cfg: {"distill": cfg.distill, **_precision(cfg)})
 def distillation_task(
     cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, run_dir: Path
 ) -> DistillResult:
@@ -191,10 +203,12 @@ def distillation_task(
             seed=cfg.seed,
             on_progress=progress,
             progress_every=cfg.progress_seconds,
+            runtime=Runtime.from_config(cfg),
         )
 
 
-@stage_task("evaluation", lambda cfg: {"evaluate": cfg.evaluate, "method": cfg.distill.method})
+@stage_task("evaluation", lambda cfg: {"evaluate": cfg.evaluate, "method": cfg.distill.method,
+                                       **_precision(cfg)})
 def evaluation_task(
     cfg: PipelineConfig,
     data: DataResult,
@@ -213,6 +227,7 @@ def evaluation_task(
     metrics = evaluate_models(
         cfg.evaluate, models=models, test_path=data.test, out_dir=out_dir, seed=cfg.seed,
         synthetic_path=synthetic.path if synthetic else None, progress_every=cfg.progress_seconds,
+        runtime=Runtime.from_config(cfg),
     )
     return {**metrics, "evaluation_dir": str(out_dir)}
 

@@ -65,22 +65,37 @@ def _weighted_bias(per_example: torch.Tensor):
     return lambda coef: coef @ per_example  # (B,) @ (B, p) -> (p,)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype nn.Linear would compute in here: autocast's (bf16 under precision=bf16) when
+    it is on for x's device, else x's own. The Functions below cast explicitly, once in the
+    forward, and their backward (which autocast does not cover) uses the same dtype, instead
+    of being decorated with torch.amp.custom_fwd for one fixed device type."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 class _LinearFn(torch.autograd.Function):
     """y = x Wᵀ + b (nn.Linear) or y = x W + b (Conv1D, `transposed`); backward returns the
-    input gradient only and keeps what the clipped sum needs."""
+    input gradient only and keeps what the clipped sum needs. Under autocast the products run
+    in its dtype (fp32 master weights cast per call); the norms and sums are formed in fp32."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, transposed, keep):
-        ctx.save_for_backward(x, weight)
-        ctx.transposed, ctx.keep, ctx.weight, ctx.bias = transposed, keep, weight, bias
-        w = weight if transposed else weight.t()  # (d, p)
-        return x @ w if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
+        dt = _compute_dtype(x)
+        xc = x.to(dt)
+        ctx.save_for_backward(xc, weight)
+        ctx.transposed, ctx.keep, ctx.weight, ctx.bias, ctx.dt = transposed, keep, weight, bias, dt
+        w = (weight if transposed else weight.t()).to(dt)  # (d, p)
+        with torch.autocast(x.device.type, enabled=False):
+            if bias is None:
+                return xc @ w
+            return torch.addmm(bias.to(dt), xc.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        w = weight if ctx.transposed else weight.t()  # (d, p)
-        grad_x = g @ w.t() if ctx.needs_input_grad[0] else None
+        w = (weight if ctx.transposed else weight.t()).to(ctx.dt)  # (d, p)
+        grad_x = g.to(ctx.dt) @ w.t() if ctx.needs_input_grad[0] else None  # autograd casts it to x's dtype
         a3, g3 = _flat3(x.detach()).float(), _flat3(g).float()  # x is an activation: no graph on it later
         sq = torch.zeros(a3.shape[0], device=g.device)
         sums = []

@@ -391,6 +391,24 @@ class PipelineConfig(_Section):
         "long stage: teacher, generation, distillation, evaluation. The first step or batch is always "
         "logged. Not part of any stage's cache key.",
     )
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$",
+        description="Where every stage computes: 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' "
+        "(cuda:0) or 'cuda:N'. A data-parallel teacher on nccl puts rank r on cuda:r. Not part of any "
+        "cache key: it changes the rounding of a result, not what is computed.",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="'fp32', or 'bf16': training stages (DP-SGD teacher or student, distillation) under "
+        "torch.autocast with fp32 master weights, inference stages (generation, logit cache, evaluation) "
+        "with bf16 weights; losses, perplexities and ε in fp32. 'fp16' is refused: its loss scaling "
+        "would scale the per-example gradients that DP clipping bounds. Part of the cache keys.",
+    )
+    threads: int | None = Field(
+        None, ge=1,
+        description="torch CPU threads per process (stages, generation workers, data-parallel ranks). "
+        "None: $OMP_NUM_THREADS when set, else min(4, cores / processes). Not part of any cache key.",
+    )
     data: DataConfig
     control_codes: CodesConfig = Field(default_factory=CodesConfig)
     base_models: BaseModelsConfig = Field(default_factory=BaseModelsConfig)
@@ -406,6 +424,20 @@ class PipelineConfig(_Section):
             problems.append(
                 f"teacher.physical_batch_size={self.teacher.physical_batch_size} exceeds "
                 f"teacher.batch_size={self.teacher.batch_size}; lower it to at most the batch size"
+            )
+        if self.precision == "fp16":
+            problems.append(
+                "precision=fp16 is not supported: every method trains with DP-SGD, and fp16 needs loss "
+                "scaling, which scales the per-example gradients that clipping bounds by max_grad_norm "
+                "(the noise would no longer match the clipping); use precision=bf16 (CPU, or CUDA GPUs "
+                "from Ampere on) or precision=fp32"
+            )
+        on_cuda, nccl = self.device.startswith("cuda"), self.teacher.ddp_backend == "nccl"
+        if self.teacher.processes > 1 and self.device != "auto" and on_cuda != nccl:
+            problems.append(
+                f"teacher.ddp_backend={self.teacher.ddp_backend} with device={self.device}: gloo ranks run on the "
+                "CPU and nccl ranks on one GPU each; set teacher.ddp_backend=nccl with a CUDA device, or "
+                "teacher.ddp_backend=gloo with device=cpu (device=auto follows the backend)"
             )
         codes = self.control_codes
         if codes.mechanism is None and self.distill.method in ("distil", "dp_syn"):

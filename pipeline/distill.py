@@ -26,6 +26,7 @@ import torch
 from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.evaluate import mean_token_nll
 from pipeline.config import DistillConfig
+from pipeline.devices import CPU_FP32, Runtime
 from pipeline.generate import read_synthetic
 from pipeline.logit_cache import CachedTopK, build_teacher_cache
 from pipeline.losses import distillation_loss, prompt_mask
@@ -64,6 +65,7 @@ def distill(
     on_progress: Callable[[dict], None] | None = None,
     teacher_cache_dir: Path | None = None,
     progress_every: float = DEFAULT_EVERY,
+    runtime: Runtime = CPU_FP32,
 ) -> DistillResult:
     """Train `student_model` on the synthetic data against the teacher; the best student is saved.
 
@@ -71,7 +73,12 @@ def distill(
     `teacher_cache_dir` (default `<synthetic dir>/teacher_topk_k<k>/`), built or reused.
     Progress lines (steps, steps/s, synthetic tokens/s, loss, ETA) come after the first step,
     then at least every `progress_every` seconds; the cache build logs its own.
+
+    `runtime`: device and precision. The student keeps fp32 master weights and its forward
+    runs under autocast; the frozen teacher is loaded in the run's precision; losses in fp32.
     """
+    runtime.apply_threads()
+    device = runtime.device
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
     teacher_tok, student_tok = load_tokenizer(str(teacher_dir)), load_tokenizer(student_model)
@@ -82,7 +89,7 @@ def distill(
         )
     teacher = cache = None
     if cfg.teacher_top_k is None:
-        teacher = load_causal_lm(str(teacher_dir)).eval()
+        teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(device)
         teacher_positions = _n_positions(teacher)
     elif cfg.beta > 0:
         raise DistillError(f"distill.beta={cfg.beta} needs teacher hidden states, which the top-k cache "
@@ -90,15 +97,15 @@ def distill(
     else:
         cache = build_teacher_cache(Path(teacher_dir), Path(synthetic_path), k=cfg.teacher_top_k,
                                     cache_dir=teacher_cache_dir, batch_size=cfg.batch_size,
-                                    progress_every=progress_every)
+                                    progress_every=progress_every, runtime=runtime)
         teacher_positions = cache.max_length
-    student = load_causal_lm(student_model)
+    student = load_causal_lm(student_model).to(device)  # fp32 master weights
     vocab = len(student_tok)
     # β > 0 with different widths: a learned linear map from the student's hidden size to
     # the teacher's (FitNets-style); it trains with the student and is not saved with it.
     h_s = student.config.hidden_size
     h_t = teacher.config.hidden_size if teacher is not None else h_s
-    projection = torch.nn.Linear(h_s, h_t) if cfg.beta > 0 and h_s != h_t else None
+    projection = torch.nn.Linear(h_s, h_t, device=device) if cfg.beta > 0 and h_s != h_t else None
 
     max_len = min(_n_positions(student), teacher_positions)
     train_table = read_synthetic(synthetic_path, split="train")
@@ -139,7 +146,8 @@ def distill(
         nonlocal best, since_best
         if len(validation) == 0:
             return False
-        loss = mean_token_nll(student, validation, cfg.batch_size)
+        with runtime.autocast():  # mean_token_nll upcasts the logits
+            loss = mean_token_nll(student, validation, cfg.batch_size)
         student.train()
         evals.append({"step": step, "validation_loss": loss})
         if loss < best:
@@ -158,33 +166,35 @@ def distill(
         order = torch.randperm(len(data), generator=generator)
         for start in range(0, len(data), cfg.batch_size):
             idx = order[start : start + cfg.batch_size]
-            batch = lm_batch(data.ids[idx], data.lengths[idx])
+            batch = {k: v.to(device) for k, v in lm_batch(data.ids[idx], data.lengths[idx]).items()}
             labels = batch.pop("labels")  # (B, L-1)
             skip = (
                 prompt_lengths[idx] if cfg.kl_skip_tokens is None
                 else torch.full((len(idx),), cfg.kl_skip_tokens)
             )
-            kl_mask = prompt_mask(labels.shape[1], skip)  # (B, L-1)
+            kl_mask = prompt_mask(labels.shape[1], skip).to(device)  # (B, L-1)
             if cached is not None:
-                teacher_logits, teacher_hidden = cached.batch(idx, data.lengths[idx]), None  # (B, L-1, k)
+                top = cached.batch(idx, data.lengths[idx])  # (B, L-1, k)
+                teacher_logits, teacher_hidden = type(top)(*(t.to(device) for t in top)), None
             else:
-                with torch.no_grad():
+                with torch.no_grad(), runtime.autocast():
                     t_out = teacher(**batch, output_hidden_states=want_hidden)
-                teacher_logits = t_out.logits[:, :-1, :vocab]  # (B, L-1, V)
-                teacher_hidden = t_out.hidden_states[-1][:, :-1] if want_hidden else None  # (B, L-1, H_t)
-            s_out = student(**batch, output_hidden_states=want_hidden)
-            s_hidden = s_out.hidden_states[-1][:, :-1] if want_hidden else None  # (B, L-1, H_s)
-            if projection is not None:
-                s_hidden = projection(s_hidden)  # (B, L-1, H_t)
+                teacher_logits = t_out.logits[:, :-1, :vocab].float()  # (B, L-1, V)
+                teacher_hidden = t_out.hidden_states[-1][:, :-1].float() if want_hidden else None  # (B, L-1, H_t)
+            with runtime.autocast():  # forward only; the losses below run in fp32
+                s_out = student(**batch, output_hidden_states=want_hidden)
+                s_hidden = s_out.hidden_states[-1][:, :-1] if want_hidden else None  # (B, L-1, H_s)
+                if projection is not None:
+                    s_hidden = projection(s_hidden)  # (B, L-1, H_t)
             parts = distillation_loss(
-                s_out.logits[:, :-1, :vocab],
+                s_out.logits[:, :-1, :vocab].float(),
                 teacher_logits,
                 labels,
                 kl_mask,
                 alpha=cfg.alpha,
                 temperature=cfg.temperature,
                 beta=cfg.beta,
-                student_hidden=s_hidden,
+                student_hidden=None if s_hidden is None else s_hidden.float(),
                 teacher_hidden=teacher_hidden,
             )
             parts.loss.backward()

@@ -26,6 +26,7 @@ import torch
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import EvalConfig
 from pipeline.data import encode_record, read_split
+from pipeline.devices import CPU_FP32, Runtime
 from pipeline.generate import read_synthetic
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
@@ -57,13 +58,16 @@ def _nll_by_owner(
     on_batch: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Summed next-token NLL and predicted-token count per owner of each sequence;
-    `on_batch(sequences)` after each batch."""
+    `on_batch(sequences)` after each batch. Batches go to the model's device; the logits
+    are upcast to fp32 before the log-softmax (bf16 weights or autocast)."""
     model.eval()
+    device = next(model.parameters()).device
     nll_sum, count = np.zeros(n_owners), np.zeros(n_owners)
     for start in range(0, len(data), batch_size):
         batch = lm_batch(data.ids[start : start + batch_size], data.lengths[start : start + batch_size])
+        batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")  # (B, L-1)
-        logits = model(**batch).logits[:, :-1]  # (B, L-1, V)
+        logits = model(**batch).logits[:, :-1].float()  # (B, L-1, V)
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
         ).view(labels.shape)  # (B, L-1)
@@ -167,6 +171,7 @@ def evaluate_models(
     seed: int,
     synthetic_path: Path | None = None,
     progress_every: float = DEFAULT_EVERY,
+    runtime: Runtime = CPU_FP32,
 ) -> dict:
     """Perplexity of each named model on the test split; writes `out_dir/metrics.json`.
 
@@ -174,7 +179,9 @@ def evaluate_models(
     With `synthetic_path`, also compares the synthetic texts with the real test texts
     (distinct-n, lengths): aggregate figures only. Progress lines count the windows scored
     over all models (windows/s, ETA; no token counts), at least every `progress_every` s.
+    Models are loaded in `runtime`'s precision, on its device.
     """
+    runtime.apply_threads()
     torch.manual_seed(seed)
     codes, texts = read_split(test_path)
     if not texts:
@@ -192,7 +199,7 @@ def evaluate_models(
                 f"model {name!r} ({path}) uses another tokenizer than {next(iter(models))!r}; "
                 "perplexities over different tokens cannot be compared: use one tokenizer family"
             )
-        model = load_causal_lm(path)
+        model = load_causal_lm(path, dtype=runtime.dtype).to(runtime.device)
 
         def on_windows(done: int, total: int) -> None:
             nonlocal lines

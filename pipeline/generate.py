@@ -46,6 +46,7 @@ from transformers import AutoConfig
 
 from pipeline.config import GenerateConfig
 from pipeline.data import prompt_for, read_control_codes
+from pipeline.devices import CPU_FP32, Runtime
 from pipeline.ledger import LedgerEntry
 from pipeline.manifest import sha256_file, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer
@@ -129,6 +130,7 @@ def _generate_shard(
     rng = np.random.default_rng(shard_seed)
     torch.manual_seed(shard_seed)
     eos = tok.eos_token_id
+    device = next(model.parameters()).device
     n_prompts = math.ceil(n / cfg.samples_per_prompt)
     requested = [c for c in sample_control_codes(counts, n_prompts, rng) for _ in range(cfg.samples_per_prompt)][:n]
     prompt_ids = {c: tok.encode(prompt_for(c), add_special_tokens=False) for c in set(requested)}
@@ -146,7 +148,7 @@ def _generate_shard(
         positions = by_length[length]
         for start in range(0, len(positions), cfg.batch_size):
             chunk = positions[start : start + cfg.batch_size]
-            input_ids = torch.tensor([prompt_ids[requested[i]] for i in chunk])  # (B, P), equal lengths
+            input_ids = torch.tensor([prompt_ids[requested[i]] for i in chunk], device=device)  # (B, P), equal lengths
             with torch.no_grad():
                 out = model.generate(
                     input_ids=input_ids,
@@ -200,11 +202,14 @@ def _generate_shard(
     return rows, stats
 
 
-def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: int) -> str:
+def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: int, precision: str = "fp32") -> str:
     # `workers` changes how shards are scheduled, never what they hold: shards written with any
-    # number of workers are the same generation (and resume each other).
+    # number of workers are the same generation (and resume each other). So does the device
+    # (rounding only); the precision does not: bf16 weights sample other texts.
     spec = {"config": cfg.model_dump(mode="json", exclude={"shard_size", "workers"}), "teacher": teacher_sha,
             "codes": counts_sha, "seed": seed, "shard_size": cfg.shard_size, "format": 3}
+    if precision != "fp32":  # fp32 shards written before precision existed stay this generation's
+        spec["precision"] = precision
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -236,6 +241,8 @@ class GenerationPlan:
     """Parquet metadata of every shard (teacher, ledger, config, seed, fingerprint)."""
     shards: tuple[tuple[int, int], ...]
     """(first sample id, number of samples) of each shard."""
+    runtime: Runtime = CPU_FP32
+    """Device and precision the teacher samples with, threads per process (pipeline/devices.py)."""
 
     @property
     def n_shards(self) -> int:
@@ -247,7 +254,7 @@ class GenerationPlan:
 
 def plan_generation(
     cfg: GenerateConfig, *, teacher_dir: Path, control_codes_path: Path, ledger: list[LedgerEntry],
-    out_dir: Path, seed: int,
+    out_dir: Path, seed: int, runtime: Runtime = CPU_FP32,
 ) -> GenerationPlan:
     """Check the configuration against the teacher and codes, and lay out the shards."""
     out_dir, teacher_dir = Path(out_dir), Path(teacher_dir)
@@ -271,13 +278,14 @@ def plan_generation(
             f"generate.max_length={cfg.max_length}; raise generate.max_length"
         )
     teacher_sha = teacher_fingerprint(teacher_dir)
-    fingerprint = _fingerprint(cfg, teacher_sha, sha256_file(Path(control_codes_path)), seed)
+    fingerprint = _fingerprint(cfg, teacher_sha, sha256_file(Path(control_codes_path)), seed, runtime.precision)
     metadata = {
         "dpdistill.teacher_checkpoint": str(teacher_dir),
         "dpdistill.teacher_sha256": teacher_sha,
         "dpdistill.ledger": json.dumps([e.model_dump() for e in ledger]),
         "dpdistill.generate_config": cfg.model_dump_json(exclude={"workers"}),
         "dpdistill.seed": str(seed),
+        "dpdistill.precision": runtime.precision,
         "dpdistill.fingerprint": fingerprint,
     }
     starts = range(0, cfg.num_samples, cfg.shard_size)
@@ -287,13 +295,14 @@ def plan_generation(
     out_dir.mkdir(parents=True, exist_ok=True)
     return GenerationPlan(cfg=cfg, teacher_dir=teacher_dir, control_codes_path=Path(control_codes_path),
                           out_dir=out_dir, seed=seed, fingerprint=fingerprint, counts=counts,
-                          metadata=metadata, shards=shards)
+                          metadata=metadata, shards=shards, runtime=runtime)
 
 
 @functools.lru_cache(maxsize=1)
-def _teacher(teacher_dir: str, teacher_sha: str):
-    """The teacher and its tokenizer, loaded once per process (the sha keys a rewritten checkpoint)."""
-    return load_causal_lm(teacher_dir).eval(), load_tokenizer(teacher_dir)
+def _teacher(teacher_dir: str, teacher_sha: str, device: torch.device, dtype: torch.dtype):
+    """The teacher (weights in `dtype`, on `device`) and its tokenizer, loaded once per process
+    (the sha keys a rewritten checkpoint)."""
+    return load_causal_lm(teacher_dir, dtype=dtype).eval().to(device), load_tokenizer(teacher_dir)
 
 
 def generate_shard(plan: GenerationPlan, shard: int, on_batch: Callable[[int, int], None] | None = None) -> dict:
@@ -310,7 +319,8 @@ def generate_shard(plan: GenerationPlan, shard: int, on_batch: Callable[[int, in
     if stats is not None:
         log.info("generation: shard %d reused", shard)
         return {**stats, "shard": shard, "samples": n, "reused": True}
-    model, tok = _teacher(str(plan.teacher_dir), plan.metadata["dpdistill.teacher_sha256"])
+    model, tok = _teacher(str(plan.teacher_dir), plan.metadata["dpdistill.teacher_sha256"], plan.runtime.device,
+                          plan.runtime.dtype)
     t0 = time.perf_counter()
     rows, stats = _generate_shard(model, tok, plan.cfg, plan.counts, first, n, _shard_seed(plan.seed, shard),
                                   on_batch)
@@ -443,6 +453,7 @@ def generate_synthetic(
     seed: int,
     on_progress: Callable[[dict], None] | None = None,
     progress_every: float = DEFAULT_EVERY,
+    runtime: Runtime = CPU_FP32,
 ) -> GenerateResult:
     """Write `num_samples` synthetic records in Parquet shards, one after another, in this
     process (whatever `cfg.workers` says; flows/generation.py runs them in parallel).
@@ -450,10 +461,12 @@ def generate_synthetic(
 
     `on_progress` receives, after each generated batch, done/total samples, the shards
     finished and the throughput (aggregates only, never a text); a progress line is logged
-    after the first batch, then at least every `progress_every` seconds.
+    after the first batch, then at least every `progress_every` seconds. The teacher samples
+    on `runtime`'s device with weights in its precision.
     """
+    runtime.apply_threads()
     plan = plan_generation(cfg, teacher_dir=teacher_dir, control_codes_path=control_codes_path, ledger=ledger,
-                           out_dir=out_dir, seed=seed)
+                           out_dir=out_dir, seed=seed, runtime=runtime)
     tracker = GenerationProgress(plan, on_progress, progress_every)
     stats: list[dict] = []
     for shard in range(plan.n_shards):

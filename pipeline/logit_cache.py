@@ -37,6 +37,7 @@ import torch
 from transformers import AutoConfig
 
 from pipeline.batching import TokenizedRecords, lm_batch
+from pipeline.devices import CPU_FP32, Runtime
 from pipeline.generate import teacher_fingerprint
 from pipeline.losses import TopKLogits
 from pipeline.manifest import MANIFEST, sha256_file, write_manifest
@@ -90,7 +91,8 @@ def _n_positions(config) -> int:
     return getattr(config, "n_positions", None) or config.max_position_embeddings
 
 
-def _fingerprint_parts(teacher_dir: Path, shards: list[Path], k: int, max_length: int) -> dict:
+def _fingerprint_parts(teacher_dir: Path, shards: list[Path], k: int, max_length: int,
+                       precision: str = "fp32") -> dict:
     teacher_sha = teacher_fingerprint(teacher_dir)
     if not teacher_sha:
         raise LogitCacheError(
@@ -98,8 +100,11 @@ def _fingerprint_parts(teacher_dir: Path, shards: list[Path], k: int, max_length
             "tell this teacher from another; save it with save_pretrained (safetensors) or set "
             "distill.teacher_top_k=null"
         )
-    return {"teacher_sha256": teacher_sha, "synthetic": {f.name: sha256_file(f) for f in shards},
-            "k": k, "max_length": max_length, "format": FORMAT}
+    parts = {"teacher_sha256": teacher_sha, "synthetic": {f.name: sha256_file(f) for f in shards},
+             "k": k, "max_length": max_length, "format": FORMAT}
+    if precision != "fp32":  # bf16 weights give other logits; fp32 caches made before stay valid
+        parts["precision"] = precision
+    return parts
 
 
 def _digest(parts: dict) -> str:
@@ -119,8 +124,8 @@ def _shard_fingerprint(path: Path) -> str | None:
 def _stale_reason(manifest: dict, parts: dict) -> str:
     """Which inputs differ from those the existing cache was built from (names only)."""
     old = manifest.get("fingerprint_parts", {})
-    changed = [name for name in ("teacher_sha256", "synthetic", "k", "max_length", "format")
-               if old.get(name) != parts[name]]
+    changed = [name for name in ("teacher_sha256", "synthetic", "k", "max_length", "format", "precision")
+               if old.get(name) != parts.get(name)]
     return ", ".join(changed) or "unknown"
 
 
@@ -138,6 +143,7 @@ def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, ba
     table = pq.read_table(src, columns=["sample_id", "split", "token_ids"])
     token_ids = table["token_ids"].to_pylist()
     vocab = len(tok)
+    device = next(teacher.parameters()).device
     lengths = np.array([min(len(x), max_length) for x in token_ids])
     order = np.argsort(lengths, kind="stable")  # similar lengths together: little padding
     tmp = dst.parent / f".{dst.name}.tmp"
@@ -149,12 +155,12 @@ def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, ba
             batch = lm_batch(records.ids, records.lengths)
             batch.pop("labels")
             with torch.no_grad():
-                logits = teacher(**batch).logits[:, :-1, :vocab]  # (B, L-1, V)
+                logits = teacher(**{n: v.to(device) for n, v in batch.items()}).logits[:, :-1, :vocab]  # (B, L-1, V)
             values, ids = logits.float().topk(k, dim=-1)  # (B, L-1, k), sorted, largest first
             n_targets = (records.lengths - 1).clamp(min=0)  # (B,)
-            keep = torch.arange(logits.shape[1]).unsqueeze(0) < n_targets.unsqueeze(1)  # (B, L-1)
-            flat_ids = ids[keep].to(torch.int32).numpy().reshape(-1)  # (tokens·k,) row-major
-            flat_values = values[keep].numpy().reshape(-1)
+            keep = (torch.arange(logits.shape[1]).unsqueeze(0) < n_targets.unsqueeze(1)).to(device)  # (B, L-1)
+            flat_ids = ids[keep].to(torch.int32).numpy(force=True).reshape(-1)  # (tokens·k,) row-major, on the host
+            flat_values = values[keep].numpy(force=True).reshape(-1)
             n_tokens += int(n_targets.sum())
             writer.write_table(pa.table({
                 "sample_id": table["sample_id"].take(rows),
@@ -171,7 +177,7 @@ def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, ba
 
 def build_teacher_cache(
     teacher_dir: Path, synthetic_path: Path, *, k: int, cache_dir: Path | None = None, batch_size: int = 16,
-    progress_every: float = DEFAULT_EVERY,
+    progress_every: float = DEFAULT_EVERY, runtime: Runtime = CPU_FP32,
 ) -> TeacherCache:
     """Compute (or reuse) the teacher's top-k logits for every synthetic sample.
 
@@ -179,11 +185,12 @@ def build_teacher_cache(
     (other teacher weights, synthetic shards, k or max_length) is recomputed, with a warning.
     A crash while building keeps the finished shards: the next call resumes. Progress lines
     (samples, samples/s, tokens/s, ETA) follow the batches, at least every `progress_every` s.
+    The teacher runs on `runtime`'s device with weights in its precision (part of the fingerprint).
     """
     shards = _synthetic_shards(synthetic_path)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(synthetic_path, k)
     max_length = _n_positions(AutoConfig.from_pretrained(str(teacher_dir)))
-    parts = _fingerprint_parts(Path(teacher_dir), shards, k, max_length)
+    parts = _fingerprint_parts(Path(teacher_dir), shards, k, max_length, runtime.precision)
     fingerprint = _digest(parts)
     outputs = {f"topk_{i}": _cache_shard(cache_dir, f) for i, f in enumerate(shards)}
 
@@ -224,7 +231,7 @@ def build_teacher_cache(
             lines.skipped(sizes[i])
             continue
         if teacher is None:
-            teacher = load_causal_lm(str(teacher_dir)).eval()
+            teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(runtime.device)
         samples, tokens = _write_shard(teacher, tok, src, dst, k, max_length, batch_size, metadata, on_batch)
         n_samples, n_tokens = n_samples + samples, n_tokens + tokens
         log.info("teacher cache: shard %d/%d, %d samples, %d target tokens (%.0f s)",

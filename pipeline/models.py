@@ -222,9 +222,11 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
-def load_causal_lm(name_or_path: str) -> torch.nn.Module:
+def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal LM with weights in `dtype`: fp32 for training (master weights), the run's
+    precision for inference (pipeline/devices.py)."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     except OSError as e:
         raise ModelError(
             f"cannot load a causal LM from {name_or_path!r}: not a local directory and not in "

@@ -7,7 +7,7 @@ server starts and before any run directory is made (issue 10).
 A run that fails here leaves nothing behind, and its error names the field and the fix in
 seconds, instead of a traceback minutes later. The checks read headers and schemas only
 (a JSON-lines file has neither: it is scanned line by line, see data.jsonl_problems); the
-rows themselves are validated by the data stage. No Prefect, no torch.
+rows themselves are validated by the data stage. No Prefect; torch only for a CUDA device.
 Messages name files, rows and columns, never a record's content.
 """
 
@@ -47,8 +47,20 @@ def check_inputs(cfg: PipelineConfig) -> list[str]:
     if data.test_path is not None:
         problems += _data_file(data.test_path, "data.test_path", columns)
     problems += _models(cfg)
+    problems += _device(cfg)
     problems += _run_root(Path(cfg.run_root))
     return problems
+
+
+def _device(cfg: PipelineConfig) -> list[str]:
+    """A CUDA device the run asks for exists here (and does bf16 if asked). Only then is torch
+    imported: `auto` and `cpu` always run."""
+    if not cfg.device.startswith("cuda"):
+        return []
+    from pipeline.devices import device_problem
+
+    problem = device_problem(cfg.device, cfg.precision)
+    return [problem] if problem else []
 
 
 def _readable_file(path: Path, field: str) -> str | None:

@@ -71,6 +71,7 @@ from pipeline.bk import BookKeepingPrivacyEngine
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import TeacherConfig
 from pipeline.data import encode_record, read_split, read_users
+from pipeline.devices import CPU_FP32, Runtime
 from pipeline.evaluate import perplexity
 from pipeline.ledger import LedgerEntry
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, sha256_file, write_manifest
@@ -110,7 +111,7 @@ class TeacherResult:
 
 def per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token NLL of each sequence: logits (B, L, V), labels (B, L-1) -> (B,)."""
-    logits = logits[:, :-1]  # (B, L-1, V)
+    logits = logits[:, :-1].float()  # (B, L-1, V); fp32 log-softmax under bf16 autocast too
     nll = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
     ).view(labels.shape)  # (B, L-1)
@@ -273,7 +274,7 @@ def _world() -> tuple[int, int]:
 
 
 @torch.no_grad()
-def _validation_loss(model: torch.nn.Module, records: TokenizedRecords, batch_size: int, device) -> float:
+def _validation_loss(model: torch.nn.Module, records: TokenizedRecords, batch_size: int, runtime: Runtime) -> float:
     """Mean per-record loss on held-out validation records (forward only, eval mode): the
     training progress that is safe to publish, unlike the loss of a private batch."""
     if len(records) == 0:
@@ -281,9 +282,11 @@ def _validation_loss(model: torch.nn.Module, records: TokenizedRecords, batch_si
     model.eval()
     total = 0.0
     for ids, lengths in DataLoader(records, batch_size=batch_size):
-        batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
+        batch = {k: v.to(runtime.device) for k, v in lm_batch(ids, lengths).items()}
         labels = batch.pop("labels")
-        total += per_sequence_loss(model(**batch).logits, labels).sum().item()
+        with runtime.autocast():
+            logits = model(**batch).logits
+        total += per_sequence_loss(logits, labels).sum().item()
     model.train()
     return total / len(records)
 
@@ -324,7 +327,7 @@ def _load_private(path: Path, fingerprint: str, *, module, optimizer, engine: Pr
 
 def _fingerprint(
     cfg: TeacherConfig, base_model: str, train_path: Path, seed: int, sigma: float, kd: KnowledgeDistillation | None,
-    world_size: int = 1,
+    world_size: int = 1, precision: str = "fp32",
 ) -> str:
     """What a checkpoint must match to be resumed: same config, data, base model, seed, σ, KD,
     number of data-parallel processes (a DPDDP checkpoint holds wrapped weights and
@@ -332,6 +335,8 @@ def _fingerprint(
     spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend"})
     if world_size > 1:
         spec["world_size"] = world_size
+    if precision != "fp32":  # not the device: a run may resume on another one
+        spec["precision"] = precision
     spec |= {"checkpoint_format": 2, "base_model": base_model, "train_sha256": sha256_file(train_path),
              "seed": seed, "sigma": sigma,
              "kd": None if kd is None else [str(kd.teacher_dir), kd.alpha, kd.temperature]}
@@ -348,6 +353,7 @@ class _Run:
     out_dir: Path
     rank: int
     world: int
+    runtime: Runtime  # this rank's device, precision and threads
     device: torch.device
     tok: object
     model: torch.nn.Module  # the trainable model, unwrapped
@@ -396,11 +402,10 @@ def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | Non
 
 
 def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_model: str, out_dir: Path,
-           seed: int, stage: str, kd: KnowledgeDistillation | None) -> _Run:
+           seed: int, stage: str, kd: KnowledgeDistillation | None, runtime: Runtime) -> _Run:
     """Models, the private data behind secret Poisson sampling, σ, and Opacus' engine."""
     rank, world = _world()
-    device = torch.device("cuda", torch.cuda.current_device()) if world > 1 and dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    device = runtime.device  # a data-parallel rank's own: cuda:local_rank on nccl (ddp_worker)
     torch.manual_seed(seed + rank)  # dropout; DP randomness comes from the secret generators below
     np.random.seed(seed)
     tok, model, kd_teacher = _models(cfg, base_model, kd, device)
@@ -473,11 +478,12 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_
     monitor = TokenizedRecords([encode_record(tok, c, t, cfg.max_length) for c, t in zip(val_codes[:k], val_texts[:k])],
                                tok.pad_token_id, cfg.max_length)
     return _Run(
-        cfg=cfg, stage=stage, out_dir=Path(out_dir), rank=rank, world=world, device=device, tok=tok, model=model,
+        cfg=cfg, stage=stage, out_dir=Path(out_dir), rank=rank, world=world, runtime=runtime, device=device, tok=tok,
+        model=model,
         dp_model=dp_model, optimizer=dp_optimizer, loader=loader, engine=engine, rngs=rngs, n=n,
         n_records=len(records), unit=unit, delta=delta, sigma=sigma, sampling_probability=sampling_probability,
         sample_rate=sample_rate, total_steps=total_steps, steps_allowed=steps_allowed,
-        fingerprint=_fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world),
+        fingerprint=_fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world, runtime.precision),
         monitor=monitor, kd=kd, kd_teacher=kd_teacher,
     )
 
@@ -523,15 +529,17 @@ def _step(run: _Run, ids: torch.Tensor, lengths: torch.Tensor) -> None:
         return
     batch = {k: v.to(run.device) for k, v in lm_batch(ids, lengths).items()}
     labels = batch.pop("labels")
-    logits = run.dp_model(**batch).logits  # (B, L, V)
+    with run.runtime.autocast():  # forward only; fp32 master weights, losses upcast to fp32
+        logits = run.dp_model(**batch).logits  # (B, L, V)
+        if run.kd_teacher is not None:
+            with torch.no_grad():
+                t_logits = run.kd_teacher(**batch).logits  # (B, L, V)
     if run.kd_teacher is None:
         per_example = per_sequence_loss(logits, labels)  # (B,)
     else:
-        with torch.no_grad():
-            t_logits = run.kd_teacher(**batch).logits  # (B, L, V)
         vocab = min(logits.shape[-1], t_logits.shape[-1])
         per_example = per_sequence_distillation_loss(
-            logits[:, :-1, :vocab], t_logits[:, :-1, :vocab], labels, alpha=run.kd.alpha,
+            logits[:, :-1, :vocab].float(), t_logits[:, :-1, :vocab].float(), labels, alpha=run.kd.alpha,
             temperature=run.kd.temperature,
         )  # (B,)
     CLIPPING[run.cfg.grad_sample_mode](run.dp_model, run.optimizer, per_example)
@@ -550,7 +558,7 @@ def _record_step(run: _Run, t0: float) -> dict:
         # weights_only=True, and that refuses a numpy scalar (the PRV accountant's ε).
         record["epsilon"] = float(run.engine.get_epsilon(run.delta))
         record["validation_loss"] = float(_validation_loss(run.model, run.monitor, run.cfg.physical_batch_size,
-                                                           run.device))
+                                                           run.runtime))
         record["seconds"] = round(time.time() - t0, 1)
         log.info("%s: step %d/%d ε=%.3f validation loss %.4f (%.0f s)", run.stage, done, run.steps_allowed,
                  record["epsilon"], record["validation_loss"], record["seconds"])
@@ -599,11 +607,12 @@ def _save(run: _Run, entry: LedgerEntry, *, train_path: Path, validation_path: P
     model = run.model.merge_and_unload() if run.cfg.mode == "lora" else run.model  # a plain checkpoint
     for p in model.parameters():
         p.requires_grad_(True)
-    model = model.cpu().eval()
+    model = model.eval()  # stays on the run's device: save_pretrained writes device-free safetensors
     validation_loss = float("nan")
     val_codes, val_texts = read_split(validation_path)
     if val_texts:
-        ppl = perplexity(model, run.tok, val_codes, val_texts, run.cfg.max_length, run.cfg.physical_batch_size)
+        with run.runtime.autocast():  # logits upcast to fp32 inside perplexity
+            ppl = perplexity(model, run.tok, val_codes, val_texts, run.cfg.max_length, run.cfg.physical_batch_size)
         validation_loss = math.log(ppl.windowed)
         log.info("%s: validation perplexity %.2f", run.stage, ppl.windowed)
     model.save_pretrained(ckpt)
@@ -632,6 +641,7 @@ def train_teacher(
     stage: str = "teacher",
     kd: KnowledgeDistillation | None = None,
     progress_every: float = DEFAULT_EVERY,
+    runtime: Runtime = CPU_FP32,
 ) -> TeacherResult:
     """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
 
@@ -645,12 +655,16 @@ def train_teacher(
     (pipeline/teacher_ddp.py) and returns the finished stage. Inside an initialised process
     group of W > 1 ranks: trains data-parallel (DPDDP); rank 0 alone writes the checkpoints,
     model, ledger and manifest, and the other ranks return the same ledger entry.
+
+    `runtime` (pipeline/devices.py): the device, precision (bf16: forward passes under
+    autocast, fp32 master weights and losses) and CPU threads of this process.
     """
     paths = dict(train_path=Path(train_path), validation_path=Path(validation_path), base_model=base_model)
     if cfg.processes > 1 and _world()[1] == 1:
         return _train_data_parallel(cfg, out_dir=Path(out_dir), seed=seed, on_progress=on_progress, stage=stage,
-                                    kd=kd, progress_every=progress_every, **paths)
-    run = _setup(cfg, out_dir=out_dir, seed=seed, stage=stage, kd=kd, **paths)
+                                    kd=kd, progress_every=progress_every, runtime=runtime, **paths)
+    runtime.apply_threads()
+    run = _setup(cfg, out_dir=out_dir, seed=seed, stage=stage, kd=kd, runtime=runtime, **paths)
     if run.world > 1 and run.world != cfg.processes:
         log.warning("%s: teacher.processes=%d but the process group has %d ranks; training on %d",
                     stage, cfg.processes, run.world, run.world)
@@ -687,16 +701,21 @@ def train_teacher(
 
 
 def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stage: str,
-                         kd: KnowledgeDistillation | None, progress_every: float, **job) -> TeacherResult:
+                         kd: KnowledgeDistillation | None, progress_every: float, runtime: Runtime,
+                         **job) -> TeacherResult:
     """`cfg.processes` ranks under torchrun, each running `ddp_worker`; the result is read
-    back from the finished stage, the same TeacherResult as one process returns."""
-    args = {"config": cfg.model_dump(mode="json"), "out_dir": str(out_dir.resolve()), "stage": stage,
+    back from the finished stage, the same TeacherResult as one process returns. Ranks on
+    nccl get one GPU each (cuda:local_rank), on gloo the CPU; each its share of the cores."""
+    threads = runtime.threads_for(cfg.processes)
+    rank_runtime = Runtime(runtime.for_ddp(cfg.ddp_backend).device, runtime.precision, threads)
+    args = {"runtime": rank_runtime.to_json(),
+            "config": cfg.model_dump(mode="json"), "out_dir": str(out_dir.resolve()), "stage": stage,
             "train_path": str(job["train_path"].resolve()), "validation_path": str(job["validation_path"].resolve()),
             "base_model": job["base_model"], "seed": job["seed"], "progress_every": progress_every,
             "kd": None if kd is None else {"teacher_dir": str(Path(kd.teacher_dir).resolve()), "alpha": kd.alpha,
                                            "temperature": kd.temperature}}
     teacher_ddp.launch(args, target="pipeline.teacher:ddp_worker", processes=cfg.processes,
-                       backend=cfg.ddp_backend, work=out_dir / teacher_ddp.WORKDIR, stage=stage,
+                       backend=cfg.ddp_backend, threads=threads, work=out_dir / teacher_ddp.WORKDIR, stage=stage,
                        on_progress=on_progress, error=TeacherError)
     result = finished_teacher(out_dir)
     if result is None:
@@ -708,11 +727,13 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
 def ddp_worker(args: dict, on_progress: Callable[[dict], None] | None) -> None:
     """One torchrun rank (pipeline/teacher_ddp.py calls it inside the process group)."""
     kd = args["kd"]
+    runtime = Runtime.from_json(args["runtime"])  # on nccl "cuda": this rank's GPU, set by teacher_ddp.main
+    runtime = runtime.for_rank(int(os.environ.get("LOCAL_RANK", 0)))
     train_teacher(
         TeacherConfig.model_validate(args["config"]), train_path=Path(args["train_path"]),
         validation_path=Path(args["validation_path"]), base_model=args["base_model"], out_dir=Path(args["out_dir"]),
         seed=args["seed"], on_progress=on_progress, stage=args["stage"],
-        progress_every=args.get("progress_every", DEFAULT_EVERY),
+        progress_every=args.get("progress_every", DEFAULT_EVERY), runtime=runtime,
         kd=None if kd is None else KnowledgeDistillation(Path(kd["teacher_dir"]), kd["alpha"], kd["temperature"]),
     )
 

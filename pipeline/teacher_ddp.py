@@ -80,12 +80,14 @@ def launch(
     processes: int,
     backend: str,
     work: Path,
+    threads: int | None = None,
     stage: str,
     on_progress: Callable[[dict], None] | None = None,
     error: type[Exception] = RuntimeError,
 ) -> None:
     """Run `target(args, on_progress)` in `processes` ranks under torchrun and wait; a failed
-    job raises `error` with the end of rank 0's log."""
+    job raises `error` with the end of rank 0's log. `threads`: CPU threads of each rank
+    (OMP_NUM_THREADS; None: the cores shared out); the target applies its own as well."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         raise error(
             f"{stage}: called inside torchrun without an initialised process group; call "
@@ -103,7 +105,7 @@ def launch(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
            "-m", "pipeline.teacher_ddp", str(work / "args.json")]
     # Share the cores out instead of every process using all of them.
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes)), **os.environ}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads or max(1, (os.cpu_count() or 1) // processes))}
     log.info("%s: data-parallel over %d processes (%s): %s", stage, processes, backend, " ".join(cmd))
     progress, rank0_log = _Tail(work / PROGRESS), _Tail(work / "rank0.log")
 

@@ -1,0 +1,137 @@
+"""Where and in what precision the stages compute, and how many CPU threads each process uses.
+
+    rt = Runtime.from_config(cfg)            # cfg.device / cfg.precision / cfg.threads, resolved
+    rt.apply_threads()                       # at the start of every stage and worker process
+    model = load_causal_lm(path, dtype=rt.dtype).to(rt.device)      # inference stages
+    with rt.autocast():                      # training stages: fp32 master weights
+        loss = ...
+
+Training stages (the DP-SGD teacher or student, distillation) keep fp32 weights and run
+their forward passes under `torch.autocast(device_type, dtype)`, the standard mixed-precision
+recipe; inference stages (generation, the top-k logit cache, evaluation) load the weights in
+the chosen dtype. Losses, perplexities and ε are computed in fp32: logits are upcast before
+any log-softmax, and the accountant never sees a tensor.
+
+fp16 is refused (PipelineConfig): every method trains with DP-SGD, and fp16 training needs
+loss scaling, which multiplies the per-example gradients that clipping bounds by C; the
+clipping norm, and so the noise's calibration, would no longer mean what the ledger says.
+bf16 has fp32's exponent range and needs no scaling.
+
+The device is not part of any cache key (flows/pipeline_flow.py): it changes the rounding
+of a result, not what was computed, like `threads`. The precision is part of the keys of
+every stage that runs a model: a bf16 teacher is another teacher than an fp32 one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_DEFAULT_THREADS = 4  # beyond this, the tiny-to-small models here gain little per extra thread
+
+
+class DeviceError(ValueError):
+    """The configured device or precision is not available on this machine; says what to set."""
+
+
+def device_problem(spec: str, precision: str = "fp32") -> str | None:
+    """Why `device=spec` with `precision` cannot run here (None: it can). `dpdistill` pre-flight
+    reports it before anything starts (pipeline/preflight.py)."""
+    if spec in ("auto", "cpu"):
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(spec.split(":", 1)[1]) if ":" in spec else 0
+    if count == 0:
+        return (f"device={spec} but this machine has no usable CUDA device (torch {torch.__version__}, "
+                f"CUDA build {torch.version.cuda or 'none'}); set device=auto or device=cpu")
+    if index >= count:
+        return f"device={spec} but only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1}); pick one of them"
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        return (f"precision=bf16 but {torch.cuda.get_device_name(index)} has no bf16 support (GPUs from "
+                "NVIDIA Ampere on have it); set precision=fp32")
+    return None
+
+
+def resolve_device(spec: str, precision: str = "fp32") -> torch.device:
+    """`auto` → cuda when present, else cpu; `cuda` → cuda:0; refused when it cannot run here."""
+    if problem := device_problem(spec, precision):
+        raise DeviceError(problem)
+    if spec == "auto":
+        on_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        return torch.device("cuda", 0) if on_cuda else torch.device("cpu")
+    if spec == "cuda":
+        return torch.device("cuda", 0)
+    return torch.device(spec)
+
+
+def default_threads(processes: int = 1) -> int:
+    """CPU threads of one of `processes` processes sharing this machine: $OMP_NUM_THREADS when
+    set (what a scheduler or a test run asks for), else min(4, cores / processes). torch's own
+    default (every core, in every process) oversubscribes shared machines: steps measured 6-7x
+    slower on a busy 2-core machine than with 1 thread."""
+    if (env := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(MAX_DEFAULT_THREADS, (os.cpu_count() or 1) // max(1, processes)))
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The resolved device, precision and thread count a stage runs with (small, picklable:
+    it travels to Dask generation workers and, as JSON, to torchrun ranks)."""
+
+    device: torch.device = torch.device("cpu")
+    precision: str = "fp32"
+    threads: int | None = None  # per process; None: default_threads()
+
+    @classmethod
+    def from_config(cls, cfg) -> "Runtime":
+        """From a PipelineConfig's top-level `device`, `precision` and `threads`."""
+        return cls(resolve_device(cfg.device, cfg.precision), cfg.precision, cfg.threads)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Weights' dtype for the inference stages (training keeps fp32 master weights)."""
+        return DTYPES[self.precision]
+
+    def autocast(self):
+        """Mixed-precision context of the training forward passes (a no-op in fp32)."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def threads_for(self, processes: int = 1) -> int:
+        return self.threads or default_threads(processes)
+
+    def apply_threads(self, processes: int = 1) -> int:
+        """torch.set_num_threads in this process (once per stage or worker); returns it."""
+        n = self.threads_for(processes)
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
+
+    def for_ddp(self, backend: str) -> "Runtime":
+        """The runtime the ranks of a data-parallel teacher start from: nccl ranks on CUDA
+        (each then takes cuda:local_rank, `for_rank`), gloo ranks on the CPU (PipelineConfig
+        refuses gloo with a CUDA device, and nccl with device=cpu)."""
+        device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+        return Runtime(device, self.precision, self.threads)
+
+    def for_rank(self, local_rank: int) -> "Runtime":
+        """A data-parallel rank's runtime: on CUDA, one GPU per rank (cuda:local_rank)."""
+        if self.device.type != "cuda":
+            return self
+        return Runtime(torch.device("cuda", local_rank), self.precision, self.threads)
+
+    def to_json(self) -> dict:
+        return {"device": str(self.device), "precision": self.precision, "threads": self.threads}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Runtime":
+        return cls(torch.device(d["device"]), d["precision"], d["threads"])
+
+
+CPU_FP32 = Runtime()  # what every stage ran with before issue 11, and the default of the stage functions

@@ -1,0 +1,238 @@
+"""Devices and precision (issue 11): resolution and refusals, bk clipping under bf16 autocast,
+the tiny pipeline in bf16 against fp32, and every stage on the configured device and dtype."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, make_tiny_model, tiny_pipeline_dict
+from pipeline.batching import TokenizedRecords, lm_batch
+from pipeline.bk import BookKeepingPrivacyEngine
+from pipeline.config import ConfigError, DistillConfig, EvalConfig, GenerateConfig, TeacherConfig, config_from_dict
+from pipeline.devices import DeviceError, Runtime, default_threads, resolve_device
+import pipeline.distill
+import pipeline.evaluate
+import pipeline.generate
+import pipeline.logit_cache
+import pipeline.teacher
+from pipeline.models import untie_lm_head
+from pipeline.noise import TEST_SEED_ENV
+from pipeline.preflight import check_inputs
+from pipeline.teacher import per_sequence_loss
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a CPU-only machine")
+
+
+# --- resolution and refusals ---------------------------------------------------------------
+
+@needs_no_cuda
+def test_auto_is_the_cpu_here_and_cuda_is_refused_at_preflight(tmp_path):
+    assert resolve_device("auto") == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(DeviceError, match=r"device=cuda:1 but this machine has no usable CUDA device"):
+        resolve_device("cuda:1")
+    cfg = config_from_dict({**tiny_pipeline_dict(tmp_path), "device": "cuda", "precision": "bf16"})
+    problems = [p for p in check_inputs(cfg) if "device" in p]
+    assert len(problems) == 1 and "set device=auto or device=cpu" in problems[0]
+    assert not [p for p in check_inputs(config_from_dict(tiny_pipeline_dict(tmp_path))) if "device" in p]
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"device": "gpu"}, "device = 'gpu'"),
+    ({"precision": "fp16"}, "precision=fp16 is not supported"),
+    ({"precision": "half"}, "precision = 'half'"),
+    ({"threads": 0}, "threads = 0"),
+    ({"device": "cuda", "teacher": {"processes": 2, "ddp_backend": "gloo"}}, "gloo ranks run on the CPU"),
+    ({"device": "cpu", "teacher": {"processes": 2, "ddp_backend": "nccl"}}, "gloo ranks run on the CPU"),
+])
+def test_bad_device_settings_are_one_config_error_naming_the_field(tmp_path, update, message):
+    tree = tiny_pipeline_dict(tmp_path)
+    for key, value in update.items():
+        tree[key] = {**tree[key], **value} if isinstance(value, dict) else value
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(tree)
+
+
+def test_threads_default_to_omp_num_threads_else_a_share_of_the_cores(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == 3 and Runtime(threads=2).threads_for(4) == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert default_threads() == 4 and default_threads(processes=8) == 2 and default_threads(processes=32) == 1
+    before = torch.get_num_threads()
+    try:
+        assert Runtime(threads=1).apply_threads() == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_runtime_round_trips_to_data_parallel_ranks():
+    rt = Runtime(torch.device("cpu"), "bf16", 2)
+    assert Runtime.from_json(json.loads(json.dumps(rt.to_json()))) == rt
+    nccl = rt.for_ddp("nccl").for_rank(3)
+    assert nccl.device == torch.device("cuda", 3) and nccl.precision == "bf16"
+    assert rt.for_ddp("gloo").for_rank(3).device == torch.device("cpu")
+
+
+# --- bk clipping under autocast -------------------------------------------------------------
+
+def test_bk_clipping_under_bf16_autocast_matches_fp32(tiny_tokenizer):
+    """The bk Functions run their products in autocast's bf16 (forward and backward) with fp32
+    master weights; the clipped gradient lands in fp32 .grad within bf16 rounding of fp32's."""
+    torch.manual_seed(0)
+    base = make_tiny_model(tiny_tokenizer)
+    untie_lm_head(base)
+    texts = [[5, 9, 23, 7, 81, 2], [40, 3, 3, 3, 17], [11, 12, 13, 14, 15, 16, 17, 18]]
+    data = TokenizedRecords(texts, tiny_tokenizer.pad_token_id, 16)
+    grads = {}
+    for precision in ("fp32", "bf16"):
+        model = make_tiny_model(tiny_tokenizer)
+        untie_lm_head(model)
+        model.load_state_dict(base.state_dict())
+        loader = torch.utils.data.DataLoader(data, batch_size=3)
+        dp_model, optimizer, _ = BookKeepingPrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader,
+            noise_multiplier=0.0, max_grad_norm=0.05, poisson_sampling=False, grad_sample_mode="bk")
+        batch = lm_batch(data.ids, data.lengths)
+        labels = batch.pop("labels")
+        with Runtime(precision=precision).autocast():
+            logits = dp_model(**batch).logits
+        assert logits.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+        coef = dp_model.backward_clipped(per_sequence_loss(logits, labels))
+        assert (coef < 1).all()  # every example clipped: the norms were computed, in fp32
+        grads[precision] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    rel = (grads["bf16"] - grads["fp32"]).norm() / grads["fp32"].norm()
+    assert 0 < rel < 0.05, rel
+
+
+# --- the tiny pipeline, stage by stage ------------------------------------------------------
+
+def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
+    """Teacher (DP-SGD, bk) → generation → top-k logit cache + distillation → evaluation,
+    each called through its module so that the observing test can wrap it."""
+    teacher = pipeline.teacher.train_teacher(
+        TeacherConfig(target_epsilon=3.0, epochs=1, batch_size=25, physical_batch_size=10, max_length=48,
+                      learning_rate=1e-3),
+        train_path=splits.train, validation_path=splits.validation, base_model=str(model_dir),
+        out_dir=out / "teacher", seed=0, runtime=runtime)
+    codes = out / "codes.json"
+    codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))
+    synthetic = pipeline.generate.generate_synthetic(
+        GenerateConfig(num_samples=24, batch_size=12, max_length=32, validation_fraction=0.2),
+        teacher_dir=teacher.checkpoint, control_codes_path=codes, ledger=[], out_dir=out / "synthetic", seed=0,
+        runtime=runtime)
+    student = pipeline.distill.distill(
+        DistillConfig(epochs=1, batch_size=8, learning_rate=1e-3, teacher_top_k=20, eval_every=2),
+        synthetic_path=synthetic.path, teacher_dir=teacher.checkpoint, student_model=str(model_dir),
+        out_dir=out / "student", seed=0, runtime=runtime)
+    return pipeline.evaluate.evaluate_models(
+        EvalConfig(window=32, batch_size=8), models={"dp_teacher": str(teacher.checkpoint),
+                                                     "student": str(student.checkpoint)},
+        test_path=splits.test, out_dir=out / "evaluation", seed=0, runtime=runtime)
+
+
+# Stage functions observed, and the label their model calls get (the innermost wins).
+OBSERVED = [
+    (pipeline.teacher, "_step", "teacher training"), (pipeline.teacher, "_validation_loss", "teacher validation"),
+    (pipeline.teacher, "_save", "teacher validation"),
+    (pipeline.generate, "_generate_shard", "generation"), (pipeline.logit_cache, "_write_shard", "logit cache"),
+    (pipeline.distill, "distill", "distillation"), (pipeline.evaluate, "perplexity", "evaluation"),
+]
+TRAINING = {"teacher training", "teacher validation", "distillation"}  # fp32 master weights, autocast
+
+
+class _Forwards:
+    """Every call of a module holding parameters, seen by a global forward pre-hook and
+    labelled with the innermost observed stage function running: its parameters' devices and
+    dtypes, its tensor inputs' devices, whether autocast was on."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[dict] = []
+        self.stages: list[str] = []
+        for module, name, label in OBSERVED:
+            monkeypatch.setattr(module, name, self._labelled(getattr(module, name), label))
+
+    def _labelled(self, fn, label):
+        def run(*args, **kwargs):
+            self.stages.append(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stages.pop()
+        return run
+
+    def __call__(self, module, args):
+        params = list(module.parameters(recurse=False))
+        if params:
+            self.calls.append({
+                "stage": self.stages[-1] if self.stages else None, "module": type(module).__name__,
+                "param_devices": {p.device for p in params}, "param_dtypes": {p.dtype for p in params},
+                "input_devices": {a.device for a in args if isinstance(a, torch.Tensor)},
+                "autocast": torch.is_autocast_enabled(params[0].device.type),
+            })
+
+
+def test_tiny_pipeline_in_bf16_on_the_configured_device(splits, tiny_model_dir, tmp_path, monkeypatch):
+    """The stages run in bf16 on CPU, every model call on the configured device and in the
+    configured precision, and the perplexities come within 1% of fp32's (the tiny models are
+    near uniform: a loose check of bf16, a strict one of the plumbing).
+
+    What the observation proves, on a CPU-only machine: every call of every parameterised
+    module in every stage (Opacus' wrapped teacher included) had its parameters and its inputs
+    on `runtime.device`, and ran in the runtime's precision: the training stages under
+    autocast with fp32 master weights, the inference stages (generation, logit cache,
+    evaluation) with bf16 weights. CPU being the only device here, the device half alone
+    cannot catch a stage that pins the CPU; the precision half catches a stage that ignores
+    the runtime (a load without its dtype, a forward outside its autocast, as after the
+    `model.cpu()` the teacher's save path had), and `test_no_stage_names_the_cpu` catches a
+    pinned CPU. The DP noise is fixed by the test hook: both runs train with the same noise.
+    """
+    monkeypatch.setenv(TEST_SEED_ENV, "1234")
+    fp32 = _pipeline(splits, tiny_model_dir, tmp_path / "fp32", Runtime(precision="fp32"))
+    rt = Runtime(device=resolve_device("auto"), precision="bf16")
+    forwards = _Forwards(monkeypatch)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(forwards)
+    try:
+        bf16 = _pipeline(splits, tiny_model_dir, tmp_path / "bf16", rt)
+    finally:
+        handle.remove()
+
+    by_stage: dict[str, list[dict]] = {}
+    for call in forwards.calls:
+        by_stage.setdefault(call["stage"], []).append(call)
+    outside = {c["module"] for c in by_stage.get(None, [])}
+    assert set(by_stage) == {label for _, _, label in OBSERVED}, outside  # no model call outside them
+    for stage, calls in by_stage.items():
+        assert all(c["param_devices"] == {rt.device} and c["input_devices"] <= {rt.device} for c in calls), stage
+        if stage in TRAINING:
+            assert all(c["autocast"] and c["param_dtypes"] == {torch.float32} for c in calls), stage
+        else:
+            assert all(c["param_dtypes"] == {torch.bfloat16} for c in calls), stage
+
+    for name in ("dp_teacher", "student"):
+        a, b = fp32["perplexity"][name]["windowed"], bf16["perplexity"][name]["windowed"]
+        assert abs(b - a) / a < 0.01, (name, a, b)  # measured: 0.0000 and 0.0006
+
+
+STAGE_MODULES = ["pipeline/teacher.py", "pipeline/generate.py", "pipeline/logit_cache.py", "pipeline/distill.py",
+                 "pipeline/evaluate.py", "flows/generation.py"]
+
+
+@pytest.mark.parametrize("path", STAGE_MODULES)
+def test_no_stage_names_the_cpu(path):
+    """A stage places models and batches with its runtime's device only: no `.cpu()` call, no
+    "cpu" string (as in `torch.device("cpu")`, `.to("cpu")`), except `map_location="cpu"`,
+    which reads a checkpoint's RNG states (CPU tensors by torch's contract) and copies weights
+    into the parameters wherever they are. Host copies for NumPy use `.numpy(force=True)`."""
+    tree = ast.parse((ROOT / path).read_text())
+    allowed = {id(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+               for k in node.keywords if k.arg == "map_location"}
+    found = [node.lineno for node in ast.walk(tree)
+             if (isinstance(node, ast.Constant) and node.value == "cpu" and id(node) not in allowed)
+             or (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cpu")]
+    assert not found, f"{path} names the CPU on lines {found}; use the runtime's device"
