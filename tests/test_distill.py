@@ -178,11 +178,12 @@ def test_top_k_cache_with_hidden_state_mse_is_refused():
 
 
 def test_no_synthetic_validation_samples_is_said(tiny_model_dir, tmp_path, caplog):
-    """Few samples at a 1% validation share give no validation split: training goes on with
-    the last student kept, and the log says so instead of silently skipping every evaluation."""
+    """Shards of one sample hold no validation sample (a shard of 2 or more keeps at least
+    one): training goes on with the last student kept, and the log says so instead of
+    silently skipping every evaluation."""
     codes = tmp_path / "codes.json"
     codes.write_text(json.dumps({"counts": {"Category: A": 1}}))
-    gen = GenerateConfig(num_samples=6, batch_size=6, max_length=20, validation_fraction=0.01)
+    gen = GenerateConfig(num_samples=6, batch_size=6, max_length=20, validation_fraction=0.01, shard_size=1)
     synthetic = generate_synthetic(gen, teacher_dir=tiny_model_dir, control_codes_path=codes, ledger=[],
                                    out_dir=tmp_path / "synthetic", seed=0)
     assert synthetic.n_validation == 0
