@@ -6,13 +6,14 @@ training step (forward + backward + optimizer.step + zero_grad) after warm-up, a
 memory the steps add:
 
   non-private full   plain AdamW on the mean per-sequence loss: the baseline, ratio 1.00
-  DP full, ghost     ghost clipping, the project default
+  DP full, bk        book-keeping clipping (pipeline/bk.py), one backward: the project default
+  DP full, ghost     Opacus ghost clipping, two backward passes
   DP full, hooks     Opacus per-sample gradients
   DP bitfit, ghost   bias terms only
   DP lora, ghost     LoRA r=8 on the project default targets (None: peft's ["c_attn"] for GPT-2)
   DP full, ghost without pipeline.privacy's Conv1D/LayerNorm norm samplers (never imported there)
 
-DP rows call PrivacyEngine.make_private as pipeline/teacher.py does, with noise_multiplier=1.0,
+DP rows call PrivacyEngine.make_private as pipeline/teacher.py does (pipeline/bk.py's engine, Opacus' plus mode bk), with noise_multiplier=1.0,
 max_grad_norm=1.0 and poisson_sampling=False (a fixed batch). lm_head is untied in every row.
 Each mode runs in its own fresh process (`--one MODE`); memory is CUDA max_memory_allocated
 above what was allocated before the first step, or on CPU the growth of the process' peak RSS
@@ -22,7 +23,12 @@ processes stay alive and are stepped round-robin, one at a time, so background l
 mode alike. Run from the repository root:
 
     .venv/bin/python bench/teacher_modes.py                  # tiny preset, CPU: ~1.5 min on 2 cores
-    .venv/bin/python bench/teacher_modes.py --preset gpt2    # GPT-2 small shape, on a GPU
+    .venv/bin/python bench/teacher_modes.py --preset gpt2-cpu --modes nonprivate full-hooks full-ghost full-bk
+                                                              # GPT-2 small shape, batch 4, on CPU: ~20 min
+    .venv/bin/python bench/teacher_modes.py --preset gpt2    # GPT-2 small shape, batch 32, on a GPU
+
+Its last line, when bk ran beside non-private: `mode=bk time_ratio=X memory_ratio=Y` (memory:
+tensor peak on CPU, CUDA peak on a GPU).
 """
 
 from __future__ import annotations
@@ -52,9 +58,9 @@ PRESETS = {  # tiny: BaseModelsConfig's default builtin:teacher shape, at the de
 SHAPE = ("layers", "width", "heads", "vocab", "seq", "batch", "steps")
 MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-private)
     "nonprivate": ("non-private full", "full", None),
-    "full-ghost": ("DP full, ghost (default)", "full", "ghost"),
+    "full-ghost": ("DP full, ghost (Opacus, two backward passes)", "full", "ghost"),
     "full-hooks": ("DP full, per-sample hooks", "full", "hooks"),
-    "full-bk": ("DP full, book-keeping (one backward)", "full", "bk"),
+    "full-bk": ("DP full, book-keeping (default, one backward)", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
     "lora-ghost": ("DP lora r=8 on c_attn, ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
