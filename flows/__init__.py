@@ -31,3 +31,9 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # Progress lines (loss, ε, tokens/s) are INFO; they reach the console through the root
 # logger's Prefect console handler and the UI through Prefect's API handler.
 logging.getLogger("pipeline").setLevel(logging.INFO)
+
+# Prefect builds a JSON schema of each task's parameters; the generation plan's runtime
+# default (a torch.device) has none, and pydantic warns about it at every run.
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message=r"Default value .* is not JSON serializable")
