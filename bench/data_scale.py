@@ -7,8 +7,8 @@ data stage once, then the teacher's data setup (no model, no training) twice, ea
 own subprocess so that each peak RSS is its own:
 - `list` (the path before issue 11): every record `encode_record`ed into a Python list, then
   a dense (N, max_length) int64 `TokenizedRecords` tensor;
-- `arrow`: `tokenized_split` (datasets map, list<int32> ids in a 0600 file of the run
-  directory) opened memory-mapped as `TokenIds`, and one padded batch drawn.
+- `arrow`: `tokenized_split` (the split streamed through the tokenizer into list<int32> ids in
+  a 0600 file of the run directory) opened memory-mapped as `TokenIds`, one padded batch drawn.
 Peak RSS is ru_maxrss minus the RSS just before the data setup (tokenizer loaded, imports
 done). The tokenizer is the demo's kind: byte-level BPE, 4096 tokens, trained on the public
 WikiText sample. The last line is the Arrow path's figures:
@@ -37,7 +37,7 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _setup(path: str, train: str, tokenizer_dir: str, num_proc: int | None) -> dict:
+def _setup(path: str, train: str, tokenizer_dir: str) -> dict:
     """One data setup in this (fresh) process; returns seconds and RSS figures."""
     # Every import before the baseline: the figures are the data's, not the libraries'.
     from pipeline.batching import TokenizedRecords
@@ -57,7 +57,7 @@ def _setup(path: str, train: str, tokenizer_dir: str, num_proc: int | None) -> d
         n = len(records)
     else:
         users = read_users(train)
-        records = TokenIds(token_column(tokenized_split(Path(train), tok, num_proc=num_proc)), MAX_LENGTH,
+        records = TokenIds(token_column(tokenized_split(Path(train), tok)), MAX_LENGTH,
                            tok.pad_token_id)
         ids, _ = records.collate([records[i] for i in range(0, len(records), max(1, len(records) // 128))])
         n = len(records)
@@ -88,8 +88,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--only", choices=["arrow", "list"], help="run one path only")
-    ap.add_argument("--num-proc", type=int, default=None, help="datasets map processes (default: one, "
-                    "the Rust tokenizer's own threads)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -97,8 +95,7 @@ def main() -> None:
         if kind == "data":
             print(json.dumps(_data_stage(Path(rest[0]), Path(rest[1]))))
         else:
-            train, tok_dir, num_proc = rest
-            print(json.dumps(_setup(kind, train, tok_dir, None if num_proc == "none" else int(num_proc))))
+            print(json.dumps(_setup(kind, *rest)))
         return
 
     import pyarrow as pa
@@ -119,12 +116,11 @@ def main() -> None:
         data = _in_subprocess("data", str(tmp / "records.parquet"), str(tmp / "run" / "data"))
         print(f"data stage: {data['n_train']} training records in {data['seconds']:.1f} s, "
               f"peak RSS {data['peak_mb']:.0f} MB (the same for both paths)")
-        num_proc = "none" if args.num_proc is None else str(args.num_proc)
         results = {}
         for path in ("list", "arrow"):
             if args.only and path != args.only:
                 continue
-            results[path] = r = _in_subprocess(path, data["train"], str(tmp / "tokenizer"), num_proc)
+            results[path] = r = _in_subprocess(path, data["train"], str(tmp / "tokenizer"))
             print(f"{path:>5}: {r['seconds']:.1f} s ({r['records'] / r['seconds']:.0f} records/s), peak RSS "
                   f"{r['peak_above_baseline_mb']:.0f} MB above a {r['baseline_mb']:.0f} MB baseline "
                   f"({r['peak_above_baseline_mb'] * 2**20 / r['records']:.0f} bytes/record)")

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SEPARATOR = "\n\n"
 CODE_JOINER = "\t"
+ROW_GROUP = 65_536  # records per Parquet row group of a split
 TOKENIZED_DIR = "tokenized"  # the splits' token ids, next to them (pipeline/tokenized.py): private too
 
 
@@ -270,7 +271,9 @@ def _write_split(path: Path, codes: list[str], texts: list[str], users: list[str
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), 0o600)
-        pq.write_table(pa.table(columns), f)
+        # Row groups of 64k records: a reader streaming the split (pipeline/tokenized.py)
+        # decodes one group at a time, not the whole text column (pyarrow's default is 1M rows).
+        pq.write_table(pa.table(columns), f, row_group_size=ROW_GROUP)
     tmp.replace(path)
 
 

@@ -1,10 +1,15 @@
 """Tokenized splits on Arrow: each private split tokenized once per run, then memory-mapped.
 
 The data path for large corpora (issue 11). A record's token ids are stored as Arrow
-`list<int32>` (4 bytes a token) in files written once by `datasets.Dataset.map` and
-memory-mapped by every stage that reads the split (teacher, DP student, evaluation), where
-Python lists take ~40 bytes a token and a dense (N, max_length) int64 tensor 8 bytes a slot.
-Batches are padded to their own longest record by `pad_collate`, never to `max_length`.
+`list<int32>` (4 bytes a token) in a file written once and opened memory-mapped, as a
+`datasets.Dataset`, by every stage that reads the split (teacher, DP student, evaluation),
+where Python lists take ~40 bytes a token and a dense (N, max_length) int64 tensor 8 bytes a
+slot. Batches are padded to their own longest record by `pad_collate`, never to `max_length`.
+
+Why not `Dataset(table).map(...)`: it needs the split's texts in memory (the largest thing
+in it, ~600 bytes a Yelp record) and briefly a second copy; the file is streamed from the
+Parquet split a batch at a time instead, and the Rust tokenizer's own threads encode each
+batch in parallel (no worker processes, nothing pickled). bench/data_scale.py measures it.
 
 The ids are those of `pipeline.data.encode_record` (control-code prefix and text tokenized
 apart, then eos), untruncated: the teacher cuts them to its `max_length` when it reads a
@@ -12,7 +17,7 @@ record, evaluation windows the whole record.
 
 Private: the files hold the private records' tokens. They live in `<data dir>/tokenized/`
 (directory 0700, files 0600), inside the run directory, never in the `datasets` cache under
-~/.cache (no fingerprint caching: every file name is given here), and are deleted with the
+~/.cache (every file name is given here), and are deleted with the
 splits after evaluation (`pipeline.data.delete_private_copies`).
 """
 
@@ -37,12 +42,15 @@ from pipeline.data import TOKENIZED_DIR, prompt_for
 from pipeline.manifest import sha256_file
 
 COLUMN = "input_ids"
+IDS_FILE = "ids.arrow"
+# Records per tokenizer call: work enough for the Rust tokenizer's threads; its per-call
+# Encodings (~70 bytes a token: strings, offsets, masks) stay ~20 MB.
+BATCH = 1024
 FEATURES = datasets.Features({COLUMN: datasets.Sequence(datasets.Value("int32"))})
 
-# No fingerprint cache under ~/.cache/huggingface/datasets: every file this module writes is
-# named here, inside the run directory. No progress bars: stages log their own progress.
+# Nothing in the `datasets` cache under ~/.cache/huggingface/datasets, even from a later
+# transform of these Datasets: files are written only where this module names them.
 datasets.disable_caching()
-datasets.disable_progress_bars()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -54,7 +62,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def _encoder(tokenizer):
-    """A batched `map` function giving `encode_record`'s ids: the few distinct control-code
+    """A batch function giving `encode_record`'s ids: the few distinct control-code
     prefixes are tokenized once per batch, the texts in one call to the (Rust) tokenizer."""
     eos = tokenizer.eos_token_id
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -75,7 +83,18 @@ def _encoder(tokenizer):
     return encode
 
 
-def tokenized_split(split_path: Path, tokenizer, num_proc: int | None = None) -> datasets.Dataset:
+def _write_ids(split_path: Path, tokenizer, out_file: Path) -> None:
+    """Stream the split through the tokenizer into an Arrow file, a batch at a time: memory
+    holds one batch of texts, never the split (its texts are the largest thing in it)."""
+    encode, schema = _encoder(tokenizer), FEATURES.arrow_schema  # with the features `datasets` reads back
+    fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f, pa.ipc.new_stream(f, schema) as writer:
+        for batch in pq.ParquetFile(split_path).iter_batches(batch_size=BATCH, columns=["control_code", "text"]):
+            ids = encode(batch.to_pydict())[COLUMN]
+            writer.write_batch(pa.record_batch([pa.array(ids, schema.field(COLUMN).type)], schema=schema))
+
+
+def tokenized_split(split_path: Path, tokenizer) -> datasets.Dataset:
     """The split's token ids (one `input_ids` row per record, in the split's order), memory-mapped.
 
     Tokenized on the first call for this split file and tokenizer (keyed by both hashes),
@@ -91,14 +110,7 @@ def tokenized_split(split_path: Path, tokenizer, num_proc: int | None = None) ->
     if not final.is_dir():
         tmp = Path(tempfile.mkdtemp(prefix=f".{split_path.stem}-", dir=root))  # 0700
         try:
-            table = pq.read_table(split_path, columns=["control_code", "text"])
-            datasets.Dataset(table).map(
-                _encoder(tokenizer), batched=True, remove_columns=["control_code", "text"], features=FEATURES,
-                cache_file_name=str(tmp / "ids.arrow"), num_proc=num_proc,
-            )
-            del table
-            for f in tmp.iterdir():
-                os.chmod(f, 0o600)  # datasets leaves its files at 0666 & ~umask
+            _write_ids(split_path, tokenizer, tmp / IDS_FILE)
             try:
                 os.rename(tmp, final)
             except OSError:  # another process renamed its identical copy first
@@ -106,8 +118,7 @@ def tokenized_split(split_path: Path, tokenizer, num_proc: int | None = None) ->
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    files = sorted(final.glob("*.arrow"))  # one per map process, in record order
-    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
+    return datasets.Dataset.from_file(str(final / IDS_FILE))  # memory-mapped, not read
 
 
 def token_column(ds: datasets.Dataset) -> pa.ChunkedArray:
