@@ -599,7 +599,9 @@ def _save(run: _Run, entry: LedgerEntry, *, train_path: Path, validation_path: P
     validation_loss = float("nan")
     val_codes, val_texts = read_split(validation_path)
     if val_texts:
-        ppl = perplexity(model, run.tok, val_codes, val_texts, run.cfg.max_length, run.cfg.physical_batch_size)
+        ids = token_column(tokenized_split(validation_path, run.tok)).to_pylist()  # tokenized in _setup
+        ppl = perplexity(model, run.tok, val_codes, val_texts, run.cfg.max_length, run.cfg.physical_batch_size,
+                         token_ids=ids)
         validation_loss = math.log(ppl.windowed)
         log.info("%s: validation perplexity %.2f", run.stage, ppl.windowed)
     model.save_pretrained(ckpt)

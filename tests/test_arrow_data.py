@@ -110,3 +110,14 @@ def test_synthetic_shards_are_read_lazily(tmp_path):
     assert train["sample_id"] == expected["sample_id"].to_pylist() == [0, 1, 2, 4, 5, 6, 8, 9]
     assert train["token_ids"] == expected["token_ids"].to_pylist()
     assert synthetic_ids(synthetic, "validation", tmp_path / "ids" / "validation.arrow")["sample_id"] == [3, 7]
+
+
+def test_perplexity_of_tokenized_ids_is_that_of_the_texts(data, tiny_tokenizer, tiny_model_dir):
+    from pipeline.evaluate import perplexity
+    from pipeline.models import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    codes, texts = read_split(data.test)
+    ids = token_column(tokenized_split(data.test, tiny_tokenizer)).to_pylist()
+    assert perplexity(model, tiny_tokenizer, codes, texts, 32, 4, token_ids=ids) == \
+        perplexity(model, tiny_tokenizer, codes, texts, 32, 4)
