@@ -12,7 +12,7 @@ own subprocess so that each peak RSS is its own:
 Peak RSS is ru_maxrss minus the RSS just before the data setup (tokenizer loaded, imports
 done). The tokenizer is the demo's kind: byte-level BPE, 4096 tokens, trained on the public
 WikiText sample. The last line is the Arrow path's figures:
-`records=N tokenize_s=S peak_rss_mb=M bytes_per_record=B`.
+`records=N tokenize_s=S peak_rss_mb=M bytes_per_record=B` (bytes per training record tokenized).
 `--only arrow` skips today's path (slow at 1M records: about 1 ms a record).
 """
 
