@@ -15,7 +15,7 @@ from pathlib import Path
 import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from pipeline.generate import read_synthetic
+from pipeline.generate import synthetic_head
 from pipeline.budget import DatasetBudget
 from pipeline.ledger import LedgerTotal, PrivacyLedger
 
@@ -127,7 +127,7 @@ def publish_metrics(metrics: dict) -> None:
 def publish_synthetic_sample(synthetic_dir: Path, n: int = 10, max_chars: int = 300) -> None:
     """A few synthetic texts: samples of the DP teacher (post-processing, safe to show),
     never private records."""
-    table = read_synthetic(synthetic_dir, "train").slice(0, n)
+    table = synthetic_head(synthetic_dir, n, "train")  # reads the first shard, not the set
     rows = [
         {"control_code": code.replace("\t", " | "), "text": text[:max_chars] + ("…" if len(text) > max_chars else "")}
         for code, text in zip(table["control_code"].to_pylist(), table["text"].to_pylist())

@@ -88,8 +88,8 @@ class DataConfig(_Section):
     )
     keep_private_copies: bool = Field(
         False,
-        description="Keep the run's private splits (data/train|validation|test.parquet) after "
-        "evaluation. False: they are deleted once evaluation is done and only their sha256 stay "
+        description="Keep the run's private splits (data/train|validation|test.parquet) and their "
+        "token ids (data/tokenized/) after evaluation. False: they are deleted once evaluation is done and only their sha256 stay "
         "in the data manifest; a later run rewrites identical files (same data and seed), so the "
         "stages after it stay cached. Not part of any cache key.",
     )

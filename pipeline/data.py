@@ -13,6 +13,7 @@ import csv
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 
 SEPARATOR = "\n\n"
 CODE_JOINER = "\t"
+ROW_GROUP = 65_536  # records per Parquet row group of a split
+TOKENIZED_DIR = "tokenized"  # the splits' token ids, next to them (pipeline/tokenized.py): private too
 
 
 class DataError(ValueError):
@@ -268,19 +271,26 @@ def _write_split(path: Path, codes: list[str], texts: list[str], users: list[str
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), 0o600)
-        pq.write_table(pa.table(columns), f)
+        # Row groups of 64k records: a reader streaming the split (pipeline/tokenized.py)
+        # decodes one group at a time, not the whole text column (pyarrow's default is 1M rows).
+        pq.write_table(pa.table(columns), f, row_group_size=ROW_GROUP)
     tmp.replace(path)
 
 
 def delete_private_copies(result: DataResult) -> list[Path]:
-    """Delete the private splits once nothing reads them any more (after evaluation). Their
-    sha256 stay in the data manifest; a later run with the same data rewrites identical files
-    (the split depends on the seed alone), so the stages after it stay cached."""
+    """Delete the private splits and their tokenized copies once nothing reads them any more
+    (after evaluation). The splits' sha256 stay in the data manifest; a later run with the
+    same data rewrites identical files (the split depends on the seed alone), so the stages
+    after it stay cached."""
     deleted = []
     for path in (result.train, result.validation, result.test):
         if Path(path).is_file():
             Path(path).unlink()
             deleted.append(Path(path))
+    tokenized = Path(result.train).parent / TOKENIZED_DIR
+    if tokenized.is_dir():
+        shutil.rmtree(tokenized)
+        deleted.append(tokenized)
     return deleted
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,18 +24,22 @@ from pathlib import Path
 
 import torch
 
-from pipeline.batching import TokenizedRecords, lm_batch
+from pipeline.batching import lm_batch
 from pipeline.evaluate import mean_token_nll
 from pipeline.config import DistillConfig
 from pipeline.devices import CPU_FP32, Runtime
-from pipeline.generate import read_synthetic
+from pipeline.generate import synthetic_ids
 from pipeline.logit_cache import CachedTopK, build_teacher_cache
 from pipeline.losses import distillation_loss, prompt_mask
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
+from pipeline.tokenized import TokenIds
 
 log = logging.getLogger(__name__)
+
+
+SCRATCH = ".synthetic_ids"  # out_dir's memory-mapped copy of the synthetic ids, while the stage runs
 
 
 class DistillError(ValueError):
@@ -108,13 +113,16 @@ def distill(
     projection = torch.nn.Linear(h_s, h_t, device=device) if cfg.beta > 0 and h_s != h_t else None
 
     max_len = min(_n_positions(student), teacher_positions)
-    train_table = read_synthetic(synthetic_path, split="train")
-    val_table = read_synthetic(synthetic_path, split="validation")
+    # The shards' ids copied, a batch at a time, into memory-mapped Arrow files: random access
+    # for shuffled epochs without the synthetic set in memory. Public; removed at the end.
+    scratch = out_dir / SCRATCH
+    train_table = synthetic_ids(synthetic_path, "train", scratch / "train.arrow").data.table
+    val_table = synthetic_ids(synthetic_path, "validation", scratch / "validation.arrow").data.table
     if train_table.num_rows == 0:
         raise DistillError(f"synthetic data {str(synthetic_path)!r} has no train samples; generate samples first")
-    data = TokenizedRecords(train_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
-    prompt_lengths = torch.tensor(train_table["n_prompt_tokens"].to_pylist(), dtype=torch.long)
-    validation = TokenizedRecords(val_table["token_ids"].to_pylist(), student_tok.pad_token_id, max_len)
+    data = TokenIds(train_table["token_ids"], max_len, student_tok.pad_token_id)
+    prompt_lengths = torch.from_numpy(train_table["n_prompt_tokens"].to_numpy().astype("int64"))  # (N,)
+    validation = TokenIds(val_table["token_ids"], max_len, student_tok.pad_token_id)
     if len(validation) == 0:  # generate.validation_fraction=0, or shards of a single kept sample
         log.warning(
             "distillation: the synthetic data has no validation samples, so the student is never evaluated "
@@ -166,7 +174,8 @@ def distill(
         order = torch.randperm(len(data), generator=generator)
         for start in range(0, len(data), cfg.batch_size):
             idx = order[start : start + cfg.batch_size]
-            batch = {k: v.to(device) for k, v in lm_batch(data.ids[idx], data.lengths[idx]).items()}
+            ids, lengths = data.collate([data[i] for i in idx])  # padded to this batch's longest
+            batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
             labels = batch.pop("labels")  # (B, L-1)
             skip = (
                 prompt_lengths[idx] if cfg.kl_skip_tokens is None
@@ -174,7 +183,7 @@ def distill(
             )
             kl_mask = prompt_mask(labels.shape[1], skip).to(device)  # (B, L-1)
             if cached is not None:
-                top = cached.batch(idx, data.lengths[idx])  # (B, L-1, k)
+                top = cached.batch(idx, lengths)  # (B, L-1, k)
                 teacher_logits, teacher_hidden = type(top)(*(t.to(device) for t in top)), None
             else:
                 with torch.no_grad(), runtime.autocast():
@@ -205,7 +214,7 @@ def distill(
             step += 1
             record = {"step": step, "epoch": epoch, **{k: v.detach().item() for k, v in parts._asdict().items()}}
             history.append(record)
-            tokens += int(data.lengths[idx].sum())  # synthetic tokens: public
+            tokens += int(lengths.sum())  # synthetic tokens: public
             steps_log.update(step, counts={"tokens": tokens}, values={"loss": f"{record['loss']:.4f}"})
             if step % cfg.log_every == 0 or step == total:
                 log.info(
@@ -221,6 +230,7 @@ def distill(
         if stopped_early:
             break
     seconds = time.time() - t0
+    shutil.rmtree(scratch, ignore_errors=True)
     if not evals:  # no validation split: the last student is the result
         student.save_pretrained(ckpt)
         student_tok.save_pretrained(ckpt)

@@ -23,20 +23,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
+from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import EvalConfig
 from pipeline.data import encode_record, read_split
 from pipeline.devices import CPU_FP32, Runtime
-from pipeline.generate import read_synthetic
+from pipeline.generate import synthetic_texts
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
+from pipeline.tokenized import ListIds, TokenIds, token_column, tokenized_split
 
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.json"
 
 
+TEXT_PROPERTIES_SAMPLE = 5_000  # texts per side for distinct-n and lengths: a sample, not the corpus
 MIN_RECORDS_PER_CODE = 5  # smaller groups are pooled: no figure rests on one or two records
 OTHER = "(codes with fewer than 5 test records)"
 
@@ -54,7 +56,7 @@ class Perplexity:
 
 @torch.no_grad()
 def _nll_by_owner(
-    model, data: TokenizedRecords, owners: list[int], n_owners: int, batch_size: int,
+    model, data: ListIds | TokenIds, owners: list[int], n_owners: int, batch_size: int,
     on_batch: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Summed next-token NLL and predicted-token count per owner of each sequence;
@@ -64,8 +66,8 @@ def _nll_by_owner(
     device = next(model.parameters()).device
     nll_sum, count = np.zeros(n_owners), np.zeros(n_owners)
     for start in range(0, len(data), batch_size):
-        batch = lm_batch(data.ids[start : start + batch_size], data.lengths[start : start + batch_size])
-        batch = {k: v.to(device) for k, v in batch.items()}
+        ids, lengths = data.collate([data[i] for i in range(start, min(start + batch_size, len(data)))])
+        batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
         labels = batch.pop("labels")  # (B, L-1)
         logits = model(**batch).logits[:, :-1].float()  # (B, L-1, V)
         nll = torch.nn.functional.cross_entropy(
@@ -79,14 +81,14 @@ def _nll_by_owner(
     return nll_sum, count
 
 
-def mean_token_nll(model, data: TokenizedRecords, batch_size: int) -> float:
+def mean_token_nll(model, data: ListIds | TokenIds, batch_size: int) -> float:
     """Token-weighted mean next-token NLL over the sequences of `data`."""
     nll, count = _nll_by_owner(model, data, [0] * len(data), 1, batch_size)
     return float(nll[0] / max(count[0], 1))
 
 
-def _windows(windows: list[list[int]], pad_id: int) -> TokenizedRecords:
-    return TokenizedRecords(windows, pad_id, max(len(w) for w in windows))
+def _windows(windows: list[list[int]], pad_id: int) -> ListIds:
+    return ListIds(windows, pad_id)
 
 
 def _chunks(ids: list[int], window: int) -> list[list[int]]:
@@ -96,16 +98,17 @@ def _chunks(ids: list[int], window: int) -> list[list[int]]:
 
 def perplexity(
     model, tokenizer, codes: list[str], texts: list[str], window: int, batch_size: int,
-    on_windows: Callable[[int, int], None] | None = None,
+    on_windows: Callable[[int, int], None] | None = None, token_ids: list[list[int]] | None = None,
 ) -> Perplexity:
     """Windowed and per-record perplexity; `on_windows(done, total)` after each batch of
-    windows (both passes: the joined stream's windows, then each record's)."""
+    windows (both passes: the joined stream's windows, then each record's). `token_ids`:
+    the records' `encode_record` ids when already tokenized (pipeline/tokenized.py)."""
     n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
     if window > n_positions:
         raise ValueError(
             f"evaluate.window={window} exceeds the model's {n_positions} positions; lower evaluate.window"
         )
-    records = [encode_record(tokenizer, c, t) for c, t in zip(codes, texts)]
+    records = token_ids if token_ids is not None else [encode_record(tokenizer, c, t) for c, t in zip(codes, texts)]
     joined = [t for r in records for t in r]
     windows = _chunks(joined, window)
     per_windows, owners = [], []
@@ -156,7 +159,8 @@ def _length_summary(lengths: list[int]) -> dict[str, float]:
 
 
 def text_properties(tokenizer, texts: list[str]) -> dict:
-    """Aggregate properties of a set of texts: distinct-1/2 and token-length summary."""
+    """Aggregate properties of a set of texts: distinct-1/2 and token-length summary (give a
+    sample of the same size for each set compared: distinct-n falls as the set grows)."""
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     return {"distinct_1": _distinct(ids, 1), "distinct_2": _distinct(ids, 2),
             "tokens": _length_summary([len(x) for x in ids]), "texts": len(ids)}
@@ -183,7 +187,7 @@ def evaluate_models(
     """
     runtime.apply_threads()
     torch.manual_seed(seed)
-    codes, texts = read_split(test_path)
+    codes, texts = read_split(test_path)  # the test split is small; its ids come tokenized
     if not texts:
         raise ValueError(f"test split {str(test_path)!r} is empty; give data.test_path or a larger data.path")
     reference = None
@@ -208,7 +212,8 @@ def evaluate_models(
                                     started=started)
             lines.update(position * total + done, values={"model": name})
 
-        ppl = perplexity(model, tok, codes, texts, cfg.window, cfg.batch_size, on_windows)
+        ids = token_column(tokenized_split(test_path, tok)).to_pylist()
+        ppl = perplexity(model, tok, codes, texts, cfg.window, cfg.batch_size, on_windows, token_ids=ids)
         metrics[name] = {"model": path, **ppl.__dict__}
         log.info(
             "evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f",
@@ -218,9 +223,12 @@ def evaluate_models(
     if synthetic_path is not None:
         # Synthetic samples are capped at generate.max_length tokens (prompt included); real
         # reviews are not: read the lengths with that cap in mind.
+        # On a sample: the first texts of each (shards are i.i.d. samples of the teacher),
+        # read lazily; never the whole synthetic set in memory.
+        n = TEXT_PROPERTIES_SAMPLE
         result["text_properties"] = {
-            "synthetic": text_properties(reference, read_synthetic(synthetic_path)["text"].to_pylist()),
-            "real_test": text_properties(reference, texts),
+            "synthetic": text_properties(reference, synthetic_texts(synthetic_path, n)),
+            "real_test": text_properties(reference, texts[:n]),
         }
     atomic_write_json(Path(out_dir) / METRICS, result)
     write_manifest(out_dir, stage="evaluation", inputs={"test": Path(test_path)},

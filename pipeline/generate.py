@@ -475,13 +475,57 @@ def generate_synthetic(
     return finish_generation(plan, stats)
 
 
-def read_synthetic(path: Path, split: str | None = None) -> pa.Table:
-    """All shards of a synthetic directory (or one shard file), optionally one split."""
+def synthetic_files(path: Path) -> list[Path]:
+    """The shard files of a synthetic directory (or the one shard file given)."""
     path = Path(path)
     files = sorted(path.glob("shard-*.parquet")) if path.is_dir() else [path]
     if not files:
         raise GenerateError(f"no synthetic shards in {path}; run the generation stage first")
-    table = pa.concat_tables(pq.read_table(f).replace_schema_metadata(None) for f in files)
+    return files
+
+
+def read_synthetic(path: Path, split: str | None = None) -> pa.Table:
+    """All shards of a synthetic directory (or one shard file), optionally one split, in
+    memory: for small sets (tests, benchmarks). The stages read them lazily: `synthetic_head`,
+    `synthetic_texts`, `synthetic_ids`."""
+    table = pa.concat_tables(pq.read_table(f).replace_schema_metadata(None) for f in synthetic_files(path))
     if split is not None:
         table = table.filter(pc.equal(table["split"], split))
     return table
+
+
+def _scanner(path: Path, split: str | None, columns: list[str]):
+    import pyarrow.dataset as ds  # lazy: batches are read as the scanner is consumed
+
+    shards = ds.dataset([str(f) for f in synthetic_files(path)], format="parquet")
+    return shards.scanner(columns=columns, filter=None if split is None else ds.field("split") == split)
+
+
+def synthetic_head(path: Path, n: int, split: str | None = None,
+                   columns: tuple[str, ...] = ("control_code", "text")) -> pa.Table:
+    """The first `n` samples (of `split`), reading shards in order only until it has them:
+    for a 10M-sample set, one shard, not the set."""
+    return _scanner(path, split, list(columns)).head(n)
+
+
+def synthetic_texts(path: Path, n: int, split: str | None = None) -> list[str]:
+    """The first `n` synthetic texts: a sample for aggregate statistics (shards are i.i.d.)."""
+    return synthetic_head(path, n, split, ("text",))["text"].to_pylist()
+
+
+def synthetic_ids(path: Path, split: str, out_file: Path):
+    """The `split` samples' sample_id, n_prompt_tokens and token_ids (int32), copied shard by
+    shard, a batch at a time, into one Arrow file `out_file` and returned memory-mapped as a
+    `datasets.Dataset`: random access for shuffled epochs without the set in memory.
+    Synthetic data is public (post-processing of the DP teacher); the caller deletes the file."""
+    import datasets
+
+    schema = pa.schema([("sample_id", pa.int64()), ("n_prompt_tokens", pa.int32()),
+                        ("token_ids", pa.list_(pa.int32()))])
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    with pa.OSFile(str(out_file), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for batch in _scanner(path, split, schema.names).to_batches():
+            writer.write_batch(pa.RecordBatch.from_arrays(
+                [batch.column(name).cast(schema.field(name).type) for name in schema.names], schema=schema))
+    return datasets.Dataset.from_file(str(out_file))

@@ -68,9 +68,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipeline import noise, privacy, teacher_ddp
 from pipeline.bk import BookKeepingPrivacyEngine
-from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
+from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import TeacherConfig
-from pipeline.data import encode_record, read_split, read_users
+from pipeline.data import read_split, read_users
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.evaluate import perplexity
 from pipeline.ledger import LedgerEntry
@@ -78,6 +78,7 @@ from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, sh
 from pipeline.losses import per_sequence_distillation_loss
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer, untie_lm_head
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
+from pipeline.tokenized import TokenIds, token_column, tokenized_split
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class OneRecordPerUser(Dataset):
     exactly one clipped contribution per step, and the accountant counts users
     (author-level sampling, as in dp-transformers)."""
 
-    def __init__(self, records: TokenizedRecords, users: list[str], generator: noise.Generator):
+    def __init__(self, records: Dataset, users: list[str], generator: noise.Generator):
         by_user: dict[str, list[int]] = {}
         for i, u in enumerate(users):
             by_user.setdefault(u, []).append(i)
@@ -274,14 +275,14 @@ def _world() -> tuple[int, int]:
 
 
 @torch.no_grad()
-def _validation_loss(model: torch.nn.Module, records: TokenizedRecords, batch_size: int, runtime: Runtime) -> float:
+def _validation_loss(model: torch.nn.Module, records: TokenIds, batch_size: int, runtime: Runtime) -> float:
     """Mean per-record loss on held-out validation records (forward only, eval mode): the
     training progress that is safe to publish, unlike the loss of a private batch."""
     if len(records) == 0:
         return float("nan")
     model.eval()
     total = 0.0
-    for ids, lengths in DataLoader(records, batch_size=batch_size):
+    for ids, lengths in DataLoader(records, batch_size=batch_size, collate_fn=records.collate):
         batch = {k: v.to(runtime.device) for k, v in lm_batch(ids, lengths).items()}
         labels = batch.pop("labels")
         with runtime.autocast():
@@ -372,7 +373,7 @@ class _Run:
     total_steps: int
     steps_allowed: int
     fingerprint: str
-    monitor: TokenizedRecords  # the first validation records, scored every log_every steps
+    monitor: TokenIds  # the first validation records, scored every log_every steps
     kd: KnowledgeDistillation | None = None
     kd_teacher: torch.nn.Module | None = None
     history: list[dict] = field(default_factory=list)
@@ -409,11 +410,10 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_
     torch.manual_seed(seed + rank)  # dropout; DP randomness comes from the secret generators below
     np.random.seed(seed)
     tok, model, kd_teacher = _models(cfg, base_model, kd, device)
-    codes, texts = read_split(train_path)
     users = read_users(train_path)
-    records = TokenizedRecords(
-        [encode_record(tok, c, t, cfg.max_length) for c, t in zip(codes, texts)], tok.pad_token_id, cfg.max_length
-    )
+    # Memory-mapped Arrow ids, tokenized once per run (pipeline/tokenized.py); each batch is
+    # padded to its own longest record by the collate below.
+    records = TokenIds(token_column(tokenized_split(train_path, tok)), cfg.max_length, tok.pad_token_id)
     # Secret, per rank (pipeline/noise.py). The Poisson generator takes no rank: secret, it
     # is independent on every rank anyway; under the test hook it is the same on every rank,
     # so that data-parallel runs draw exactly the single-process sample.
@@ -433,7 +433,8 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_
             "teacher.secure_mode=true (ChaCha20) for a production release", stage,
         )
     # Poisson sampling set up as make_private would, but here (poisson_schedule says why).
-    dp_loader = DPDataLoader.from_data_loader(DataLoader(train, batch_size=cfg.batch_size))  # empty-batch collate
+    dp_loader = DPDataLoader.from_data_loader(  # wraps the collate for empty batches
+        DataLoader(train, batch_size=cfg.batch_size, collate_fn=records.collate))
     # Each rank trains on its share of the global Poisson draw (all of it in one process),
     # drawn from the secret generator. A DataLoader also draws a base seed for its workers
     # from its own `generator` at every new iterator: a public one of its own, so a resumed
@@ -473,10 +474,8 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_
     dp_model, dp_optimizer, loader = made[0], made[1], made[-1]
     dp_model.forbid_grad_accumulation()  # what make_private does for Poisson sampling
 
-    val_codes, val_texts = read_split(validation_path)
-    k = VALIDATION_MONITOR_RECORDS
-    monitor = TokenizedRecords([encode_record(tok, c, t, cfg.max_length) for c, t in zip(val_codes[:k], val_texts[:k])],
-                               tok.pad_token_id, cfg.max_length)
+    validation = token_column(tokenized_split(validation_path, tok))
+    monitor = TokenIds(validation.slice(0, VALIDATION_MONITOR_RECORDS), cfg.max_length, tok.pad_token_id)
     return _Run(
         cfg=cfg, stage=stage, out_dir=Path(out_dir), rank=rank, world=world, runtime=runtime, device=device, tok=tok,
         model=model,
@@ -611,8 +610,10 @@ def _save(run: _Run, entry: LedgerEntry, *, train_path: Path, validation_path: P
     validation_loss = float("nan")
     val_codes, val_texts = read_split(validation_path)
     if val_texts:
+        ids = token_column(tokenized_split(validation_path, run.tok)).to_pylist()  # tokenized in _setup
         with run.runtime.autocast():  # logits upcast to fp32 inside perplexity
-            ppl = perplexity(model, run.tok, val_codes, val_texts, run.cfg.max_length, run.cfg.physical_batch_size)
+            ppl = perplexity(model, run.tok, val_codes, val_texts, run.cfg.max_length, run.cfg.physical_batch_size,
+                             token_ids=ids)
         validation_loss = math.log(ppl.windowed)
         log.info("%s: validation perplexity %.2f", run.stage, ppl.windowed)
     model.save_pretrained(ckpt)

@@ -1,0 +1,172 @@
+"""Tokenized splits on Arrow: each private split tokenized once per run, then memory-mapped.
+
+The data path for large corpora (issue 11). A record's token ids are stored as Arrow
+`list<int32>` (4 bytes a token) in a file written once and opened memory-mapped, as a
+`datasets.Dataset`, by every stage that reads the split (teacher, DP student, evaluation),
+where Python lists take ~40 bytes a token and a dense (N, max_length) int64 tensor 8 bytes a
+slot. Batches are padded to their own longest record by `pad_collate`, never to `max_length`.
+
+Why not `Dataset(table).map(...)`: it needs the split's texts in memory (the largest thing
+in it, ~600 bytes a Yelp record) and briefly a second copy; the file is streamed from the
+Parquet split a batch at a time instead, and the Rust tokenizer's own threads encode each
+batch in parallel (no worker processes, nothing pickled). bench/data_scale.py measures it.
+
+The ids are those of `pipeline.data.encode_record` (control-code prefix and text tokenized
+apart, then eos), untruncated: the teacher cuts them to its `max_length` when it reads a
+record, evaluation windows the whole record.
+
+Private: the files hold the private records' tokens. They live in `<data dir>/tokenized/`
+(directory 0700, files 0600), inside the run directory, never in the `datasets` cache under
+~/.cache (every file name is given here), and are deleted with the
+splits after evaluation (`pipeline.data.delete_private_copies`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import Dataset
+
+from pipeline.data import TOKENIZED_DIR, prompt_for
+from pipeline.manifest import sha256_file
+
+COLUMN = "input_ids"
+IDS_FILE = "ids.arrow"
+# Records per tokenizer call: work enough for the Rust tokenizer's threads; its per-call
+# Encodings (~70 bytes a token: strings, offsets, masks) stay ~20 MB.
+BATCH = 1024
+FEATURES = datasets.Features({COLUMN: datasets.Sequence(datasets.Value("int32"))})
+
+# Nothing in the `datasets` cache under ~/.cache/huggingface/datasets, even from a later
+# transform of these Datasets: files are written only where this module names them.
+datasets.disable_caching()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What decides the ids: the fast tokenizer's full serialisation (vocabulary, merges,
+    normalisation), or the vocabulary of a slow one, and the eos id."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    spec = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(f"{type(tokenizer).__name__}:{tokenizer.eos_token_id}:{spec}".encode()).hexdigest()
+
+
+def _encoder(tokenizer):
+    """A batch function giving `encode_record`'s ids: the few distinct control-code
+    prefixes are tokenized once per batch, the texts in one call to the (Rust) tokenizer."""
+    eos = tokenizer.eos_token_id
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend = getattr(backend, "_tokenizer", backend)  # a tokenizers.implementations wrapper holds one
+    fast = getattr(backend, "encode_batch_fast", None)
+
+    def encode_texts(texts: list[str]) -> list[list[int]]:
+        if fast is None:  # a slow (Python) tokenizer
+            return tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # The same ids without character offsets, which nothing here needs: ~10x faster.
+        return [e.ids for e in fast(texts, add_special_tokens=False)]
+
+    def encode(batch: dict) -> dict:
+        prefixes = {c: tokenizer.encode(prompt_for(c), add_special_tokens=False) for c in set(batch["control_code"])}
+        texts = encode_texts(batch["text"])
+        return {COLUMN: [prefixes[c] + t + [eos] for c, t in zip(batch["control_code"], texts)]}
+
+    return encode
+
+
+def _write_ids(split_path: Path, tokenizer, out_file: Path) -> None:
+    """Stream the split through the tokenizer into an Arrow file, a batch at a time: memory
+    holds one batch of texts, never the split (its texts are the largest thing in it)."""
+    encode, schema = _encoder(tokenizer), FEATURES.arrow_schema  # with the features `datasets` reads back
+    fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f, pa.ipc.new_stream(f, schema) as writer:
+        for batch in pq.ParquetFile(split_path).iter_batches(batch_size=BATCH, columns=["control_code", "text"]):
+            ids = encode(batch.to_pydict())[COLUMN]
+            writer.write_batch(pa.record_batch([pa.array(ids, schema.field(COLUMN).type)], schema=schema))
+
+
+def tokenized_split(split_path: Path, tokenizer) -> datasets.Dataset:
+    """The split's token ids (one `input_ids` row per record, in the split's order), memory-mapped.
+
+    Tokenized on the first call for this split file and tokenizer (keyed by both hashes),
+    reused by every later call of the run. Safe when two processes race (data-parallel
+    ranks): each writes a private temporary directory and the first rename wins.
+    """
+    split_path = Path(split_path)
+    root = split_path.parent / TOKENIZED_DIR
+    root.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(root, 0o700)  # mkdir's mode does not apply to a directory that already existed
+    key = hashlib.sha256(f"{sha256_file(split_path)}:{tokenizer_fingerprint(tokenizer)}".encode()).hexdigest()[:16]
+    final = root / f"{split_path.stem}-{key}"
+    if not final.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{split_path.stem}-", dir=root))  # 0700
+        try:
+            _write_ids(split_path, tokenizer, tmp / IDS_FILE)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process renamed its identical copy first
+                if not final.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return datasets.Dataset.from_file(str(final / IDS_FILE))  # memory-mapped, not read
+
+
+def token_column(ds: datasets.Dataset) -> pa.ChunkedArray:
+    """The memory-mapped `input_ids` column of a tokenized split (no copy)."""
+    assert ds._indices is None, "a select()ed Dataset: its rows are not the table's rows"
+    return ds.data.table.column(COLUMN)
+
+
+class TokenIds(Dataset):
+    """Map-style dataset of (ids (L,) int64, length) read from an Arrow `list<int>` column,
+    one record at a time; ids cut to `max_length` when given. Nothing is loaded up front:
+    the column may be memory-mapped. `collate` pads a batch of its items with `pad_id`."""
+
+    def __init__(self, column: pa.ChunkedArray | pa.Array, max_length: int | None = None, pad_id: int = 0):
+        self.column = column
+        self.max_length = max_length
+        self.collate = functools.partial(pad_collate, pad_id=pad_id)
+
+    def __len__(self) -> int:
+        return len(self.column)
+
+    def __getitem__(self, i):
+        ids = self.column[int(i)].values.to_numpy(zero_copy_only=False)[: self.max_length]
+        return torch.from_numpy(ids.astype(np.int64)), torch.tensor(len(ids))
+
+
+class ListIds(Dataset):
+    """(ids, length) of sequences held as Python lists (small sets: evaluation windows)."""
+
+    def __init__(self, sequences: list[list[int]], pad_id: int = 0):
+        self.sequences = sequences
+        self.collate = functools.partial(pad_collate, pad_id=pad_id)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, i):
+        return torch.tensor(self.sequences[i], dtype=torch.long), torch.tensor(len(self.sequences[i]))
+
+
+def pad_collate(items: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad a batch to its own longest sequence: ids (B, L_batch), lengths (B,).
+
+    Rows longer than their length (already padded) are cut to it first. Opacus wraps this
+    collate for Poisson sampling's empty batches (DPDataLoader: ids (0, L) from the first batch).
+    """
+    lengths = torch.stack([length for _, length in items])  # (B,)
+    ids = torch.full((len(items), int(lengths.max())), pad_id, dtype=torch.long)  # (B, L_batch)
+    for row, (x, n) in enumerate(items):
+        ids[row, : int(n)] = x[: int(n)]
+    return ids, lengths
