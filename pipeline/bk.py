@@ -34,6 +34,9 @@ import torch
 import torch.nn.functional as F
 from opacus import PrivacyEngine
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
+from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
+from opacus.optimizers import optimizer_fast_gradient_clipping as fgc
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -265,6 +268,48 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
 
 
 
+class _InPlaceNoise:
+    """Opacus' fast-gradient-clipping optimizer step (accumulate, noise, scale) without its
+    two full copies of the gradient: the clipped sum bk formed in `.grad` becomes
+    `summed_grad` itself (Opacus deep-copies it), and the noise is added to it in place
+    (Opacus allocates the noised sum anew). The same arithmetic and the same noise draws
+    (Opacus' `_generate_noise`, through pipeline/noise.py's dispatcher), so the same
+    update (tests/test_teacher.py trains bk and ghost to the same weights); peak memory
+    drops by up to twice the model's gradient size. Data-parallel ranks other than 0 add no
+    noise, as in Opacus."""
+
+    def accumulate(self):
+        for p in self.params:
+            if p.summed_grad is not None:
+                p.summed_grad.add_(p.grad)
+            else:
+                p.summed_grad = p.grad  # no copy: zero_grad below only ever drops .grad
+
+    def zero_grad(self, set_to_none: bool = False):
+        super().zero_grad(True)  # never zero .grad in place: it may be this step's summed_grad
+
+    def add_noise(self):
+        if getattr(self, "rank", 0) != 0:  # DistributedDPOptimizerFastGradientClipping, rank > 0
+            for p in self.params:
+                p.grad = p.summed_grad.view_as(p)
+            return
+        std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            p.summed_grad.add_(fgc._generate_noise(std=std, reference=p.summed_grad, generator=self.generator,
+                                                    secure_mode=self.secure_mode))
+            p.grad = p.summed_grad.view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+
+class _BookKeepingOptimizer(_InPlaceNoise, DPOptimizerFastGradientClipping):
+    pass
+
+
+class _DistributedBookKeepingOptimizer(_InPlaceNoise, DistributedDPOptimizerFastGradientClipping):
+    pass
+
+
 class BookKeepingPrivacyEngine(PrivacyEngine):
     """Opacus' PrivacyEngine, with `grad_sample_mode="bk"`: the model wrapped by
     GradSampleModuleBookKeeping, the optimizer Opacus' fast-gradient-clipping one (noise on
@@ -281,5 +326,10 @@ class BookKeepingPrivacyEngine(PrivacyEngine):
                                            max_grad_norm=max_grad_norm)
 
     def _prepare_optimizer(self, *, grad_sample_mode="hooks", **kwargs):
-        return super()._prepare_optimizer(grad_sample_mode="ghost" if grad_sample_mode == BK else grad_sample_mode,
-                                          **kwargs)
+        optimizer = super()._prepare_optimizer(
+            grad_sample_mode="ghost" if grad_sample_mode == BK else grad_sample_mode, **kwargs)
+        if grad_sample_mode == BK:  # Opacus' ghost optimizer, with the copy-free step above
+            optimizer.__class__ = (_DistributedBookKeepingOptimizer
+                                   if isinstance(optimizer, DistributedDPOptimizerFastGradientClipping)
+                                   else _BookKeepingOptimizer)
+        return optimizer
