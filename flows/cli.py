@@ -283,14 +283,22 @@ def print_status(run_dir: Path) -> int:
 def print_dataset_budget(run_dir: Path, ledger) -> None:
     """Every DP release recorded on the run's private training file, by any run, composed at
     this run's δ (pipeline/budget.py)."""
-    from pipeline.budget import dataset_total, format_budget, read_budget
+    from pipeline.budget import format_budget, read_budget, stored_total
 
     info = read_run_info(run_dir)
     if not (info.get("dataset_sha256") and info.get("run_root")):
         return  # a run from before the dataset budget was kept
     budget = read_budget(Path(info["run_root"]), info["dataset_sha256"])
     delta = ledger.total.delta if ledger.total else None
-    total = dataset_total(budget, ledger.total.accountant, delta) if delta and budget.releases else None
+    total = None
+    if delta and budget.releases:
+        # The total the run's accountant composed at its end, if the releases are still those;
+        # else compose now (imports Opacus and torch: seconds).
+        total = stored_total(budget, ledger.total.accountant, delta)
+        if total is None:
+            from pipeline.budget import dataset_total
+
+            total = dataset_total(budget, ledger.total.accountant, delta)
     print(f"\nAll releases on this dataset (sha256 {info['dataset_sha256'][:12]}…, every run):")
     print(format_budget(budget, total))
 

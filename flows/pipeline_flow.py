@@ -44,7 +44,7 @@ from pipeline.devices import Runtime
 from pipeline.distill import DistillResult, distill
 from pipeline.evaluate import evaluate_models
 from pipeline.generate import GenerateResult
-from pipeline.budget import dataset_total, read_budget, record_release
+from pipeline.budget import dataset_total, read_budget, record_release, store_total
 from pipeline.locks import file_lock, try_lock, unlock
 from pipeline.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text, manifest_digest, private_dir, sha256_file
@@ -520,7 +520,10 @@ def _finish(cfg: PipelineConfig, out: Path, run_info: dict, final: PrivacyLedger
     report = write_report(out)
     publish_report(report, out)
     budget = read_budget(Path(cfg.run_root).resolve(), sources["path"]) if sources.get("path") else None
-    publish_ledger(final, budget, _dataset_total(budget, final.total, cfg.teacher.accountant))
+    dataset = _dataset_total(budget, final.total, cfg.teacher.accountant)
+    if dataset is not None:  # kept for `dpdistill ledger show`, which then needs no accountant
+        store_total(Path(cfg.run_root).resolve(), sources["path"], cfg.teacher.accountant, final.total.delta, dataset)
+    publish_ledger(final, budget, dataset)
     publish_metrics(metrics)
     if "generation" in metrics:
         publish_synthetic_sample(Path(metrics["generation"]["path"]))

@@ -42,11 +42,24 @@ class Release(BaseModel):
     """The stage's ledger entry: δ, the (σ, q, steps) history or the pure ε, privacy unit."""
 
 
+class StoredTotal(BaseModel):
+    """A total the accountant composed at the end of a run, kept so that `ledger show`
+    answers without importing Opacus (and torch): valid while the releases are the same."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    accountant: str
+    delta: float
+    release_ids: list[str]
+    total: LedgerTotal
+
+
 class DatasetBudget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dataset_sha256: str
     releases: list[Release] = []
+    totals: list[StoredTotal] = []
 
 
 def budget_path(run_root: Path, dataset_sha256: str) -> Path:
@@ -118,3 +131,21 @@ def format_budget(budget: DatasetBudget, total: LedgerTotal | None) -> str:
     if total is not None:
         out.append(f"TOTAL: ε = {total.epsilon:.4f}, δ = {total.delta:.3g} ({total.composition}). {total.note}")
     return "\n".join(out)
+
+
+def stored_total(budget: DatasetBudget, accountant: str, delta: float) -> LedgerTotal | None:
+    """The total kept by `store_total` for exactly these releases, accountant and δ, if any."""
+    ids = [r.release_id for r in budget.releases]
+    return next((t.total for t in budget.totals
+                 if t.accountant == accountant and t.delta == delta and t.release_ids == ids), None)
+
+
+def store_total(run_root: Path, dataset_sha256: str, accountant: str, delta: float, total: LedgerTotal) -> None:
+    """Keep the accountant's total of the dataset's current releases (one per accountant and δ)."""
+    path = budget_path(run_root, dataset_sha256)
+    with file_lock(path.with_suffix(".lock")):
+        budget = read_budget(run_root, dataset_sha256)
+        kept = [t for t in budget.totals if (t.accountant, t.delta) != (accountant, delta)]
+        ids = [r.release_id for r in budget.releases]
+        budget.totals = [*kept, StoredTotal(accountant=accountant, delta=delta, release_ids=ids, total=total)]
+        atomic_write_json(path, budget.model_dump(mode="json"))

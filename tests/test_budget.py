@@ -111,3 +111,31 @@ def test_concurrent_writers_lose_no_release(tmp_path):
     for pid in pids:
         os.waitpid(pid, 0)
     assert len(read_budget(tmp_path, SHA).releases) == 4
+
+
+def test_ledger_show_reads_the_stored_total_without_the_accountant(tmp_path):
+    """The total a run's accountant composed at its end is kept in the budget file: `ledger
+    show` prints it without importing Opacus or torch (issue 10: under 2 s). A later release
+    makes it stale, and then the total is composed again."""
+    from pipeline.budget import store_total, stored_total
+    from test_cli_fast import _cli
+
+    root = tmp_path / "runs"
+    run = root / "tiny-1"
+    run.mkdir(parents=True)
+    entry = _teacher(1.0, 30)
+    write_ledger(run / "ledger.json", PrivacyLedger(entries=[entry], total=compose([entry], "prv", DELTA)))
+    atomic_write_json(run / "run.json", {"tool": "dpdistill", "run_root": str(root), "dataset_sha256": SHA})
+    budget, _ = record_release(root, SHA, release_id="1" * 64, stage="teacher", run_dir=run, entry=entry)
+    total = dataset_total(budget, "prv", DELTA)
+    store_total(root, SHA, "prv", DELTA, total)
+    assert stored_total(read_budget(root, SHA), "prv", DELTA) == total
+
+    rc, out, err, heavy = _cli("ledger", "show", str(run))
+    assert rc == 0, err
+    assert f"TOTAL: ε = {total.epsilon:.4f}" in out and not {"opacus", "torch"} & set(heavy), heavy
+
+    budget, _ = record_release(root, SHA, release_id="2" * 64, stage="teacher", run_dir=run, entry=_teacher(1.2, 40))
+    assert stored_total(budget, "prv", DELTA) is None  # other releases now: composed again
+    rc, out, err, heavy = _cli("ledger", "show", str(run))
+    assert rc == 0 and f"TOTAL: ε = {dataset_total(budget, 'prv', DELTA).epsilon:.4f}" in out and "opacus" in heavy
