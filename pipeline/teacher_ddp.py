@@ -61,16 +61,21 @@ def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop torchrun and its workers (their own process group); they stop at once or are killed."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
+def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Stop a process started with start_new_session and its whole process group (torchrun
+    and its workers; a test's server and its children): SIGTERM, then SIGKILL after `timeout` s."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout)
+            return
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def launch(
@@ -124,7 +129,7 @@ def launch(
                 relay()
             relay()
         except BaseException:  # on_progress raised, or the caller was interrupted: stop the job too
-            _stop(proc)
+            stop_group(proc)
             raise
     if proc.returncode != 0:
         raise error(

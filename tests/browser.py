@@ -8,31 +8,19 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from pipeline.teacher_ddp import stop_group  # noqa: F401 (tests import it from here)
+
 BROWSER = next(
     (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable") if shutil.which(b)),
     None,
 )
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """End the process group started for `proc` (it was started with start_new_session)."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
 
 
 class Chromium:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import yaml
 from conftest import tiny_pipeline_dict
+from pipeline.teacher_ddp import stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,22 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the process group (the runner's flow-run children included), then SIGKILL."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _tail(path: Path, n: int = 4000) -> str:
@@ -138,7 +122,7 @@ def test_served_cron_deployment_runs_the_pipeline(tmp_path):
         assert done["parameters"]["config"] == str(config.resolve())
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop_group(p)
     # The next minute's run may have started since; the completed one finished its directory.
     statuses = [json.loads((run / "run.json").read_text())["status"] for run in Path(tree["run_root"]).glob("tiny-*")]
     assert "completed" in statuses
