@@ -6,7 +6,8 @@
     dpdistill status runs/demo-...                             # stages done, durations, ε
     dpdistill report runs/demo-...                             # (re)write its report.html
     dpdistill serve --config C --cron "0 3 * * *"              # a scheduled deployment
-    dpdistill build-base --config configs/demo.yaml           # only the offline base models
+    dpdistill build-base --config configs/builtin.yaml        # only the offline base models
+    dpdistill build-base --config configs/builtin.yaml --export pipeline/builtin   # rebuild the shipped pair
     dpdistill plan --config C [key=value ...]                 # N, q, σ, steps, ε and time; trains nothing
     dpdistill ledger show runs/demo-...                       # a run's privacy ledger
     dpdistill audit runs/demo-... [--span 10]                 # published files vs training records
@@ -119,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_ in (
         ("run", "run the whole pipeline as a Prefect flow"),
         ("serve", "serve the flow on a cron schedule against a Prefect server (blocks)"),
-        ("build-base", "build the offline tokenizer and tiny base models from public text"),
+        ("build-base", "build the offline tokenizer and base models from public text (base_models.corpus)"),
         ("plan", "print N, batch size, q, σ, steps, ε (each stage and total) and a time estimate; "
                  "trains and writes nothing"),
     ):
@@ -137,6 +138,10 @@ def _parser() -> argparse.ArgumentParser:
                            help=f"rerun this stage and every later one even if cached ({', '.join(STAGES)})")
             p.add_argument("--force", action="append", choices=STAGES, metavar="STAGE", default=[],
                            help="rerun this stage even if cached (repeatable)")
+        if name == "build-base":
+            p.add_argument("--export", metavar="DIR",
+                           help="also write the pair as the shipped one is stored (fp16 safetensors, "
+                           "tokenizer, build.json): --export pipeline/builtin replaces the shipped pair")
         if name == "serve":
             p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * *" (03:00 every day)')
             p.add_argument("--timezone", default="UTC", help="time zone of the schedule (default UTC)")
@@ -436,10 +441,12 @@ def run_pipeline(args) -> int:
             return 0
         if args.command == "build-base":
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-            from pipeline.models import build_base_models
+            from pipeline.models import build_base_models, export_base_models
 
             base = build_base_models(cfg.base_models, seed=cfg.seed)
             print(f"teacher: {base.teacher}\nstudent: {base.student}")
+            if args.export:
+                print(f"exported: {export_base_models(base, Path(args.export))}")
             return 0
         if args.command == "serve":
             from prefect import serve

@@ -186,29 +186,50 @@ class TinyModelSpec(_Section):
 
 
 class BaseModelsConfig(_Section):
-    """Offline base models, built from a *public* corpus when a stage names `builtin:...`.
+    """The offline base models that `builtin:teacher` and `builtin:student` name.
 
-    The tokenizer is trained on this public corpus only: a tokenizer trained on the
-    private data would leak its vocabulary (Ponomareva et al.).
+    Without `corpus`, the pair shipped with the package (pipeline/builtin/, pretrained on
+    public-domain novels by `dpdistill build-base --config configs/builtin.yaml`). With
+    `corpus`, a pair of the shapes below built from that *public* text and cached. The
+    tokenizer is trained on the public corpus only: a tokenizer trained on the private data
+    would leak its vocabulary (Ponomareva et al.).
     """
 
-    corpus: Path = Field(
-        Path("data/public/wikitext-2-valid.txt"), description="Public plain-text corpus."
+    corpus: Path | None = Field(
+        None,
+        description="Public plain-text file, or directory of *.txt documents, to build the pair "
+        "from; none: use the shipped pair.",
+    )
+    validation_documents: int = Field(
+        3, ge=0, description="Documents of a corpus directory held out as the public validation split."
     )
     cache_dir: Path = Field(
         Path(".cache/base_models"), description="Built models are cached here by config hash."
     )
-    vocab_size: int = Field(4096, ge=260, le=65536, description="Byte-level BPE vocabulary size.")
+    vocab_size: int = Field(8192, ge=260, le=65536, description="Byte-level BPE vocabulary size.")
     context_length: int = Field(128, ge=16, le=4096, description="n_positions of the models.")
     max_corpus_chars: int | None = Field(
-        None, gt=0, description="Use only the first N characters of the corpus."
+        None, gt=0, description="Use only the first N characters of the training text."
     )
     teacher: TinyModelSpec = Field(
-        default_factory=lambda: TinyModelSpec(n_layer=4, n_embd=192, n_head=4)
+        default_factory=lambda: TinyModelSpec(n_layer=4, n_embd=256, n_head=8, steps=1500, batch_size=32)
     )
     student: TinyModelSpec = Field(
-        default_factory=lambda: TinyModelSpec(n_layer=2, n_embd=96, n_head=4)
+        default_factory=lambda: TinyModelSpec(n_layer=2, n_embd=128, n_head=4, steps=800, batch_size=32)
     )
+
+    @model_validator(mode="after")
+    def _shapes_need_a_corpus(self) -> "BaseModelsConfig":
+        # Defaults are the shipped pair's recipe, so a dumped config (defaults written out) loads back.
+        shaped = [name for name in ("vocab_size", "context_length", "max_corpus_chars", "teacher", "student")
+                  if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)]
+        if self.corpus is None and shaped:
+            raise ValueError(
+                f"base_models.{shaped[0]} differs from the shipped builtin pair's but base_models.corpus "
+                "is not set: the shipped pair has fixed shapes; set base_models.corpus to a public text "
+                "file or directory to build a pair of your own, or remove the shape fields"
+            )
+        return self
 
 
 class TeacherConfig(_Section):

@@ -25,7 +25,7 @@ from pipeline.codes import gaussian_sigma
 from pipeline.config import PipelineConfig, TeacherConfig
 from pipeline.data import training_units
 from pipeline.ledger import LedgerEntry, LedgerTotal, compose
-from pipeline.models import BUILTIN_PREFIX, base_models_built, tiny_gpt2
+from pipeline.models import BUILTIN_PREFIX, SHIPPED, base_models_built, tiny_gpt2
 from pipeline.privacy import epsilon_of, resolve_delta
 from pipeline.teacher import calibrate_noise, poisson_schedule
 
@@ -112,10 +112,13 @@ def make_plan(cfg: PipelineConfig, timing: bool = True) -> Plan:
 def _shape_model(name: str, cfg: PipelineConfig) -> torch.nn.Module:
     """A randomly initialised model of the configured shape: its step costs what the real one's
     does, without loading weights (nor building the builtin ones, which pretrains them)."""
-    if name.startswith(BUILTIN_PREFIX):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name.startswith(BUILTIN_PREFIX) and cfg.base_models.corpus is None:  # the shipped pair
+        name = str(SHIPPED / name[len(BUILTIN_PREFIX):])
+    elif name.startswith(BUILTIN_PREFIX):
         spec = getattr(cfg.base_models, name[len(BUILTIN_PREFIX):])
         return tiny_gpt2(spec, cfg.base_models.vocab_size, cfg.base_models.context_length, eos_id=0)
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name))
 
@@ -175,7 +178,9 @@ def estimate_seconds(cfg: PipelineConfig, plan: Plan) -> dict[str, tuple[float |
     out: dict[str, tuple[float | None, str]] = {}
     method, b = cfg.distill.method, cfg.base_models
     builtin = [m for m in (cfg.teacher.model, cfg.distill.student_model) if m.startswith(BUILTIN_PREFIX)]
-    if builtin and base_models_built(b):
+    if builtin and b.corpus is None:
+        out["base-models"] = (0.0, "shipped with the package")
+    elif builtin and base_models_built(b):
         out["base-models"] = (0.0, "cached")
     elif builtin:
         total = sum(spec.steps * _train_step(tiny_gpt2(spec, b.vocab_size, b.context_length, 0), spec.batch_size,

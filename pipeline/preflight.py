@@ -143,9 +143,25 @@ def _models(cfg: PipelineConfig) -> list[str]:
                 problems.append(f"{field}={name!r} is not a builtin model; use 'builtin:teacher' or 'builtin:student'")
         elif problem := _model_problem(name, field):
             problems.append(problem)
-    if uses_builtin and (problem := _readable_file(Path(cfg.base_models.corpus), "base_models.corpus")):
-        problems.append(problem + " (the builtin models are built from this public text)")
+    if uses_builtin and (problem := _corpus_problem(cfg.base_models.corpus)):
+        problems.append(problem)
     return problems
+
+
+def _corpus_problem(corpus: Path | None) -> str | None:
+    """The public text the builtin models are built from: none (the shipped pair), a file, or a
+    directory holding *.txt documents."""
+    if corpus is None:
+        return None
+    corpus = Path(corpus)
+    if corpus.is_dir():
+        if not any(corpus.glob("*.txt")):
+            return (f"base_models.corpus {str(corpus)!r} holds no *.txt files; point it at a public text "
+                    "file or a directory of them, or remove it to use the shipped builtin models")
+        return None
+    if problem := _readable_file(corpus, "base_models.corpus"):
+        return problem + " (the builtin models are built from this public text; remove it to use the shipped pair)"
+    return None
 
 
 def _looks_like_path(name: str) -> bool:
