@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from public import eltec  # bench/public.py: the corpus in ../shared
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data" / "yelp_sample" / "train.csv"
 MAX_LENGTH = 128  # the demo teacher's context
@@ -110,7 +111,7 @@ def main() -> None:
         sample = read_table(SAMPLE)
         reps = -(-args.records // sample.num_rows)
         pq.write_table(pa.concat_tables([sample] * reps).slice(0, args.records), tmp / "records.parquet")
-        corpus = read_public_corpus(BaseModelsConfig(corpus=ROOT / "data" / "public" / "wikitext-2-valid.txt"))
+        corpus = read_public_corpus(BaseModelsConfig(corpus=eltec(), max_corpus_chars=3_000_000))
         train_tokenizer(corpus, vocab_size=4096).save_pretrained(tmp / "tokenizer")
 
         data = _in_subprocess("data", str(tmp / "records.parquet"), str(tmp / "run" / "data"))

@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import yaml
 
+from public import eltec  # bench/public.py: the corpus in ../shared
 ROOT = Path(__file__).resolve().parents[1]
 NOISE_SEED = "0"
 WINDOWS = ("teacher-before-checkpoint", "teacher-after-checkpoint", "generation", "distillation")
@@ -69,7 +70,7 @@ def tiny_config(work: Path, run_root: Path) -> dict:
                  "max_records": 120, "max_test_records": 20, "validation_fraction": 0.1},
         "control_codes": {"mechanism": "gaussian", "epsilon": 1.0, "domain": domain},
         "base_models": {  # shared by every trial: built once
-            "corpus": str(data / "public" / "wikitext-2-valid.txt"), "cache_dir": str(work / "base_cache"),
+            "corpus": str(eltec()), "cache_dir": str(work / "base_cache"),
             "max_corpus_chars": 100_000, "vocab_size": 400, "context_length": 96,
             "teacher": {"n_layer": 1, "n_embd": 32, "n_head": 2, "steps": 30, "batch_size": 8},
             "student": {"n_layer": 1, "n_embd": 16, "n_head": 2, "steps": 30, "batch_size": 8},

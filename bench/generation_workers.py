@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from public import eltec  # bench/public.py: the corpus in ../shared
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -35,7 +36,7 @@ def _setup(tmp: Path, layers: int, width: int) -> tuple[Path, Path]:
     from pipeline.config import BaseModelsConfig, TinyModelSpec
     from pipeline.models import read_public_corpus, tiny_gpt2, train_tokenizer
 
-    corpus = ROOT / "data" / "public" / "wikitext-2-valid.txt"
+    corpus = eltec()
     tok = train_tokenizer(read_public_corpus(BaseModelsConfig(corpus=corpus, max_corpus_chars=200_000)), 300)
     torch.manual_seed(0)
     model = tiny_gpt2(TinyModelSpec(n_layer=layers, n_embd=width, n_head=4), len(tok), 128, tok.eos_token_id)

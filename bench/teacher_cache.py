@@ -29,6 +29,7 @@ import time
 import warnings
 from pathlib import Path
 
+from public import eltec  # bench/public.py: the corpus in ../shared
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -62,7 +63,7 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     from pipeline.models import read_public_corpus, tiny_gpt2, train_tokenizer
 
     torch.manual_seed(0)
-    base = BaseModelsConfig(corpus=ROOT / "data/public/wikitext-2-valid.txt")
+    base = BaseModelsConfig(corpus=eltec(), max_corpus_chars=2_000_000)
     tok = train_tokenizer(read_public_corpus(base), base.vocab_size)
     for name, spec in (("teacher", base.teacher), ("student", base.student)):
         tiny_gpt2(spec, len(tok), base.context_length, tok.eos_token_id).save_pretrained(work / name)

@@ -27,6 +27,7 @@ import time
 import warnings
 from pathlib import Path
 
+from public import eltec  # bench/public.py: the corpus in ../shared
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -79,7 +80,7 @@ def main() -> None:
     data = ROOT / "data"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        corpus = BaseModelsConfig(corpus=data / "public" / "wikitext-2-valid.txt", max_corpus_chars=300_000)
+        corpus = BaseModelsConfig(corpus=eltec(), max_corpus_chars=300_000)
         tok = train_tokenizer(read_public_corpus(corpus), vocab_size=1000)
         torch.manual_seed(0)
         spec = TinyModelSpec(n_layer=a.layers, n_embd=a.width, n_head=4)
