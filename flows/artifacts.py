@@ -23,6 +23,7 @@ LEDGER_KEY = "privacy-ledger"
 SUMMARY_KEY = "privacy-summary"
 METRICS_KEY = "metrics"
 SYNTHETIC_KEY = "synthetic-samples"
+ADHERENCE_KEY = "code-adherence"
 REPORT_KEY = "run-report"
 
 
@@ -122,6 +123,27 @@ def publish_metrics(metrics: dict) -> None:
     )
     description += "\n\n" + markdown_table(rows, list(rows[0]))
     create_table_artifact(key=METRICS_KEY, table=rows, description=description)
+    if (metrics.get("code_adherence") or {}).get("columns"):  # a column with 2 or more values was scored
+        publish_code_adherence(metrics["code_adherence"])
+
+
+def publish_code_adherence(adherence: dict) -> None:
+    """Per code column and value, how often the DP teacher scores the requested value highest
+    (pipeline/adherence.py): post-processing of the teacher and the synthetic data."""
+    rows = []
+    for c, col in adherence["columns"].items():
+        rows.append({"column": c, "value": "(all)", "share": _fmt(col["share"]), "chance": _fmt(col["chance"]),
+                     "samples": str(col["n"])})
+        rows += [{"column": c, "value": v, "share": _fmt(x["share"]), "chance": _fmt(col["chance"]),
+                  "samples": str(x["n"])} for v, x in col["values"].items()]
+    description = (
+        f"Does the synthetic text follow its control code? Over {adherence['samples']} synthetic samples, the share "
+        "where the DP teacher scores the requested value of a column highest among its declared values "
+        f"(chance: 1/values). Every column: {_fmt(adherence['overall'])} of (sample, column) pairs; all columns of a "
+        f"sample at once: {_fmt(adherence['all_columns'])}.\n\n"
+        + markdown_table(rows, ["column", "value", "share", "chance", "samples"])
+    )
+    create_table_artifact(key=ADHERENCE_KEY, table=rows, description=description)
 
 
 def publish_synthetic_sample(synthetic_dir: Path, n: int = 10, max_chars: int = 300) -> None:
@@ -141,7 +163,7 @@ def publish_report(report: Path, run_dir: Path) -> None:
     create_markdown_artifact(
         key=REPORT_KEY,
         markdown=f"# Run report\n\n[{report.name}]({report.resolve().as_uri()}): loss and ε curves, perplexity "
-        f"per model, control codes requested vs generated, generation lengths (self-contained HTML).\n\n"
+        f"per model, code adherence of the synthetic text, generation lengths (self-contained HTML).\n\n"
         f"Run directory: `{run_dir}`",
         description="Link to the run's report.html",
     )

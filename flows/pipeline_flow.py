@@ -37,6 +37,7 @@ from flows.run_info import (  # noqa: F401 (RunDirError re-exported)
 )
 from flows.run_log import run_log
 from flows.results import StageResultSerializer, stage_result_storage
+from pipeline.adherence import declared_values
 from pipeline.codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.data import DataResult, delete_private_copies, prepare_data
@@ -207,8 +208,10 @@ def distillation_task(
         )
 
 
+# The declared code values that code adherence tries (pipeline/adherence.py) come from the
+# domain, else from the released codes (`codes`, an input): a new domain alone reruns evaluation.
 @stage_task("evaluation", lambda cfg: {"evaluate": cfg.evaluate, "method": cfg.distill.method,
-                                       **_precision(cfg)})
+                                       "domain": cfg.control_codes.domain, **_precision(cfg)})
 def evaluation_task(
     cfg: PipelineConfig,
     data: DataResult,
@@ -216,6 +219,7 @@ def evaluation_task(
     teacher: TeacherResult | None,
     student: DistillResult | TeacherResult,
     synthetic: GenerateResult | None,
+    codes: CodesResult | None,
     run_dir: Path,
 ) -> dict:
     models = {"base_student": resolve_model(cfg.distill.student_model, base)}  # "zero-shot"
@@ -224,10 +228,13 @@ def evaluation_task(
         models["dp_teacher"] = str(teacher.checkpoint)
     models[f"student_{cfg.distill.method}"] = str(student.checkpoint)
     out_dir = run_dir / "evaluation"
+    code_values = None
+    if synthetic is not None and codes is not None:  # the DP teacher checks its synthetic text's codes
+        code_values = declared_values(cfg.data, cfg.control_codes.domain, codes.path)
     metrics = evaluate_models(
         cfg.evaluate, models=models, test_path=data.test, out_dir=out_dir, seed=cfg.seed,
         synthetic_path=synthetic.path if synthetic else None, progress_every=cfg.progress_seconds,
-        runtime=Runtime.from_config(cfg),
+        runtime=Runtime.from_config(cfg), code_values=code_values, adherence_model="dp_teacher",
     )
     return {**metrics, "evaluation_dir": str(out_dir)}
 
@@ -566,7 +573,7 @@ def _run_stages(
         student_epsilon = dp_sgd_budgets(cfg)["student"]
         student = stage("dp-student", dp_student_task, cfg, data, base, teacher, student_epsilon, out)
         ledger.append(student.ledger)
-    evaluation = stage("evaluation", evaluation_task, cfg, data, base, teacher, student, synthetic, out)
+    evaluation = stage("evaluation", evaluation_task, cfg, data, base, teacher, student, synthetic, codes, out)
     ledger.append(
         post_processing(
             "evaluation",

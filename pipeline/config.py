@@ -395,10 +395,17 @@ class DistillConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """Stage 4: perplexity on the held-out private test split."""
+    """Stage 4: perplexity on the held-out private test split, and code adherence of the synthetic text."""
 
     window: int = Field(128, ge=8, description="Non-overlapping window length in tokens.")
     batch_size: int = Field(16, ge=1)
+    adherence_samples: int = Field(
+        500,
+        ge=0,
+        description="Synthetic training samples (the first ones, in shard order) on which the DP teacher "
+        "checks that the text follows its control code (pipeline/adherence.py); 0 disables it. Cost: about "
+        "(sum over code columns of the number of declared values) teacher forward passes per sample.",
+    )
 
 
 class PipelineConfig(_Section):

@@ -7,6 +7,9 @@ Two figures per model:
 - per record: each record on its own (cut into windows when longer), summarised as the
   mean and median of the records' perplexities.
 
+With the synthetic data and its code values, the DP teacher also scores whether the synthetic
+text follows its control code (pipeline/adherence.py), while it is loaded for its perplexity.
+
 Only aggregates leave this stage: no text, no per-record value.
 """
 
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.adherence import adherence_lines, code_adherence
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import EvalConfig
 from pipeline.data import encode_record, read_split
@@ -176,6 +180,8 @@ def evaluate_models(
     synthetic_path: Path | None = None,
     progress_every: float = DEFAULT_EVERY,
     runtime: Runtime = CPU_FP32,
+    code_values: dict[str, dict[str, str]] | None = None,
+    adherence_model: str = "dp_teacher",
 ) -> dict:
     """Perplexity of each named model on the test split; writes `out_dir/metrics.json`.
 
@@ -183,7 +189,9 @@ def evaluate_models(
     With `synthetic_path`, also compares the synthetic texts with the real test texts
     (distinct-n, lengths): aggregate figures only. Progress lines count the windows scored
     over all models (windows/s, ETA; no token counts), at least every `progress_every` s.
-    Models are loaded in `runtime`'s precision, on its device.
+    Models are loaded in `runtime`'s precision, on its device. With `synthetic_path` and
+    `code_values` (pipeline/adherence.py `declared_values`), the model named `adherence_model`
+    also scores the code adherence of `cfg.adherence_samples` synthetic samples (`code_adherence`).
     """
     runtime.apply_threads()
     torch.manual_seed(seed)
@@ -191,6 +199,7 @@ def evaluate_models(
     if not texts:
         raise ValueError(f"test split {str(test_path)!r} is empty; give data.test_path or a larger data.path")
     reference = None
+    adherence = None
     metrics: dict[str, dict] = {}
     lines: ProgressLog | None = None
     started = time.monotonic()
@@ -219,7 +228,11 @@ def evaluate_models(
             "evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f",
             name, ppl.windowed, ppl.tokens, ppl.per_record_mean, ppl.per_record_median,
         )
+        if name == adherence_model and synthetic_path is not None and code_values and cfg.adherence_samples:
+            adherence = _adherence(model, tok, synthetic_path, code_values, cfg, progress_every)
     result = {"window": cfg.window, "test_records": len(texts), "perplexity": metrics}
+    if adherence is not None:
+        result["code_adherence"] = adherence
     if synthetic_path is not None:
         # Synthetic samples are capped at generate.max_length tokens (prompt included); real
         # reviews are not: read the lengths with that cap in mind.
@@ -233,4 +246,23 @@ def evaluate_models(
     atomic_write_json(Path(out_dir) / METRICS, result)
     write_manifest(out_dir, stage="evaluation", inputs={"test": Path(test_path)},
                    outputs={"metrics": Path(out_dir) / METRICS})
+    return result
+
+
+def _adherence(model, tok, synthetic_path: Path, code_values: dict[str, dict[str, str]], cfg: EvalConfig,
+               progress_every: float) -> dict:
+    """Code adherence of the synthetic samples, scored by `model` (the DP teacher); progress lines
+    count the candidate sequences scored (public synthetic text: no private count)."""
+    lines = None
+
+    def on_batch(done: int, total: int) -> None:
+        nonlocal lines
+        if lines is None:
+            lines = ProgressLog(log, "code adherence", "sequences", total, every=progress_every)
+        lines.update(done)
+
+    result = code_adherence(model, tok, synthetic_path, code_values, cfg.adherence_samples, cfg.batch_size, on_batch)
+    log.info("evaluation: code adherence of %d synthetic samples (%d skipped, %d truncated): overall %s, all "
+             "columns %s; %s", result["samples"], result["skipped"], result["truncated"], result["overall"],
+             result["all_columns"], "; ".join(adherence_lines(result)) or "no column with 2 or more values")
     return result

@@ -37,7 +37,7 @@ STAGES = ("data", "control_codes", "teacher", "synthetic", "student", "evaluatio
 GENERATING_METHODS = ("distil", "dp_syn")  # the others train the student on the private data itself
 # What the flow writes into stages.json (flows/pipeline_flow.py StageRunner), as the report says it.
 _STAGE_STATUS = {"ran": "finished", "forced": "finished (forced rerun)", "cached": "cached", "failed": "failed"}
-MAX_CODES_PLOTTED = 40  # a bar per code combination stays readable up to about this many
+MAX_CODES_PLOTTED = 40  # a bar per code value stays readable up to about this many
 _SYNTHETIC_COLUMNS = ("n_tokens", "n_prompt_tokens", "finished")  # numeric only: never the text
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
@@ -79,10 +79,6 @@ def _page(title: str, body: str) -> str:
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{_esc(title)}</title><style>{_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n"
     )
-
-
-def _code_label(code: str) -> str:
-    return code.replace("\t", " | ")
 
 
 def _svg(fig: Figure, name: str) -> str:
@@ -259,24 +255,51 @@ def _perplexity(metrics: dict | None) -> str:
     return _svg(fig, "perplexity") + _table(["model"] + keys, rows)
 
 
-def _code_shares(gen: dict) -> str:
-    codes = gen.get("control_codes")
-    if not codes:
-        return _note("No control-code shares in metrics.json.")
-    order = sorted(codes, key=lambda c: -codes[c]["requested"])
-    shown = order[:MAX_CODES_PLOTTED]
-    fig = Figure(figsize=(9, 1.2 + 0.26 * len(shown)))
-    ax = fig.subplots()
-    y = range(len(shown))
-    ax.barh([i - 0.2 for i in y], [codes[c]["requested"] for c in shown], height=0.4, label="requested")
-    ax.barh([i + 0.2 for i in y], [codes[c]["generated"] for c in shown], height=0.4, label="generated (kept)")
-    ax.set_yticks(list(y), [_code_label(c) for c in shown], fontsize=8)
-    ax.invert_yaxis()
-    ax.set(title="Control codes: requested vs generated share", xlabel="share of samples")
-    ax.legend()
-    out = _svg(fig, "control-codes")
-    if len(order) > len(shown):
-        out += _note(f"The {len(order) - len(shown)} least requested code combinations are not plotted.")
+def _code_adherence(metrics: dict | None) -> str:
+    """Per code column, the share of synthetic samples whose requested value the DP teacher
+    scores highest (pipeline/adherence.py), per requested value, against chance (1/|values|)."""
+    adh = (metrics or {}).get("code_adherence")
+    if not adh:
+        return _note("No code adherence in metrics.json (evaluate.adherence_samples=0, or a run from before it).")
+    columns = {c: col for c, col in adh["columns"].items() if col["n"]}
+    if not columns:
+        return _note("Code adherence scored no sample (no code column has two or more declared values).")
+    shown = {c: list(col["values"])[:MAX_CODES_PLOTTED] for c, col in columns.items()}
+    fig = Figure(figsize=(9, 1.0 + sum(0.9 + 0.26 * len(v) for v in shown.values())))
+    axes = fig.subplots(len(columns), 1, squeeze=False,
+                        gridspec_kw={"height_ratios": [1 + len(v) for v in shown.values()]})[:, 0]
+    for ax, (c, col) in zip(axes, columns.items()):
+        values = shown[c]
+        shares = [col["values"][v]["share"] or 0.0 for v in values]
+        bars = ax.barh(range(len(values)), shares, color="#3465a4")
+        ax.bar_label(bars, labels=[f"n={col['values'][v]['n']}" for v in values], fontsize=7, padding=2)
+        ax.axvline(col["chance"], color="#a40000", linestyle="--", label=f"chance ({col['chance']:.2f})")
+        ax.set_yticks(list(range(len(values))), values, fontsize=8)
+        ax.invert_yaxis()
+        ax.set(xlim=(0, 1.1), title=f"{c}: requested value scored highest in {col['share']:.0%} of "
+               f"{col['n']} samples", xlabel="share of samples that requested the value")
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Does the synthetic text follow its control code? (DP teacher's choice among the values)")
+    fig.tight_layout()
+    out = _svg(fig, "code-adherence")
+    rows = [[c, col["share"], col["chance"], col["n"]] for c, col in columns.items()]
+    rows.append(["(every scored column, pairs)", adh.get("overall"), None, adh.get("samples")])
+    rows.append(["(all columns of a sample at once)", adh.get("all_columns"), None, adh.get("samples")])
+    out += _table(["column", "share requested value wins", "chance", "samples"], rows)
+    per_value = [[c, v, x["share"], x["n"], x["n"] / col["n"]] for c, col in columns.items()
+                 for v, x in col["values"].items()]
+    out += _table(["column", "value", "share requested value wins", "samples that requested it",
+                   "requested share"], per_value)
+    out += _note(
+        f"The first {adh.get('samples')} synthetic training samples: for each code column, the DP teacher scores the "
+        "sample's text under the prompt with that column set to each declared value, the others as requested; "
+        "a sample counts when the requested value scores strictly highest (n=0: no sample requested the value). "
+        f"{adh.get('truncated', 0)} sample(s) had their text cut to fit the teacher's context (the same cut for every "
+        f"value), {adh.get('skipped', 0)} were skipped (no text left to score)."
+    )
+    hidden = sum(len(col["values"]) - len(shown[c]) for c, col in columns.items())
+    if hidden:
+        out += _note(f"{hidden} further values are not plotted (more than {MAX_CODES_PLOTTED} in a column).")
     return out
 
 
@@ -331,7 +354,7 @@ def _generation(run_dir: Path, metrics: dict | None) -> str:
     out = ""
     if gen:
         keys = ["samples", "validation_samples", "dropped_empty", "new_tokens_per_second", "shards", "resumed_shards"]
-        out += _table(keys, [[gen.get(k) for k in keys]]) + _code_shares(gen)
+        out += _table(keys, [[gen.get(k) for k in keys]]) + _code_adherence(metrics)
     elif _method(run_dir, metrics) not in (None, *GENERATING_METHODS):
         return _note("This run has no generation stage (its method trains the student on the private data).")
     else:

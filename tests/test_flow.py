@@ -10,7 +10,8 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from flows.artifacts import LEDGER_KEY, METRICS_KEY, SUMMARY_KEY
+from conftest import YELP_DOMAIN
+from flows.artifacts import ADHERENCE_KEY, LEDGER_KEY, METRICS_KEY, SUMMARY_KEY
 from flows.cli import main
 from flows.pipeline_flow import dp_distill
 from pipeline.data import read_split
@@ -53,13 +54,22 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     assert 0 < props["synthetic"]["distinct_1"] <= 1 and props["real_test"]["texts"] == 20
     synthetic = pq.read_table(run / "synthetic" / "shard-00000.parquet")
     assert synthetic.num_rows + metrics["generation"]["dropped_empty"] == tiny_config.generate.num_samples
+    # The DP teacher's choice among each column's declared values, on the synthetic training samples.
+    adherence = metrics["code_adherence"]
+    assert adherence["samples"] + adherence["skipped"] == synthetic["split"].to_pylist().count("train")
+    assert set(adherence["columns"]) == set(tiny_config.data.code_columns)
+    for column, values in YELP_DOMAIN.items():
+        result = adherence["columns"][column]
+        assert 0 <= result["share"] <= 1 and result["chance"] == pytest.approx(1 / len(values))
+        assert list(result["values"]) == values and sum(v["n"] for v in result["values"].values()) == result["n"]
+    assert 0 <= adherence["all_columns"] <= adherence["overall"] <= 1  # every column scored on every sample
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
         )
     by_key = {a.key: a for a in artifacts}
-    assert {LEDGER_KEY, SUMMARY_KEY, METRICS_KEY} <= set(by_key)
+    assert {LEDGER_KEY, SUMMARY_KEY, METRICS_KEY, ADHERENCE_KEY} <= set(by_key)
     assert by_key[LEDGER_KEY].type == "table" and by_key[METRICS_KEY].type == "table"
     ledger_rows = json.loads(by_key[LEDGER_KEY].data) if isinstance(by_key[LEDGER_KEY].data, str) else by_key[LEDGER_KEY].data
     assert [r["stage"] for r in ledger_rows] == [*ledger, "TOTAL"]

@@ -133,7 +133,8 @@ def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
     return pipeline.evaluate.evaluate_models(
         EvalConfig(window=32, batch_size=8), models={"dp_teacher": str(teacher.checkpoint),
                                                      "student": str(student.checkpoint)},
-        test_path=splits.test, out_dir=out / "evaluation", seed=0, runtime=runtime)
+        test_path=splits.test, out_dir=out / "evaluation", seed=0, runtime=runtime, synthetic_path=synthetic.path,
+        code_values={"label1": {v: v for v in ("Category: A", "Category: B")}})
 
 
 # Stage functions observed, and the label their model calls get (the innermost wins).
@@ -142,6 +143,7 @@ OBSERVED = [
     (pipeline.teacher, "_save", "teacher validation"),
     (pipeline.generate, "_generate_shard", "generation"), (pipeline.logit_cache, "_write_shard", "logit cache"),
     (pipeline.distill, "distill", "distillation"), (pipeline.evaluate, "perplexity", "evaluation"),
+    (pipeline.evaluate, "_adherence", "code adherence"),
 ]
 TRAINING = {"teacher training", "teacher validation", "distillation"}  # fp32 master weights, autocast
 
@@ -186,7 +188,7 @@ def test_tiny_pipeline_in_bf16_on_the_configured_device(splits, tiny_model_dir, 
     module in every stage (Opacus' wrapped teacher included) had its parameters and its inputs
     on `runtime.device`, and ran in the runtime's precision: the training stages under
     autocast with fp32 master weights, the inference stages (generation, logit cache,
-    evaluation) with bf16 weights. CPU being the only device here, the device half alone
+    evaluation and its code adherence) with bf16 weights. CPU being the only device here, the device half alone
     cannot catch a stage that pins the CPU; the precision half catches a stage that ignores
     the runtime (a load without its dtype, a forward outside its autocast, as after the
     `model.cpu()` the teacher's save path had), and `test_no_stage_names_the_cpu` catches a
@@ -220,7 +222,7 @@ def test_tiny_pipeline_in_bf16_on_the_configured_device(splits, tiny_model_dir, 
 
 
 STAGE_MODULES = ["pipeline/teacher.py", "pipeline/generate.py", "pipeline/logit_cache.py", "pipeline/distill.py",
-                 "pipeline/evaluate.py", "flows/generation.py"]
+                 "pipeline/evaluate.py", "pipeline/adherence.py", "flows/generation.py"]
 
 
 @pytest.mark.parametrize("path", STAGE_MODULES)

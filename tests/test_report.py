@@ -17,6 +17,7 @@ import pytest
 
 from browser import BROWSER, Chromium
 from flows.cli import main as cli_main
+from pipeline.adherence import SampleOutcome, summarize
 from pipeline.ledger import LedgerEntry, LedgerTotal, PrivacyLedger, post_processing, write_ledger
 from pipeline.report import REPORT, write_comparison_report, write_report
 
@@ -108,6 +109,13 @@ def make_run(root: Path, method: str = "distil") -> Path:
             "shards": 1, "resumed_shards": 0,
             "control_codes": {c: {"requested": 1 / 3, "generated": 1 / 3} for c in CODES},
         }
+        # What the DP teacher decided on each sample's codes (pipeline/adherence.py): Shopping never requested.
+        outcomes = [SampleOutcome({"category": c.split("\t")[0], "stars": c.split("\t")[1]},
+                                  {"category": i % 3 != 0, "stars": i % 2 == 0})
+                    for i, c in enumerate(CODES[:2] * 5)]
+        metrics["code_adherence"] = summarize(
+            outcomes, {"category": ["Bars", "Shopping"], "stars": ["Stars: 1.0", "Stars: 3.0", "Stars: 5.0"]},
+            truncated=1)
     if method != "dp_sgd":
         _json(run / "teacher" / "training_log.json", _dp_log(teacher_eps, 6.8))
     _json(run / "metrics.json", metrics)
@@ -123,13 +131,16 @@ def test_report_of_a_distil_run_has_every_figure_and_no_private_record(tmp_path)
     path = write_report(run)
     page = path.read_text()
     assert path == run / REPORT
-    # DP training (loss + ε), distillation, perplexity, control codes, lengths
+    # DP training (loss + ε), distillation, perplexity, code adherence, lengths
     assert page.count("<svg") == 5
     for title in ("Privacy ledger", "DP-SGD training", "Distillation", "Perplexity per model", "Generation",
                   "Stage timings", "Config"):
         assert f"<h2>{title}</h2>" in page
     assert "could not be drawn" not in page
-    assert "student_distil" in page and "Bars | Stars: 5.0" in page
+    assert "student_distil" in page and "requested value scored highest in 60% of 10 samples" in page
+    assert "Stars: 5.0" in page and "chance (0.33)" in page and "chance (0.50)" in page
+    assert "1 sample(s) had their text cut" in page
+    assert "requested vs generated" not in page  # the old chart plotted the prompts against themselves
     assert "covers the DP stages only" in page  # the incomplete total is stated
     assert "15 of 30 samples ended with EOS" in page
     assert f"{2.0:.4g}" in page  # the last ε recorded in the training log
@@ -182,7 +193,7 @@ def test_a_broken_part_becomes_a_note_and_the_rest_is_drawn(tmp_path):
     page = write_report(run).read_text()
     assert "could not be drawn (KeyError)" in page
     assert "No finished distillation log" in page
-    assert page.count("<svg") == 3  # DP training, control codes, lengths
+    assert page.count("<svg") == 3  # DP training, code adherence, lengths
 
 
 def test_comparison_report_shows_each_methods_student_perplexity(tmp_path):
