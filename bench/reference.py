@@ -312,14 +312,23 @@ def run_row(row: Row, config: str, name: str) -> dict:
     return result_of(row, run_dir, time.monotonic() - t0)
 
 
+def _numbers(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 1,2,4") from None
+    return parse
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every row")
     p.add_argument("--config", default="configs/reference.yaml")
     p.add_argument("--only", default=",".join(EXPERIMENTS), help="experiments to run: table,fig3,epsilon")
     p.add_argument("--rows", default=None, help="run only the rows with these labels, e.g. DP-SGD,ours")
-    p.add_argument("--fig3-sizes", default="2500,5000,10000", help="distill.num_synthetic of the fig3 rows")
-    p.add_argument("--epsilons", default="1,2,4,8", help="teacher.target_epsilon of the epsilon rows")
+    p.add_argument("--fig3-sizes", type=_numbers(int), default=[2500, 5000, 10000], help="distill.num_synthetic of the fig3 rows")
+    p.add_argument("--epsilons", type=_numbers(float), default=[1.0, 2.0, 4.0, 8.0], help="teacher.target_epsilon of the epsilon rows")
     p.add_argument("--epsilon-samples", type=int, default=5000, help="generate.num_samples of the epsilon rows")
     p.add_argument("--set", nargs=2, action="append", default=[], metavar=("EXPERIMENT", "KEY=VALUE"),
                    help="an override of one experiment's rows (repeatable)")
@@ -343,8 +352,7 @@ def main(argv: list[str]) -> int:
     per = {}
     for experiment, override in args.set:
         per.setdefault(experiment, []).append(override)
-    rows = build_rows(args.only, [int(n) for n in args.fig3_sizes.split(",")],
-                      [float(e) for e in args.epsilons.split(",")], args.epsilon_samples, args.overrides, per)
+    rows = build_rows(args.only, args.fig3_sizes, args.epsilons, args.epsilon_samples, args.overrides, per)
     if args.rows:
         rows = [r for r in rows if r.label in args.rows.split(",")]
     try:  # every row's config checked before hours of training, every problem in one message

@@ -142,3 +142,19 @@ def test_driver_runs_a_row_once_and_skips_it_on_restart(prefect_server, tmp_path
     table = (runs / "table.md").read_text()
     assert f"| DP-SGD | {results[0]['perplexity']['student']:.1f} |" in table
     assert json.loads((runs / "results.jsonl").read_text())["stages"]["dp-student"] == "ran"
+
+
+def test_every_rows_config_is_checked_before_anything_runs(tmp_path, capsys):
+    """Figure 3 sizes beyond the generation stop the driver at once, naming each row, with
+    nothing run and nothing written."""
+    from conftest import tiny_pipeline_dict
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_pipeline_dict(tmp_path)))  # generate.num_samples: 24
+    assert main(["--config", str(config), "--only", "fig3", "--fig3-sizes", "12,30,40"]) == 2
+    err = capsys.readouterr().err
+    assert "row fig3 / n=30" in err and "row fig3 / n=40" in err and "n=12" not in err
+    assert "distill.num_synthetic=40 asks for more synthetic samples than generate.num_samples=24" in err
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(SystemExit):
+        main(["--config", str(config), "--epsilons", "1,two"])
