@@ -321,6 +321,37 @@ def _numbers(kind):
     return parse
 
 
+def run_rows(rows: list[Row], done: dict[tuple, dict], results_path: Path, config: str, name: str) -> list[str]:
+    """Run the rows not done yet, appending each to results.jsonl; returns the rows that failed.
+    A failed row does not stop the others (hours of them); Ctrl-C does."""
+    failed = []
+    for i, row in enumerate(rows, 1):
+        where = f"[{i}/{len(rows)}] {row.experiment} / {row.label}"
+        if row.key in done:
+            print(f"{where}: done before ({done[row.key]['run_dir']}), skipped", flush=True)
+            continue
+        # The same run under another experiment's name (fig3's full row is table's ours).
+        twin = next((r for k, r in done.items() if k[2] == row.key[2]), None)
+        if twin is not None:
+            result = {**twin, "experiment": row.experiment, "label": row.label}
+            print(f"{where}: the same run as {twin['experiment']} / {twin['label']}, reused", flush=True)
+        else:
+            print(f"{where}: running with {' '.join(row.overrides)}", flush=True)
+            try:
+                result = run_row(row, config, name)
+            except Exception as e:  # the flow logged the traceback and marked its run directory
+                print(f"{where}: FAILED ({type(e).__name__}: {e}); going on with the next row", flush=True)
+                failed.append(f"{row.experiment} / {row.label}")
+                continue
+            resumed = _resumed_teacher(Path(result["run_dir"]))
+            print(f"{where}: done in {result['seconds']:.0f} s, perplexity "
+                  f"{result['perplexity']['student']:.1f}; stages {_stage_summary(result)}"
+                  + (f"; teacher resumed at step {resumed}" if resumed else ""), flush=True)
+        append_result(results_path, result)
+        done[row.key] = result
+    return failed
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every row")
@@ -347,6 +378,7 @@ def main(argv: list[str]) -> int:
     import flows  # noqa: F401  (log routing before Prefect and Opacus are imported)
     from flows.cli import quiet_libraries
     from pipeline.config import ConfigError, load_config
+    from pipeline.manifest import private_dir
 
     quiet_libraries()
     per = {}
@@ -369,34 +401,20 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     run_root = Path(base.run_root)
-    run_root.mkdir(parents=True, exist_ok=True)
+    if not run_root.exists():  # made 0700 as the flow makes it (never chmod an existing, maybe shared, one)
+        private_dir(run_root)
     results_path = run_root / "results.jsonl"
     command = " ".join(["bench/reference.py", *argv])
     t0 = time.monotonic()
     done = finished(rows, read_results(results_path))
-    if not args.report_only:
-        for i, row in enumerate(rows, 1):
-            where = f"[{i}/{len(rows)}] {row.experiment} / {row.label}"
-            if row.key in done:
-                print(f"{where}: done before ({done[row.key]['run_dir']}), skipped", flush=True)
-                continue
-            # The same run under another experiment's name (fig3's full row is table's ours).
-            twin = next((r for k, r in done.items() if k[2] == row.key[2]), None)
-            if twin is not None:
-                result = {**twin, "experiment": row.experiment, "label": row.label}
-                print(f"{where}: the same run as {twin['experiment']} / {twin['label']}, reused", flush=True)
-            else:
-                print(f"{where}: running with {' '.join(row.overrides)}", flush=True)
-                result = run_row(row, args.config, base.name)
-                resumed = _resumed_teacher(Path(result["run_dir"]))
-                print(f"{where}: done in {result['seconds']:.0f} s, perplexity "
-                      f"{result['perplexity']['student']:.1f}; stages {_stage_summary(result)}"
-                      + (f"; teacher resumed at step {resumed}" if resumed else ""), flush=True)
-            append_result(results_path, result)
-            done[row.key] = result
+    failed = [] if args.report_only else run_rows(rows, done, results_path, args.config, base.name)
     write_report({row.key: done[row.key] for row in rows if row.key in done}, run_root, command, docs=args.docs)
     seconds = time.monotonic() - t0
     print(f"total wall time {seconds:.0f} s ({seconds / 3600:.2f} h)", flush=True)
+    if failed:
+        print(f"{len(failed)} row(s) failed (see above; start again to retry them): {', '.join(failed)}",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

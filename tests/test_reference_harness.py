@@ -158,3 +158,15 @@ def test_every_rows_config_is_checked_before_anything_runs(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
     with pytest.raises(SystemExit):
         main(["--config", str(config), "--epsilons", "1,two"])
+
+
+def test_a_failed_row_is_reported_and_the_others_go_on(tmp_path, capsys):
+    """A row that fails is named, not written to results.jsonl (a restart retries it), and the
+    rows after it still run (here they fail too: the config file is missing)."""
+    from bench.reference import run_rows
+
+    rows = build_rows(only=["table"])[:2]
+    failed = run_rows(rows, {}, tmp_path / "results.jsonl", str(tmp_path / "missing.yaml"), "x")
+    assert failed == ["table / ours", "table / DP-Syn"]
+    assert "[2/2] table / DP-Syn: FAILED (ConfigError" in capsys.readouterr().out
+    assert not (tmp_path / "results.jsonl").exists()
