@@ -13,8 +13,10 @@ synthetic shards, and only their students train.
 Experiments (`--only table,fig3,epsilon`, default all):
 - table: zero-shot, DP-SGD, DPKD, DP-Syn, ours, ours+MSE and the DP teacher (zero-shot and
   the DP teacher are read from the `ours` run's metrics).
-- fig3: ours on the first n synthetic samples (`distill.num_synthetic`) of one generation,
-  plus the whole generation (the `ours` row itself when the overrides are the same).
+- fig3: ours on the first n synthetic samples (`distill.num_synthetic`, `--fig3-sizes`) of
+  one generation, plus the whole generation (the `ours` row itself when the overrides are the
+  same). Every size must be below `generate.num_samples`: the driver checks every row's
+  config before it starts and names each row that fails.
 - epsilon: ours at teacher ε in `--epsilons` with `generate.num_samples=--epsilon-samples`:
   each ε trains its own teacher and generates its own data.
 
@@ -23,8 +25,10 @@ one experiment's rows. Each finished row is appended to `<run_root>/results.json
 restart skips the rows found there (same experiment, label and overrides, run directory
 still present) and the flow continues a killed row in its own run directory (finished
 stages cached, the teacher from its last checkpoint). At the end (or with `--report-only`,
-which runs nothing) `<run_root>/table.md`, `fig3_samples.png` and `fig_epsilon.png` are written.
-Pass the same flags and overrides to `--report-only` as to the run: rows match exactly.
+which runs nothing) `<run_root>/table.md`, `fig3_samples.png`, `fig_epsilon.png` and the
+table rows' `report.html` are written. Pass the same flags and overrides to `--report-only` as
+to the run: rows match exactly. A row that fails is named and the others go on; the exit
+status is then 1, and a restart retries it.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class Row:
     @property
     def slug(self) -> str:
         """The label as a run name part (run names allow [A-Za-z0-9._-])."""
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{self.experiment}-{self.label}").strip("-")
+        return re.sub(r"[^A-Za-z0-9.]+", "-", f"{self.experiment}-{self.label}").strip("-")
 
 
 def build_rows(only=EXPERIMENTS, fig3_sizes=(2500, 5000, 10000), epsilons=(1, 2, 4, 8), epsilon_samples=5000,
@@ -250,7 +254,7 @@ def write_plots(done: dict[tuple, dict], out_dir: Path) -> list[Path]:
             ax.axhline(ours["perplexity"]["dp_teacher"], color="tab:green", ls=":", label="DP teacher")
         ax.set(xscale="log", xlabel="synthetic train samples", ylabel="test perplexity",
                title="Student perplexity against synthetic data size")
-        written.append(_save(fig, ax, out_dir / "fig3_samples.png"))
+        written.append(_save(fig, ax, out_dir / "fig3_samples.png", [n for n, _ in points]))
     if points := epsilon_points(done):
         fig = Figure(figsize=(5.5, 4))
         ax = fig.subplots()
@@ -258,12 +262,14 @@ def write_plots(done: dict[tuple, dict], out_dir: Path) -> list[Path]:
         ax.plot(eps, [r["perplexity"]["student"] for _, r in points], "o-", label="ours (student)")
         ax.plot(eps, [r["perplexity"]["dp_teacher"] for _, r in points], "s--", label="DP teacher")
         ax.set(xscale="log", xlabel="teacher ε", ylabel="test perplexity", title="Perplexity against ε")
-        ax.set_xticks(eps, [f"{e:g}" for e in eps])
-        written.append(_save(fig, ax, out_dir / "fig_epsilon.png"))
+        written.append(_save(fig, ax, out_dir / "fig_epsilon.png", eps))
     return written
 
 
-def _save(fig, ax, path: Path) -> Path:
+def _save(fig, ax, path: Path, ticks: list[float]) -> Path:
+    # The measured x values as plain tick labels: a log axis labels 2×10^1 otherwise.
+    ax.set_xticks(ticks, [f"{x:,g}" for x in ticks])
+    ax.set_xticks([], minor=True)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
