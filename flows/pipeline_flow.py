@@ -153,7 +153,17 @@ def teacher_task(
                      epsilon=epsilon)
 
 
-@stage_task("dp-student", lambda cfg: {"teacher": cfg.teacher, "distill": cfg.distill, **_precision(cfg)})
+def _distill_key(cfg: PipelineConfig, *, reads_synthetic: bool = True) -> dict:
+    """The distill section as a key. `num_synthetic` counts only where synthetic data is read,
+    and only when set: results cached before the setting existed stay hits, and one generation
+    serves every size (its key never holds the distill section)."""
+    if reads_synthetic and cfg.distill.num_synthetic is not None:
+        return cfg.distill.model_dump(mode="json")
+    return cfg.distill.model_dump(mode="json", exclude={"num_synthetic"})
+
+
+@stage_task("dp-student", lambda cfg: {"teacher": cfg.teacher, "distill": _distill_key(cfg, reads_synthetic=False),
+                                       **_precision(cfg)})
 def dp_student_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, teacher: TeacherResult | None,
     epsilon: float, run_dir: Path,
@@ -187,7 +197,7 @@ def generation_task(
         )
 
 
-@stage_task("distillation", lambda cfg: {"distill": cfg.distill, **_precision(cfg)})
+@stage_task("distillation", lambda cfg: {"distill": _distill_key(cfg), **_precision(cfg)})
 def distillation_task(
     cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, run_dir: Path
 ) -> DistillResult:
@@ -601,6 +611,9 @@ def _run_stages(
                "cached": sorted(name for name, s in stage.stages.items() if s.get("status") == "cached")}
     if teacher is not None:
         metrics["teacher_validation_loss"] = teacher.validation_loss
+    if isinstance(student, DistillResult):  # how many synthetic samples the student saw (Figure 3's x)
+        metrics["distillation"] = {"train_samples": student.train_samples,
+                                   "available_samples": student.available_samples}
     if synthetic is not None:
         metrics["generation"] = {
             "path": str(synthetic.path),

@@ -383,6 +383,14 @@ class DistillConfig(_Section):
         "per token are computed once, cached as Parquet next to the synthetic data and reused by "
         "every student; the KL renormalises over those k tokens (k = vocabulary size: exact).",
     )
+    num_synthetic: int | None = Field(
+        None,
+        ge=1,
+        description="Train the student on only the first N synthetic train samples, in the shards' "
+        "order (None: all): one generation serves several students, e.g. the paper's Figure 3 "
+        "(perplexity against the number of synthetic samples). 'distil' and 'dp_syn' only; dp_sgd "
+        "and dpkd train on the private data and ignore it.",
+    )
 
     @model_validator(mode="after")
     def _top_k_without_hidden_mse(self) -> "DistillConfig":
@@ -466,6 +474,15 @@ class PipelineConfig(_Section):
                 f"teacher.ddp_backend={self.teacher.ddp_backend} with device={self.device}: gloo ranks run on the "
                 "CPU and nccl ranks on one GPU each; set teacher.ddp_backend=nccl with a CUDA device, or "
                 "teacher.ddp_backend=gloo with device=cpu (device=auto follows the backend)"
+            )
+        n_synthetic, n_generated = self.distill.num_synthetic, self.generate.num_samples
+        if n_synthetic is not None and n_synthetic > n_generated and self.distill.method in ("distil", "dp_syn"):
+            # Caught here, before the teacher trains; the distillation stage checks the exact
+            # count of train samples (fewer: validation split, dropped empty samples).
+            problems.append(
+                f"distill.num_synthetic={n_synthetic} asks for more synthetic samples than "
+                f"generate.num_samples={n_generated} makes; lower distill.num_synthetic or raise "
+                "generate.num_samples"
             )
         codes = self.control_codes
         if codes.mechanism is None and self.distill.method in ("distil", "dp_syn"):

@@ -53,6 +53,10 @@ class DistillResult:
     seconds: float
     teacher_cache: Path | None = None
     """The top-k teacher logit cache used (None: logits on the fly)."""
+    train_samples: int | None = None
+    """Synthetic train samples the student trained on (`num_synthetic`, or all of them)."""
+    available_samples: int | None = None
+    """Synthetic train samples the generation holds."""
 
 
 def _n_positions(model) -> int:
@@ -120,6 +124,20 @@ def distill(
     val_table = synthetic_ids(synthetic_path, "validation", scratch / "validation.arrow").data.table
     if train_table.num_rows == 0:
         raise DistillError(f"synthetic data {str(synthetic_path)!r} has no train samples; generate samples first")
+    available = train_table.num_rows
+    if cfg.num_synthetic is not None:
+        if cfg.num_synthetic > available:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise DistillError(
+                f"distill.num_synthetic={cfg.num_synthetic} exceeds the {available} synthetic train samples in "
+                f"{str(synthetic_path)!r} (generation keeps fewer than generate.num_samples: the validation "
+                f"split and empty samples); set distill.num_synthetic to at most {available} or raise "
+                "generate.num_samples"
+            )
+        # The first n in the shards' order (sample_id order): each size is a prefix of the next.
+        train_table = train_table.slice(0, cfg.num_synthetic)
+    log.info("distillation: training on %d of the %d synthetic train samples%s", train_table.num_rows, available,
+             "" if cfg.num_synthetic is None else " (distill.num_synthetic)")
     data = TokenIds(train_table["token_ids"], max_len, student_tok.pad_token_id)
     prompt_lengths = torch.from_numpy(train_table["n_prompt_tokens"].to_numpy().astype("int64"))  # (N,)
     validation = TokenIds(val_table["token_ids"], max_len, student_tok.pad_token_id)
@@ -247,7 +265,9 @@ def distill(
                "best_validation_loss": best if evals else None, "teacher_top_k": cfg.teacher_top_k,
                "teacher_cache": str(cache.path) if cache else None,
                "teacher_cache_fingerprint": cache.fingerprint if cache else None,
-               "teacher_cache_reused": cache.reused if cache else None},
+               "teacher_cache_reused": cache.reused if cache else None,
+               "train_samples": len(data), "available_samples": available},
     )
     return DistillResult(checkpoint=ckpt, train_loss=[h["loss"] for h in history], seconds=seconds,
-                         teacher_cache=cache.path if cache else None)
+                         teacher_cache=cache.path if cache else None, train_samples=len(data),
+                         available_samples=available)

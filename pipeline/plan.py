@@ -210,6 +210,8 @@ def estimate_seconds(cfg: PipelineConfig, plan: Plan) -> dict[str, tuple[float |
                              f"{batches} batches of {g.batch_size} × {new_tokens} new tokens at {per_token:.3g} s "
                              "per token (no sample stopping early), one worker")
         n_synthetic = g.num_samples - round(g.num_samples * g.validation_fraction)
+        if d.num_synthetic is not None:
+            n_synthetic = min(n_synthetic, d.num_synthetic)
         steps = d.epochs * math.ceil(n_synthetic / d.batch_size)
         step = _train_step(student, d.batch_size, g.max_length)
         uses_teacher = method == "distil" and (d.alpha > 0 or d.beta > 0)

@@ -193,3 +193,72 @@ def test_no_synthetic_validation_samples_is_said(tiny_model_dir, tmp_path, caplo
                 out_dir=tmp_path / "student", seed=0)
     assert any("no validation samples" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "student" / "model" / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_model_dir, tmp_path_factory):
+    """30 synthetic samples in 3 shards of 10 (2 validation samples each): 24 train samples."""
+    out = tmp_path_factory.mktemp("sharded")
+    codes = out / "codes.json"
+    codes.write_text(json.dumps({"counts": {"Category: A": 1, "Category: B": 1}}))
+    cfg = GenerateConfig(num_samples=30, batch_size=10, max_length=20, validation_fraction=0.2, shard_size=10)
+    return generate_synthetic(cfg, teacher_dir=tiny_model_dir, control_codes_path=codes, ledger=[],
+                              out_dir=out / "synthetic", seed=0)
+
+
+def test_num_synthetic_trains_on_the_first_n_train_samples(sharded, tiny_model_dir, tmp_path, caplog):
+    """distill.num_synthetic=n: n samples train (the manifest and the result say so, and the log);
+    the first n are those of the shards' order, so each size is a prefix of the larger ones."""
+    from pipeline.generate import read_synthetic, synthetic_ids
+
+    available = sharded.n_samples - sharded.n_validation
+    assert len(sharded.shards) == 3 and available > 10
+    ids = synthetic_ids(sharded.path, "train", tmp_path / "ids.arrow")["sample_id"]
+    assert ids == read_synthetic(sharded.path, "train")["sample_id"].to_pylist() == sorted(ids)
+
+    cfg = DistillConfig(epochs=1, batch_size=4, num_synthetic=10, eval_every=100, log_every=100)
+    with caplog.at_level("INFO", logger="pipeline.distill"):
+        result = distill(cfg, synthetic_path=sharded.path, teacher_dir=tiny_model_dir,
+                         student_model=str(tiny_model_dir), out_dir=tmp_path / "student", seed=0)
+    manifest = json.loads((tmp_path / "student" / "manifest.json").read_text())
+    assert (manifest["train_samples"], manifest["available_samples"]) == (10, available)
+    assert (result.train_samples, manifest["steps"]) == (10, 3)  # ceil(10 / 4) steps in one epoch
+    assert any(f"training on 10 of the {available} synthetic train samples" in r.getMessage() for r in caplog.records)
+
+
+def test_num_synthetic_beyond_the_generation_is_one_clear_error(sharded, tiny_model_dir, tmp_path):
+    """More samples than were generated: refused by the config before anything runs, and, where
+    only the stage knows the exact count (validation split, dropped samples), before training."""
+    from conftest import tiny_pipeline_dict
+    from pipeline.config import ConfigError, config_from_dict
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["distill"]["num_synthetic"] = 25  # generate.num_samples is 24
+    with pytest.raises(ConfigError, match=r"distill.num_synthetic=25 .* generate.num_samples=24"):
+        config_from_dict(tree)
+
+    available = sharded.n_samples - sharded.n_validation
+    cfg = DistillConfig(epochs=1, batch_size=4, num_synthetic=available + 1)
+    with pytest.raises(DistillError, match=rf"num_synthetic={available + 1} exceeds the {available} synthetic "
+                                           rf"train samples .* at most {available}"):
+        distill(cfg, synthetic_path=sharded.path, teacher_dir=tiny_model_dir, student_model=str(tiny_model_dir),
+                out_dir=tmp_path / "student", seed=0)
+    assert not (tmp_path / "student" / "training_log.json").exists()
+
+
+def test_num_synthetic_changes_only_the_distillation_key(tiny_config):
+    """Every size reuses one teacher and one generation; only the student is new. Unset, the
+    keys are those from before the setting existed (earlier cached students stay hits)."""
+    from flows.pipeline_flow import dp_student_task, distillation_task, generation_task
+
+    def keys(cfg):
+        inputs = {"cfg": cfg, "synthetic": None, "teacher": None, "codes": None, "ledger": [], "base": None,
+                  "data": None, "epsilon": 1.0, "run_dir": "x"}
+        return {t.name: t.cache_policy.compute_key(None, inputs, {})
+                for t in (generation_task, distillation_task, dp_student_task)}
+
+    small = tiny_config.model_copy(update={"distill": tiny_config.distill.model_copy(update={"num_synthetic": 8})})
+    before, after = keys(tiny_config), keys(small)
+    assert before["generation"] == after["generation"] and before["dp-student"] == after["dp-student"]
+    assert before["distillation"] != after["distillation"]
+    assert "num_synthetic" not in distillation_task.cache_policy.config_of(tiny_config)["distill"]
