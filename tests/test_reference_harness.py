@@ -48,9 +48,14 @@ def test_rows_cover_the_three_experiments_and_overrides_compose():
     by = {(r.experiment, r.label): r for r in rows}
     # global overrides first, the experiment's next, the row's own last (they win)
     assert by["fig3", "n=2500"].overrides == ("seed=1", "distill.epochs=3", "distill.method=distil",
-                                               "distill.num_synthetic=2500")
+                                               "evaluate.adherence_samples=500", "distill.num_synthetic=2500",
+                                               "evaluate.adherence_samples=0")
     assert by["epsilon", "ε=4"].overrides[-2:] == ("teacher.target_epsilon=4", "generate.num_samples=4000")
-    assert by["table", "ours+MSE"].overrides == ("seed=1", "distill.method=distil", "distill.beta=1.0")
+    assert by["table", "ours+MSE"].overrides == ("seed=1", "distill.method=distil", "evaluate.adherence_samples=500",
+                                                 "distill.beta=1.0", "evaluate.adherence_samples=0")
+    assert by["table", "DPKD"].overrides[-1] == "teacher.target_epsilon=2.9"  # its composed total: the others'
+    plain = {(r.experiment, r.label): r for r in build_rows()}
+    assert plain["fig3", FULL].overrides == plain["table", "ours"].overrides  # the same run: reused
     assert [r.experiment for r in build_rows(only=["epsilon"])] == ["epsilon"] * 4
     assert all(r.slug.replace("-", "").replace(".", "").isalnum() for r in rows)  # a valid run name part
 
