@@ -49,9 +49,16 @@ def test_a_corpus_directory_holds_out_whole_documents(tmp_path):
     assert models.held_out_documents([corpus / "doc0.txt", corpus / "doc1.txt"], 5) == [corpus / "doc1.txt"]
 
 
-def test_build_records_tokens_and_validation_perplexity_and_exports_fp16(tmp_path):
-    cfg = BaseModelsConfig(corpus=_novels(tmp_path), validation_documents=1, cache_dir=tmp_path / "cache", **TINY)
-    base = build_base_models(cfg)
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One tiny pair built from a corpus directory (one document held out), for the tests below."""
+    tmp = tmp_path_factory.mktemp("built")
+    return build_base_models(BaseModelsConfig(corpus=_novels(tmp), validation_documents=1,
+                                              cache_dir=tmp / "cache", **TINY))
+
+
+def test_build_records_tokens_and_validation_perplexity_and_exports_fp16(built, tmp_path):
+    base = built
     info = json.loads((Path(base.teacher).parent / MANIFEST).read_text())
     teacher = info["models"]["teacher"]
     assert teacher["tokens_seen"] == 4 * 4 * 32
@@ -68,9 +75,8 @@ def test_build_records_tokens_and_validation_perplexity_and_exports_fp16(tmp_pat
     assert json.loads((out / "build.json").read_text())["models"]["student"]["tokens_seen"] == 4 * 4 * 32
 
 
-def test_no_corpus_installs_the_shipped_pair_into_the_cache(tmp_path, monkeypatch):
-    cfg = BaseModelsConfig(corpus=_novels(tmp_path), validation_documents=1, cache_dir=tmp_path / "c1", **TINY)
-    shipped = export_base_models(build_base_models(cfg), tmp_path / "shipped")
+def test_no_corpus_installs_the_shipped_pair_into_the_cache(built, tmp_path, monkeypatch):
+    shipped = export_base_models(built, tmp_path / "shipped")
     monkeypatch.setattr(models, "SHIPPED", shipped)
     base = build_base_models(BaseModelsConfig(cache_dir=tmp_path / "c2"))
     assert Path(base.teacher).parent.name.startswith("shipped-")
