@@ -153,7 +153,7 @@ def result_of(row: Row, run_dir: Path, seconds: float) -> dict:
         "experiment": row.experiment, "label": row.label, "overrides": list(row.overrides),
         "run_dir": str(run_dir), "seconds": round(seconds, 1), "method": metrics["method"],
         "perplexity": {"student": ppl[f"student_{metrics['method']}"], "base_student": ppl.get("base_student"),
-                       "dp_teacher": ppl.get("dp_teacher")},
+                       "dp_teacher": ppl.get("dp_teacher"), "base_teacher": ppl.get("base_teacher")},
         "epsilon": ledger.total.epsilon, "delta": ledger.total.delta, "complete": ledger.total.complete,
         "teacher_epsilon": teacher.epsilon if teacher else None,
         "train_samples": metrics.get("distillation", {}).get("train_samples"),
@@ -201,6 +201,9 @@ def table2(done: dict[tuple, dict]) -> str:
     ratio = f"{student / teacher:.2f}" if student and teacher else DASH
     lines += ["", f"Student / teacher perplexity (ours / DP teacher): {ratio} "
                   f"(paper: {PAPER['ours']} / {PAPER['DP teacher']} = {PAPER['ours'] / PAPER['DP teacher']:.2f})"]
+    if ours and ours["perplexity"].get("base_teacher"):  # the gap distillation has to work with
+        lines.append(f"Zero-shot perplexity of the base teacher: {ours['perplexity']['base_teacher']:.1f} "
+                     f"(base student: {_num(ours['perplexity']['base_student'])})")
     return "\n".join(lines)
 
 
