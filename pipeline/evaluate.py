@@ -233,6 +233,10 @@ def evaluate_models(
     result = {"window": cfg.window, "test_records": len(texts), "perplexity": metrics}
     if adherence is not None:
         result["code_adherence"] = adherence
+    if diagnostics := diagnose(result):
+        result["diagnostics"] = diagnostics
+        for line in diagnostics:
+            log.warning("evaluation: %s", line)
     if synthetic_path is not None:
         # Synthetic samples are capped at generate.max_length tokens (prompt included); real
         # reviews are not: read the lengths with that cap in mind.
@@ -247,6 +251,40 @@ def evaluate_models(
     write_manifest(out_dir, stage="evaluation", inputs={"test": Path(test_path)},
                    outputs={"metrics": Path(out_dir) / METRICS})
     return result
+
+
+ADHERENCE_FLOOR = 1.5  # overall adherence below this multiple of chance: the codes are barely followed
+
+
+def diagnose(result: dict) -> list[str]:
+    """Plain-language warnings about a finished evaluation: a model that came out no better
+    than what it started from, or synthetic text that ignores its control codes; each says
+    what to try. From the published aggregates only (perplexities, code adherence)."""
+    ppl = {name: m["windowed"] for name, m in result["perplexity"].items()}
+    out = []
+    base_t, dp_t = ppl.get("base_teacher"), ppl.get("dp_teacher")
+    if base_t is not None and dp_t is not None and dp_t >= base_t:
+        out.append(f"the DP teacher ({dp_t:.1f}) is no better than its base model ({base_t:.1f}) on the test "
+                   "split: DP fine-tuning learned nothing of the private data. Try more steps (teacher.epochs, "
+                   "teacher.batch_size), a larger teacher.learning_rate, or a larger ε.")
+    base_s = ppl.get("base_student")
+    for name, value in ppl.items():
+        if name.startswith("student_") and base_s is not None and value >= base_s:
+            out.append(f"the {name[len('student_'):]} student ({value:.1f}) is no better than its base model "
+                       f"({base_s:.1f}) on the test split: the synthetic text does not carry what the test data "
+                       "needs. Check the code adherence and the DP teacher's perplexity; try more synthetic samples "
+                       "(generate.num_samples), a teacher pretrained closer to your domain (base_models.corpus, "
+                       "or a real checkpoint as teacher.model), or a larger ε.")
+    adherence = result.get("code_adherence") or {}
+    scored = [col for col in adherence.get("columns", {}).values() if col.get("n")]
+    if scored and adherence.get("overall") is not None:
+        chance = sum(col["chance"] for col in scored) / len(scored)
+        if adherence["overall"] < ADHERENCE_FLOOR * chance:
+            out.append(f"the synthetic text barely follows its control codes (code adherence {adherence['overall']:.2f} "
+                       f"against {chance:.2f} by chance): the teacher writes text that ignores its topic, so the "
+                       "student learns little of the codes. A stronger or closer-to-domain teacher, more teacher "
+                       "steps or a larger ε help.")
+    return out
 
 
 def _adherence(model, tok, synthetic_path: Path, code_values: dict[str, dict[str, str]], cfg: EvalConfig,

@@ -252,7 +252,8 @@ def _perplexity(metrics: dict | None) -> str:
     ax.tick_params(axis="x", labelrotation=15)
     keys = ["windowed", "per_record_mean", "per_record_median", "tokens", "records"]
     rows = [[n] + [ppl[n].get(k) for k in keys] for n in names]
-    return _svg(fig, "perplexity") + _table(["model"] + keys, rows)
+    warnings = "".join(_note("Warning: " + line, "warn") for line in metrics.get("diagnostics", []))
+    return warnings + _svg(fig, "perplexity") + _table(["model"] + keys, rows)
 
 
 def _code_adherence(metrics: dict | None) -> str:
