@@ -158,6 +158,8 @@ def result_of(row: Row, run_dir: Path, seconds: float) -> dict:
         "teacher_epsilon": teacher.epsilon if teacher else None,
         "train_samples": metrics.get("distillation", {}).get("train_samples"),
         "code_adherence": (metrics.get("code_adherence") or {}).get("overall"),
+        "code_adherence_columns": {c: col["share"] for c, col in
+                                   ((metrics.get("code_adherence") or {}).get("columns") or {}).items()},
         "stages": {name: s.get("status") for name, s in stages.items()},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -231,11 +233,11 @@ def fig3_table(done: dict[tuple, dict]) -> str:
 
 
 def epsilon_table(done: dict[tuple, dict]) -> str:
-    lines = ["| teacher ε (target) | student perplexity | DP teacher perplexity | ε (ledger total) | wall time (s) |",
-             "|---:|---:|---:|---:|---:|"]
+    lines = ["| teacher ε (target) | student perplexity | DP teacher perplexity | ε (ledger total) | code adherence "
+             "| wall time (s) |", "|---:|---:|---:|---:|---:|---:|"]
     for eps, r in epsilon_points(done):
         lines.append(f"| {eps:g} | {_num(r['perplexity']['student'])} | {_num(r['perplexity']['dp_teacher'])} | "
-                     f"{_num(r['epsilon'], '.3f')} | {_num(r['seconds'], '.0f')} |")
+                     f"{_num(r['epsilon'], '.3f')} | {_num(r.get('code_adherence'), '.3f')} | {_num(r['seconds'], '.0f')} |")
     return "\n".join(lines)
 
 
