@@ -84,7 +84,7 @@ def test_served_cron_deployment_runs_the_pipeline(tmp_path):
             except httpx.TransportError:
                 return False
 
-        _wait_for("healthy server", healthy, 120, [server_log], procs)
+        _wait_for("healthy server", healthy, 300, [server_log], procs)  # slow starts under load
         with serve_log.open("w") as out:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "flows.cli", "serve", "--config", str(config), "--cron", "* * * * *"],
