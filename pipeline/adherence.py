@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.batching import IGNORE
+from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
 from pipeline.data import CODE_JOINER, prompt_for, read_control_codes
 from pipeline.generate import synthetic_head
@@ -107,22 +107,17 @@ def summarize(outcomes: list[SampleOutcome], values: dict[str, list[str]], skipp
 
 @torch.inference_mode()
 def _continuation_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: int) -> list[float]:
-    """log p(ids[start:] | ids[:start]) of each (ids, start), in one right-padded batch.
+    """log p(ids[start:] | ids[:start]) of each (ids, start), in one right-padded batch
+    (`lm_batch`, as every stage builds its LM inputs), the prompt's targets ignored.
     Logits are upcast to fp32 before the log-softmax (bf16 weights)."""
     device = next(model.parameters()).device
-    L = max(len(ids) for ids, _ in sequences)
-    ids = torch.full((len(sequences), L), pad_id, dtype=torch.long)
-    lengths = torch.tensor([len(s) for s, _ in sequences])
+    rows = TokenizedRecords([ids for ids, _ in sequences], pad_id, max(len(ids) for ids, _ in sequences))
+    batch = lm_batch(rows.ids, rows.lengths)
     starts = torch.tensor([start for _, start in sequences])
-    for i, (s, _) in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s)
-    positions = torch.arange(L).unsqueeze(0)  # (1, L)
-    mask = positions < lengths.unsqueeze(1)  # (B, L)
-    # Position t+1 is a continuation token when start <= t+1 < length: only those are scored.
-    scored = (positions[:, 1:] >= starts.unsqueeze(1)) & mask[:, 1:]  # (B, L-1)
-    labels = ids[:, 1:].masked_fill(~scored, IGNORE).to(device)  # (B, L-1)
-    logits = model(input_ids=ids.to(device), attention_mask=mask.long().to(device),
-                   position_ids=positions.expand(len(sequences), L).to(device)).logits[:, :-1].float()  # (B, L-1, V)
+    # Label t predicts token t+1: only continuation tokens (t+1 >= start) are scored.
+    in_prompt = torch.arange(1, rows.ids.shape[1]).unsqueeze(0) < starts.unsqueeze(1)  # (B, L-1)
+    labels = batch.pop("labels").masked_fill(in_prompt, IGNORE).to(device)  # (B, L-1)
+    logits = model(**{k: v.to(device) for k, v in batch.items()}).logits[:, :-1].float()  # (B, L-1, V)
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                             ignore_index=IGNORE, reduction="none").view(labels.shape)  # (B, L-1)
     return (-nll.sum(dim=1)).tolist()
