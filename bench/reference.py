@@ -13,11 +13,11 @@ synthetic shards, and only their students train.
 Experiments (`--only table,fig3,epsilon`, default all):
 - table: zero-shot, DP-SGD, DPKD, DP-Syn, ours, ours+MSE and the DP teacher (zero-shot and
   the DP teacher are read from the `ours` run's metrics).
-- fig3: ours on the first n synthetic samples (`distill.num_synthetic`, `--fig3-sizes`) of
-  one generation, plus the whole generation (the `ours` row itself when the overrides are the
+- fig3: ours on the first n synthetic samples (`distill.num_synthetic`, `--fig3-sizes`,
+  default 1,000, 2,500 and 5,000) of one generation, plus the whole generation (the `ours` row itself when the overrides are the
   same). Every size must be below `generate.num_samples`: the driver checks every row's
   config before it starts and names each row that fails.
-- epsilon: ours at teacher ε in `--epsilons` with `generate.num_samples=--epsilon-samples`:
+- epsilon: ours at teacher ε in `--epsilons` with `generate.num_samples=--epsilon-samples` (2,500):
   each ε trains its own teacher and generates its own data.
 
 `key=value` arguments override the config for every row; `--set EXPERIMENT key=value` for
@@ -83,7 +83,7 @@ class Row:
         return re.sub(r"[^A-Za-z0-9.]+", "-", f"{self.experiment}-{self.label}").strip("-")
 
 
-def build_rows(only=EXPERIMENTS, fig3_sizes=(2500, 5000, 10000), epsilons=(1, 2, 4, 8), epsilon_samples=5000,
+def build_rows(only=EXPERIMENTS, fig3_sizes=(1000, 2500, 5000), epsilons=(1, 2, 4, 8), epsilon_samples=2500,
                extra=(), per_experiment=None) -> list[Row]:
     """The rows to run, in order. `extra`: overrides of every row; `per_experiment`: of one's rows."""
     per = per_experiment or {}
@@ -375,9 +375,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", default="configs/reference.yaml")
     p.add_argument("--only", default=",".join(EXPERIMENTS), help="experiments to run: table,fig3,epsilon")
     p.add_argument("--rows", default=None, help="run only the rows with these labels, e.g. DP-SGD,ours")
-    p.add_argument("--fig3-sizes", type=_numbers(int), default=[2500, 5000, 10000], help="distill.num_synthetic of the fig3 rows")
+    p.add_argument("--fig3-sizes", type=_numbers(int), default=[1000, 2500, 5000], help="distill.num_synthetic of the fig3 rows")
     p.add_argument("--epsilons", type=_numbers(float), default=[1.0, 2.0, 4.0, 8.0], help="teacher.target_epsilon of the epsilon rows")
-    p.add_argument("--epsilon-samples", type=int, default=5000, help="generate.num_samples of the epsilon rows")
+    p.add_argument("--epsilon-samples", type=int, default=2500, help="generate.num_samples of the epsilon rows")
     p.add_argument("--set", nargs=2, action="append", default=[], metavar=("EXPERIMENT", "KEY=VALUE"),
                    help="an override of one experiment's rows (repeatable)")
     p.add_argument("--report-only", action="store_true", help="write the report from results.jsonl, run nothing")

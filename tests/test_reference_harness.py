@@ -42,13 +42,13 @@ def test_rows_cover_the_three_experiments_and_overrides_compose():
     rows = build_rows(extra=["seed=1"], per_experiment={"fig3": ["distill.epochs=3"]}, epsilon_samples=4000)
     labels = {(r.experiment, r.label) for r in rows}
     assert {("table", x) for x in ("ours", "DP-Syn", "ours+MSE", "DP-SGD", "DPKD")} <= labels
-    assert [r.label for r in rows if r.experiment == "fig3"] == [FULL, "n=2500", "n=5000", "n=10000"]
+    assert [r.label for r in rows if r.experiment == "fig3"] == [FULL, "n=1000", "n=2500", "n=5000"]
     assert [r.label for r in rows if r.experiment == "epsilon"] == ["ε=1", "ε=2", "ε=4", "ε=8"]
     assert rows[0].label == "ours"  # first: the other synthetic rows find its teacher and data cached
     by = {(r.experiment, r.label): r for r in rows}
     # global overrides first, the experiment's next, the row's own last (they win)
-    assert by["fig3", "n=2500"].overrides == ("seed=1", "distill.epochs=3", "distill.method=distil",
-                                               "evaluate.adherence_samples=500", "distill.num_synthetic=2500",
+    assert by["fig3", "n=1000"].overrides == ("seed=1", "distill.epochs=3", "distill.method=distil",
+                                               "evaluate.adherence_samples=500", "distill.num_synthetic=1000",
                                                "evaluate.adherence_samples=0")
     assert by["epsilon", "ε=4"].overrides[-2:] == ("teacher.target_epsilon=4", "generate.num_samples=4000")
     assert by["table", "ours+MSE"].overrides == ("seed=1", "distill.method=distil", "evaluate.adherence_samples=500",
@@ -110,7 +110,7 @@ def test_report_of_a_partial_experiment_marks_what_is_missing(tmp_path):
 
 
 def test_fig3_and_epsilon_tables_and_plots(everything, tmp_path):
-    assert [n for n, _ in fig3_points(everything)] == [2500, 5000, 10000, 19_800]  # the full generation last
+    assert [n for n, _ in fig3_points(everything)] == [1000, 2500, 5000, 19_800]  # the full generation last
     assert [e for e, _ in epsilon_points(everything)] == [1, 2, 4, 8]
     report = format_report(everything)
     assert "| 19,800 (all) |" in report and "| 8 |" in report
