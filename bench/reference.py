@@ -14,9 +14,10 @@ Experiments (`--only table,fig3,epsilon`, default all):
 - table: zero-shot, DP-SGD, DPKD, DP-Syn, ours, ours+MSE and the DP teacher (zero-shot and
   the DP teacher are read from the `ours` run's metrics).
 - fig3: ours on the first n synthetic samples (`distill.num_synthetic`, `--fig3-sizes`,
-  default 1,000, 2,500 and 5,000) of one generation, plus the whole generation (the `ours` row itself when the overrides are the
-  same). Every size must be below `generate.num_samples`: the driver checks every row's
-  config before it starts and names each row that fails.
+  default 1,000, 2,500 and 5,000) of one generation, plus the whole generation (the `ours`
+  row itself when the overrides are the same). Every size must be below
+  `generate.num_samples`: the driver checks every row's config before it starts and names
+  each row that fails.
 - epsilon: ours at teacher ε in `--epsilons` with `generate.num_samples=--epsilon-samples` (2,500):
   each ε trains its own teacher and generates its own data.
 
