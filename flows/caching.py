@@ -48,6 +48,7 @@ RESULTS_DIR = Path(".cache") / "prefect-results"
 # existence, with no expiry unless a hold timeout is set (the task engine sets none), so a
 # run killed mid-stage would leave every later run waiting forever; flock dies with it.
 CACHE_LOCKS = Path(".cache") / "locks"
+PERPLEXITY_DIR = Path(".cache") / "perplexity"  # models' test perplexities (pipeline/evaluate.py)
 
 try:
     VERSION = version("dpdistill")

@@ -29,7 +29,7 @@ from prefect.runtime import flow_run
 from prefect.utilities.callables import get_call_parameters
 
 from flows.artifacts import publish_ledger, publish_metrics, publish_report, publish_synthetic_sample
-from flows.caching import CACHE_LOCKS, RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
+from flows.caching import CACHE_LOCKS, PERPLEXITY_DIR, RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
 from flows.generation import generate_with_workers
 from flows.progress import StageProgress
 from flows.run_info import (  # noqa: F401 (RunDirError re-exported)
@@ -245,6 +245,7 @@ def evaluation_task(
         cfg.evaluate, models=models, test_path=data.test, out_dir=out_dir, seed=cfg.seed,
         synthetic_path=synthetic.path if synthetic else None, progress_every=cfg.progress_seconds,
         runtime=Runtime.from_config(cfg), code_values=code_values, adherence_model="dp_teacher",
+        cache_dir=Path(cfg.run_root).resolve() / PERPLEXITY_DIR,  # the base models score once per run root
     )
     return {**metrics, "evaluation_dir": str(out_dir)}
 

@@ -10,11 +10,17 @@ Two figures per model:
 With the synthetic data and its code values, the DP teacher also scores whether the synthetic
 text follows its control code (pipeline/adherence.py), while it is loaded for its perplexity.
 
+With a `cache_dir`, a model's perplexity is computed once per (its files, the test split's
+file, window, batch size, device type, precision): the base models and the DP teacher,
+scored again by every run that shares them, are then read back (`PERPLEXITY_CACHE`).
+
 Only aggregates leave this stage: no text, no per-record value.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import time
@@ -32,7 +38,7 @@ from pipeline.config import EvalConfig
 from pipeline.data import encode_record, read_split
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.generate import synthetic_texts
-from pipeline.manifest import atomic_write_json, write_manifest
+from pipeline.manifest import atomic_write_json, hash_paths, private_dir, write_manifest
 from pipeline.models import load_causal_lm, load_tokenizer, same_tokenizer
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 from pipeline.tokenized import ListIds, TokenIds, token_column, tokenized_split
@@ -40,6 +46,7 @@ from pipeline.tokenized import ListIds, TokenIds, token_column, tokenized_split
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.json"
+PERPLEXITY_CACHE = 1  # the format of a cached perplexity; a change to how it is computed bumps it
 
 
 TEXT_PROPERTIES_SAMPLE = 5_000  # texts per side for distinct-n and lengths: a sample, not the corpus
@@ -170,6 +177,22 @@ def text_properties(tokenizer, texts: list[str]) -> dict:
             "tokens": _length_summary([len(x) for x in ids]), "texts": len(ids)}
 
 
+def _perplexity_key(model_path: str, test_path: Path, cfg: EvalConfig, runtime: Runtime) -> str:
+    """The files that decide a model's perplexity (weights, config, tokenizer; the test split)
+    and the settings, by content: a retrained model or another split never matches."""
+    files = {name: item["sha256"] for name, item in hash_paths({"model": Path(model_path), "test": Path(test_path)}).items()}
+    parts = {"files": files, "window": cfg.window, "batch_size": cfg.batch_size, "device": runtime.device.type,
+             "precision": runtime.precision, "format": PERPLEXITY_CACHE}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _cached_perplexity(path: Path) -> Perplexity | None:
+    try:
+        return Perplexity(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):  # absent, cut short or of another shape: compute it
+        return None
+
+
 def evaluate_models(
     cfg: EvalConfig,
     *,
@@ -182,6 +205,7 @@ def evaluate_models(
     runtime: Runtime = CPU_FP32,
     code_values: dict[str, dict[str, str]] | None = None,
     adherence_model: str = "dp_teacher",
+    cache_dir: Path | None = None,
 ) -> dict:
     """Perplexity of each named model on the test split; writes `out_dir/metrics.json`.
 
@@ -192,6 +216,7 @@ def evaluate_models(
     Models are loaded in `runtime`'s precision, on its device. With `synthetic_path` and
     `code_values` (pipeline/adherence.py `declared_values`), the model named `adherence_model`
     also scores the code adherence of `cfg.adherence_samples` synthetic samples (`code_adherence`).
+    With `cache_dir`, perplexities are read from and written to it (module docstring).
     """
     runtime.apply_threads()
     torch.manual_seed(seed)
@@ -203,7 +228,11 @@ def evaluate_models(
     metrics: dict[str, dict] = {}
     lines: ProgressLog | None = None
     started = time.monotonic()
-    for position, (name, path) in enumerate(models.items()):
+    cache = {name: Path(cache_dir) / f"{_perplexity_key(path, test_path, cfg, runtime)}.json"
+             for name, path in models.items()} if cache_dir is not None else {}
+    known = {name: ppl for name, f in cache.items() if (ppl := _cached_perplexity(f)) is not None}
+    to_score = [name for name in models if name not in known]
+    for name, path in models.items():
         tok = load_tokenizer(path)
         if reference is None:
             reference = tok
@@ -212,23 +241,31 @@ def evaluate_models(
                 f"model {name!r} ({path}) uses another tokenizer than {next(iter(models))!r}; "
                 "perplexities over different tokens cannot be compared: use one tokenizer family"
             )
-        model = load_causal_lm(path, dtype=runtime.dtype).to(runtime.device)
+        scores_adherence = name == adherence_model and synthetic_path is not None and code_values and cfg.adherence_samples
+        model = None
+        if name not in known or scores_adherence:
+            model = load_causal_lm(path, dtype=runtime.dtype).to(runtime.device)
+        if (ppl := known.get(name)) is None:
+            position = to_score.index(name)
 
-        def on_windows(done: int, total: int) -> None:
-            nonlocal lines
-            if lines is None:  # one tokenizer: every model scores the same windows
-                lines = ProgressLog(log, "evaluation", "windows", total * len(models), every=progress_every,
-                                    started=started)
-            lines.update(position * total + done, values={"model": name})
+            def on_windows(done: int, total: int) -> None:
+                nonlocal lines
+                if lines is None:  # one tokenizer: every model scores the same windows
+                    lines = ProgressLog(log, "evaluation", "windows", total * len(to_score), every=progress_every,
+                                        started=started)
+                lines.update(position * total + done, values={"model": name})
 
-        ids = token_column(tokenized_split(test_path, tok)).to_pylist()
-        ppl = perplexity(model, tok, codes, texts, cfg.window, cfg.batch_size, on_windows, token_ids=ids)
+            ids = token_column(tokenized_split(test_path, tok)).to_pylist()
+            ppl = perplexity(model, tok, codes, texts, cfg.window, cfg.batch_size, on_windows, token_ids=ids)
+            if name in cache:
+                atomic_write_json(private_dir(cache[name].parent) / cache[name].name, ppl.__dict__)
         metrics[name] = {"model": path, **ppl.__dict__}
         log.info(
-            "evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f",
+            "evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f%s",
             name, ppl.windowed, ppl.tokens, ppl.per_record_mean, ppl.per_record_median,
+            " (cached)" if name in known else "",
         )
-        if name == adherence_model and synthetic_path is not None and code_values and cfg.adherence_samples:
+        if scores_adherence:
             adherence = _adherence(model, tok, synthetic_path, code_values, cfg, progress_every)
     result = {"window": cfg.window, "test_records": len(texts), "perplexity": metrics}
     if adherence is not None:

@@ -7,15 +7,18 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from flows.generation import _read_shard_progress, generation_shard_task
 from pipeline.config import DistillConfig, EvalConfig, GenerateConfig, TeacherConfig
 from pipeline.distill import distill
 from pipeline.evaluate import evaluate_models
 from pipeline.generate import generate_synthetic, plan_generation
+from pipeline.models import load_causal_lm
 from pipeline.progress import ProgressLog, eta_seconds, format_duration, format_rate, progress_line
 from pipeline.teacher import train_teacher
 
@@ -172,3 +175,29 @@ def test_evaluation_counts_windows_over_all_models(splits, tiny_model_dir, tmp_p
     assert len(lines) >= 4 and [d for d, _ in counts] == sorted(d for d, _ in counts)
     assert counts[-1] == (total, total) and "model=a" in lines[0] and "model=b" in lines[-1]
     assert not re.search(r"token", " ".join(lines))
+
+
+def test_a_models_perplexity_is_read_from_the_cache_until_its_weights_change(splits, tiny_model_dir, tmp_path):
+    cfg, cache = EvalConfig(window=32, batch_size=4), tmp_path / "cache"
+
+    def run(models):
+        with captured("pipeline.evaluate") as messages:
+            result = evaluate_models(cfg, models=models, test_path=splits.test, out_dir=tmp_path, seed=0,
+                                     progress_every=0, cache_dir=cache)
+        return result["perplexity"], messages
+
+    first, _ = run({"a": str(tiny_model_dir)})
+    assert len(list(cache.glob("*.json"))) == 1 and oct(cache.stat().st_mode & 0o777) == "0o700"
+    # Another name, same files: read back, and only the other model's windows are counted.
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_model_dir, changed)
+    model = load_causal_lm(changed)
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(2.0)
+    model.save_pretrained(changed)
+    again, messages = run({"base": str(tiny_model_dir), "changed": str(changed)})
+    assert again["base"] == {**first["a"], "model": str(tiny_model_dir)}
+    assert any(m.startswith("evaluation: base perplexity") and m.endswith("(cached)") for m in messages)
+    assert not any(m.startswith("evaluation: changed perplexity") and m.endswith("(cached)") for m in messages)
+    assert again["changed"]["windowed"] != first["a"]["windowed"]  # new weights: computed, not read back
+    assert all("model=changed" in m for m in messages if "windows/s" in m)
