@@ -370,6 +370,21 @@ def run_rows(rows: list[Row], done: dict[tuple, dict], results_path: Path, confi
     return failed
 
 
+def _run_rows_stoppably(*args) -> list[str]:
+    """run_rows, stopped by Ctrl-C or `kill` as `dpdistill run` is (flows/interrupts.py): the row's
+    run directory marked interrupted and the temporary Prefect server stopped, not left running."""
+    from prefect.exceptions import TerminationSignal
+
+    from flows.interrupts import Interrupts
+
+    with Interrupts() as interrupts:
+        try:
+            return run_rows(*args)
+        except (KeyboardInterrupt, TerminationSignal) as e:
+            interrupts.finish(getattr(e, "signal", None))  # does not return
+            raise
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every row")
@@ -425,7 +440,7 @@ def main(argv: list[str]) -> int:
     command = " ".join(["bench/reference.py", *argv])
     t0 = time.monotonic()
     done = finished(rows, read_results(results_path))
-    failed = [] if args.report_only else run_rows(rows, done, results_path, args.config, base.name)
+    failed = [] if args.report_only else _run_rows_stoppably(rows, done, results_path, args.config, base.name)
     write_report({row.key: done[row.key] for row in rows if row.key in done}, run_root, command, docs=args.docs)
     seconds = time.monotonic() - t0
     print(f"total wall time {seconds:.0f} s ({seconds / 3600:.2f} h)", flush=True)
