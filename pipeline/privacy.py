@@ -20,9 +20,11 @@ Importing this module registers both (idempotent).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
+from opacus.accountants.analysis import rdp as _opacus_rdp
 from opacus.grad_sample.layer_norm import compute_layer_norm_grad_sample
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from opacus.grad_sample.utils import register_grad_sampler, register_norm_sampler
@@ -58,6 +60,14 @@ def compute_layer_norm_norm_sample(layer: torch.nn.LayerNorm, activations, backp
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 History = list[tuple[float, float, int]]
 
+
+# Opacus' RDP of one subsampled Gaussian step at one order, `_compute_rdp(q, σ, order)`, is a
+# pure function of its three numbers, and its accountants recompute it for each ε: the PRV
+# accountant bounds its domain with two RDP accountants (two full passes over ~150 orders,
+# 95% of a tiny teacher's time), and every step's ε recomputes it for the same (q, σ). Opacus'
+# own function, remembered: the same values, the second time without the series.
+if not hasattr(_opacus_rdp._compute_rdp, "cache_info"):  # once per process
+    _opacus_rdp._compute_rdp = functools.lru_cache(maxsize=1 << 16)(_opacus_rdp._compute_rdp)
 
 # σ found per (accountant, target ε, δ, q, steps) in this process: the plan and the teacher
 # stage calibrate the same noise, 13 s of PRV calls for a tiny config (a pure function of

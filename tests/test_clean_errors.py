@@ -24,11 +24,13 @@ def cli_env(tmp_path: Path) -> dict:
     return env | {"PREFECT_HOME": str(tmp_path / "prefect_home"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _run(tmp_path: Path, tree: dict) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _run(tmp_path: Path, tree: dict, api_url: str | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`dpdistill run` in a subprocess: its own temporary server, or the one at `api_url`."""
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(tree))
+    env = cli_env(tmp_path) | ({"PREFECT_API_URL": api_url} if api_url else {})
     p = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], cwd=ROOT,
-                       env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+                       env=env, capture_output=True, text=True, timeout=600)
     return p, [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
 
 
@@ -53,13 +55,13 @@ def test_a_bad_record_is_one_line_before_any_server_starts(tmp_path):
     assert not list(Path(tree["run_root"]).glob("tiny-*"))
 
 
-def test_a_stage_error_in_the_flow_is_one_last_line(tmp_path):
+def test_a_stage_error_in_the_flow_is_one_last_line(prefect_server, tmp_path):
     """A teacher longer than the built-in model's positions: found when the teacher stage
     loads it, inside the flow. The terminal shows the progress and one error line at the end;
-    the traceback is in run.log."""
+    the traceback is in run.log. (On the session's server: a temporary one is not the point.)"""
     tree = tiny_pipeline_dict(tmp_path)
     tree["teacher"]["max_length"] = 120  # the built-in models have 96 positions
-    p, lines = _run(tmp_path, tree)
+    p, lines = _run(tmp_path, tree, api_url=prefect_server)
     assert p.returncode == 2, p.stderr[-3000:]
     assert lines[-1].startswith("dpdistill: error: teacher.max_length=120 exceeds"), lines
     assert sum("dpdistill: error:" in line for line in lines) == 1
