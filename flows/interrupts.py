@@ -125,7 +125,10 @@ class Interrupts:
         name = signal.Signals(signum).name
         run_dir = latest_run_dir()
         if run_dir is not None:
-            mark_stopped(run_dir, "interrupted", f"stopped by {name}")  # unless the flow already did
+            # Unless the flow already did. "failed" too: killing the process group stops the
+            # temporary Prefect server as well, and under load the flow may first see that
+            # server gone (an error, not the signal) and mark the run failed; the signal is why.
+            mark_stopped(run_dir, "interrupted", f"stopped by {name}", replacing=("running", "failed"))
         mute_terminal()
         stop_children()
         where = f" {run_dir}" if run_dir is not None else ""

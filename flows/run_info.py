@@ -81,14 +81,15 @@ def _signal_name(signum) -> str:
         return f"signal {signum}"
 
 
-def mark_stopped(run_dir: Path, status: str, reason: str) -> None:
+def mark_stopped(run_dir: Path, status: str, reason: str, replacing: tuple[str, ...] = ("running",)) -> None:
     """Record in run.json why a run stopped, and in stages.json that its running stage did
     not finish: what `dpdistill status` shows and what the next run continues from. Only a
-    run.json that still says "running": a finished run, or one already marked, is kept."""
+    run.json whose status is in `replacing` (by default still "running": a finished run, or
+    one already marked, is kept), and only the stages whose status is."""
     from pipeline.manifest import atomic_write_json
 
     info = read_run_info(run_dir)
-    if info.get("status") != "running":
+    if info.get("status") not in replacing:
         return
     when = time.strftime("%Y-%m-%dT%H:%M:%S")
     atomic_write_json(Path(run_dir) / RUN_INFO, info | {"status": status, "reason": reason, "stopped_at": when})
@@ -96,6 +97,6 @@ def mark_stopped(run_dir: Path, status: str, reason: str) -> None:
         stages = json.loads((Path(run_dir) / STAGES_INFO).read_text())
     except (OSError, ValueError):
         return
-    running = [s for s, v in stages.items() if isinstance(v, dict) and v.get("status") == "running"]
+    running = [s for s, v in stages.items() if isinstance(v, dict) and v.get("status") in replacing]
     if running:
         atomic_write_json(Path(run_dir) / STAGES_INFO, stages | {s: stages[s] | {"status": status} for s in running})

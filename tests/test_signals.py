@@ -97,3 +97,19 @@ def test_sigterm_stops_the_run_and_the_same_command_continues_it(tmp_path):
     assert stages["data"]["status"] == stages["control-codes"]["status"] == "cached"
     assert stages["teacher"]["status"] == "ran" and stages["evaluation"]["status"] == "ran"
     assert json.loads((run / "run.json").read_text())["status"] == "completed"
+
+
+def test_the_signal_not_the_error_it_caused_is_why_a_run_stopped(tmp_path):
+    """Under load the flow may first see the temporary server gone (the signal stopped it
+    too) and mark the run failed; the interrupt handler then marks it interrupted. A run that
+    failed on its own is kept as failed by everything else."""
+    from flows.run_info import RUN_INFO, STAGES_INFO, mark_stopped
+
+    (tmp_path / RUN_INFO).write_text(json.dumps({"status": "failed", "reason": "ConnectError: All connection attempts failed"}))
+    (tmp_path / STAGES_INFO).write_text(json.dumps({"data": {"status": "ran"}, "teacher": {"status": "failed"}}))
+    mark_stopped(tmp_path, "interrupted", "stopped by SIGTERM")  # the default: only a running run
+    assert json.loads((tmp_path / RUN_INFO).read_text())["status"] == "failed"
+    mark_stopped(tmp_path, "interrupted", "stopped by SIGTERM", replacing=("running", "failed"))
+    info, stages = (json.loads((tmp_path / f).read_text()) for f in (RUN_INFO, STAGES_INFO))
+    assert (info["status"], info["reason"]) == ("interrupted", "stopped by SIGTERM")
+    assert stages == {"data": {"status": "ran"}, "teacher": {"status": "interrupted"}}
