@@ -35,7 +35,7 @@ demo: install
 	$(BIN)/dpdistill run --config configs/demo.yaml
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 clean:
 	rm -rf runs .cache
