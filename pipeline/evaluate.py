@@ -328,12 +328,12 @@ def _adherence(model, tok, synthetic_path: Path, code_values: dict[str, dict[str
                progress_every: float) -> dict:
     """Code adherence of the synthetic samples, scored by `model` (the DP teacher); progress lines
     count the candidate sequences scored (public synthetic text: no private count)."""
-    lines = None
+    lines, started = None, time.monotonic()
 
     def on_batch(done: int, total: int) -> None:
         nonlocal lines
-        if lines is None:
-            lines = ProgressLog(log, "code adherence", "sequences", total, every=progress_every)
+        if lines is None:  # timed from the start: the first batch is done when its total is known
+            lines = ProgressLog(log, "code adherence", "sequences", total, every=progress_every, started=started)
         lines.update(done)
 
     result = code_adherence(model, tok, synthetic_path, code_values, cfg.adherence_samples, cfg.batch_size, on_batch)
