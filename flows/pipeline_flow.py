@@ -418,6 +418,12 @@ class StageRunner:
         key = task_fn.cache_policy.compute_key(None, get_call_parameters(task_fn.fn, args, {}), {})
         return Path(self.cfg.run_root).resolve() / CACHE_LOCKS / f"{key}.lock"
 
+    def _borrowed_private_copies(self, result) -> bool:
+        """Whether a cached data stage's splits are another run's, deleted when that run ends."""
+        stage_dir = stage_dir_of(result)
+        return (not self.cfg.data.keep_private_copies and stage_dir is not None
+                and not Path(stage_dir).resolve().is_relative_to(self.run_dir.resolve()))
+
     def _call(self, task_fn, args, refresh: bool):
         configured = task_fn.with_options(result_serializer=StageResultSerializer(), refresh_cache=refresh)
         # Set after construction: `Task.__init__` refuses a block not saved on the server, which
@@ -451,6 +457,12 @@ class StageRunner:
                 if cached and (reason := stale_reason(result)):
                     self.log.warning("%s: the cached result cannot be trusted (%s); running the stage again",
                                      stage, reason)
+                    result, cached = self._call(task_fn, args, refresh=True)
+                elif cached and stage == "data" and self._borrowed_private_copies(result):
+                    # Their run deletes them when its evaluation ends, maybe while this run still
+                    # reads them (two runs at once): this run writes its own (they are cheap).
+                    self.log.info("data: the cached splits belong to %s, which deletes them when it ends; "
+                                  "writing this run's own", stage_dir_of(result).parent)
                     result, cached = self._call(task_fn, args, refresh=True)
         except BaseException as e:
             self._record(stage, status=stop_reason(e)[0], seconds=round(time.time() - t0, 2))

@@ -74,7 +74,8 @@ def _data_stage(cfg, run_dir: str):
 def test_planted_pickle_result_does_not_run(prefect_server, tiny_config, tmp_path):
     """A cloudpickle record planted under the exact key the next run reads is refused before
     it is decoded: the payload never runs, the stage runs again and overwrites the record."""
-    cfg = tiny_config
+    # Splits kept: a later run may then reuse them (deleted ones are always written again).
+    cfg = tiny_config.model_copy(update={"data": tiny_config.data.model_copy(update={"keep_private_copies": True})})
     run = cfg.run_root / "tiny-1"
     key = data_task.cache_policy.compute_key(None, {"cfg": cfg, "sources": source_hashes(cfg), "run_dir": run}, {})
     store = cfg.run_root / RESULTS_DIR
@@ -110,3 +111,15 @@ def test_records_are_written_whole_and_private(tmp_path):
     assert sorted(p.name for p in results.iterdir()) == ["key-1", "key-2"]  # no temp file left
     assert (results / "key-1").read_bytes() == b"new" and (results / "key-1").stat().st_mode & 0o777 == 0o600
     assert outside.read_bytes() == b"keep"
+
+
+def test_a_run_never_reads_splits_another_run_deletes(prefect_server, tiny_config):
+    """Private splits are deleted when their run ends (data.keep_private_copies=false, the
+    default), maybe while a second run started beside it still reads them (seen in issue 12's
+    experiment: a DP student lost its validation split): a run reuses only its own."""
+    cfg = tiny_config
+    assert not cfg.data.keep_private_copies
+    assert _data_stage(cfg, str(cfg.run_root / "tiny-1")) == "ran"
+    assert _data_stage(cfg, str(cfg.run_root / "tiny-2")) == "ran"  # not tiny-1's splits
+    assert (cfg.run_root / "tiny-2" / "data" / "train.parquet").is_file()
+    assert _data_stage(cfg, str(cfg.run_root / "tiny-2")) == "cached"  # its own: a continued run reuses them
