@@ -146,3 +146,7 @@ def mute_terminal() -> None:
     for h in _console_handlers():
         if not any(isinstance(f, _Mute) for f in h.filters):
             h.addFilter(_Mute())
+    # Prefect's API log worker writes "--- Error logging to API ---" and the error, with no
+    # newline, straight to stderr when it cannot send its queued lines, unless this is off
+    # (as the stdlib's handlers do): the temporary server dies with the same signal.
+    logging.raiseExceptions = False
