@@ -69,13 +69,6 @@ History = list[tuple[float, float, int]]
 if not hasattr(_opacus_rdp._compute_rdp, "cache_info"):  # once per process
     _opacus_rdp._compute_rdp = functools.lru_cache(maxsize=1 << 16)(_opacus_rdp._compute_rdp)
 
-# σ found per (accountant, target ε, δ, q, steps) in this process: the plan and the teacher
-# stage calibrate the same noise, 13 s of PRV calls for a tiny config (a pure function of
-# public settings, so remembering it changes nothing but the time). Likewise each ε.
-_calibrated: dict[tuple, float] = {}
-_accounted: dict[tuple, float] = {}
-
-
 def epsilon_of(accountant: str, history: History, delta: float) -> float:
     """ε after the Gaussian mechanisms in `history`, by the named Opacus accountant.
 
@@ -86,12 +79,9 @@ def epsilon_of(accountant: str, history: History, delta: float) -> float:
 
     if accountant == "gdp" and len({(s, q) for s, q, _ in history}) > 1:
         raise ValueError("the gdp accountant cannot compose mechanisms with different σ or q; use prv or rdp")
-    key = (accountant, tuple((float(s), float(q), int(n)) for s, q, n in history), float(delta))
-    if key not in _accounted:  # a pure function of public settings: remembered (see _calibrated)
-        acc = create_accountant(mechanism=accountant)
-        acc.history = list(key[1])
-        _accounted[key] = float(acc.get_epsilon(delta=delta))
-    return _accounted[key]
+    acc = create_accountant(mechanism=accountant)
+    acc.history = [(float(s), float(q), int(n)) for s, q, n in history]
+    return float(acc.get_epsilon(delta=delta))
 
 
 CALIBRATION_DEADLINE_S = 60.0
@@ -117,14 +107,6 @@ def calibrate_sigma(
     call may run past it), and a search that has narrowed to nothing stops too.
     Every ε comes from the accountant; only the choice of the next σ is ours (Opacus').
     """
-    key = (accountant, float(target_epsilon), float(delta), float(sample_rate), int(steps))
-    if key not in _calibrated:
-        _calibrated[key] = _search_sigma(*key, deadline_s)
-    return _calibrated[key]
-
-
-def _search_sigma(accountant: str, target_epsilon: float, delta: float, sample_rate: float, steps: int,
-                  deadline_s: float | None) -> float:
     from opacus.accountants import create_accountant
     from opacus.accountants.utils import MAX_SIGMA
 
