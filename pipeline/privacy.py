@@ -69,6 +69,7 @@ History = list[tuple[float, float, int]]
 if not hasattr(_opacus_rdp._compute_rdp, "cache_info"):  # once per process
     _opacus_rdp._compute_rdp = functools.lru_cache(maxsize=1 << 16)(_opacus_rdp._compute_rdp)
 
+
 def epsilon_of(accountant: str, history: History, delta: float) -> float:
     """ε after the Gaussian mechanisms in `history`, by the named Opacus accountant.
 
