@@ -279,10 +279,11 @@ def evaluate_models(
         # reviews are not: read the lengths with that cap in mind.
         # On a sample: the first texts of each (shards are i.i.d. samples of the teacher),
         # read lazily; never the whole synthetic set in memory.
-        n = TEXT_PROPERTIES_SAMPLE
+        # The same number of texts on each side: distinct-n falls as a set grows.
+        synthetic = list(synthetic_texts(synthetic_path, min(TEXT_PROPERTIES_SAMPLE, len(texts))))
         result["text_properties"] = {
-            "synthetic": text_properties(reference, synthetic_texts(synthetic_path, n)),
-            "real_test": text_properties(reference, texts[:n]),
+            "synthetic": text_properties(reference, synthetic),
+            "real_test": text_properties(reference, texts[:len(synthetic)]),
         }
     atomic_write_json(Path(out_dir) / METRICS, result)
     write_manifest(out_dir, stage="evaluation", inputs={"test": Path(test_path)},

@@ -51,7 +51,7 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     # aggregates only: per control code (small codes pooled), and text properties
     assert all(v > 1 for m in metrics["perplexity"].values() for v in m["per_code"].values())
     props = metrics["text_properties"]
-    assert 0 < props["synthetic"]["distinct_1"] <= 1 and props["real_test"]["texts"] == 20
+    assert 0 < props["synthetic"]["distinct_1"] <= 1 and props["synthetic"]["texts"] == props["real_test"]["texts"] == 20
     synthetic = pq.read_table(run / "synthetic" / "shard-00000.parquet")
     assert synthetic.num_rows + metrics["generation"]["dropped_empty"] == tiny_config.generate.num_samples
     # The DP teacher's choice among each column's declared values, on the synthetic training samples.
