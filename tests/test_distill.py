@@ -82,6 +82,26 @@ def test_per_code_perplexity_pools_small_codes_and_text_properties(tiny_tokenize
     assert text_properties(tiny_tokenizer, ["x y z"])["distinct_2"] == 1.0
 
 
+def test_token_kinds_split_the_evaluation_windows(tiny_tokenizer, tiny_model_dir):
+    """bench/token_kinds.py splits the evaluation's windowed perplexity by token kind: its
+    kinds cover every scored token and recombine to the stage's own figure."""
+    import math
+
+    from bench.token_kinds import nll_by_kind, token_kinds
+    from pipeline.data import encode_record
+    from pipeline.evaluate import perplexity
+    from pipeline.models import load_causal_lm
+
+    codes, texts = ["Stars: 5", "Stars: 1"] * 3, [f"Review {i}: fine, though the soup was cold." for i in range(6)]
+    ids, kinds = token_kinds(tiny_tokenizer, codes, texts)
+    assert ids == [t for c, x in zip(codes, texts) for t in encode_record(tiny_tokenizer, c, x)]
+    assert kinds.count(2) == len(texts) and 0 < kinds.count(0) < kinds.count(1)
+    model = load_causal_lm(str(tiny_model_dir))
+    nll, count = nll_by_kind(model, ids, kinds, window=16)
+    ppl = perplexity(model, tiny_tokenizer, codes, texts, window=16, batch_size=4)
+    assert sum(count) == ppl.tokens and math.exp(sum(nll) / sum(count)) == pytest.approx(ppl.windowed, rel=1e-4)
+
+
 @pytest.fixture(scope="module")
 def sharp_teacher(tiny_tokenizer, tmp_path_factory):
     """A teacher whose logits are 10x those of a random init (top-1 ~14% instead of ~0.5%), so

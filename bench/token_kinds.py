@@ -1,0 +1,74 @@
+"""Test perplexity split by token kind: the control-code prompt, the review text and eos.
+
+The table's metric (non-overlapping windows of the joined test records) mixes the prompts,
+which are short and easy to predict, with the text itself. This splits the same windows'
+negative log-likelihood by the kind of the predicted token, so that two students can be
+compared on the text alone (docs/reference.md, "What the KL changes").
+
+    .venv/bin/python bench/token_kinds.py --config configs/reference.yaml \
+        DP-SGD=runs/reference/<run>/student/model ours=runs/reference/<run>/student/model
+
+Aggregates of the held-out test split, like the evaluation stage's (README, "Not protected").
+"""
+
+import argparse
+import math
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline.config import load_config
+from pipeline.data import CODE_JOINER, _joined_texts, prompt_for, read_table
+
+KINDS = ("prompt", "text", "eos")
+
+
+def token_kinds(tokenizer, codes: list[str], texts: list[str]) -> tuple[list[int], list[int]]:
+    """The joined stream of records (as encode_record builds them) and each token's kind."""
+    ids, kinds = [], []
+    for code, text in zip(codes, texts):
+        prompt = tokenizer.encode(prompt_for(code), add_special_tokens=False)
+        body = tokenizer.encode(text, add_special_tokens=False)
+        ids += prompt + body + [tokenizer.eos_token_id]
+        kinds += [0] * len(prompt) + [1] * len(body) + [2]
+    return ids, kinds
+
+
+@torch.no_grad()
+def nll_by_kind(model, ids: list[int], kinds: list[int], window: int) -> tuple[list[float], list[int]]:
+    nll, count = [0.0] * len(KINDS), [0] * len(KINDS)
+    for start in range(0, len(ids) - 1, window):
+        x = torch.tensor([ids[start : start + window]])
+        logp = torch.log_softmax(model(x, attention_mask=torch.ones_like(x)).logits[0, :-1].float(), -1)
+        losses = -logp.gather(1, x[0, 1:, None])[:, 0]
+        for offset, loss in enumerate(losses.tolist()):
+            kind = kinds[start + 1 + offset]
+            nll[kind] += loss
+            count[kind] += 1
+    return nll, count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/reference.yaml")
+    parser.add_argument("models", nargs="+", metavar="LABEL=MODEL_DIR")
+    args = parser.parse_args()
+    cfg = load_config(args.config)
+    table = read_table(cfg.data.test_path)
+    table = table.slice(0, cfg.data.max_test_records or len(table))
+    texts, _ = _joined_texts(table, cfg.data)  # the evaluation stage's records, as the data stage joins them
+    codes = [CODE_JOINER.join(values) for values in zip(*(table[c].to_pylist() for c in cfg.data.code_columns))]
+    torch.set_num_threads(1)
+    print("| model | all | prompt | text | eos |\n|---|---:|---:|---:|---:|")
+    for label, path in (item.split("=", 1) for item in args.models):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        ids, kinds = token_kinds(tokenizer, codes, texts)
+        nll, count = nll_by_kind(model, ids, kinds, cfg.evaluate.window)
+        cells = [math.exp(sum(nll) / sum(count))] + [math.exp(n / c) for n, c in zip(nll, count)]
+        print(f"| {label} | " + " | ".join(f"{v:.1f}" for v in cells) + " |", flush=True)
+    print("\ntokens scored: " + ", ".join(f"{k} {c}" for k, c in zip(KINDS, count)))
+
+
+if __name__ == "__main__":
+    main()
