@@ -60,7 +60,7 @@ def main() -> None:
     codes = [CODE_JOINER.join(values) for values in zip(*(table[c].to_pylist() for c in cfg.data.code_columns))]
     torch.set_num_threads(1)
     print("| model | all | prompt | text | eos |\n|---|---:|---:|---:|---:|")
-    for label, path in (item.split("=", 1) for item in args.models):
+    for label, path in (item.rsplit("=", 1) for item in args.models):  # a label may hold "="
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         ids, kinds = token_kinds(tokenizer, codes, texts)
