@@ -18,19 +18,20 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import load_config
-from pipeline.data import CODE_JOINER, _joined_texts, prompt_for, read_table
+from pipeline.data import CODE_JOINER, _joined_texts, encode_record, prompt_for, read_table
 
 KINDS = ("prompt", "text", "eos")
 
 
 def token_kinds(tokenizer, codes: list[str], texts: list[str]) -> tuple[list[int], list[int]]:
-    """The joined stream of records (as encode_record builds them) and each token's kind."""
+    """The joined stream of records (encode_record's, as the evaluation scores them) and each
+    token's kind: encode_record tokenizes the prompt apart, so its tokens come first."""
     ids, kinds = [], []
     for code, text in zip(codes, texts):
-        prompt = tokenizer.encode(prompt_for(code), add_special_tokens=False)
-        body = tokenizer.encode(text, add_special_tokens=False)
-        ids += prompt + body + [tokenizer.eos_token_id]
-        kinds += [0] * len(prompt) + [1] * len(body) + [2]
+        record = encode_record(tokenizer, code, text)
+        prompt = len(tokenizer.encode(prompt_for(code), add_special_tokens=False))
+        ids += record
+        kinds += [0] * prompt + [1] * (len(record) - prompt - 1) + [2]
     return ids, kinds
 
 
