@@ -280,7 +280,7 @@ def evaluate_models(
         # On a sample: the first texts of each (shards are i.i.d. samples of the teacher),
         # read lazily; never the whole synthetic set in memory.
         # The same number of texts on each side: distinct-n falls as a set grows.
-        synthetic = list(synthetic_texts(synthetic_path, min(TEXT_PROPERTIES_SAMPLE, len(texts))))
+        synthetic = synthetic_texts(synthetic_path, min(TEXT_PROPERTIES_SAMPLE, len(texts)))
         result["text_properties"] = {
             "synthetic": text_properties(reference, synthetic),
             "real_test": text_properties(reference, texts[:len(synthetic)]),
