@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.budget import record_release
-from pipeline.ledger import LedgerEntry, LedgerTotal, PrivacyLedger, post_processing, write_ledger
+from pipeline.privacy.budget import record_release
+from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, PrivacyLedger, post_processing, write_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run_dir(root: Path, budget: bool = False) -> Path:
     """A finished run's status, ledger and metrics files, without its models (not read here);
     with `budget`, its teacher release is also in the dataset budget (as every run since
-    pipeline/budget.py), which `ledger show` composes with an Opacus accountant."""
+    pipeline/privacy/budget.py), which `ledger show` composes with an Opacus accountant."""
     run = root / ("run-budget" if budget else "run-bench")
     run.mkdir()
     (run / "config.yaml").write_text("name: bench\n")

@@ -42,8 +42,8 @@ def _setup(path: str, train: str, tokenizer_dir: str) -> dict:
     """One data setup in this (fresh) process; returns seconds and RSS figures."""
     # Every import before the baseline: the figures are the data's, not the libraries'.
     from pipeline.batching import TokenizedRecords
-    from pipeline.data import encode_record, read_split, read_users
-    from pipeline.models import load_tokenizer
+    from pipeline.stages.data import encode_record, read_split, read_users
+    from pipeline.models.base import load_tokenizer
     from pipeline.tokenized import TokenIds, token_column, tokenized_split
 
     tok = load_tokenizer(tokenizer_dir)
@@ -77,7 +77,7 @@ def _in_subprocess(*args: str) -> dict:
 
 def _data_stage(source: Path, out: Path) -> dict:
     from pipeline.config import DataConfig
-    from pipeline.data import prepare_data
+    from pipeline.stages.data import prepare_data
 
     t0 = time.perf_counter()
     result = prepare_data(DataConfig(path=source, validation_fraction=0.05, test_fraction=0.01), out, seed=0)
@@ -103,8 +103,8 @@ def main() -> None:
     import pyarrow.parquet as pq
 
     from pipeline.config import BaseModelsConfig
-    from pipeline.data import read_table
-    from pipeline.models import read_public_corpus, train_tokenizer
+    from pipeline.stages.data import read_table
+    from pipeline.models.base import read_public_corpus, train_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="data_scale-") as tmp:
         tmp = Path(tmp)

@@ -14,7 +14,7 @@ times). Each trial checks:
   as dropped (empty) in its shard's statistics: lost = ids neither there nor dropped;
 - metrics.json is written, and the rerun continued the killed run's directory.
 
-All runs set the test noise hook (DPDISTILL_TEST_NOISE_SEED, pipeline/noise.py), so they are
+All runs set the test noise hook (DPDISTILL_TEST_NOISE_SEED, pipeline/privacy/noise.py), so they are
 deterministic and comparable (and NOT private). One line per trial, then as the last line
 `trials=N lost=L duplicated=D ledger_mismatch=M` (plus the failed reruns). Run from the
 repository root:

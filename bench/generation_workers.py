@@ -34,7 +34,7 @@ def _setup(tmp: Path, layers: int, width: int) -> tuple[Path, Path]:
     import torch
 
     from pipeline.config import BaseModelsConfig, TinyModelSpec
-    from pipeline.models import read_public_corpus, tiny_gpt2, train_tokenizer
+    from pipeline.models.base import read_public_corpus, tiny_gpt2, train_tokenizer
 
     corpus = eltec()
     tok = train_tokenizer(read_public_corpus(BaseModelsConfig(corpus=corpus, max_corpus_chars=200_000)), 300)
@@ -67,7 +67,7 @@ def main() -> None:
 
     from flows.generation import generate_with_workers
     from pipeline.config import GenerateConfig
-    from pipeline.generate import read_synthetic
+    from pipeline.stages.generate import read_synthetic
 
     @flow(name="bench-generation", persist_result=False, validate_parameters=False)
     def run(cfg: GenerateConfig, teacher: Path, codes: Path, out: Path):

@@ -143,7 +143,7 @@ def append_result(path: Path, result: dict) -> None:
 
 def result_of(row: Row, run_dir: Path, seconds: float) -> dict:
     """What the report needs from a finished run: aggregates from metrics.json and the ledger."""
-    from pipeline.ledger import read_ledger
+    from pipeline.privacy.ledger import read_ledger
 
     metrics = json.loads((run_dir / "metrics.json").read_text())
     ledger = read_ledger(run_dir / "ledger.json")
@@ -251,7 +251,7 @@ def format_report(done: dict[tuple, dict], command: str = "") -> str:
 
 def write_plots(done: dict[tuple, dict], out_dir: Path) -> list[Path]:
     """fig3_samples.png and fig_epsilon.png, each when it has a point to draw. A bare `Figure`
-    saves through matplotlib's Agg canvas, with no pyplot state (as pipeline/report.py does)."""
+    saves through matplotlib's Agg canvas, with no pyplot state (as pipeline/reports/report.py does)."""
     from matplotlib.figure import Figure
 
     written = []
@@ -294,7 +294,7 @@ def write_report(done: dict[tuple, dict], run_root: Path, command: str, docs: bo
     out.write_text(format_report(done, command))
     plots = write_plots(done, run_root)
     if table := _by_label(done, "table"):  # the bar chart page of the table's runs, as before
-        from pipeline.report import write_comparison_report
+        from pipeline.reports.report import write_comparison_report
 
         write_comparison_report({label: Path(r["run_dir"]) for label, r in table.items()}, run_root / "report.html")
     if docs:  # the figures docs/reference.md shows

@@ -1,4 +1,4 @@
-"""Cost of secure-mode DP noise: ChaCha20 Gaussians (pipeline/noise.py) against torch's mt19937.
+"""Cost of secure-mode DP noise: ChaCha20 Gaussians (pipeline/privacy/noise.py) against torch's mt19937.
 
 For one noise draw the size of a model's trainable parameters (default 10M floats; GPT-2
 small has 124M), the median time of Opacus' `_generate_noise` with a torch.Generator (what
@@ -20,7 +20,7 @@ import time
 import torch
 from opacus.optimizers import optimizer as opacus_optimizer
 
-from pipeline import noise
+from pipeline.privacy import noise
 
 
 def main() -> None:

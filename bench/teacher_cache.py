@@ -3,8 +3,8 @@
 Builds, seeded and offline, a tokenizer on the public corpus and GPT-2s of the default
 `builtin:` shapes (teacher 4 x 192, student 2 x 96, BPE vocabulary 4,096, 128 positions;
 random weights: timing does not depend on them), generates one synthetic set with the
-teacher (`pipeline.generate`), then distils two students (seeds 0 and 1) with
-`pipeline.distill.distill` at the default DistillConfig except epochs and batch size:
+teacher (`pipeline.stages.generate`), then distils two students (seeds 0 and 1) with
+`pipeline.stages.distill.distill` at the default DistillConfig except epochs and batch size:
 
   on the fly   the teacher's forward pass at every step of every student (the default)
   cached       distill.teacher_top_k = k: the first student builds the cache, the second reuses it
@@ -58,9 +58,9 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     import torch
 
     from pipeline.config import BaseModelsConfig, DistillConfig, GenerateConfig
-    from pipeline.distill import distill
-    from pipeline.generate import generate_synthetic, read_synthetic
-    from pipeline.models import read_public_corpus, tiny_gpt2, train_tokenizer
+    from pipeline.stages.distill import distill
+    from pipeline.stages.generate import generate_synthetic, read_synthetic
+    from pipeline.models.base import read_public_corpus, tiny_gpt2, train_tokenizer
 
     torch.manual_seed(0)
     base = BaseModelsConfig(corpus=eltec(), max_corpus_chars=2_000_000)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 def run(cfg, splits, model_dir: Path, out: Path, threads: int) -> dict:
     import torch
 
-    from pipeline.teacher import train_teacher
+    from pipeline.stages.teacher import train_teacher
 
     stamps: list[float] = []
     default_threads = torch.get_num_threads()
@@ -73,8 +73,8 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from pipeline.config import BaseModelsConfig, DataConfig, TeacherConfig, TinyModelSpec
-    from pipeline.data import prepare_data
-    from pipeline.models import read_public_corpus, tiny_gpt2, train_tokenizer
+    from pipeline.stages.data import prepare_data
+    from pipeline.models.base import read_public_corpus, tiny_gpt2, train_tokenizer
 
     transformers.logging.set_verbosity_error()
     data = ROOT / "data"

@@ -6,14 +6,14 @@ training step (forward + backward + optimizer.step + zero_grad) after warm-up, a
 memory the steps add:
 
   non-private full   plain AdamW on the mean per-sequence loss: the baseline, ratio 1.00
-  DP full, bk        book-keeping clipping (pipeline/bk.py), one backward: the project default
+  DP full, bk        book-keeping clipping (pipeline/privacy/bk.py), one backward: the project default
   DP full, ghost     Opacus ghost clipping, two backward passes
   DP full, hooks     Opacus per-sample gradients
   DP bitfit, ghost   bias terms only
   DP lora, ghost     LoRA r=8 on the project default targets (None: peft's ["c_attn"] for GPT-2)
-  DP full, ghost without pipeline.privacy's Conv1D/LayerNorm norm samplers (never imported there)
+  DP full, ghost without pipeline.privacy.accountant's Conv1D/LayerNorm norm samplers (never imported there)
 
-DP rows call PrivacyEngine.make_private as pipeline/teacher.py does (pipeline/bk.py's engine, Opacus' plus mode bk), with noise_multiplier=1.0,
+DP rows call PrivacyEngine.make_private as pipeline/stages/teacher.py does (pipeline/privacy/bk.py's engine, Opacus' plus mode bk), with noise_multiplier=1.0,
 max_grad_norm=1.0 and poisson_sampling=False (a fixed batch). lm_head is untied in every row.
 Each mode runs in its own fresh process (`--one MODE`); memory is CUDA max_memory_allocated
 above what was allocated before the first step, or on CPU the growth of the process' peak RSS
@@ -79,17 +79,17 @@ def child(mode: str, a: argparse.Namespace) -> None:
 
     from pipeline.batching import IGNORE, lm_batch
     from pipeline.config import TeacherConfig
-    from pipeline.models import untie_lm_head
+    from pipeline.models.base import untie_lm_head
 
-    from pipeline.bk import BookKeepingPrivacyEngine as PrivacyEngine  # Opacus' engine plus mode "bk"
+    from pipeline.privacy.bk import BookKeepingPrivacyEngine as PrivacyEngine  # Opacus' engine plus mode "bk"
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(a.threads)  # the same for every mode
     label, teacher_mode, gsm = MODES[mode]
-    if mode == "full-ghost-nosamplers":  # pipeline.teacher imports pipeline.privacy: not here
+    if mode == "full-ghost-nosamplers":  # pipeline.stages.teacher imports pipeline.privacy.accountant: not here
         assert Conv1D not in GradSampleModuleFastGradientClipping.NORM_SAMPLERS
     else:
-        from pipeline.teacher import per_sequence_loss, prepare_trainable  # registers the samplers
+        from pipeline.stages.teacher import per_sequence_loss, prepare_trainable  # registers the samplers
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import load_config
-from pipeline.data import CODE_JOINER, _joined_texts, encode_record, prompt_for, read_table
+from pipeline.stages.data import CODE_JOINER, _joined_texts, encode_record, prompt_for, read_table
 
 KINDS = ("prompt", "text", "eos")
 

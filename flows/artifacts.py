@@ -15,9 +15,9 @@ from pathlib import Path
 import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from pipeline.generate import synthetic_head
-from pipeline.budget import DatasetBudget
-from pipeline.ledger import LedgerTotal, PrivacyLedger
+from pipeline.stages.generate import synthetic_head
+from pipeline.privacy.budget import DatasetBudget
+from pipeline.privacy.ledger import LedgerTotal, PrivacyLedger
 
 LEDGER_KEY = "privacy-ledger"
 SUMMARY_KEY = "privacy-summary"
@@ -129,7 +129,7 @@ def publish_metrics(metrics: dict) -> None:
 
 def publish_code_adherence(adherence: dict) -> None:
     """Per code column and value, how often the DP teacher scores the requested value highest
-    (pipeline/adherence.py): post-processing of the teacher and the synthetic data."""
+    (pipeline/stages/adherence.py): post-processing of the teacher and the synthetic data."""
     rows = []
     for c, col in adherence["columns"].items():
         rows.append({"column": c, "value": "(all)", "share": _fmt(col["share"]), "chance": _fmt(col["chance"]),

@@ -4,9 +4,9 @@
     dpdistill audit --canaries 8 --config configs/demo.yaml [key=value]  # canary exposure
 
 `prefect_documents` reads what the Prefect server holds of a flow run (its logs, task
-runs' logs included, and its artifacts) so that `pipeline.audit.audit_run` scans them
+runs' logs included, and its artifacts) so that `pipeline.privacy.audit.audit_run` scans them
 beside the run directory's files. `canary_audit` runs the real flow on a copy of the
-training data with canaries inserted and measures their exposure (`pipeline.canaries`).
+training data with canaries inserted and measures their exposure (`pipeline.privacy.canaries`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import math
 import time
 from pathlib import Path
 
-from pipeline.audit import training_texts
-from pipeline.canaries import (
+from pipeline.privacy.audit import training_texts
+from pipeline.privacy.canaries import (
     DEFAULT_CANDIDATES,
     DEFAULT_REPETITIONS,
     canary_exposures,
@@ -31,7 +31,7 @@ from pipeline.canaries import (
     write_canary_data,
 )
 from pipeline.config import PipelineConfig, config_from_dict, dump_config
-from pipeline.ledger import LEDGER, read_ledger
+from pipeline.privacy.ledger import LEDGER, read_ledger
 from pipeline.manifest import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def prefect_sources(run_dir: Path) -> tuple[dict[str, list[str]] | None, str]:
 def _models(cfg: PipelineConfig, run_dir: Path) -> dict[str, str]:
     """The models whose exposure is measured: the base models as references, the DP
     teacher (when the method has one) and the final student."""
-    from pipeline.models import build_base_models, resolve_model
+    from pipeline.models.base import build_base_models, resolve_model
 
     base = build_base_models(cfg.base_models, seed=cfg.seed)  # cached: built by the run
     models = {"base_teacher": resolve_model(cfg.teacher.model, base)}
@@ -118,8 +118,8 @@ def canary_audit(
     exposure under each model and their verbatim emission in the synthetic data. Writes
     `canaries.json` into the run directory and returns (its path, the report)."""
     from flows.pipeline_flow import dp_distill
-    from pipeline.generate import read_synthetic
-    from pipeline.models import load_causal_lm, load_tokenizer
+    from pipeline.stages.generate import read_synthetic
+    from pipeline.models.base import load_causal_lm, load_tokenizer
 
     t0 = time.time()
     work_dir = Path(work_dir).resolve()

@@ -28,14 +28,14 @@ from prefect.cache_policies import CachePolicy
 from pydantic import BaseModel
 
 from flows.run_info import STAGES, stages_to_rerun  # noqa: F401 (re-exported)
-from pipeline.codes import CodesResult
+from pipeline.privacy.control_codes import CodesResult
 from pipeline.config import PipelineConfig
-from pipeline.data import DataResult
-from pipeline.distill import DistillResult
-from pipeline.generate import GenerateResult
+from pipeline.stages.data import DataResult
+from pipeline.stages.distill import DistillResult
+from pipeline.stages.generate import GenerateResult
 from pipeline.manifest import manifest_digest, manifest_problems
-from pipeline.models import BaseModels
-from pipeline.teacher import TeacherResult
+from pipeline.models.base import BaseModels
+from pipeline.stages.teacher import TeacherResult
 
 # Where each stage writes inside a run directory (base models live in their own cache).
 STAGE_DIRS = {
@@ -48,7 +48,7 @@ RESULTS_DIR = Path(".cache") / "prefect-results"
 # existence, with no expiry unless a hold timeout is set (the task engine sets none), so a
 # run killed mid-stage would leave every later run waiting forever; flock dies with it.
 CACHE_LOCKS = Path(".cache") / "locks"
-PERPLEXITY_DIR = Path(".cache") / "perplexity"  # models' test perplexities (pipeline/evaluate.py)
+PERPLEXITY_DIR = Path(".cache") / "perplexity"  # models' test perplexities (pipeline/stages/evaluate.py)
 
 try:
     VERSION = version("dpdistill")

@@ -7,7 +7,7 @@
     dpdistill report runs/demo-...                             # (re)write its report.html
     dpdistill serve --config C --cron "0 3 * * *"              # a scheduled deployment
     dpdistill build-base --config configs/builtin.yaml        # only the offline base models
-    dpdistill build-base --config configs/builtin.yaml --export pipeline/builtin   # rebuild the shipped pair
+    dpdistill build-base --config configs/builtin.yaml --export pipeline/models/builtin   # rebuild the shipped pair
     dpdistill plan --config C [key=value ...]                 # N, q, σ, steps, ε and time; trains nothing
     dpdistill ledger show runs/demo-...                       # a run's privacy ledger
     dpdistill audit runs/demo-... [--span 10]                 # published files vs training records
@@ -32,7 +32,7 @@ from pathlib import Path
 # loaded machine; issue 10). The commands that need them import them in their handlers.
 from flows.run_info import RUN_INFO, STAGES, STAGES_INFO, RunDirError, read_run_info, run_alive, stages_to_rerun
 from pipeline.config import ConfigError, load_config
-from pipeline.ledger import LEDGER, format_table, read_ledger
+from pipeline.privacy.ledger import LEDGER, format_table, read_ledger
 
 EPHEMERAL_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 
@@ -44,11 +44,11 @@ class DamagedFileError(Exception):
 def user_errors() -> tuple[type[Exception], ...]:
     """The exceptions that carry a message for the user. Most live beside torch code, so only
     the commands that run the pipeline call this."""
-    from pipeline.data import DataError
-    from pipeline.distill import DistillError
-    from pipeline.generate import GenerateError
-    from pipeline.models import ModelError
-    from pipeline.teacher import TeacherError
+    from pipeline.stages.data import DataError
+    from pipeline.stages.distill import DistillError
+    from pipeline.stages.generate import GenerateError
+    from pipeline.models.base import ModelError
+    from pipeline.stages.teacher import TeacherError
 
     return (ConfigError, DataError, TeacherError, GenerateError, DistillError, ModelError, RunDirError)
 
@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "build-base":
             p.add_argument("--export", metavar="DIR",
                            help="also write the pair as the shipped one is stored (fp16 safetensors, "
-                           "tokenizer, build.json): --export pipeline/builtin replaces the shipped pair")
+                           "tokenizer, build.json): --export pipeline/models/builtin replaces the shipped pair")
         if name == "serve":
             p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * *" (03:00 every day)')
             p.add_argument("--timezone", default="UTC", help="time zone of the schedule (default UTC)")
@@ -173,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
 def run_audit(args) -> int:
     """`dpdistill audit`: 0 clean, 1 a leak, 2 a usage error. Counts and names only."""
     import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
-    from pipeline.audit import AuditError, audit_run, format_audit
+    from pipeline.privacy.audit import AuditError, audit_run, format_audit
 
     def usage(msg: str) -> int:
         print(f"dpdistill audit: error: {msg}", file=sys.stderr)
@@ -287,8 +287,8 @@ def print_status(run_dir: Path) -> int:
 
 def print_dataset_budget(run_dir: Path, ledger) -> None:
     """Every DP release recorded on the run's private training file, by any run, composed at
-    this run's δ (pipeline/budget.py)."""
-    from pipeline.budget import format_budget, read_budget, stored_total
+    this run's δ (pipeline/privacy/budget.py)."""
+    from pipeline.privacy.budget import format_budget, read_budget, stored_total
 
     info = read_run_info(run_dir)
     if not (info.get("dataset_sha256") and info.get("run_root")):
@@ -301,7 +301,7 @@ def print_dataset_budget(run_dir: Path, ledger) -> None:
         # else compose now (imports Opacus and torch: seconds).
         total = stored_total(budget, ledger.total.accountant, delta)
         if total is None:
-            from pipeline.budget import dataset_total
+            from pipeline.privacy.budget import dataset_total
 
             total = dataset_total(budget, ledger.total.accountant, delta)
     print(f"\nAll releases on this dataset (sha256 {info['dataset_sha256'][:12]}…, every run):")
@@ -319,7 +319,7 @@ def write_run_report(run_dir: Path) -> int:
             read_json_file(run_dir / name)
     if (run_dir / LEDGER).is_file():
         read_ledger_file(run_dir / LEDGER)
-    from pipeline.report import write_report  # matplotlib and pyarrow, not torch
+    from pipeline.reports.report import write_report  # matplotlib and pyarrow, not torch
 
     # A stage that stages.json records as running is running only while the run's process is.
     info = read_run_info(run_dir)
@@ -441,7 +441,7 @@ def run_pipeline(args) -> int:
             return 0
         if args.command == "build-base":
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-            from pipeline.models import build_base_models, export_base_models
+            from pipeline.models.base import build_base_models, export_base_models
 
             base = build_base_models(cfg.base_models, seed=cfg.seed)
             print(f"teacher: {base.teacher}\nstudent: {base.student}")

@@ -11,7 +11,7 @@ cores do not oversubscribe them). Every worker samples on the run's device and p
 (the plan's `runtime`); on one GPU, workers > 1 share it. Each worker loads
 the teacher once and writes whole shards. With 1 worker the shards run in this process.
 The shards are the same either way: shard i depends on (seed, i) alone
-(pipeline/generate.py). Only the plan (paths, config, fingerprint, released code counts)
+(pipeline/stages/generate.py). Only the plan (paths, config, fingerprint, released code counts)
 and per-shard aggregates cross Prefect and Dask, never a generated text.
 
 Progress is per generated batch either way. A Dask worker writes its shard's counts so far
@@ -37,11 +37,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect_dask import DaskTaskRunner
 
 from pipeline.config import GenerateConfig
-from pipeline.generate import (
+from pipeline.stages.generate import (
     GenerateResult, GenerationPlan, GenerationProgress, finish_generation, generate_shard, plan_generation,
 )
 from pipeline.devices import CPU_FP32, Runtime
-from pipeline.ledger import LedgerEntry
+from pipeline.privacy.ledger import LedgerEntry
 from pipeline.manifest import atomic_write_json
 from pipeline.progress import DEFAULT_EVERY
 

@@ -37,24 +37,24 @@ from flows.run_info import (  # noqa: F401 (RunDirError re-exported)
 )
 from flows.run_log import run_log
 from flows.results import StageResultSerializer, stage_result_storage
-from pipeline.adherence import declared_values
-from pipeline.codes import CodesResult, release_control_codes
+from pipeline.stages.adherence import declared_values
+from pipeline.privacy.control_codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
-from pipeline.data import DataResult, delete_private_copies, prepare_data
+from pipeline.stages.data import DataResult, delete_private_copies, prepare_data
 from pipeline.devices import Runtime
-from pipeline.distill import DistillResult, distill
-from pipeline.evaluate import evaluate_models
-from pipeline.generate import GenerateResult
-from pipeline.budget import dataset_total, read_budget, record_release, store_total
+from pipeline.stages.distill import DistillResult, distill
+from pipeline.stages.evaluate import evaluate_models
+from pipeline.stages.generate import GenerateResult
+from pipeline.privacy.budget import dataset_total, read_budget, record_release, store_total
 from pipeline.locks import file_lock, try_lock, unlock
-from pipeline.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
+from pipeline.privacy.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
 from pipeline.manifest import atomic_write_json, atomic_write_text, manifest_digest, private_dir, sha256_file
-from pipeline.model_card import write_model_card
+from pipeline.reports.model_card import write_model_card
 from pipeline.plan import dp_sgd_budgets, format_plan, make_plan
 from pipeline.preflight import require_inputs
-from pipeline.models import BaseModels, build_base_models, resolve_model
-from pipeline.report import write_report
-from pipeline.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
+from pipeline.models.base import BaseModels, build_base_models, resolve_model
+from pipeline.reports.report import write_report
+from pipeline.stages.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
 
 
 
@@ -218,7 +218,7 @@ def distillation_task(
         )
 
 
-# The declared code values that code adherence tries (pipeline/adherence.py) come from the
+# The declared code values that code adherence tries (pipeline/stages/adherence.py) come from the
 # domain, else from the released codes (`codes`, an input): a new domain alone reruns evaluation.
 @stage_task("evaluation", lambda cfg: {"evaluate": cfg.evaluate, "method": cfg.distill.method,
                                        "domain": cfg.control_codes.domain, **_precision(cfg)})
@@ -368,7 +368,7 @@ class StageRunner:
     """Runs stage tasks: cache hits verified against their manifests, forced stages rerun,
     and every stage's status, duration and output directory recorded in `stages.json`.
     With `dataset_sha256`, each DP release is also added to the dataset's budget across runs
-    (pipeline/budget.py)."""
+    (pipeline/privacy/budget.py)."""
 
     def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str], dataset_sha256: str | None = None):
         self.cfg, self.run_dir, self.rerun = cfg, run_dir, set(rerun)
@@ -526,7 +526,7 @@ def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger) -> 
         "pid": os.getpid(),
         "config_sha256": _config_sha(cfg), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rerun": rerun or [],
-        # Where the budget spent on this dataset over every run is kept (pipeline/budget.py).
+        # Where the budget spent on this dataset over every run is kept (pipeline/privacy/budget.py).
         "run_root": str(Path(cfg.run_root).resolve()), "dataset_sha256": sources.get("path"),
     }
     atomic_write_json(out / RUN_INFO, run_info)

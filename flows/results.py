@@ -31,12 +31,12 @@ from prefect.filesystems import LocalFileSystem
 from prefect.serializers import Serializer
 from pydantic import Field, TypeAdapter
 
-from pipeline.codes import CodesResult
-from pipeline.data import DataResult
-from pipeline.distill import DistillResult
-from pipeline.generate import GenerateResult
-from pipeline.models import BaseModels
-from pipeline.teacher import TeacherResult
+from pipeline.privacy.control_codes import CodesResult
+from pipeline.stages.data import DataResult
+from pipeline.stages.distill import DistillResult
+from pipeline.stages.generate import GenerateResult
+from pipeline.models.base import BaseModels
+from pipeline.stages.teacher import TeacherResult
 
 # Under "prefect." so the warning reaches the console the way Prefect's own messages do.
 log = logging.getLogger("prefect.dpdistill.results")

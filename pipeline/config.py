@@ -188,7 +188,7 @@ class TinyModelSpec(_Section):
 class BaseModelsConfig(_Section):
     """The offline base models that `builtin:teacher` and `builtin:student` name.
 
-    Without `corpus`, the pair shipped with the package (pipeline/builtin/, pretrained on
+    Without `corpus`, the pair shipped with the package (pipeline/models/builtin/, pretrained on
     public-domain novels by `dpdistill build-base --config configs/builtin.yaml`). With
     `corpus`, a pair of the shapes below built from that *public* text and cached. The
     tokenizer is trained on the public corpus only: a tokenizer trained on the private data
@@ -272,7 +272,7 @@ class TeacherConfig(_Section):
     )
     grad_sample_mode: Literal["bk", "ghost", "hooks"] = Field(
         "bk",
-        description="'bk': book-keeping clipping (pipeline/bk.py), the clipped gradient in one backward "
+        description="'bk': book-keeping clipping (pipeline/privacy/bk.py), the clipped gradient in one backward "
         "pass, the fastest (docs/teacher_modes.md); 'ghost': Opacus ghost clipping (two backward passes); "
         "'hooks': Opacus per-sample gradients (the reference). All three give the same update.",
     )
@@ -411,7 +411,7 @@ class EvalConfig(_Section):
         500,
         ge=0,
         description="Synthetic training samples (the first ones, in shard order) on which the DP teacher "
-        "checks that the text follows its control code (pipeline/adherence.py); 0 disables it. Cost: about "
+        "checks that the text follows its control code (pipeline/stages/adherence.py); 0 disables it. Cost: about "
         "(sum over code columns of the number of declared values) teacher forward passes per sample.",
     )
 

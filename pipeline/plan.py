@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.codes import gaussian_sigma
+from pipeline.privacy.control_codes import gaussian_sigma
 from pipeline.config import PipelineConfig, TeacherConfig
-from pipeline.data import training_units
-from pipeline.ledger import LedgerEntry, LedgerTotal, compose
-from pipeline.models import BUILTIN_PREFIX, SHIPPED, base_models_built, tiny_gpt2
-from pipeline.privacy import epsilon_of, resolve_delta
-from pipeline.teacher import calibrate_noise, poisson_schedule
+from pipeline.stages.data import training_units
+from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose
+from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, base_models_built, tiny_gpt2
+from pipeline.privacy.accountant import epsilon_of, resolve_delta
+from pipeline.stages.teacher import calibrate_noise, poisson_schedule
 
 PROMPT_TOKENS = 16  # a control-code prompt, about ("Business Category: Bars\tReview Stars: 4.0\n\n")
 

@@ -11,14 +11,14 @@ in it, ~600 bytes a Yelp record) and briefly a second copy; the file is streamed
 Parquet split a batch at a time instead, and the Rust tokenizer's own threads encode each
 batch in parallel (no worker processes, nothing pickled). bench/data_scale.py measures it.
 
-The ids are those of `pipeline.data.encode_record` (control-code prefix and text tokenized
+The ids are those of `pipeline.stages.data.encode_record` (control-code prefix and text tokenized
 apart, then eos), untruncated: the teacher cuts them to its `max_length` when it reads a
 record, evaluation windows the whole record.
 
 Private: the files hold the private records' tokens. They live in `<data dir>/tokenized/`
 (directory 0700, files 0600), inside the run directory, never in the `datasets` cache under
 ~/.cache (every file name is given here), and are deleted with the
-splits after evaluation (`pipeline.data.delete_private_copies`).
+splits after evaluation (`pipeline.stages.data.delete_private_copies`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
-from pipeline.data import TOKENIZED_DIR, prompt_for
+from pipeline.stages.data import TOKENIZED_DIR, prompt_for
 from pipeline.manifest import sha256_file
 
 COLUMN = "input_ids"

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pipeline.config import BaseModelsConfig, DataConfig, TinyModelSpec, config_from_dict
-from pipeline.data import prepare_data
-from pipeline.models import read_public_corpus, tiny_gpt2, train_tokenizer
+from pipeline.stages.data import prepare_data
+from pipeline.models.base import read_public_corpus, tiny_gpt2, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = ROOT / "data" / "public" / "wikitext-2-valid.txt"
@@ -113,10 +113,10 @@ def noise_free_dp_gradient(tokenizer, mode: str, max_grad_norm: float):
     the batch size, an untouched copy of the initial model, the batch inputs, labels, lengths).
     """
     from pipeline.batching import TokenizedRecords, lm_batch
-    from pipeline.bk import BookKeepingPrivacyEngine as PrivacyEngine  # Opacus' own for ghost and hooks
-    from pipeline.data import encode_record
-    from pipeline.models import untie_lm_head
-    from pipeline.teacher import per_sequence_loss
+    from pipeline.privacy.bk import BookKeepingPrivacyEngine as PrivacyEngine  # Opacus' own for ghost and hooks
+    from pipeline.stages.data import encode_record
+    from pipeline.models.base import untie_lm_head
+    from pipeline.stages.teacher import per_sequence_loss
 
     model = make_tiny_model(tokenizer)
     untie_lm_head(model)

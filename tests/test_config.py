@@ -114,7 +114,7 @@ def test_default_delta_is_a_tenth_of_one_over_n():
     """Issue 9, finding 4: δ defaults to 1/(10N), 1/N stays reachable (the paper), and δ = 1/N
     is warned about (before: the default was 1/N and only δ > 1/N warned)."""
     from pipeline.config import TeacherConfig
-    from pipeline.privacy import resolve_delta, weak_delta_warning
+    from pipeline.privacy.accountant import resolve_delta, weak_delta_warning
 
     n = 1000
     assert TeacherConfig().target_delta == "1/(10N)"

@@ -49,7 +49,7 @@ def _third_party_imports(*folders: str) -> dict[str, set[str]]:
     """Top-level modules imported by the .py files under `folders` (absolute imports, at any
     depth: a lazy import inside a function counts), minus the standard library and the
     project's own modules; each with the files that import it."""
-    own = {"pipeline", "flows", "bench", "tests"} | {p.stem for f in folders for p in (ROOT / f).glob("*.py")}
+    own = {"pipeline", "flows", "bench", "tests"} | {p.stem for f in folders for p in (ROOT / f).rglob("*.py")}
     found: dict[str, set[str]] = {}
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):

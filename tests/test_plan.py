@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 from conftest import ROOT, tiny_pipeline_dict
-from pipeline.codes import release_control_codes
+from pipeline.privacy.control_codes import release_control_codes
 from pipeline.config import config_from_dict
-from pipeline.data import prepare_data
-from pipeline.ledger import compose
+from pipeline.stages.data import prepare_data
+from pipeline.privacy.ledger import compose
 from pipeline.plan import make_plan
-from pipeline.teacher import train_teacher
+from pipeline.stages.teacher import train_teacher
 
 
 def _tree(tmp_path: Path, model_dir: Path) -> dict:

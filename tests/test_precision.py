@@ -12,18 +12,18 @@ import torch
 
 from conftest import ROOT, make_tiny_model, tiny_pipeline_dict
 from pipeline.batching import TokenizedRecords, lm_batch
-from pipeline.bk import BookKeepingPrivacyEngine
+from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.config import ConfigError, DistillConfig, EvalConfig, GenerateConfig, TeacherConfig, config_from_dict
 from pipeline.devices import DeviceError, Runtime, default_threads, resolve_device
-import pipeline.distill
-import pipeline.evaluate
-import pipeline.generate
-import pipeline.logit_cache
-import pipeline.teacher
-from pipeline.models import untie_lm_head
-from pipeline.noise import TEST_SEED_ENV
+import pipeline.stages.distill
+import pipeline.stages.evaluate
+import pipeline.stages.generate
+import pipeline.stages.logit_cache
+import pipeline.stages.teacher
+from pipeline.models.base import untie_lm_head
+from pipeline.privacy.noise import TEST_SEED_ENV
 from pipeline.preflight import check_inputs
-from pipeline.teacher import per_sequence_loss
+from pipeline.stages.teacher import per_sequence_loss
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a CPU-only machine")
 
@@ -115,22 +115,22 @@ def test_bk_clipping_under_bf16_autocast_matches_fp32(tiny_tokenizer):
 def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
     """Teacher (DP-SGD, bk) → generation → top-k logit cache + distillation → evaluation,
     each called through its module so that the observing test can wrap it."""
-    teacher = pipeline.teacher.train_teacher(
+    teacher = pipeline.stages.teacher.train_teacher(
         TeacherConfig(target_epsilon=3.0, epochs=1, batch_size=25, physical_batch_size=10, max_length=48,
                       learning_rate=1e-3),
         train_path=splits.train, validation_path=splits.validation, base_model=str(model_dir),
         out_dir=out / "teacher", seed=0, runtime=runtime)
     codes = out / "codes.json"
     codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))
-    synthetic = pipeline.generate.generate_synthetic(
+    synthetic = pipeline.stages.generate.generate_synthetic(
         GenerateConfig(num_samples=24, batch_size=12, max_length=32, validation_fraction=0.2),
         teacher_dir=teacher.checkpoint, control_codes_path=codes, ledger=[], out_dir=out / "synthetic", seed=0,
         runtime=runtime)
-    student = pipeline.distill.distill(
+    student = pipeline.stages.distill.distill(
         DistillConfig(epochs=1, batch_size=8, learning_rate=1e-3, teacher_top_k=20, eval_every=2),
         synthetic_path=synthetic.path, teacher_dir=teacher.checkpoint, student_model=str(model_dir),
         out_dir=out / "student", seed=0, runtime=runtime)
-    return pipeline.evaluate.evaluate_models(
+    return pipeline.stages.evaluate.evaluate_models(
         EvalConfig(window=32, batch_size=8), models={"dp_teacher": str(teacher.checkpoint),
                                                      "student": str(student.checkpoint)},
         test_path=splits.test, out_dir=out / "evaluation", seed=0, runtime=runtime, synthetic_path=synthetic.path,
@@ -139,11 +139,11 @@ def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
 
 # Stage functions observed, and the label their model calls get (the innermost wins).
 OBSERVED = [
-    (pipeline.teacher, "_step", "teacher training"), (pipeline.teacher, "_validation_loss", "teacher validation"),
-    (pipeline.teacher, "_save", "teacher validation"),
-    (pipeline.generate, "_generate_shard", "generation"), (pipeline.logit_cache, "_write_shard", "logit cache"),
-    (pipeline.distill, "distill", "distillation"), (pipeline.evaluate, "perplexity", "evaluation"),
-    (pipeline.evaluate, "_adherence", "code adherence"),
+    (pipeline.stages.teacher, "_step", "teacher training"), (pipeline.stages.teacher, "_validation_loss", "teacher validation"),
+    (pipeline.stages.teacher, "_save", "teacher validation"),
+    (pipeline.stages.generate, "_generate_shard", "generation"), (pipeline.stages.logit_cache, "_write_shard", "logit cache"),
+    (pipeline.stages.distill, "distill", "distillation"), (pipeline.stages.evaluate, "perplexity", "evaluation"),
+    (pipeline.stages.evaluate, "_adherence", "code adherence"),
 ]
 TRAINING = {"teacher training", "teacher validation", "distillation"}  # fp32 master weights, autocast
 
@@ -221,8 +221,8 @@ def test_tiny_pipeline_in_bf16_on_the_configured_device(splits, tiny_model_dir, 
         assert abs(b - a) / a < 0.01, (name, a, b)  # measured: 0.0000 and 0.0006
 
 
-STAGE_MODULES = ["pipeline/teacher.py", "pipeline/generate.py", "pipeline/logit_cache.py", "pipeline/distill.py",
-                 "pipeline/evaluate.py", "pipeline/adherence.py", "flows/generation.py"]
+STAGE_MODULES = ["pipeline/stages/teacher.py", "pipeline/stages/generate.py", "pipeline/stages/logit_cache.py", "pipeline/stages/distill.py",
+                 "pipeline/stages/evaluate.py", "pipeline/stages/adherence.py", "flows/generation.py"]
 
 
 @pytest.mark.parametrize("path", STAGE_MODULES)

@@ -15,12 +15,12 @@ import torch
 
 from flows.generation import _read_shard_progress, generation_shard_task
 from pipeline.config import DistillConfig, EvalConfig, GenerateConfig, TeacherConfig
-from pipeline.distill import distill
-from pipeline.evaluate import evaluate_models
-from pipeline.generate import generate_synthetic, plan_generation
-from pipeline.models import load_causal_lm
+from pipeline.stages.distill import distill
+from pipeline.stages.evaluate import evaluate_models
+from pipeline.stages.generate import generate_synthetic, plan_generation
+from pipeline.models.base import load_causal_lm
 from pipeline.progress import ProgressLog, eta_seconds, format_duration, format_rate, progress_line
-from pipeline.teacher import train_teacher
+from pipeline.stages.teacher import train_teacher
 
 CODES = {"Category: A\tStars: 5": 6, "Category: B\tStars: 1": 3, "Category: C": 1}
 
@@ -107,7 +107,7 @@ def test_teacher_logs_steps_rate_epsilon_and_eta_from_the_first_step_never_a_bat
 ):
     cfg = TeacherConfig(target_epsilon=3.0, epochs=1, batch_size=25, physical_batch_size=10, max_length=48,
                         log_every=100)  # log_every's own line never comes: progress lines do
-    with captured("pipeline.teacher") as messages:
+    with captured("pipeline.stages.teacher") as messages:
         result = train_teacher(cfg, train_path=splits.train, validation_path=splits.validation,
                                base_model=str(tiny_model_dir), out_dir=tmp_path, seed=0, progress_every=0)
     lines = [m for m in messages if "steps/s" in m]
@@ -133,7 +133,7 @@ def codes_path(tmp_path):
 def test_generation_reports_every_batch_of_a_single_shard(tiny_model_dir, codes_path, tmp_path):
     cfg = GenerateConfig(num_samples=24, shard_size=24, batch_size=6, max_length=24, validation_fraction=0.2)
     updates: list[dict] = []
-    with captured("pipeline.generate") as messages:
+    with captured("pipeline.stages.generate") as messages:
         result = generate_synthetic(cfg, teacher_dir=tiny_model_dir, control_codes_path=codes_path, ledger=[],
                                     out_dir=tmp_path / "synthetic", seed=3, on_progress=updates.append,
                                     progress_every=0)
@@ -165,7 +165,7 @@ def test_generation_reports_every_batch_of_a_single_shard(tiny_model_dir, codes_
 
 
 def test_evaluation_counts_windows_over_all_models(splits, tiny_model_dir, tmp_path):
-    with captured("pipeline.evaluate") as messages:
+    with captured("pipeline.stages.evaluate") as messages:
         evaluate_models(EvalConfig(window=32, batch_size=4), models={"a": str(tiny_model_dir),
                                                                      "b": str(tiny_model_dir)},
                         test_path=splits.test, out_dir=tmp_path, seed=0, progress_every=0)
@@ -181,7 +181,7 @@ def test_a_models_perplexity_is_read_from_the_cache_until_its_weights_change(spl
     cfg, cache = EvalConfig(window=32, batch_size=4), tmp_path / "cache"
 
     def run(models):
-        with captured("pipeline.evaluate") as messages:
+        with captured("pipeline.stages.evaluate") as messages:
             result = evaluate_models(cfg, models=models, test_path=splits.test, out_dir=tmp_path, seed=0,
                                      progress_every=0, cache_dir=cache)
         return result["perplexity"], messages

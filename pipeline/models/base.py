@@ -1,0 +1,400 @@
+"""Base models: build tiny GPT-2-style models offline from public text, and load checkpoints.
+
+`builtin:teacher` / `builtin:student` in a config name two small GPT-2s and their
+byte-level BPE tokenizer, pretrained on *public* text only:
+- with no `base_models.corpus` (the default), the pair shipped in `pipeline/models/builtin/`
+  (fp16 safetensors, pretrained on public-domain novels, see its README.md), copied into
+  the cache with a manifest on first use;
+- with `base_models.corpus` (a text file, or a directory of `*.txt` documents of which a
+  few are held out as a public validation split), built here and cached by a hash of
+  their config and the corpus.
+Anything else is handed to `from_pretrained`: a local directory, or a hub name when
+the user has a hub cache. Never train the tokenizer on private data: its vocabulary
+alone would leak rare words of the private records (Ponomareva et al. 2023).
+
+Build them on their own with `dpdistill build-base --config configs/builtin.yaml`, and
+rebuild the shipped pair with `... --export pipeline/models/builtin`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import ByteLevelBPETokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+)
+
+from pipeline.config import BaseModelsConfig, TinyModelSpec
+from pipeline.locks import file_lock
+from pipeline.manifest import MANIFEST, atomic_write_json, hash_paths, sha256_file, write_manifest
+
+log = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+EOS = "<|endoftext|>"
+SHIPPED = Path(__file__).parent / "builtin"  # the pretrained pair that ships with the package
+BUILD_INFO = "build.json"  # how a pair was built, and its figures (tokens seen, validation perplexity)
+VALIDATION_TOKENS = 100_000  # held-out public tokens scored after pretraining
+
+
+class ModelError(ValueError):
+    """A model or tokenizer cannot be used as configured; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class BaseModels:
+    teacher: Path
+    student: Path
+
+
+def _clean_wikitext(text: str) -> str:
+    """Undo WikiText's tokenisation artefacts (' @-@ ', ' , ') so the text reads like prose."""
+    text = text.replace(" <unk>", "").replace("<unk>", "")
+    text = re.sub(r" @(.)@ ", r"\1", text)
+    text = re.sub(r" ([.,;:!?)\]'])", r"\1", text)
+    text = re.sub(r"([(\[]) ", r"\1", text)
+    text = re.sub(r" (n't|'s|'re|'ve|'ll|'d|'m)\b", r"\1", text)
+    return text
+
+
+def _documents(corpus: Path) -> list[Path]:
+    if corpus.is_dir():
+        docs = sorted(corpus.glob("*.txt"))
+        if not docs:
+            raise ModelError(
+                f"base_models.corpus {str(corpus)!r} holds no *.txt files; point it at a public "
+                "plain-text file or a directory of them"
+            )
+        return docs
+    if not corpus.is_file():
+        raise ModelError(
+            f"base_models.corpus {str(corpus)!r} not found; point it at a public plain-text file or "
+            "a directory of *.txt files (or remove it to use the shipped builtin models)"
+        )
+    return [corpus]
+
+
+def _paragraphs(text: str) -> list[str]:
+    """Blank-line separated blocks, each joined into one line; WikiText's headings are dropped
+    and its tokenisation undone (detected by its ' @-@ ' and '<unk>' marks)."""
+    wikitext = " @-@ " in text or "<unk>" in text
+    paras = []
+    for block in re.split(r"\n\s*\n", text):
+        p = " ".join(line.strip() for line in block.splitlines()).strip()
+        if wikitext:
+            if p.startswith("="):
+                continue
+            p = _clean_wikitext(p)
+        if p:
+            paras.append(p)
+    return paras
+
+
+def held_out_documents(docs: list[Path], k: int) -> list[Path]:
+    """`k` documents spread evenly over the sorted list (never all of them): the public
+    validation split. A single-file corpus has none."""
+    k = min(k, len(docs) - 1)
+    return [docs[int((i + 0.5) * len(docs) / k)] for i in range(k)] if k > 0 else []
+
+
+def public_corpus(cfg: BaseModelsConfig) -> tuple[list[str], list[str]]:
+    """(training, validation) paragraphs of the public corpus; `max_corpus_chars` caps the
+    training text."""
+    docs = _documents(Path(cfg.corpus))
+    held = set(held_out_documents(docs, cfg.validation_documents))
+    train, valid = [], []
+    for doc in docs:
+        (valid if doc in held else train).extend(_paragraphs(doc.read_text(encoding="utf-8")))
+    if cfg.max_corpus_chars:
+        kept, total = [], 0
+        for p in train:
+            if total >= cfg.max_corpus_chars:
+                break
+            kept.append(p[: cfg.max_corpus_chars - total])
+            total += len(kept[-1])
+        train = kept
+    return train, valid
+
+
+def read_public_corpus(cfg: BaseModelsConfig) -> list[str]:
+    """Training paragraphs of the public corpus (without its held-out documents)."""
+    return public_corpus(cfg)[0]
+
+
+def _cache_key(cfg: BaseModelsConfig) -> str:
+    if cfg.corpus is None:  # the shipped pair: keyed by its files
+        digests = sorted((n, d["sha256"]) for n, d in hash_paths({"shipped": SHIPPED}).items())
+        return "shipped-" + hashlib.sha256(json.dumps(digests).encode()).hexdigest()[:16]
+    spec = cfg.model_dump(mode="json", exclude={"cache_dir", "corpus"})
+    spec["corpus_sha256"] = {d.name: sha256_file(d) for d in _documents(Path(cfg.corpus))}
+    spec["format"] = 3  # bump when the build procedure changes
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def train_tokenizer(paragraphs: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        paragraphs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS
+    )
+    return tok
+
+
+def tiny_gpt2(spec: TinyModelSpec, vocab_size: int, context_length: int, eos_id: int) -> GPT2LMHeadModel:
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=context_length,
+        n_embd=spec.n_embd,
+        n_layer=spec.n_layer,
+        n_head=spec.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _pretrain(model: GPT2LMHeadModel, blocks: torch.Tensor, spec: TinyModelSpec, name: str) -> dict:
+    """Plain (non-private) next-token pretraining on public text; returns its figures."""
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01)
+    warmup = max(1, spec.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / warmup)
+        * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, spec.steps)))),
+    )
+    model.train()
+    loss_value, t0 = float("nan"), time.monotonic()
+    for step in range(spec.steps):
+        idx = torch.randint(0, blocks.shape[0], (spec.batch_size,))
+        batch = blocks[idx]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        if (step + 1) % 50 == 0 or step + 1 == spec.steps:
+            log.info(
+                "base %s: step %d/%d loss %.3f (%.1f s)",
+                name, step + 1, spec.steps, loss_value, time.monotonic() - t0,
+            )
+    model.eval()
+    return {
+        "final_loss": loss_value,
+        "tokens_seen": spec.steps * spec.batch_size * blocks.shape[1],
+        "seconds": round(time.monotonic() - t0, 1),
+        "non_embedding_parameters": non_embedding_parameters(model),
+    }
+
+
+def non_embedding_parameters(model: torch.nn.Module) -> int:
+    """Parameters outside the token and position embeddings (and a tied head), the size the
+    issue's 'teacher at least 4x the student' compares."""
+    emb = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    pos = getattr(getattr(model, "transformer", None), "wpe", None)
+    if pos is not None:
+        emb.add(id(pos.weight))
+    return sum(p.numel() for p in model.parameters() if id(p) not in emb)
+
+
+def _encode(tok, paragraphs: list[str]) -> list[int]:
+    """One token stream: each paragraph followed by eos (batch-encoded: fast on 60 MB)."""
+    ids: list[int] = []
+    for start in range(0, len(paragraphs), 10_000):
+        for p in tok(paragraphs[start : start + 10_000], add_special_tokens=False)["input_ids"]:
+            ids.extend(p)
+            ids.append(tok.eos_token_id)
+    return ids
+
+
+def _validation_perplexity(model, ids: list[int], context_length: int, pad_id: int) -> float | None:
+    """Perplexity on non-overlapping windows of held-out public text (None without any)."""
+    from pipeline.stages.evaluate import _chunks, mean_token_nll  # evaluate imports this module
+    from pipeline.tokenized import ListIds
+
+    windows = _chunks(ids[:VALIDATION_TOKENS], context_length)
+    if not windows:
+        return None
+    return round(math.exp(mean_token_nll(model, ListIds(windows, pad_id), batch_size=32)), 2)
+
+
+def base_models_built(cfg: BaseModelsConfig) -> bool:
+    """Whether build_base_models would reuse its cache (`dpdistill plan` asks, building nothing)."""
+    return (cfg.cache_dir / _cache_key(cfg) / MANIFEST).is_file()
+
+
+def build_base_models(cfg: BaseModelsConfig, seed: int = 0) -> BaseModels:
+    """Build (or reuse from the cache) the tokenizer and the tiny teacher and student; with no
+    corpus, install the shipped pair into the cache."""
+    # Runs with different run_roots can share cache_dir: one builds (through a fixed temp
+    # name), the others wait for it and then reuse what it built (pipeline/locks.py).
+    with file_lock(Path(cfg.cache_dir) / f".{_cache_key(cfg)}.lock"):
+        return _build_base_models(cfg, seed)
+
+
+def _build_base_models(cfg: BaseModelsConfig, seed: int) -> BaseModels:
+    out = cfg.cache_dir / _cache_key(cfg)
+    result = BaseModels(teacher=out / "teacher", student=out / "student")
+    if (out / MANIFEST).is_file():
+        log.info("base models: reusing %s", out)
+        return result
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if cfg.corpus is None:
+        if not (SHIPPED / BUILD_INFO).is_file():
+            raise ModelError(
+                f"the shipped builtin models are missing from {SHIPPED}; reinstall the package, or "
+                "set base_models.corpus to build them from public text"
+            )
+        shutil.copytree(SHIPPED, tmp)
+        info = json.loads((tmp / BUILD_INFO).read_text())
+        inputs = {"shipped": SHIPPED}
+    else:
+        info = _pretrain_pair(cfg, seed, tmp)
+        inputs = {"corpus": Path(cfg.corpus)}
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    write_manifest(out, stage="base_models", inputs=inputs,
+                   outputs={"teacher": result.teacher, "student": result.student}, extra=info)
+    return result
+
+
+def _pretrain_pair(cfg: BaseModelsConfig, seed: int, dest: Path) -> dict:
+    """Train the tokenizer and both models on the public corpus into `dest`; their figures."""
+    torch.manual_seed(seed)
+    t0 = time.monotonic()
+    train, valid = public_corpus(cfg)
+    tok = train_tokenizer(train, cfg.vocab_size)
+    ids, valid_ids = _encode(tok, train), _encode(tok, valid)
+    n_blocks = len(ids) // cfg.context_length
+    if n_blocks < 1:
+        raise ModelError(
+            f"base_models.corpus {str(cfg.corpus)!r} holds {len(ids)} tokens, fewer than one "
+            f"context of {cfg.context_length}; use a larger public corpus"
+        )
+    blocks = torch.tensor(ids[: n_blocks * cfg.context_length]).view(n_blocks, cfg.context_length)
+    docs = _documents(Path(cfg.corpus))
+    held = held_out_documents(docs, cfg.validation_documents)
+    log.info("base models: tokenizer of %d tokens (%.0f s), %d public training tokens, %d validation "
+             "tokens from %d held-out documents", len(tok), time.monotonic() - t0, len(ids),
+             len(valid_ids), len(held))
+    info = {
+        "corpus": {
+            "path": str(cfg.corpus), "documents": len(docs), "training_tokens": len(ids),
+            "validation_documents": [d.name for d in held], "validation_tokens": min(len(valid_ids), VALIDATION_TOKENS),
+        },
+        "config": cfg.model_dump(mode="json", exclude={"cache_dir"}),
+        "seed": seed,
+        "tokenizer_seconds": round(time.monotonic() - t0, 1),
+        "models": {},
+    }
+    for name, spec in (("teacher", cfg.teacher), ("student", cfg.student)):
+        model = tiny_gpt2(spec, len(tok), cfg.context_length, tok.eos_token_id)
+        figures = _pretrain(model, blocks, spec, name)
+        figures["validation_perplexity"] = _validation_perplexity(model, valid_ids, cfg.context_length, tok.eos_token_id)
+        log.info("base %s: %s", name, figures)
+        info["models"][name] = figures
+        model.save_pretrained(dest / name)
+        tok.save_pretrained(dest / name)
+    info["seconds"] = round(time.monotonic() - t0, 1)
+    atomic_write_json(dest / BUILD_INFO, info)
+    return info
+
+
+def export_base_models(base: BaseModels, dest: Path) -> Path:
+    """Write a built pair to `dest` as the shipped pair is stored: fp16 safetensors, the
+    tokenizer, build.json (how it was built and its figures) and the attribution README."""
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name in ("teacher", "student"):
+        src = Path(getattr(base, name))
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float16)
+        model.save_pretrained(tmp / name)  # safetensors
+        AutoTokenizer.from_pretrained(src).save_pretrained(tmp / name)
+    info = json.loads((Path(base.teacher).parent / MANIFEST).read_text())
+    info = {k: v for k, v in info.items() if k not in ("stage", "finished_at", "inputs", "outputs")}
+    info["weights"] = "float16"
+    atomic_write_json(tmp / BUILD_INFO, info)
+    if (dest / "README.md").is_file():
+        shutil.copy(dest / "README.md", tmp / "README.md")  # the attribution and what they can do
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def resolve_model(name: str, base: BaseModels | None) -> str:
+    """Map `builtin:teacher|student` to its built directory; pass anything else through."""
+    if not name.startswith(BUILTIN_PREFIX):
+        return name
+    which = name[len(BUILTIN_PREFIX):]
+    if which not in ("teacher", "student"):
+        raise ModelError(f"unknown builtin model {name!r}; use 'builtin:teacher' or 'builtin:student'")
+    if base is None:
+        raise ModelError(f"{name!r} needs the base models built first (build_base_models)")
+    return str(getattr(base, which))
+
+
+def load_tokenizer(name_or_path: str):
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    except OSError as e:
+        raise ModelError(
+            f"cannot load a tokenizer from {name_or_path!r}: not a local directory and not in "
+            "the hub cache; build the offline models (builtin:...) or name a local checkpoint"
+        ) from e
+    if tok.eos_token_id is None:
+        raise ModelError(f"tokenizer of {name_or_path!r} has no eos token; set one before use")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal LM with weights in `dtype`: fp32 for training (master weights), the run's
+    precision for inference (pipeline/devices.py)."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except OSError as e:
+        raise ModelError(
+            f"cannot load a causal LM from {name_or_path!r}: not a local directory and not in "
+            "the hub cache; build the offline models (builtin:...) or name a local checkpoint"
+        ) from e
+    return model
+
+
+def untie_lm_head(model: torch.nn.Module) -> None:
+    """Give `lm_head` its own weight. Opacus ghost clipping computes one norm per parameter
+    use; a weight shared by the embedding and the head would be counted wrongly, and
+    Opacus refuses it (see the developers' guide)."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is emb.weight:
+        head.weight = torch.nn.Parameter(emb.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = None
+
+
+def same_tokenizer(a, b) -> bool:
+    return a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id

@@ -1,0 +1,1 @@
+"""Everything that decides the privacy guarantee; see README.md beside this file."""

@@ -1,0 +1,178 @@
+"""Release of the control-code distribution that prompts generation: exact, or a DP histogram.
+
+This is the one DP mechanism besides the teacher that reads the private training split.
+
+- `exact`: the true counts. NOT differentially private; the ledger says so.
+- `gaussian`: counts + N(0, σ²) in every bin of the declared domain (L2 sensitivity 1),
+  σ calibrated by Opacus for (ε, δ); composed with the teacher through the accountant.
+- `geometric`: counts + two-sided geometric noise, P(k) ∝ exp(-ε|k|) (L1 sensitivity 1):
+  pure ε-DP, composed with the teacher by adding ε (basic composition).
+
+Noisy counts are floored at 0 and renormalised when sampled. The histogram covers every
+combination of the declared per-column `domain`: bins that do not occur in the data get
+noise too, otherwise the released support would reveal which combinations exist.
+
+User-level: each user contributes the code of one of their records, chosen at random, so
+one user changes one bin by one, the same sensitivity as one record at record level.
+
+The noise and the per-user picks come from secret OS entropy (pipeline/privacy/noise.py), never
+from the run's public seed: anyone could otherwise regenerate the noise and subtract it.
+`secure_mode=True` draws them from a ChaCha20 CSPRNG instead of torch's mt19937.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.privacy import noise
+from pipeline.config import CodesConfig, ConfigError, DataConfig
+from pipeline.stages.data import CODE_JOINER, read_split, read_users
+from pipeline.privacy.ledger import LedgerEntry
+from pipeline.manifest import atomic_write_json, write_manifest
+from pipeline.privacy.accountant import (
+    DEFAULT_DELTA, CalibrationTimeout, calibrate_sigma, epsilon_of, resolve_delta, weak_delta_warning,
+)
+
+log = logging.getLogger(__name__)
+
+RELEASED = "control_codes.json"
+MAX_BINS = 1_000_000
+
+
+@dataclass(frozen=True)
+class CodesResult:
+    path: Path
+    ledger: LedgerEntry
+
+
+def domain_codes(data: DataConfig, domain: dict[str, list[str]]) -> list[str]:
+    """Every control-code string the declared domain allows, in a fixed order."""
+    per_column = [[data.code_template.format(column=c, value=v) for v in domain[c]] for c in data.code_columns]
+    n_bins = math.prod(len(v) for v in per_column)
+    if n_bins > MAX_BINS:
+        raise ValueError(f"control_codes.domain spans {n_bins} combinations (> {MAX_BINS}); declare fewer values")
+    return [CODE_JOINER.join(parts) for parts in itertools.product(*per_column)]
+
+
+def gaussian_sigma(epsilon: float, delta: float, accountant: str) -> tuple[float, str]:
+    """(σ of the Gaussian histogram for (ε, δ), the accountant that calibrated it). The Gaussian
+    mechanism is one step of the subsampled Gaussian with q = 1; gdp cannot account it, so rdp does."""
+    calibrate = "rdp" if accountant == "gdp" else accountant
+    try:
+        return calibrate_sigma(calibrate, epsilon, delta, sample_rate=1.0, steps=1), calibrate
+    except CalibrationTimeout as e:
+        raise ConfigError(f"control_codes.epsilon={epsilon}: {e}; use a smaller control_codes.epsilon") from e
+
+
+def _one_per_user(codes: list[str], users: list[str], rng: noise.Generator) -> list[str]:
+    by_user: dict[str, list[str]] = {}
+    for c, u in zip(codes, users):
+        by_user.setdefault(u, []).append(c)
+    return [v[noise.randbelow(rng, len(v))] for _, v in sorted(by_user.items())]
+
+
+def _two_sided_geometric(epsilon: float, size: int, rng: noise.Generator) -> np.ndarray:
+    """Integer noise with P(k) ∝ exp(-ε|k|): the difference of two Geometric(1 - e^-ε)
+    variables on {1, 2, ...}, each by the inverse CDF of a uniform in (0, 1]."""
+    u = 1.0 - noise.uniform(rng, 2 * size).numpy()
+    g = np.floor(np.log(u) / -epsilon).astype(np.int64) + 1  # log(1 - p) = -ε
+    return g[:size] - g[size:]
+
+
+def release_control_codes(
+    cfg: CodesConfig,
+    data: DataConfig,
+    *,
+    train_path: Path,
+    out_dir: Path,
+    delta: float | str = DEFAULT_DELTA,
+    accountant: str = "prv",
+    secure_mode: bool = False,
+) -> CodesResult:
+    """Write `out_dir/control_codes.json` (the counts generation samples from) and its ledger entry.
+
+    The run's public seed drives nothing here: the mechanism's only randomness is its noise
+    and per-user picks, which come from secret entropy (see the module doc).
+    """
+    if cfg.mechanism is None:
+        raise ValueError(
+            "control_codes.mechanism is unset and no control_codes.domain is declared: declare the domain "
+            "(DP release) or set control_codes.mechanism=exact (NOT private)"
+        )
+    rng = noise.generator("control_codes", secure=secure_mode)
+    codes, _ = read_split(train_path)
+    users = read_users(train_path)
+    unit = "record" if users is None else "user"
+    if cfg.mechanism == "exact":
+        counts = {c: float(n) for c, n in Counter(codes).items()}
+        entry = LedgerEntry(
+            stage="control_codes",
+            private=False,
+            epsilon=None,
+            mechanism="exact",
+            note="NOT differentially private: generation prompts are drawn from the exact "
+            f"control-code counts of the private training split ({len(codes)} records). Who wrote "
+            "which text stays protected by the teacher's DP-SGD, but the counts per code "
+            "combination are released as they are (set control_codes.mechanism to release them with DP)",
+        )
+    else:
+        contributions = codes if users is None else _one_per_user(codes, users, rng)
+        n_units = len(contributions)
+        delta = resolve_delta(delta, n_units)
+        if weak := weak_delta_warning(delta, n_units, unit, "control_codes"):
+            log.warning("%s", weak)
+        bins = domain_codes(data, cfg.domain)
+        true = Counter(contributions)
+        assert set(true) <= set(bins), "prepare_data checks every code against the domain"
+        exact = np.array([true.get(b, 0) for b in bins], dtype=float)
+        if cfg.mechanism == "gaussian":
+            sigma, calibrate = gaussian_sigma(cfg.epsilon, delta, accountant)
+            noisy = exact + noise.normal(rng, sigma, len(bins)).numpy()
+            history = [(sigma, 1.0, 1)]
+            epsilon = epsilon_of(calibrate, history, delta)
+            entry = LedgerEntry(
+                stage="control_codes", private=True, epsilon=epsilon, delta=delta, accountant=calibrate,
+                mechanism="gaussian", noise_multiplier=sigma, sample_rate=1.0, steps=1, privacy_unit=unit,
+                epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
+                noise_source=noise.source(secure_mode),
+                note=f"Gaussian noise (σ={sigma:.4g}) on the histogram of {len(bins)} declared code "
+                f"combinations over {n_units} {unit}s"
+                + ("" if users is None else ", one random record per user")
+                + "; negative counts floored at 0",
+            )
+        else:
+            noisy = exact + _two_sided_geometric(cfg.epsilon, len(bins), rng)
+            entry = LedgerEntry(
+                stage="control_codes", private=True, epsilon=cfg.epsilon, delta=0.0, mechanism="geometric",
+                privacy_unit=unit, noise_source=noise.source(secure_mode),
+                note=f"two-sided geometric noise (pure ε={cfg.epsilon}) on the histogram of {len(bins)} "
+                f"declared code combinations over {n_units} {unit}s; negative counts floored at 0",
+            )
+        floored = np.maximum(noisy, 0.0)
+        if floored.sum() == 0:
+            floored[:] = 1.0  # all noise: fall back to uniform over the domain (still DP)
+            entry.note += "; every noisy count was ≤ 0, so prompts are uniform over the domain"
+        counts = {b: float(v) for b, v in zip(bins, floored) if v > 0}
+
+    out_dir = Path(out_dir)
+    path = out_dir / RELEASED
+    atomic_write_json(
+        path,
+        {
+            "columns": data.code_columns,
+            "private": entry.private,
+            "mechanism": cfg.mechanism,
+            "note": entry.note,
+            "counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+        },
+    )
+    write_manifest(out_dir, stage="control_codes", inputs={"train": train_path}, outputs={"released": path},
+                   extra={"ledger": entry.model_dump()})
+    return CodesResult(path=path, ledger=entry)

@@ -1,0 +1,162 @@
+"""The privacy ledger: one entry per stage, and the run's total composed by an accountant.
+
+ε values come from Opacus accountants, never from our arithmetic. Gaussian mechanisms
+(DP-SGD steps, a Gaussian histogram) are composed by giving the accountant their joint
+history; a pure ε-DP mechanism (the geometric histogram) is added by basic composition,
+which is valid and conservative, and the total says so. Stages after the teacher are
+post-processing (ε = 0). A release that is not DP (exact control-code counts) makes the
+total incomplete, and the ledger says so; so does a mechanism whose noise came from the
+test-only fixed-seed hook (its `noise_source`, see pipeline/privacy/noise.py).
+
+    dpdistill ledger show RUN_DIR     # the ledger as a table
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from pipeline.manifest import atomic_write_json
+
+LEDGER = "ledger.json"
+TEST_HOOK = "TEST HOOK"
+"""How a `noise_source` made through the test-only fixed-noise hook starts (pipeline/privacy/noise.py)."""
+
+
+class LedgerEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str
+    private: bool
+    """True when this stage's release is covered by a DP guarantee (or spends nothing)."""
+    epsilon: float | None
+    """ε spent by this stage; None where the release is not differentially private."""
+    delta: float | None = None
+    accountant: str | None = None
+    mechanism: str | None = None
+    """'subsampled_gaussian', 'gaussian' or 'geometric' for DP mechanisms."""
+    noise_multiplier: float | None = None
+    sample_rate: float | None = None
+    steps: int | None = None
+    max_grad_norm: float | None = None
+    privacy_unit: str | None = None
+    """'record' or 'user': what one protected unit is."""
+    epsilon_rdp: float | None = None
+    """The RDP accountant's ε for the same history: a cross-check of the default PRV figure."""
+    history: list[tuple[float, float, int]] = []
+    """(σ, q, steps) of each Gaussian mechanism, what the accountant composes."""
+    noise_source: str | None = None
+    """Where the mechanism's randomness came from (pipeline/privacy/noise.py): OS entropy, a CSPRNG,
+    or the test hook's fixed seed, which anyone could regenerate: then the entry is not private."""
+    note: str
+
+
+class LedgerTotal(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    epsilon: float
+    delta: float
+    accountant: str
+    composition: str
+    complete: bool
+    """False when some release of the run is not DP: then ε covers the DP stages only."""
+    note: str
+
+
+class PrivacyLedger(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    entries: list[LedgerEntry]
+    total: LedgerTotal | None = None
+
+    def entry(self, stage: str) -> LedgerEntry:
+        return next(e for e in self.entries if e.stage == stage)
+
+
+def post_processing(stage: str, note: str) -> LedgerEntry:
+    """A stage that only reads DP outputs: no privacy cost (post-processing theorem)."""
+    return LedgerEntry(stage=stage, private=True, epsilon=0.0, note=f"post-processing: {note}")
+
+
+def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> LedgerTotal:
+    """The run's total: Gaussian histories through the accountant, pure-ε ones added."""
+    dp = [e for e in entries if e.private and e.epsilon]
+    units = {e.privacy_unit for e in dp}
+    if len(units) > 1:
+        raise ValueError(f"cannot compose mechanisms with different privacy units: {sorted(units)}")
+    history = [h for e in dp for h in e.history]
+    pure = [e for e in dp if e.mechanism == "geometric"]
+    used = accountant
+    parts = []
+    eps = 0.0
+    if history:
+        if accountant == "gdp" and len({(s, q) for s, q, _ in history}) > 1:
+            used = "rdp"  # Opacus' GDP accountant reads only its last history entry
+        from pipeline.privacy.accountant import epsilon_of  # Opacus and torch: only when there is something to compose
+
+        eps = epsilon_of(used, history, delta)
+        gaussians = [e.stage for e in dp if e.history]
+        parts.append(f"{used} accountant over the joint history of {', '.join(gaussians)}")
+    if pure:
+        eps += sum(e.epsilon for e in pure)
+        parts.append(f"plus basic composition (ε added) of the pure-ε {', '.join(e.stage for e in pure)}")
+    not_dp = [e.stage for e in entries if not e.private]
+    fixed_noise = [e.stage for e in entries if (e.noise_source or "").startswith(TEST_HOOK)]
+    note = f"(ε, δ)-DP per {next(iter(units), 'record')} for everything this run releases"
+    if not_dp:
+        note = f"covers the DP stages only; NOT differentially private: {', '.join(not_dp)}"
+    if fixed_noise:
+        note = (f"NOT private: the noise of {', '.join(fixed_noise)} came from the test hook's fixed "
+                f"seed, which anyone can regenerate (ε assumes secret noise); {note}")
+    if used != accountant:
+        note += f"; composed with rdp because {accountant} cannot compose different mechanisms"
+    return LedgerTotal(
+        epsilon=eps,
+        delta=delta,
+        accountant=used,
+        composition="; ".join(parts) or "no DP mechanism",
+        complete=not not_dp and not fixed_noise,
+        note=note,
+    )
+
+
+def write_ledger(path: Path, ledger: PrivacyLedger) -> None:
+    stages = [e.stage for e in ledger.entries]
+    if len(set(stages)) != len(stages):
+        raise ValueError(f"ledger has duplicate stages: {stages}")
+    atomic_write_json(Path(path), ledger.model_dump(mode="json"))
+
+
+def read_ledger(path: Path) -> PrivacyLedger:
+    return PrivacyLedger.model_validate(json.loads(Path(path).read_text()))
+
+
+def fmt_value(x) -> str:
+    """A ledger value as shown in tables: 4 significant digits, yes/NO, '-' for none."""
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+def format_table(ledger: PrivacyLedger) -> str:
+    """The ledger as a fixed-width text table plus its total and notes."""
+    cols = ["stage", "private", "epsilon", "delta", "accountant", "noise_multiplier", "sample_rate",
+            "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp"]
+    rows = [[fmt_value(getattr(e, c)) for c in cols] for e in ledger.entries]
+    if ledger.total:
+        t = ledger.total
+        rows.append(["TOTAL", fmt_value(t.complete), fmt_value(t.epsilon), fmt_value(t.delta), t.accountant] + ["-"] * 6)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths))  # noqa: E731
+    out = [line(cols), line(["-" * w for w in widths]), *map(line, rows), ""]
+    out += [f"{e.stage}: {e.note}" + (f" [noise: {e.noise_source}]" if e.noise_source else "")
+            for e in ledger.entries]
+    if ledger.total:
+        out += [f"TOTAL: {ledger.total.composition}. {ledger.total.note}"]
+    return "\n".join(out)

@@ -1,0 +1,206 @@
+"""Where DP randomness comes from: secret OS entropy, never the config's seed.
+
+An attacker reads everything a run publishes, the config's `seed` included. Any randomness
+a DP guarantee relies on must therefore be unpredictable from it: the DP-SGD noise, the
+Poisson sample (amplification by subsampling assumes the sample is secret), the record
+picked for each sampled user, and the histogram noise of the control codes. Everything
+else (splits, prompts, dropout) keeps following `seed`.
+
+Two sources, both keyed from `os.urandom`:
+
+- default: torch's mt19937 seeded with 64 secret bits. Unpredictable from anything
+  published, fast, but not a cryptographic generator.
+- `secure=True`: `ChaCha20Normal`, a ChaCha20 keystream (the `cryptography` package) with
+  a 256-bit key, turned into uniforms and Box–Muller Gaussians in float64. Opacus' own
+  secure mode needs torchcsprng, which has no release for current torch; here the noise
+  reaches Opacus' optimizers through a dispatcher around `_generate_noise`, installed when
+  this module is imported, that handles a `ChaCha20Normal` generator and passes anything
+  else to Opacus unchanged.
+
+Generator states go only into the private resume checkpoint (`get_state`/`set_state`),
+never into a released file.
+
+Tests that need identical runs set `DPDISTILL_TEST_NOISE_SEED`: every generator is then
+derived from it, and `source()` says "TEST HOOK ...: NOT private", which the ledger
+records and `compose()` flags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+
+import numpy as np
+import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+from pipeline.privacy.ledger import TEST_HOOK
+
+log = logging.getLogger(__name__)
+
+TEST_SEED_ENV = "DPDISTILL_TEST_NOISE_SEED"
+
+
+def _test_seed() -> int | None:
+    value = os.environ.get(TEST_SEED_ENV)
+    return None if value in (None, "") else int(value)
+
+
+def _secret_bytes(n: int, purpose: str, rank: int = 0) -> bytes:
+    """n bytes of OS entropy, or, under the test hook, bytes derived from its seed."""
+    seed = _test_seed()
+    if seed is None:
+        return os.urandom(n)
+    log.warning("%s is set: the %s randomness is fixed and anyone can regenerate it; NOT private "
+                "(for tests only)", TEST_SEED_ENV, purpose)
+    digest = hashlib.sha256(f"{seed}:{purpose}:{rank}".encode()).digest()
+    assert n <= len(digest)
+    return digest[:n]
+
+
+def source(secure: bool) -> str:
+    """What the DP noise of a run made now comes from, as the ledger records it."""
+    seed = _test_seed()
+    if seed is not None:
+        return f"{TEST_HOOK} fixed seed ({TEST_SEED_ENV}={seed}): reproducible, NOT private"
+    if secure:
+        return "csprng: ChaCha20 keyed with 256 bits from os.urandom (Box–Muller Gaussians, float64)"
+    return "os-entropy: torch mt19937 seeded from os.urandom (not a CSPRNG)"
+
+
+class ChaCha20Normal:
+    """Cryptographically secure uniforms and Gaussians from a ChaCha20 keystream.
+
+    Each draw encrypts zeros under (key, nonce = number of draws so far), so the state is
+    just (key, draws): saved in a checkpoint, it resumes the exact same stream.
+    """
+
+    def __init__(self, key: bytes, draws: int = 0):
+        assert len(key) == 32
+        self.key, self.draws = key, draws
+
+    def _bytes(self, n: int) -> bytes:
+        # cryptography's 16-byte ChaCha20 nonce: 4-byte block counter (from 0), then 12 bytes.
+        nonce = b"\0" * 4 + self.draws.to_bytes(12, "little")
+        self.draws += 1
+        return Cipher(algorithms.ChaCha20(self.key, nonce), mode=None).encryptor().update(b"\0" * n)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """n float64 uniforms in (0, 1]: the top 53 bits of each 64-bit word, centred."""
+        u = (np.frombuffer(self._bytes(8 * n), dtype=np.uint64) >> np.uint64(11)).astype(np.float64)
+        u += 0.5
+        u *= 2.0**-53
+        return torch.from_numpy(u)
+
+    def normal(self, n: int) -> torch.Tensor:
+        """n float64 standard Gaussians (Box–Muller, both outputs used; in place: it is the
+        cost of secure mode, see bench/secure_noise.py)."""
+        m = (n + 1) // 2
+        u = self.uniform(2 * m)
+        r, theta = u[:m].log_().mul_(-2.0).sqrt_(), u[m:].mul_(2.0 * math.pi)
+        out = torch.empty(2 * m, dtype=torch.float64)
+        torch.mul(r, torch.cos(theta), out=out[:m])
+        torch.mul(r, theta.sin_(), out=out[m:])
+        return out[:n]
+
+    def state_dict(self) -> dict:
+        return {"key": torch.tensor(list(self.key), dtype=torch.uint8), "draws": self.draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.key, self.draws = bytes(state["key"].tolist()), int(state["draws"])
+
+
+Generator = torch.Generator | ChaCha20Normal
+
+
+def generator(purpose: str, *, secure: bool, rank: int = 0, device: torch.device | str = "cpu") -> Generator:
+    """A secret generator for one use (`purpose`: 'noise', 'poisson', 'user_pick', ...).
+
+    Every data-parallel rank gets its own. Under the test hook the generators are fixed,
+    and the Poisson sampler's is the same on every rank (callers pass rank=0 for it), so
+    a data-parallel run draws exactly the single-process sample.
+    """
+    if secure:
+        return ChaCha20Normal(_secret_bytes(32, purpose, rank))
+    g = torch.Generator(device=device)
+    g.manual_seed(int.from_bytes(_secret_bytes(8, purpose, rank), "little"))
+    return g
+
+
+def uniform(gen: Generator, n: int) -> torch.Tensor:
+    """n uniforms in [0, 1) from either kind of generator (on the CPU)."""
+    if isinstance(gen, ChaCha20Normal):
+        return gen.uniform(n)
+    return torch.rand(n, generator=gen)
+
+
+def normal(gen: Generator, std: float, n: int) -> torch.Tensor:
+    """n float64 N(0, std²) values from either kind of generator (ChaCha: the secure sum)."""
+    if isinstance(gen, ChaCha20Normal):
+        return secure_gaussian(gen, std, (n,))
+    return torch.normal(0.0, std, (n,), generator=gen, dtype=torch.float64)
+
+
+def randbelow(gen: Generator, k: int) -> int:
+    """A uniform integer in [0, k) (ChaCha: bias below k / 2^53, negligible)."""
+    if isinstance(gen, ChaCha20Normal):
+        return min(int(gen.uniform(1).item() * k), k - 1)
+    return int(torch.randint(k, (1,), generator=gen).item())
+
+
+def get_state(gen: Generator):
+    return gen.state_dict() if isinstance(gen, ChaCha20Normal) else gen.get_state()
+
+
+def set_state(gen: Generator, state) -> None:
+    if isinstance(gen, ChaCha20Normal):
+        gen.load_state_dict(state)
+    else:
+        gen.set_state(state)
+
+
+def secure_gaussian(gen: ChaCha20Normal, std: float, shape, dtype=torch.float64, device="cpu") -> torch.Tensor:
+    """N(0, std²) noise of `shape` as Opacus' secure mode makes it: the sum of 4 Gaussians
+    of std `std`, halved (Holohan & Braghin 2021, §5.1: a floating-point representation
+    attack on one Gaussian sample costs 2^53, on the sum of 2n = 4 about 2^159)."""
+    n = math.prod(shape)
+    total = gen.normal(n)  # float64
+    for _ in range(3):
+        total += gen.normal(n)
+    total *= std / 2.0
+    return total.view(*shape).to(device=device, dtype=dtype)
+
+
+# --- Opacus: route our CSPRNG through the optimizers' noise function --------------------
+# Opacus' DP optimizers call the module-level `_generate_noise(std, reference, generator,
+# secure_mode)`, which needs a torch.Generator. The dispatcher handles a ChaCha20Normal
+# generator and leaves every other call to the original.
+
+def _install_dispatcher() -> None:
+    import importlib
+
+    from opacus.optimizers import optimizer as base
+
+    original = getattr(base._generate_noise, "_opacus_original", base._generate_noise)
+
+    def _generate_noise(std, reference, generator=None, secure_mode=False):
+        if isinstance(generator, ChaCha20Normal):
+            if std == 0:
+                return torch.zeros(reference.shape, device=reference.device, dtype=reference.dtype)
+            return secure_gaussian(generator, std, reference.shape, reference.dtype, reference.device)
+        return original(std=std, reference=reference, generator=generator, secure_mode=secure_mode)
+
+    _generate_noise._opacus_original = original
+    for name in ("optimizer", "optimizer_fast_gradient_clipping", "ddp_perlayeroptimizer",
+                 "fsdpoptimizer_fast_gradient_clipping", "adaclipoptimizer"):
+        try:
+            module = importlib.import_module(f"opacus.optimizers.{name}")
+        except ImportError:  # e.g. FSDP pieces missing from a torch build
+            continue
+        if hasattr(module, "_generate_noise"):
+            module._generate_noise = _generate_noise
+
+
+_install_dispatcher()

@@ -1,0 +1,1 @@
+"""What a run shows people: the HTML report and the model cards."""

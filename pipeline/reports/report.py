@@ -1,0 +1,483 @@
+"""The run report: one self-contained `report.html` per run directory, built from what the run wrote.
+
+It reads aggregates and logs only (metrics.json, ledger.json, the training logs, the stage
+manifests, run.json and stages.json, config.yaml and the numeric columns of the synthetic
+shards) and never opens `data/`, so it cannot show a private record. Plots are matplotlib
+figures inlined as SVG: no network, no external script or style. A stage that did not run,
+or has not finished, is skipped with a short note, so a report can be written for a partly
+finished run.
+
+    from pipeline.reports.report import write_report, write_comparison_report
+    write_report(Path("runs/demo-20261121-064807"))          # -> .../report.html
+    write_comparison_report({"ours": run_a, "DP-SGD": run_b}, Path("runs/reference/report.html"))
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+import pyarrow.parquet as pq
+import yaml
+from matplotlib.figure import Figure
+
+from pipeline.privacy.ledger import LEDGER, fmt_value, read_ledger
+from pipeline.manifest import MANIFEST, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+REPORT = "report.html"
+STAGES = ("data", "control_codes", "teacher", "synthetic", "student", "evaluation")
+GENERATING_METHODS = ("distil", "dp_syn")  # the others train the student on the private data itself
+# What the flow writes into stages.json (flows/pipeline_flow.py StageRunner), as the report says it.
+_STAGE_STATUS = {"ran": "finished", "forced": "finished (forced rerun)", "cached": "cached", "failed": "failed"}
+MAX_CODES_PLOTTED = 40  # a bar per code value stays readable up to about this many
+_SYNTHETIC_COLUMNS = ("n_tokens", "n_prompt_tokens", "finished")  # numeric only: never the text
+_STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 0.2em; margin-top: 1.6em; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+/* A wide table (the ledger has 12 columns) scrolls inside its own box instead of widening the
+   page; long paths and names (reused outputs, accountants) may break anywhere. */
+.table-wrap { max-width: 100%; overflow-x: auto; } td, th { overflow-wrap: anywhere; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; } th { background: #f4f4f4; }
+.note { color: #666; font-style: italic; } .warn { color: #a40000; font-weight: bold; }
+pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
+figure { margin: 0.8em 0; } svg { max-width: 100%; height: auto; }
+"""
+
+
+# ---------------------------------------------------------------- small HTML helpers
+
+def _esc(x) -> str:
+    return html.escape(str(x))
+
+
+def _note(text: str, cls: str = "note") -> str:
+    return f'<p class="{cls}">{_esc(text)}</p>'
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    def cell(v) -> str:
+        num = isinstance(v, (int, float)) and not isinstance(v, bool)
+        return f'<td class="num">{_esc(fmt_value(v))}</td>' if num else f"<td>{_esc(fmt_value(v))}</td>"
+
+    head = "".join(f"<th>{_esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(cell(v) for v in r) + "</tr>" for r in rows)
+    return f'<div class="table-wrap"><table><tr>{head}</tr>{body}</table></div>'
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_esc(title)}</title><style>{_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n"
+    )
+
+
+def _svg(fig: Figure, name: str) -> str:
+    """The figure as inline SVG; `name` salts its ids so that figures in one page never share one."""
+    buf = io.StringIO()
+    # Text stays text (small, searchable); no date or creator, so the same run gives the same report.
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": name}):
+        fig.savefig(buf, format="svg", bbox_inches="tight",
+                    metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+    svg = buf.getvalue()
+    return f"<figure>{svg[svg.index('<svg'):]}</figure>"  # no XML declaration or DOCTYPE inside HTML
+
+
+def _read_json(path: Path) -> dict | None:
+    """The file's JSON, or None when it is missing or unreadable (a stage may still be writing)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("report: %s is unreadable (%s); its part of the report is skipped", path, type(e).__name__)
+        return None
+
+
+# ---------------------------------------------------------------- the sections of a run report
+
+def _flow_stages(run_dir: Path, writer_alive: bool) -> str | None:
+    """The stage table from stages.json, the flow's own record of each stage (None: no such file,
+    e.g. a directory made by hand). A failed, interrupted or cached stage often has no manifest in
+    this directory, so the manifests alone would call it "not run"."""
+    stages = _read_json(run_dir / "stages.json")
+    if not isinstance(stages, dict):
+        return None
+    running = (_read_json(run_dir / "run.json") or {}).get("status") == "running" and writer_alive
+    rows, warnings = [], []
+    for name, s in stages.items():
+        status = s.get("status")
+        if status == "running" and not running:
+            status = "interrupted"
+            warnings.append(f"The run was interrupted during stage {name} (its process is gone): "
+                            "run the same command again to continue it.")
+        elif status == "failed":
+            warnings.append(f"Stage {name} failed: the run's log says why.")
+        out = s.get("output")
+        if out and Path(out).resolve().is_relative_to(run_dir.resolve()):
+            out = str(Path(out).resolve().relative_to(run_dir.resolve()))
+        elif out:
+            out = f"reused from {out}"
+        rows.append([name, _STAGE_STATUS.get(status, status), s.get("seconds"), s.get("finished_at"), out])
+    table = _table(["stage", "status", "seconds", "finished at", "output"], rows)
+    notes = "".join(_note(w, "warn") for w in warnings)
+    return notes + table + _note("A stage not listed has not started (or this method has no such stage).")
+
+
+def _overview(run_dir: Path, metrics: dict | None, writer_alive: bool) -> str:
+    method = (metrics or {}).get("method")
+    if method:
+        head = f"<p>Method: <b>{_esc(method)}</b></p>"
+    else:
+        head = _note("metrics.json is missing: the run has not finished.")
+    if (table := _flow_stages(run_dir, writer_alive)) is not None:
+        return head + table
+    rows = []
+    for stage in STAGES:
+        manifest = _read_json(run_dir / stage / MANIFEST)
+        if manifest is not None:
+            rows.append([stage, "finished", manifest.get("finished_at")])
+        elif (run_dir / stage).is_dir():
+            rows.append([stage, "started, not finished (no manifest)", None])
+        else:
+            rows.append([stage, "not run", None])
+    return head + _table(["stage", "status", "finished at"], rows)
+
+
+def _privacy(run_dir: Path) -> str:
+    if not (run_dir / LEDGER).exists():
+        return _note("No ledger.json yet (it is written once the first DP stage finishes).")
+    ledger = read_ledger(run_dir / LEDGER)
+    cols = ["stage", "private", "epsilon", "delta", "accountant", "mechanism", "noise_multiplier",
+            "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp"]
+    rows = [[getattr(e, c) for c in cols] for e in ledger.entries]
+    out = ""
+    t = ledger.total
+    if t is not None:
+        rows.append(["TOTAL", t.complete, t.epsilon, t.delta, t.accountant] + [None] * 7)
+        out += f"<p><b>Total: ε = {t.epsilon:.4f}, δ = {t.delta:.3g}</b> ({_esc(t.composition)}).</p>"
+        out += _note(t.note, "note" if t.complete else "warn")
+    out += _table(cols, rows)
+    notes = "".join(f"<li><b>{_esc(e.stage)}</b>: {_esc(e.note)}</li>" for e in ledger.entries)
+    return out + f"<ul>{notes}</ul>"
+
+
+def _is_dp_log(train_log: dict) -> bool:
+    """A DP-SGD log (teacher, or a dp_sgd/dpkd student) rather than a distillation log."""
+    return not any("ce" in h for h in train_log.get("history", []))
+
+
+def _dp_training(run_dir: Path) -> str:
+    logs = {}
+    for stage in ("teacher", "student"):
+        train_log = _read_json(run_dir / stage / "training_log.json")
+        if train_log is not None and train_log.get("history") and _is_dp_log(train_log):
+            logs[stage] = train_log
+    if not logs:
+        return _note("No finished DP-SGD training log (teacher/ or a DP student) in this run.")
+    fig = Figure(figsize=(10, 3.6))
+    loss_ax, eps_ax = fig.subplots(1, 2)
+    rows = []
+    for stage, train_log in logs.items():
+        hist = train_log["history"]
+        label = "teacher" if stage == "teacher" else "DP student"
+        # The loss on held-out validation records, as logged every log_every steps. The loss of
+        # a private training batch is never logged: it would be released without noise.
+        val = [h for h in hist if h.get("validation_loss") is not None]
+        loss_ax.plot([h["step"] for h in val], [h["validation_loss"] for h in val], marker="o", label=label)
+        # ε as recorded from the Opacus accountant every log_every steps: never recomputed here.
+        eps = [h for h in hist if h.get("epsilon") is not None]
+        eps_ax.plot([h["step"] for h in eps], [h["epsilon"] for h in eps], marker="o", label=label)
+        rows.append([label, len(hist), val[-1]["validation_loss"] if val else None,
+                     eps[-1]["epsilon"] if eps else None, train_log.get("validation_loss")])
+    loss_ax.set(title="Validation loss during DP-SGD", xlabel="step", ylabel="mean token loss")
+    eps_ax.set(title="ε spent (Opacus accountant)", xlabel="step", ylabel="ε", ylim=(0, None))
+    for ax in (loss_ax, eps_ax):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    table = _table(["model", "steps", "last logged validation loss", "ε at the end",
+                    "final validation loss (log perplexity)"], rows)
+    return _svg(fig, "dp-training") + table
+
+
+def _distillation(run_dir: Path) -> str:
+    train_log = _read_json(run_dir / "student" / "training_log.json")
+    if train_log is None or not train_log.get("history"):
+        return _note("No finished distillation log (student/training_log.json) in this run.")
+    if _is_dp_log(train_log):
+        return _note("The student was trained with DP-SGD on the private data (see DP-SGD training): no distillation.")
+    hist = train_log["history"]
+    steps = [h["step"] for h in hist]
+    fig = Figure(figsize=(8, 3.8))
+    ax = fig.subplots()
+    ax.plot(steps, [h["loss"] for h in hist], label="total loss")
+    ax.plot(steps, [h["ce"] for h in hist], label="CE", alpha=0.8)
+    ax.plot(steps, [h["kl"] for h in hist], label="KL", alpha=0.8)
+    if any(h.get("mse") for h in hist):
+        ax.plot(steps, [h["mse"] for h in hist], label="MSE (hidden)", alpha=0.8)
+    val = train_log.get("validation") or []
+    if val:
+        ax.plot([v["step"] for v in val], [v["validation_loss"] for v in val], "ko--",
+                label="validation loss (synthetic)")
+    ax.set(title="Distillation", xlabel="step", ylabel="loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = _svg(fig, "distillation")
+    if train_log.get("stopped_early"):
+        out += _note("Stopped early on the synthetic validation split (distill.patience).")
+    return out
+
+
+def _perplexity(metrics: dict | None) -> str:
+    ppl = (metrics or {}).get("perplexity")
+    if not ppl:
+        return _note("No evaluation results (metrics.json has no perplexity yet).")
+    names = list(ppl)
+    values = [ppl[n]["windowed"] for n in names]
+    fig = Figure(figsize=(max(5, 1.3 * len(names)), 3.6))
+    ax = fig.subplots()
+    bars = ax.bar(names, values, color=["#999" if n.startswith("base_") else "#3465a4" for n in names])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set(title=f"Test perplexity, {metrics.get('window', '?')}-token windows (lower is better)",
+           ylabel="perplexity")
+    ax.tick_params(axis="x", labelrotation=15)
+    keys = ["windowed", "per_record_mean", "per_record_median", "tokens", "records"]
+    rows = [[n] + [ppl[n].get(k) for k in keys] for n in names]
+    warnings = "".join(_note("Warning: " + line, "warn") for line in metrics.get("diagnostics", []))
+    return warnings + _svg(fig, "perplexity") + _table(["model"] + keys, rows)
+
+
+def _code_adherence(metrics: dict | None) -> str:
+    """Per code column, the share of synthetic samples whose requested value the DP teacher
+    scores highest (pipeline/stages/adherence.py), per requested value, against chance (1/|values|)."""
+    adh = (metrics or {}).get("code_adherence")
+    if not adh:
+        return _note("No code adherence in metrics.json (evaluate.adherence_samples=0, or a run from before it).")
+    columns = {c: col for c, col in adh["columns"].items() if col["n"]}
+    if not columns:
+        return _note("Code adherence scored no sample (no code column has two or more declared values).")
+    shown = {c: list(col["values"])[:MAX_CODES_PLOTTED] for c, col in columns.items()}
+    fig = Figure(figsize=(9, 1.0 + sum(0.9 + 0.26 * len(v) for v in shown.values())))
+    axes = fig.subplots(len(columns), 1, squeeze=False,
+                        gridspec_kw={"height_ratios": [1 + len(v) for v in shown.values()]})[:, 0]
+    for ax, (c, col) in zip(axes, columns.items()):
+        values = shown[c]
+        shares = [col["values"][v]["share"] or 0.0 for v in values]
+        bars = ax.barh(range(len(values)), shares, color="#3465a4")
+        ax.bar_label(bars, labels=[f"n={col['values'][v]['n']}" for v in values], fontsize=7, padding=2)
+        ax.axvline(col["chance"], color="#a40000", linestyle="--", label=f"chance ({col['chance']:.2f})")
+        ax.set_yticks(list(range(len(values))), values, fontsize=8)
+        ax.invert_yaxis()
+        ax.set(xlim=(0, 1.1), title=f"{c}: requested value scored highest in {col['share']:.0%} of "
+               f"{col['n']} samples", xlabel="share of samples that requested the value")
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Does the synthetic text follow its control code? (DP teacher's choice among the values)")
+    fig.tight_layout()
+    out = _svg(fig, "code-adherence")
+    rows = [[c, col["share"], col["chance"], col["n"]] for c, col in columns.items()]
+    rows.append(["(every scored column, pairs)", adh.get("overall"), None, adh.get("samples")])
+    rows.append(["(all columns of a sample at once)", adh.get("all_columns"), None, adh.get("samples")])
+    out += _table(["column", "share requested value wins", "chance", "samples"], rows)
+    per_value = [[c, v, x["share"], x["n"], x["n"] / col["n"]] for c, col in columns.items()
+                 for v, x in col["values"].items()]
+    out += _table(["column", "value", "share requested value wins", "samples that requested it",
+                   "requested share"], per_value)
+    out += _note(
+        f"The first {adh.get('samples')} synthetic training samples: for each code column, the DP teacher scores the "
+        "sample's text under the prompt with that column set to each declared value, the others as requested; "
+        "a sample counts when the requested value scores strictly highest (n=0: no sample requested the value). "
+        f"{adh.get('truncated', 0)} sample(s) had their text cut to fit the teacher's context (the same cut for every "
+        f"value), {adh.get('skipped', 0)} were skipped (no text left to score)."
+    )
+    hidden = sum(len(col["values"]) - len(shown[c]) for c, col in columns.items())
+    if hidden:
+        out += _note(f"{hidden} further values are not plotted (more than {MAX_CODES_PLOTTED} in a column).")
+    return out
+
+
+def _synthetic_lengths(run_dir: Path) -> tuple[list[int], int]:
+    """Generated tokens per kept sample (without prompt and EOS), and how many samples ended with
+    EOS, from the numeric columns of the shards only."""
+    files = sorted(p for p in (run_dir / "synthetic").glob("*.parquet") if not p.name.startswith("."))
+    lengths: list[int] = []
+    finished = 0
+    for f in files:
+        names = pq.ParquetFile(f).schema_arrow.names
+        if "n_tokens" not in names:
+            continue
+        cols = pq.read_table(f, columns=[c for c in _SYNTHETIC_COLUMNS if c in names]).to_pydict()
+        prompt = cols.get("n_prompt_tokens") or [0] * len(cols["n_tokens"])
+        eos = cols.get("finished") or [False] * len(cols["n_tokens"])
+        lengths += [n - p - int(e) for n, p, e in zip(cols["n_tokens"], prompt, eos)]
+        finished += sum(eos)
+    return lengths, finished
+
+
+def _lengths(run_dir: Path, metrics: dict | None) -> str:
+    props = (metrics or {}).get("text_properties") or {}
+    lengths, finished = _synthetic_lengths(run_dir)
+    out = ""
+    if lengths:
+        real = (props.get("real_test") or {}).get("tokens") or {}
+        fig = Figure(figsize=(8, 3.6))
+        ax = fig.subplots()
+        ax.hist(lengths, bins=min(40, max(5, len(set(lengths)))), color="#3465a4", alpha=0.8,
+                label=f"synthetic ({len(lengths)} samples)")
+        # The real test texts appear only as the summaries evaluation already published.
+        for stat, style in (("mean", ":"), ("median", "--"), ("p90", "-.")):
+            if stat in real:
+                ax.axvline(real[stat], color="#a40000", linestyle=style, label=f"real test {stat} ({real[stat]:.0f})")
+        ax.set(title="Generation length", xlabel="generated tokens per sample", ylabel="samples")
+        ax.legend(fontsize=8)
+        out += _svg(fig, "lengths")
+        out += _note(f"{finished} of {len(lengths)} samples ended with EOS; the others stopped at the "
+                     "generation length limit (generate.max_length / max_new_tokens).")
+    else:
+        out += _note("No synthetic shards with token counts in synthetic/.")
+    if props:
+        rows = [[name, p.get("texts"), p.get("distinct_1"), p.get("distinct_2"),
+                 *((p.get("tokens") or {}).get(k) for k in ("mean", "median", "p90"))] for name, p in props.items()]
+        out += _table(["texts", "count", "distinct-1", "distinct-2", "tokens mean", "median", "p90"], rows)
+    return out
+
+
+def _generation(run_dir: Path, metrics: dict | None) -> str:
+    gen = (metrics or {}).get("generation")
+    out = ""
+    if gen:
+        keys = ["samples", "validation_samples", "dropped_empty", "new_tokens_per_second", "shards", "resumed_shards"]
+        out += _table(keys, [[gen.get(k) for k in keys]]) + _code_adherence(metrics)
+    elif _method(run_dir, metrics) not in (None, *GENERATING_METHODS):
+        return _note("This run has no generation stage (its method trains the student on the private data).")
+    else:
+        out += _note("The generation stage has not finished (no generation summary in metrics.json yet).")
+    return out + _lengths(run_dir, metrics)
+
+
+def _method(run_dir: Path, metrics: dict | None) -> str | None:
+    """distill.method, from metrics.json or, before the run has finished, from config.yaml."""
+    if (metrics or {}).get("method"):
+        return metrics["method"]
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return cfg["distill"]["method"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+
+
+def _timings(metrics: dict | None) -> str:
+    seconds = (metrics or {}).get("seconds")
+    if not seconds:
+        return _note("No stage timings (metrics.json has no seconds yet).")
+    rows = [[stage, s] for stage, s in seconds.items()] + [["total", round(sum(seconds.values()), 2)]]
+    return _table(["stage", "seconds"], rows)
+
+
+def _config(run_dir: Path) -> str:
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return _note("No config.yaml in this run directory.")
+    return f"<pre>{_esc(path.read_text())}</pre>"
+
+
+def _render(title: str, build: Callable[[], str]) -> str:
+    """One section; a part that cannot be drawn becomes a note instead of failing the report."""
+    try:
+        body = build()
+    except Exception as e:  # noqa: BLE001  (the report must never fail a finished run)
+        log.warning("report: section %r could not be drawn", title, exc_info=True)
+        body = _note(f"This section could not be drawn ({type(e).__name__}); see the run's log.", "warn")
+    return f"<section><h2>{_esc(title)}</h2>\n{body}\n</section>\n"
+
+
+def write_report(run_dir: Path, writer_alive: bool = False) -> Path:
+    """Write `run_dir/report.html` from what the run directory holds, atomically; returns its path.
+
+    `writer_alive`: whether the process that runs this run directory still runs
+    (flows/run_info.py `run_alive`); without it a stage that stages.json records as running
+    is reported as interrupted. The flow writes its report once its stages have ended."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist; pass the directory a run wrote")
+    metrics = _read_json(run_dir / "metrics.json")
+    sections = [
+        ("Run", lambda: _overview(run_dir, metrics, writer_alive)),
+        ("Privacy ledger", lambda: _privacy(run_dir)),
+        ("DP-SGD training", lambda: _dp_training(run_dir)),
+        ("Distillation", lambda: _distillation(run_dir)),
+        ("Perplexity per model", lambda: _perplexity(metrics)),
+        ("Generation", lambda: _generation(run_dir, metrics)),
+        ("Stage timings", lambda: _timings(metrics)),
+        ("Config", lambda: _config(run_dir)),
+    ]
+    body = f"<h1>dpdistill run {_esc(run_dir.name)}</h1>\n" + "".join(_render(t, b) for t, b in sections)
+    path = run_dir / REPORT
+    atomic_write_text(path, _page(f"dpdistill {run_dir.name}", body))
+    log.info("report: %s", path)
+    return path
+
+
+# ---------------------------------------------------------------- several runs side by side
+
+def _run_row(label: str, run: Path, out_dir: Path) -> dict:
+    metrics = _read_json(run / "metrics.json") or {}
+    ppl = metrics.get("perplexity") or {}
+    method = metrics.get("method")
+    total = read_ledger(run / LEDGER).total if (run / LEDGER).exists() else None
+    report = run / REPORT
+    return {
+        "label": label,
+        "method": method,
+        "student": (ppl.get(f"student_{method}") or {}).get("windowed"),
+        "dp_teacher": (ppl.get("dp_teacher") or {}).get("windowed"),
+        "zero_shot": (ppl.get("base_student") or {}).get("windowed"),
+        "epsilon": total.epsilon if total else None,
+        "complete": total.complete if total else None,
+        "seconds": round(sum((metrics.get("seconds") or {}).values()), 1) if metrics.get("seconds") else None,
+        "report": os.path.relpath(report, out_dir) if report.exists() else None,
+    }
+
+
+def write_comparison_report(run_dirs: dict[str, Path], out: Path) -> Path:
+    """One page comparing runs (e.g. one per `distill.method`): student perplexity per method and a table."""
+    out = Path(out)
+    rows = [_run_row(label, Path(run), out.parent) for label, run in run_dirs.items()]
+    done = [r for r in rows if r["student"] is not None]
+    body = "<h1>dpdistill: perplexity per method</h1>\n"
+    if done:
+        fig = Figure(figsize=(max(5, 1.3 * len(done)), 3.6))
+        ax = fig.subplots()
+        bars = ax.bar([r["label"] for r in done], [r["student"] for r in done], color="#3465a4")
+        ax.bar_label(bars, fmt="%.1f")
+        zero = next((r["zero_shot"] for r in done if r["zero_shot"] is not None), None)
+        if zero is not None:
+            ax.axhline(zero, color="#999", linestyle="--", label=f"zero-shot base student ({zero:.1f})")
+            ax.legend()
+        ax.set(title="Student test perplexity per method (windowed, lower is better)", ylabel="perplexity")
+        ax.tick_params(axis="x", labelrotation=15)
+        body += _svg(fig, "comparison")
+    else:
+        body += _note("None of these runs has finished its evaluation yet.")
+    header = ["run", "method", "student ppl", "DP teacher ppl", "zero-shot ppl", "ε (ledger total)",
+              "ε complete", "seconds"]
+    table_rows = "".join(
+        "<tr>" + "".join(f"<td>{_esc(fmt_value(r[k]))}</td>" for k in
+                         ("label", "method", "student", "dp_teacher", "zero_shot", "epsilon", "complete", "seconds"))
+        + (f'<td><a href="{_esc(r["report"])}">report</a></td>' if r["report"] else "<td>–</td>") + "</tr>"
+        for r in rows
+    )
+    body += ('<div class="table-wrap"><table><tr>' + "".join(f"<th>{_esc(h)}</th>" for h in header + ["report"])
+             + f"</tr>{table_rows}</table></div>")
+    body += _note("ε complete = NO: the run released something not differentially private (the exact control-code "
+                  "counts); its ε covers the DP stages only.")
+    atomic_write_text(out, _page("dpdistill: perplexity per method", body))
+    return out

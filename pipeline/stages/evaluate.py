@@ -1,0 +1,344 @@
+"""Stage 4: perplexity of the models on the held-out private test split.
+
+Two figures per model:
+- windowed: the test records (`encode_record`, control codes included) are joined into
+  one token stream and cut into non-overlapping `window`-token windows (the standard,
+  as in DistilDP); perplexity = exp(total NLL / predicted tokens);
+- per record: each record on its own (cut into windows when longer), summarised as the
+  mean and median of the records' perplexities.
+
+With the synthetic data and its code values, the DP teacher also scores whether the synthetic
+text follows its control code (pipeline/stages/adherence.py), while it is loaded for its perplexity.
+
+With a `cache_dir`, a model's perplexity is computed once per (its files, the test split's
+file, window, batch size, device type, precision): the base models and the DP teacher,
+scored again by every run that shares them, are then read back (`PERPLEXITY_CACHE`).
+
+Only aggregates leave this stage: no text, no per-record value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.stages.adherence import adherence_lines, code_adherence
+from pipeline.batching import IGNORE, lm_batch
+from pipeline.config import EvalConfig
+from pipeline.stages.data import encode_record, read_split
+from pipeline.devices import CPU_FP32, Runtime
+from pipeline.stages.generate import synthetic_texts
+from pipeline.manifest import atomic_write_json, hash_paths, private_dir, write_manifest
+from pipeline.models.base import load_causal_lm, load_tokenizer, same_tokenizer
+from pipeline.progress import DEFAULT_EVERY, ProgressLog
+from pipeline.tokenized import ListIds, TokenIds, token_column, tokenized_split
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.json"
+PERPLEXITY_CACHE = 1  # the format of a cached perplexity; a change to how it is computed bumps it
+
+
+TEXT_PROPERTIES_SAMPLE = 5_000  # texts per side for distinct-n and lengths: a sample, not the corpus
+MIN_RECORDS_PER_CODE = 5  # smaller groups are pooled: no figure rests on one or two records
+OTHER = "(codes with fewer than 5 test records)"
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    windowed: float
+    per_record_mean: float
+    per_record_median: float
+    tokens: int
+    records: int
+    per_code: dict[str, float]
+    """Token-weighted perplexity of the records of each control code (small codes pooled)."""
+
+
+@torch.no_grad()
+def _nll_by_owner(
+    model, data: ListIds | TokenIds, owners: list[int], n_owners: int, batch_size: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Summed next-token NLL and predicted-token count per owner of each sequence;
+    `on_batch(sequences)` after each batch. Batches go to the model's device; the logits
+    are upcast to fp32 before the log-softmax (bf16 weights or autocast)."""
+    model.eval()
+    device = next(model.parameters()).device
+    nll_sum, count = np.zeros(n_owners), np.zeros(n_owners)
+    for start in range(0, len(data), batch_size):
+        ids, lengths = data.collate([data[i] for i in range(start, min(start + batch_size, len(data)))])
+        batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
+        labels = batch.pop("labels")  # (B, L-1)
+        logits = model(**batch).logits[:, :-1].float()  # (B, L-1, V)
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
+        ).view(labels.shape)  # (B, L-1)
+        for row, owner in enumerate(owners[start : start + batch_size]):
+            nll_sum[owner] += float(nll[row].sum())
+            count[owner] += int((labels[row] != IGNORE).sum())
+        if on_batch:
+            on_batch(len(labels))
+    return nll_sum, count
+
+
+def mean_token_nll(model, data: ListIds | TokenIds, batch_size: int) -> float:
+    """Token-weighted mean next-token NLL over the sequences of `data`."""
+    nll, count = _nll_by_owner(model, data, [0] * len(data), 1, batch_size)
+    return float(nll[0] / max(count[0], 1))
+
+
+def _windows(windows: list[list[int]], pad_id: int) -> ListIds:
+    return ListIds(windows, pad_id)
+
+
+def _chunks(ids: list[int], window: int) -> list[list[int]]:
+    """Non-overlapping windows; a trailing window of one token predicts nothing and is dropped."""
+    return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) > 1]
+
+
+def perplexity(
+    model, tokenizer, codes: list[str], texts: list[str], window: int, batch_size: int,
+    on_windows: Callable[[int, int], None] | None = None, token_ids: list[list[int]] | None = None,
+) -> Perplexity:
+    """Windowed and per-record perplexity; `on_windows(done, total)` after each batch of
+    windows (both passes: the joined stream's windows, then each record's). `token_ids`:
+    the records' `encode_record` ids when already tokenized (pipeline/tokenized.py)."""
+    n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    if window > n_positions:
+        raise ValueError(
+            f"evaluate.window={window} exceeds the model's {n_positions} positions; lower evaluate.window"
+        )
+    records = token_ids if token_ids is not None else [encode_record(tokenizer, c, t) for c, t in zip(codes, texts)]
+    joined = [t for r in records for t in r]
+    windows = _chunks(joined, window)
+    per_windows, owners = [], []
+    for i, r in enumerate(records):
+        for w in _chunks(r, window):
+            per_windows.append(w)
+            owners.append(i)
+    done, total = 0, len(windows) + len(per_windows)
+
+    def on_batch(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_windows:
+            on_windows(done, total)
+
+    nll, cnt = _nll_by_owner(model, _windows(windows, tokenizer.pad_token_id), [0] * len(windows), 1, batch_size,
+                             on_batch)
+    r_nll, r_cnt = _nll_by_owner(
+        model, _windows(per_windows, tokenizer.pad_token_id), owners, len(records), batch_size, on_batch
+    )
+    keep = r_cnt > 0
+    per_record = np.exp(r_nll[keep] / r_cnt[keep])
+    sizes = Counter(codes)
+    group = [c if sizes[c] >= MIN_RECORDS_PER_CODE else OTHER for c in codes]
+    per_code = {}
+    for g in sorted(set(group)):
+        rows = [i for i, x in enumerate(group) if x == g]
+        per_code[g] = math.exp(r_nll[rows].sum() / max(r_cnt[rows].sum(), 1))
+    return Perplexity(
+        windowed=math.exp(nll[0] / cnt[0]),
+        per_record_mean=float(per_record.mean()),
+        per_record_median=float(np.median(per_record)),
+        tokens=int(cnt[0]),
+        records=int(keep.sum()),
+        per_code=per_code,
+    )
+
+
+def _distinct(sequences: list[list[int]], n: int) -> float:
+    """distinct-n: unique n-grams / all n-grams over the sequences (Li et al. 2016)."""
+    grams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(grams)) / max(len(grams), 1)
+
+
+def _length_summary(lengths: list[int]) -> dict[str, float]:
+    a = np.array(lengths, dtype=float)
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p90": float(np.percentile(a, 90))}
+
+
+def text_properties(tokenizer, texts: list[str]) -> dict:
+    """Aggregate properties of a set of texts: distinct-1/2 and token-length summary (give a
+    sample of the same size for each set compared: distinct-n falls as the set grows)."""
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    return {"distinct_1": _distinct(ids, 1), "distinct_2": _distinct(ids, 2),
+            "tokens": _length_summary([len(x) for x in ids]), "texts": len(ids)}
+
+
+def _perplexity_key(model_path: str, test_path: Path, cfg: EvalConfig, runtime: Runtime) -> str:
+    """The files that decide a model's perplexity (weights, config, tokenizer; the test split)
+    and the settings, by content: a retrained model or another split never matches."""
+    files = {name: item["sha256"] for name, item in hash_paths({"model": Path(model_path), "test": Path(test_path)}).items()}
+    parts = {"files": files, "window": cfg.window, "batch_size": cfg.batch_size, "device": runtime.device.type,
+             "precision": runtime.precision, "format": PERPLEXITY_CACHE}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _cached_perplexity(path: Path) -> Perplexity | None:
+    try:
+        return Perplexity(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):  # absent, cut short or of another shape: compute it
+        return None
+
+
+def evaluate_models(
+    cfg: EvalConfig,
+    *,
+    models: dict[str, str],
+    test_path: Path,
+    out_dir: Path,
+    seed: int,
+    synthetic_path: Path | None = None,
+    progress_every: float = DEFAULT_EVERY,
+    runtime: Runtime = CPU_FP32,
+    code_values: dict[str, dict[str, str]] | None = None,
+    adherence_model: str = "dp_teacher",
+    cache_dir: Path | None = None,
+) -> dict:
+    """Perplexity of each named model on the test split; writes `out_dir/metrics.json`.
+
+    All models must share one tokenizer, so that their perplexities count the same tokens.
+    With `synthetic_path`, also compares the synthetic texts with the real test texts
+    (distinct-n, lengths): aggregate figures only. Progress lines count the windows scored
+    over all models (windows/s, ETA; no token counts), at least every `progress_every` s.
+    Models are loaded in `runtime`'s precision, on its device. With `synthetic_path` and
+    `code_values` (pipeline/stages/adherence.py `declared_values`), the model named `adherence_model`
+    also scores the code adherence of `cfg.adherence_samples` synthetic samples (`code_adherence`).
+    With `cache_dir`, perplexities are read from and written to it (module docstring).
+    """
+    runtime.apply_threads()
+    torch.manual_seed(seed)
+    codes, texts = read_split(test_path)  # the test split is small; its ids come tokenized
+    if not texts:
+        raise ValueError(f"test split {str(test_path)!r} is empty; give data.test_path or a larger data.path")
+    reference = None
+    adherence = None
+    metrics: dict[str, dict] = {}
+    lines: ProgressLog | None = None
+    started = time.monotonic()
+    cache = {name: Path(cache_dir) / f"{_perplexity_key(path, test_path, cfg, runtime)}.json"
+             for name, path in models.items()} if cache_dir is not None else {}
+    known = {name: ppl for name, f in cache.items() if (ppl := _cached_perplexity(f)) is not None}
+    to_score = [name for name in models if name not in known]
+    for name, path in models.items():
+        tok = load_tokenizer(path)
+        if reference is None:
+            reference = tok
+        elif not same_tokenizer(reference, tok):
+            raise ValueError(
+                f"model {name!r} ({path}) uses another tokenizer than {next(iter(models))!r}; "
+                "perplexities over different tokens cannot be compared: use one tokenizer family"
+            )
+        scores_adherence = name == adherence_model and synthetic_path is not None and code_values and cfg.adherence_samples
+        model = None
+        if name not in known or scores_adherence:
+            model = load_causal_lm(path, dtype=runtime.dtype).to(runtime.device)
+        if (ppl := known.get(name)) is None:
+            position = to_score.index(name)
+
+            def on_windows(done: int, total: int) -> None:
+                nonlocal lines
+                if lines is None:  # one tokenizer: every model scores the same windows
+                    lines = ProgressLog(log, "evaluation", "windows", total * len(to_score), every=progress_every,
+                                        started=started)
+                lines.update(position * total + done, values={"model": name})
+
+            ids = token_column(tokenized_split(test_path, tok)).to_pylist()
+            ppl = perplexity(model, tok, codes, texts, cfg.window, cfg.batch_size, on_windows, token_ids=ids)
+            if name in cache:
+                atomic_write_json(private_dir(cache[name].parent) / cache[name].name, ppl.__dict__)
+        metrics[name] = {"model": path, **ppl.__dict__}
+        log.info(
+            "evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f%s",
+            name, ppl.windowed, ppl.tokens, ppl.per_record_mean, ppl.per_record_median,
+            " (cached)" if name in known else "",
+        )
+        if scores_adherence:
+            adherence = _adherence(model, tok, synthetic_path, code_values, cfg, progress_every)
+    result = {"window": cfg.window, "test_records": len(texts), "perplexity": metrics}
+    if adherence is not None:
+        result["code_adherence"] = adherence
+    if diagnostics := diagnose(result):
+        result["diagnostics"] = diagnostics
+        for line in diagnostics:
+            log.warning("evaluation: %s", line)
+    if synthetic_path is not None:
+        # Synthetic samples are capped at generate.max_length tokens (prompt included); real
+        # reviews are not: read the lengths with that cap in mind.
+        # On a sample: the first texts of each (shards are i.i.d. samples of the teacher),
+        # read lazily; never the whole synthetic set in memory.
+        # The same number of texts on each side: distinct-n falls as a set grows.
+        synthetic = synthetic_texts(synthetic_path, min(TEXT_PROPERTIES_SAMPLE, len(texts)))
+        result["text_properties"] = {
+            "synthetic": text_properties(reference, synthetic),
+            "real_test": text_properties(reference, texts[:len(synthetic)]),
+        }
+    atomic_write_json(Path(out_dir) / METRICS, result)
+    write_manifest(out_dir, stage="evaluation", inputs={"test": Path(test_path)},
+                   outputs={"metrics": Path(out_dir) / METRICS})
+    return result
+
+
+ADHERENCE_FLOOR = 1.5  # overall adherence below this multiple of chance: the codes are barely followed
+
+
+def diagnose(result: dict) -> list[str]:
+    """Plain-language warnings about a finished evaluation: a model that came out no better
+    than what it started from, or synthetic text that ignores its control codes; each says
+    what to try. From the published aggregates only (perplexities, code adherence)."""
+    ppl = {name: m["windowed"] for name, m in result["perplexity"].items()}
+    out = []
+    base_t, dp_t = ppl.get("base_teacher"), ppl.get("dp_teacher")
+    if base_t is not None and dp_t is not None and dp_t >= base_t:
+        out.append(f"the DP teacher ({dp_t:.1f}) is no better than its base model ({base_t:.1f}) on the test "
+                   "split: DP fine-tuning learned nothing of the private data. Try more steps (teacher.epochs, "
+                   "teacher.batch_size), a larger teacher.learning_rate, or a larger ε.")
+    base_s = ppl.get("base_student")
+    for name, value in ppl.items():
+        if name.startswith("student_") and base_s is not None and value >= base_s:
+            out.append(f"the {name[len('student_'):]} student ({value:.1f}) is no better than its base model "
+                       f"({base_s:.1f}) on the test split: the synthetic text does not carry what the test data "
+                       "needs. Check the code adherence and the DP teacher's perplexity; try more synthetic samples "
+                       "(generate.num_samples), a teacher pretrained closer to your domain (base_models.corpus, "
+                       "or a real checkpoint as teacher.model), or a larger ε.")
+    adherence = result.get("code_adherence") or {}
+    scored = [col for col in adherence.get("columns", {}).values() if col.get("n")]
+    if scored and adherence.get("overall") is not None:
+        chance = sum(col["chance"] for col in scored) / len(scored)
+        if adherence["overall"] < ADHERENCE_FLOOR * chance:
+            out.append(f"the synthetic text barely follows its control codes (code adherence {adherence['overall']:.2f} "
+                       f"against {chance:.2f} by chance): the teacher writes text that ignores its topic, so the "
+                       "student learns little of the codes. A stronger or closer-to-domain teacher, more teacher "
+                       "steps or a larger ε help.")
+    return out
+
+
+def _adherence(model, tok, synthetic_path: Path, code_values: dict[str, dict[str, str]], cfg: EvalConfig,
+               progress_every: float) -> dict:
+    """Code adherence of the synthetic samples, scored by `model` (the DP teacher); progress lines
+    count the candidate sequences scored (public synthetic text: no private count)."""
+    lines, started = None, time.monotonic()
+
+    def on_batch(done: int, total: int) -> None:
+        nonlocal lines
+        if lines is None:  # timed from the start: the first batch is done when its total is known
+            lines = ProgressLog(log, "code adherence", "sequences", total, every=progress_every, started=started)
+        lines.update(done)
+
+    result = code_adherence(model, tok, synthetic_path, code_values, cfg.adherence_samples, cfg.batch_size, on_batch)
+    log.info("evaluation: code adherence of %d synthetic samples (%d skipped, %d truncated): overall %s, all "
+             "columns %s; %s", result["samples"], result["skipped"], result["truncated"], result["overall"],
+             result["all_columns"], "; ".join(adherence_lines(result)) or "no column with 2 or more values")
+    return result

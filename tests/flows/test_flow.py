@@ -1,0 +1,153 @@
+"""End to end: the real Prefect flow on a tiny config, its run directory and its artifacts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from conftest import YELP_DOMAIN
+from flows.artifacts import ADHERENCE_KEY, LEDGER_KEY, METRICS_KEY, SUMMARY_KEY
+from flows.cli import main
+from flows.pipeline_flow import dp_distill
+from pipeline.stages.data import read_split
+from pipeline.privacy.ledger import read_ledger
+
+
+def test_flow_end_to_end(prefect_server, tiny_config):
+    """The flow writes the run directory and publishes the ledger and metrics artifacts."""
+    tiny_config.data.keep_private_copies = True  # the leak check below reads the splits
+    state = dp_distill(tiny_config, return_state=True)
+    assert state.is_completed()
+    run = Path(state.result())
+    for name in ("config.yaml", "ledger.json", "metrics.json"):
+        assert (run / name).is_file(), name
+    for stage in ("data", "teacher", "synthetic", "student"):
+        assert (run / stage / "manifest.json").is_file(), stage
+    assert (run / "teacher" / "model" / "model.safetensors").is_file()
+    assert (run / "student" / "model" / "model.safetensors").is_file()
+
+    typed = read_ledger(run / "ledger.json")
+    ledger = {e.stage: e for e in typed.entries}
+    assert list(ledger) == ["control_codes", "teacher", "generation", "distillation", "evaluation"]
+    teacher = ledger["teacher"]
+    assert 0 < teacher.epsilon <= tiny_config.teacher.target_epsilon
+    assert teacher.accountant == "prv" and teacher.steps > 0 and teacher.noise_multiplier > 0
+    codes = ledger["control_codes"]
+    assert codes.private and codes.mechanism == "gaussian" and 0 < codes.epsilon <= 1.0
+    assert all(ledger[s].epsilon == 0 for s in ("generation", "distillation", "evaluation"))
+    # The total composes both Gaussian mechanisms through the accountant (not by adding ε's).
+    total = typed.total
+    assert total.complete and max(teacher.epsilon, codes.epsilon) < total.epsilon < teacher.epsilon + codes.epsilon
+    assert teacher.epsilon_rdp >= teacher.epsilon * 0.9  # RDP cross-check beside PRV
+
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert set(metrics["perplexity"]) == {"base_student", "base_teacher", "dp_teacher", "student_distil"}
+    assert all(m["windowed"] > 1 for m in metrics["perplexity"].values())
+    # aggregates only: per control code (small codes pooled), and text properties
+    assert all(v > 1 for m in metrics["perplexity"].values() for v in m["per_code"].values())
+    props = metrics["text_properties"]
+    assert 0 < props["synthetic"]["distinct_1"] <= 1 and props["synthetic"]["texts"] == props["real_test"]["texts"] == 20
+    synthetic = pq.read_table(run / "synthetic" / "shard-00000.parquet")
+    assert synthetic.num_rows + metrics["generation"]["dropped_empty"] == tiny_config.generate.num_samples
+    # The DP teacher's choice among each column's declared values, on the synthetic training samples.
+    adherence = metrics["code_adherence"]
+    assert adherence["samples"] + adherence["skipped"] == synthetic["split"].to_pylist().count("train")
+    assert set(adherence["columns"]) == set(tiny_config.data.code_columns)
+    for column, values in YELP_DOMAIN.items():
+        result = adherence["columns"][column]
+        assert 0 <= result["share"] <= 1 and result["chance"] == pytest.approx(1 / len(values))
+        assert list(result["values"]) == values and sum(v["n"] for v in result["values"].values()) == result["n"]
+    assert 0 <= adherence["all_columns"] <= adherence["overall"] <= 1  # every column scored on every sample
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
+    by_key = {a.key: a for a in artifacts}
+    assert {LEDGER_KEY, SUMMARY_KEY, METRICS_KEY, ADHERENCE_KEY} <= set(by_key)
+    assert by_key[LEDGER_KEY].type == "table" and by_key[METRICS_KEY].type == "table"
+    ledger_rows = json.loads(by_key[LEDGER_KEY].data) if isinstance(by_key[LEDGER_KEY].data, str) else by_key[LEDGER_KEY].data
+    assert [r["stage"] for r in ledger_rows] == [*ledger, "TOTAL"]
+
+    # No artifact carries a private record (train or test), not even a 40-character piece.
+    published = " ".join(str(a.data) + str(a.description) for a in artifacts)
+    for split in ("train", "validation", "test"):
+        for text in read_split(run / "data" / f"{split}.parquet")[1]:
+            piece = text.strip()[:40]
+            assert len(piece) < 20 or piece not in published
+
+
+def test_cli_ledger_show_prints_the_table(tmp_path, capsys):
+    """`dpdistill ledger show RUN_DIR` prints every stage and the total."""
+    from pipeline.privacy.ledger import PrivacyLedger, compose, post_processing, write_ledger
+    from pipeline.privacy.ledger import LedgerEntry
+
+    teacher = LedgerEntry(
+        stage="teacher", private=True, epsilon=1.5, delta=1e-3, accountant="prv", mechanism="subsampled_gaussian",
+        noise_multiplier=1.0, sample_rate=0.1, steps=30, max_grad_norm=1.0, privacy_unit="record",
+        history=[(1.0, 0.1, 30)], note="DP-SGD",
+    )
+    entries = [teacher, post_processing("generation", "samples")]
+    write_ledger(tmp_path / "ledger.json", PrivacyLedger(entries=entries, total=compose(entries, "prv", 1e-3)))
+    assert main(["ledger", "show", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "teacher" in out and "generation" in out and "TOTAL" in out and "prv accountant" in out
+    assert main(["ledger", "show", str(tmp_path / "nope")]) == 2
+
+
+def test_cli_reports_config_errors_and_exits_2(tmp_path, capsys):
+    """A bad override stops before any work with exit code 2 and a message naming the field."""
+    code = main(["run", "--config", "configs/demo.yaml", "teacher.target_epsilon=-1", "teacher.epsilonn=3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "teacher.target_epsilon = -1" in err and "teacher.epsilonn" in err
+
+
+@pytest.mark.parametrize("method", ["dp_syn", "dp_sgd", "dpkd"])
+def test_baselines_run_through_the_same_flow(prefect_server, tmp_path, method):
+    """Each baseline is one config switch; its ledger lists exactly the stages that touched
+    private data, with their ε, and the total composes them."""
+    from conftest import tiny_pipeline_dict
+    from pipeline.config import config_from_dict
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["distill"]["method"] = method
+    cfg = config_from_dict(tree)
+    run = Path(dp_distill(cfg))
+    typed = read_ledger(run / "ledger.json")
+    stages = [e.stage for e in typed.entries]
+    eps = cfg.teacher.target_epsilon
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert f"student_{method}" in metrics["perplexity"] and "base_student" in metrics["perplexity"]
+    if method == "dp_syn":
+        assert stages == ["control_codes", "teacher", "generation", "distillation", "evaluation"]
+        log = json.loads((run / "student" / "training_log.json").read_text())
+        assert all(h["kl"] == 0 or h["loss"] == pytest.approx(h["ce"]) for h in log["history"])
+    elif method == "dp_sgd":
+        assert stages == ["student", "evaluation"]
+        student = typed.entry("student")
+        assert student.epsilon <= eps and student.epsilon > 0.9 * eps
+        assert typed.total.complete and typed.total.epsilon == pytest.approx(student.epsilon)
+        assert not (run / "synthetic").exists()
+    else:  # dpkd: ε/2 + ε/2, composed by the accountant
+        assert stages == ["teacher", "student", "evaluation"]
+        t, s = typed.entry("teacher"), typed.entry("student")
+        assert t.epsilon <= eps / 2 and s.epsilon <= eps / 2 and "KD loss" in s.note
+        assert typed.total.complete and max(t.epsilon, s.epsilon) < typed.total.epsilon <= t.epsilon + s.epsilon
+
+
+def test_markdown_table_keeps_every_cell_text_in_its_cell():
+    """The key pages of the UI show a table artifact's description only (flows/artifacts.py),
+    so it repeats the table: a generated text with Markdown or HTML in it stays literal text
+    in its own cell."""
+    from flows.artifacts import markdown_table
+
+    rows = [{"control_code": "Bars | Stars: 5.0", "text": "a|b <script>x</script> *em*\nline [l](u)", "n": 3}]
+    md = markdown_table(rows, ["control_code", "text", "n"]).splitlines()
+    assert md[:2] == [r"| control\_code | text | n |", "|---|---|---|"] and len(md) == 3
+    assert md[2] == r"| Bars \| Stars: 5.0 | a\|b \<script\>x\</script\> \*em\* line \[l\](u) | 3 |"

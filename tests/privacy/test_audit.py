@@ -1,0 +1,272 @@
+"""`dpdistill audit`: verbatim spans of training records in what a run publishes, canary
+exposure, and the model cards. Hand-built run directories keep most tests fast; one test
+runs the real tiny flow with canaries and audits it, Prefect logs included."""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from conftest import PUBLIC, make_tiny_model, tiny_pipeline_dict
+
+from flows.cli import main
+from pipeline.privacy.audit import AUDIT, training_texts, words
+from pipeline.batching import lm_batch
+from pipeline.privacy.canaries import Canary, canary_exposures, make_canaries, write_canary_data
+from pipeline.config import DataConfig, config_from_dict, dump_config
+from pipeline.stages.data import encode_record, prepare_data, read_split
+from pipeline.privacy.ledger import LedgerEntry, PrivacyLedger, compose, fmt_value, post_processing, read_ledger
+from pipeline.reports.model_card import CARD, model_card
+
+
+def _public_sentences(n: int) -> list[str]:
+    return [line.strip() for line in PUBLIC.read_text().splitlines() if len(line.split()) > 20][:n]
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    """A finished-looking run directory: config, private splits, checkpoint, report, shard,
+    model files, logs. Nothing published holds a training record."""
+    cfg = config_from_dict(tiny_pipeline_dict(tmp_path))
+    run = tmp_path / "runs" / "tiny-1"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    (run / "run.json").write_text(json.dumps({"status": "completed"}))  # no flow run: no Prefect to read
+    prepare_data(cfg.data, run / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
+    train = read_split(run / "data" / "train.parquet")[1]
+    public = _public_sentences(30)
+    (run / "report.html").write_text("<html><body>" + "".join(f"<p>{html.escape(t)}</p>" for t in public[:10]))
+    (run / "synthetic").mkdir()
+    pq.write_table(pa.table({"sample_id": list(range(10)), "text": public[10:20]}), run / "synthetic" / "shard-00000.parquet")
+    model = run / "teacher" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"n_layer": 1, "note": public[20]}))
+    # Private places the audit must not count: the checkpoint may hold anything.
+    (run / "teacher" / "checkpoint").mkdir()
+    (run / "teacher" / "checkpoint" / "notes.txt").write_text(" ".join(train[:5]))
+    (run / "teacher" / "training_log.json").write_text(json.dumps({"history": [{"step": 1, "loss": 3.2}]}))
+    return run
+
+
+def _record(run: Path, split: str = "train") -> str:
+    """A record of the split long enough to be matched (from the split copy written above)."""
+    return next(t for t in read_split(run / "data" / f"{split}.parquet")[1] if len(words(t)) >= 15)
+
+
+def _assert_not_quoted(text: str, *outputs: str) -> None:
+    span = " ".join(words(text)[:10])
+    for out in outputs:
+        assert text.strip()[:40] not in out
+        assert span not in " ".join(words(out))
+
+
+def test_clean_run_exits_0_and_writes_counts(run_dir, capsys):
+    """Nothing published holds a training span: exit 0; audit.json has the counts, and
+    the private splits and the checkpoint are listed as not scanned."""
+    assert main(["audit", str(run_dir)]) == 0
+    report = json.loads((run_dir / AUDIT).read_text())
+    assert report["total_hits"] == 0 and report["training_source"] == "data/train.parquet"
+    assert report["span"] == 10 and report["spans_checked"] > 100 and report["bytes_scanned"] > 0
+    assert {"report.html", "synthetic/shard-00000.parquet", "teacher/model/config.json"} <= set(report["files"])
+    assert report["not_scanned"]["data/train.parquet"] == "private split"
+    assert report["not_scanned"]["teacher/checkpoint/notes.txt"] == "checkpoint (private)"
+    assert "PREFECT_API_URL" in report["extra_sources"] or "no flow run" in report["extra_sources"]
+    assert "clean" in capsys.readouterr().out
+
+
+def test_planted_record_exits_1_names_the_file_never_the_text(run_dir, capsys):
+    """A training record in the report (HTML-escaped) and in a shard: exit 1, both files
+    named with their counts, the record quoted nowhere (stdout, stderr, audit.json)."""
+    secret = _record(run_dir)
+    with open(run_dir / "report.html", "a") as f:
+        f.write(f"<p>{html.escape(secret)}</p>")
+    shard = run_dir / "synthetic" / "shard-00001.parquet"
+    pq.write_table(pa.table({"sample_id": [0, 1], "text": ["An ordinary sentence.", "Prefix. " + secret.upper()]}), shard)
+    assert main(["audit", str(run_dir)]) == 1
+    out, err = capsys.readouterr()
+    report_text = (run_dir / AUDIT).read_text()
+    report = json.loads(report_text)
+    assert report["files_with_hits"] == ["report.html", "synthetic/shard-00001.parquet"]
+    assert report["training_records_found"] == 1
+    assert report["files"]["report.html"]["hits"] == len(words(secret)) - 9
+    assert "report.html" in out and "shard-00001.parquet" in out and "LEAK" in out
+    _assert_not_quoted(secret, out, err, report_text)
+
+
+def test_without_split_copies_the_training_set_is_rebuilt_from_the_source(run_dir, capsys):
+    """With data/*.parquet deleted, the records come from config.yaml's data.path through
+    the data stage's own split: a training record is found, a validation record is not
+    (it was never trained on), and --span changes the window."""
+    train_secret, val_secret = _record(run_dir, "train"), _record(run_dir, "validation")
+    for p in (run_dir / "data").glob("*.parquet"):
+        p.unlink()
+    (run_dir / "logs.txt").write_text(val_secret + "\n")
+    assert main(["audit", str(run_dir)]) == 0
+    report = json.loads((run_dir / AUDIT).read_text())
+    assert report["training_source"].startswith("data.path") and report["total_hits"] == 0
+    (run_dir / "logs.txt").write_text(" ".join(words(train_secret)[:12]) + "\n")
+    assert main(["audit", str(run_dir)]) == 1
+    assert json.loads((run_dir / AUDIT).read_text())["files_with_hits"] == ["logs.txt"]
+    assert main(["audit", str(run_dir), "--span", "13"]) == 0  # 12 words cannot hold a 13-word span
+    _assert_not_quoted(train_secret, capsys.readouterr().out)
+
+
+def test_usage_errors_exit_2(run_dir, tmp_path, capsys):
+    assert main(["audit", str(tmp_path / "nope")]) == 2
+    assert main(["audit", "--canaries", "2"]) == 2  # no --config
+    assert main(["audit", str(run_dir), "--span", "0"]) == 2
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg["data"]["path"] = str(tmp_path / "moved.csv")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    shutil.rmtree(run_dir / "data")
+    assert main(["audit", str(run_dir)]) == 2  # no split copies and the source is gone
+    assert "data.path" in capsys.readouterr().err
+
+
+# --- canary exposure --------------------------------------------------------------------
+
+_CFG = DataConfig(path=Path("unused.csv"), code_columns=["label1"])
+_CANARIES = [Canary(id=i, codes={"label1": "Stars: 5"}, digits=d, repetitions=1)
+             for i, d in enumerate(["392714856", "105938274", "771203958", "648201937"])]
+
+
+def _train_on(model, tokenizer, canary: Canary, steps: int) -> None:
+    """Non-private training on one canary repeated (a model that memorises it)."""
+    ids = encode_record(tokenizer, canary.control_code(_CFG), canary.text)
+    batch = lm_batch(torch.tensor([ids] * 4), torch.tensor([len(ids)] * 4))
+    labels = batch.pop("labels")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        logits = model(**batch).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_exposure_sees_a_memorised_canary_and_not_an_unseen_one(tiny_tokenizer):
+    """Exposure (Carlini et al. 2019) with 100 candidates (max log2(101) = 6.66 bits): a model
+    trained on a repeated canary ranks it first; an untrained one gives the canaries about
+    the log2(e) = 1.44 bits of chance."""
+    model = make_tiny_model(tiny_tokenizer)
+    untrained = canary_exposures(model, tiny_tokenizer, _CANARIES, _CFG, n_candidates=100, seed=0)
+    assert sum(e["exposure"] for e in untrained) / len(untrained) < 3
+    _train_on(model, tiny_tokenizer, _CANARIES[0], steps=60)
+    trained = canary_exposures(model, tiny_tokenizer, _CANARIES, _CFG, n_candidates=100, seed=0)
+    assert trained[0]["rank"] == 1 and trained[0]["exposure"] == pytest.approx(6.658, abs=1e-3)
+    assert all(e["exposure"] < 5 for e in trained[1:])  # the others were not trained on
+
+
+# --- model cards ------------------------------------------------------------------------
+
+
+def _ledger(codes_private: bool) -> PrivacyLedger:
+    teacher = LedgerEntry(
+        stage="teacher", private=True, epsilon=1.875, delta=6.9e-4, accountant="prv", mechanism="subsampled_gaussian",
+        noise_multiplier=1.234, sample_rate=0.0853, steps=36, max_grad_norm=1.0, privacy_unit="record",
+        epsilon_rdp=2.1, history=[(1.234, 0.0853, 36)], note="record-level DP-SGD",
+    )
+    codes = LedgerEntry(stage="control_codes", private=codes_private, epsilon=None if not codes_private else 0.0,
+                        note="exact counts of the training split's control codes")
+    entries = [codes, teacher, post_processing("generation", "samples"), post_processing("distillation", "synthetic")]
+    return PrivacyLedger(entries=entries, total=compose(entries, "prv", 6.9e-4))
+
+
+def test_model_card_states_the_ledger_and_what_is_not_protected():
+    ledger = _ledger(codes_private=False)
+    card = model_card(ledger, "distillation")
+    for value in ("1.875", "0.00069", "1.234", "0.0853", "36", "prv", "record", fmt_value(ledger.total.epsilon)):
+        assert value in card, value
+    assert "post-processing" in card and "INCOMPLETE" in card
+    assert "`control_codes` is released without DP" in card
+    assert "held-out splits" in card and "group-privacy" in card and "Hyperparameter" in card
+    clean = model_card(_ledger(codes_private=True), "teacher")
+    assert "released without DP" not in clean and "complete" in clean
+
+
+# --- the real flow ----------------------------------------------------------------------
+
+
+def test_canary_cli_on_the_tiny_flow_and_audit_with_prefect_logs(prefect_server, tmp_path, capsys):
+    """`audit --canaries` runs the real flow on a canaried copy and writes canaries.json
+    (exposure per canary and model, ledger ε; no secret in it or on stdout); the run's
+    models carry cards with the ledger's figures; the plain audit reads the flow run's
+    Prefect logs and finds a training record planted in them."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_pipeline_dict(tmp_path)))
+    code = main(["audit", "--canaries", "2", "--config", str(config), "--candidates", "50",
+                 "--repetitions", "1,8", "--work-dir", str(tmp_path / "canaries")])
+    out = capsys.readouterr().out
+    assert code == 0
+    written = Path(out.strip().splitlines()[-1].split("written: ")[1])
+    report = json.loads(written.read_text())
+    run = Path(report["run_dir"])
+    assert written.parent == run and report["canaries"] == 2 and report["records_added"] == 9
+    assert set(report["models"]) == {"base_teacher", "dp_teacher", "base_student", "student"}
+    assert all(0 <= r["exposure"]["dp_teacher"] <= report["max_exposure_bits"] for r in report["per_canary"])
+    assert set(report["by_repetitions"]) == {"1", "8"}
+    ledger = read_ledger(run / "ledger.json")
+    assert report["epsilon_total"] == pytest.approx(ledger.total.epsilon)
+    copy = pq.read_table(report["data_copy"])["text"].to_pylist()
+    digits = {"".join(words(t)[4:]) for t in copy if t.startswith("my account number is")}
+    assert len(digits) == 2
+    for d in digits:
+        assert d not in written.read_text() and " ".join(d) not in out and d not in out
+
+    teacher = ledger.entry("teacher")
+    for model in ("teacher", "student"):
+        card = (run / model / "model" / CARD).read_text()
+        for value in (teacher.epsilon, teacher.noise_multiplier, teacher.sample_rate, ledger.total.epsilon):
+            assert fmt_value(value) in card or f"{value:.4g}" in card
+        assert f"| steps | {teacher.steps} |" in card
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate
+    from prefect.types import DateTime
+
+    assert main(["audit", str(run)]) == 0  # the tiny DP teacher emits no 10-word training span
+    audit = json.loads((run / AUDIT).read_text())
+    assert audit["extra_sources"].startswith("flow run") and audit["files"]["prefect:logs"]["spans"] > 0
+    flow_run_id = json.loads((run / "run.json").read_text())["flow_run_id"]
+    assert not (run / "data" / "train.parquet").exists()  # deleted after evaluation: rebuilt by the audit
+    secret = next(t for t in training_texts(run)[0] if len(words(t)) >= 15)
+    with get_client(sync_client=True) as client:
+        client.create_logs([LogCreate(name="x", level=20, message=secret, timestamp=DateTime.now("UTC"),
+                                      flow_run_id=flow_run_id)])
+    assert main(["audit", str(run)]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads((run / AUDIT).read_text())["files_with_hits"] == ["prefect:logs"]
+    _assert_not_quoted(secret, out, err, (run / AUDIT).read_text())
+
+
+def test_model_card_of_a_dp_student_states_its_own_stage():
+    """dp_sgd / dpkd: the student's card reads the `student` entry (its own DP-SGD), not the teacher's."""
+    teacher = _ledger(codes_private=True).entry("teacher")
+    student = teacher.model_copy(update={"stage": "student", "epsilon": 0.9, "noise_multiplier": 2.345, "steps": 77})
+    entries = [teacher.model_copy(update={"epsilon": 0.95}), student, post_processing("evaluation", "aggregates")]
+    ledger = PrivacyLedger(entries=entries, total=compose(entries, "prv", 6.9e-4))
+    card = model_card(ledger, "student")
+    assert "`student` in the run's `ledger.json`" in card and "| noise multiplier σ | 2.345 |" in card
+    assert "| steps | 77 |" in card and "DP student" in card
+
+
+def test_canaries_in_several_text_columns_with_named_codes_are_the_records_the_data_stage_builds(tmp_path):
+    """A canary's control code and text, as the exposure test scores them, are what the data
+    stage makes of its inserted rows (joined text columns, data.code_values applied)."""
+    source = pa.table({"title": ["a title"] * 8, "body": ["a body"] * 8, "label": ["1", "2"] * 4})
+    cfg = DataConfig(path=tmp_path / "with-canaries.parquet", text_column=["title", "body"], code_columns=["label"],
+                     code_template="Topic: {value}", code_values={"label": {"1": "World", "2": "Sports"}},
+                     validation_fraction=0.0, test_fraction=0.2)
+    [canary] = make_canaries(1, source, cfg, repetitions=(3,))
+    assert write_canary_data(source, [canary], cfg, cfg.path) == 3
+    res = prepare_data(cfg, tmp_path / "data", seed=0)
+    records = list(zip(*read_split(res.train))) + list(zip(*read_split(res.test)))
+    assert records.count((canary.control_code(cfg), canary.text)) == 3
+    assert canary.control_code(cfg) in ("Topic: World", "Topic: Sports")

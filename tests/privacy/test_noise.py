@@ -1,0 +1,70 @@
+"""Secret DP randomness (pipeline/privacy/noise.py): the ChaCha20 CSPRNG, its Opacus dispatcher, the test hook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opacus.optimizers import optimizer as opacus_optimizer
+
+from pipeline.privacy import noise
+
+
+def test_chacha_gaussians_have_mean_0_and_std_1():
+    """Box–Muller on ChaCha20 uniforms: 200k draws, mean and std within a few standard errors."""
+    z = noise.ChaCha20Normal(b"k" * 32).normal(200_001)
+    assert z.dtype == torch.float64 and z.shape == (200_001,)
+    assert abs(z.mean().item()) < 0.01 and abs(z.std().item() - 1) < 0.01
+    assert abs((z.abs() < 1).double().mean().item() - 0.6827) < 0.005  # the Gaussian's shape, not just moments
+
+
+def test_chacha_state_resumes_the_exact_stream():
+    """(key, draws) is the whole state: restored, the generator continues where it stopped."""
+    a = noise.ChaCha20Normal(b"s" * 32)
+    a.normal(10)
+    state = a.state_dict()
+    expected = a.normal(5)
+    b = noise.ChaCha20Normal(b"x" * 32)
+    b.load_state_dict(state)
+    assert torch.equal(b.normal(5), expected)
+    assert not torch.equal(a.normal(5), expected)  # and it never repeats a draw
+
+
+def test_secure_gaussian_has_the_requested_std():
+    """The sum of 4 draws, halved (Opacus' secure mode): variance std² again."""
+    x = noise.secure_gaussian(noise.ChaCha20Normal(b"g" * 32), 3.0, (400, 250), dtype=torch.float32)
+    assert x.shape == (400, 250) and x.dtype == torch.float32
+    assert abs(x.std().item() - 3.0) < 0.05
+
+
+def test_opacus_noise_dispatcher_handles_ours_and_leaves_torch_generators_alone():
+    """Opacus' optimizers call _generate_noise: our generator gets ChaCha20 noise; a
+    torch.Generator gets exactly what Opacus' original function gives."""
+    ref = torch.zeros(3, 4, dtype=torch.float32)
+    ours = opacus_optimizer._generate_noise(std=2.0, reference=ref, generator=noise.ChaCha20Normal(b"d" * 32))
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype and ours.abs().sum() > 0
+    original = opacus_optimizer._generate_noise._opacus_original
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(opacus_optimizer._generate_noise(std=2.0, reference=ref, generator=g1),
+                       original(std=2.0, reference=ref, generator=g2))
+
+
+def test_generators_are_secret_unless_the_test_hook_is_set(monkeypatch):
+    """Without the hook every generator is keyed anew from OS entropy; with it, fixed and labelled."""
+    monkeypatch.delenv(noise.TEST_SEED_ENV, raising=False)
+    for secure in (False, True):
+        a, b = noise.generator("noise", secure=secure), noise.generator("noise", secure=secure)
+        assert not torch.equal(noise.uniform(a, 8), noise.uniform(b, 8))
+    assert "NOT private" not in noise.source(False) and noise.source(True).startswith("csprng")
+    monkeypatch.setenv(noise.TEST_SEED_ENV, "11")
+    a, b = noise.generator("noise", secure=True, rank=1), noise.generator("noise", secure=True, rank=1)
+    assert torch.equal(noise.uniform(a, 8), noise.uniform(b, 8))
+    other = noise.generator("poisson", secure=True, rank=1)  # another purpose: another stream
+    assert not torch.equal(noise.uniform(other, 8), noise.uniform(noise.generator("noise", secure=True, rank=1), 8))
+    assert noise.source(True).startswith("TEST HOOK")
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_randbelow_covers_the_range(secure, monkeypatch):
+    monkeypatch.setenv(noise.TEST_SEED_ENV, "0")
+    g = noise.generator("user_pick", secure=secure)
+    assert {noise.randbelow(g, 3) for _ in range(200)} == {0, 1, 2}

@@ -1,0 +1,123 @@
+"""The data path on Arrow (issue 11): tokenized splits on disk, per-batch padding, lazy shards."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from opacus.data_loader import DPDataLoader
+from torch.utils.data import DataLoader
+
+from pipeline.config import DataConfig
+from pipeline.stages.data import TOKENIZED_DIR, delete_private_copies, encode_record, prepare_data, read_split
+from pipeline.stages.generate import SCHEMA, read_synthetic, synthetic_head, synthetic_ids, synthetic_texts
+from pipeline.stages.teacher import RankShareSampler
+from pipeline.tokenized import ListIds, TokenIds, pad_collate, token_column, tokenized_split
+from tests.conftest import YELP_TEST, YELP_TRAIN
+
+
+def _files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*")} if root.is_dir() else set()
+
+
+@pytest.fixture
+def data(tmp_path):
+    cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=60, max_test_records=8)
+    return prepare_data(cfg, tmp_path / "run" / "data", seed=0)
+
+
+def test_split_is_tokenized_once_to_private_int32_arrow_in_the_run_dir(data, tiny_tokenizer):
+    hf_cache = Path(datasets.config.HF_DATASETS_CACHE)
+    before = _files(hf_cache)
+    ds = tokenized_split(data.train, tiny_tokenizer)
+
+    codes, texts = read_split(data.train)
+    assert token_column(ds).to_pylist() == [encode_record(tiny_tokenizer, c, t) for c, t in zip(codes, texts)]
+    root = data.train.parent / TOKENIZED_DIR
+    (ids_file,) = [Path(f["filename"]) for f in ds.cache_files]  # memory-mapped from this file
+    assert ids_file.is_relative_to(root) and isinstance(ds.data, datasets.table.MemoryMappedTable)
+    with pa.memory_map(str(ids_file)) as f:
+        assert pa.ipc.open_stream(f).schema.field("input_ids").type == pa.list_(pa.int32())
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file()} == {0o600}
+    assert _files(hf_cache) == before, "nothing may be written to the datasets cache under ~/.cache"
+
+    again = tokenized_split(data.train, tiny_tokenizer)  # reused, not tokenized again
+    assert [f["filename"] for f in again.cache_files] == [str(ids_file)]
+    assert len(list(root.iterdir())) == 1
+
+    deleted = delete_private_copies(data)
+    assert root in deleted and not root.exists() and not data.train.exists()
+
+
+def test_token_ids_are_cut_to_max_length_and_collate_pads_to_the_batch_longest(data, tiny_tokenizer):
+    column = token_column(tokenized_split(data.train, tiny_tokenizer))
+    full = TokenIds(column)
+    cut = TokenIds(column, max_length=20, pad_id=tiny_tokenizer.pad_token_id)
+    ids, length = cut[0]
+    assert ids.dtype == torch.long and int(length) == 20 and ids.tolist() == column[0].as_py()[:20]
+    assert int(full[0][1]) == len(column[0].as_py())
+
+    short = ListIds([[5, 6, 7], [8, 9], [1, 2, 3, 4, 5]], pad_id=0)
+    ids, lengths = short.collate([short[0], short[1]])
+    assert ids.tolist() == [[5, 6, 7], [8, 9, 0]] and lengths.tolist() == [3, 2]  # width 3, not 5
+    # an already padded row (an evaluation window) is cut to its length first
+    ids, lengths = pad_collate([(torch.tensor([4, 4, 0, 0]), torch.tensor(2))], pad_id=7)
+    assert ids.tolist() == [[4, 4]] and lengths.tolist() == [2]
+
+
+def test_poisson_loader_pads_each_batch_and_keeps_opacus_empty_batches(data, tiny_tokenizer):
+    """The teacher's loader (RankShareSampler + DPDataLoader's collate) over memory-mapped ids:
+    batches are as wide as their longest record; an empty draw is a (0, L) batch."""
+    records = TokenIds(token_column(tokenized_split(data.train, tiny_tokenizer)), 64, tiny_tokenizer.pad_token_id)
+    dp_loader = DPDataLoader.from_data_loader(DataLoader(records, batch_size=8, collate_fn=records.collate))
+    # rank 0 of 10 keeps only the draws it owns (~6 records), so many of its batches are empty
+    share = RankShareSampler(num_samples=len(records), sample_rate=0.05, generator=torch.Generator().manual_seed(0),
+                             rank=0, world_size=10)
+    batches = list(DataLoader(records, batch_sampler=share, collate_fn=dp_loader.collate_fn))
+    assert any(ids.shape[0] == 0 for ids, _ in batches) and any(ids.shape[0] > 0 for ids, _ in batches)
+    for ids, lengths in batches:
+        assert ids.dtype == torch.long and ids.dim() == 2
+        if len(lengths):
+            assert ids.shape[1] == int(lengths.max())
+
+
+def _shard(path: Path, first: int, n: int, validation: set[int]) -> None:
+    rows = [{"sample_id": first + i, "split": "validation" if first + i in validation else "train",
+             "control_code": f"code {first + i}", "text": f"text {first + i}", "n_tokens": 3 + i,
+             "n_prompt_tokens": 2, "token_ids": list(range(3 + i)), "finished": True} for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
+
+
+def test_synthetic_shards_are_read_lazily(tmp_path):
+    synthetic = tmp_path / "synthetic"
+    synthetic.mkdir()
+    _shard(synthetic / "shard-00000.parquet", 0, 5, {3})
+    _shard(synthetic / "shard-00001.parquet", 5, 5, {7})
+
+    head = synthetic_head(synthetic, 3, "train")
+    assert head["text"].to_pylist() == ["text 0", "text 1", "text 2"] and head.column_names == ["control_code", "text"]
+    assert synthetic_texts(synthetic, 100) == [f"text {i}" for i in range(10)]
+
+    train = synthetic_ids(synthetic, "train", tmp_path / "ids" / "train.arrow")
+    expected = read_synthetic(synthetic, "train")
+    assert isinstance(train.data, datasets.table.MemoryMappedTable)
+    assert train["sample_id"] == expected["sample_id"].to_pylist() == [0, 1, 2, 4, 5, 6, 8, 9]
+    assert train["token_ids"] == expected["token_ids"].to_pylist()
+    assert synthetic_ids(synthetic, "validation", tmp_path / "ids" / "validation.arrow")["sample_id"] == [3, 7]
+
+
+def test_perplexity_of_tokenized_ids_is_that_of_the_texts(data, tiny_tokenizer, tiny_model_dir):
+    from pipeline.stages.evaluate import perplexity
+    from pipeline.models.base import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    codes, texts = read_split(data.test)
+    ids = token_column(tokenized_split(data.test, tiny_tokenizer)).to_pylist()
+    assert perplexity(model, tiny_tokenizer, codes, texts, 32, 4, token_ids=ids) == \
+        perplexity(model, tiny_tokenizer, codes, texts, 32, 4)

@@ -1,0 +1,301 @@
+"""Stage 0: reading, validating, splitting the private data; errors never quote records."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import YELP_TEST, YELP_TRAIN
+from pipeline.privacy.control_codes import domain_codes
+from pipeline.config import ConfigError, DataConfig, config_from_dict
+from pipeline.stages.data import DataError, encode_record, prepare_data, prompt_for, read_split, read_table
+
+CODE_RE = re.compile(r"^Business Category: [^\t\n]+\tReview Stars: [^\t\n]+$")
+
+
+def _write_csv(path, rows, header=("text", "label1", "label2")):
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def _sentinel_rows(n=10):
+    """Rows with distinctive texts, so tests can check that no record leaks into messages."""
+    names = ["ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL", "INDIA", "JULIET"]
+    return [[f"SECRET-RECORD-{names[i]} was here", f"cat{i % 2}", f"stars{i % 3}"] for i in range(n)]
+
+
+def test_prepare_data_on_yelp_sample(tmp_path):
+    """prepare_data writes the splits and the manifest; counts add up."""
+    cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=200, max_test_records=50)
+    out = tmp_path / "data"
+    res = prepare_data(cfg, out, seed=0)
+
+    for name in ("train.parquet", "validation.parquet", "test.parquet", "manifest.json"):
+        assert (out / name).is_file(), name
+    assert res.n_train + res.n_validation == 200
+    assert res.n_validation == 10  # round(0.05 * 200)
+    assert res.n_test == 50
+    assert res.n_dropped == 0
+
+    train_codes, train_texts = read_split(res.train)
+    val_codes, _ = read_split(res.validation)
+    test_codes, _ = read_split(res.test)
+    assert len(train_codes) == len(train_texts) == res.n_train
+    assert len(val_codes) == res.n_validation and len(test_codes) == 50
+    for code in train_codes + val_codes + test_codes:
+        assert CODE_RE.match(code), code
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stage"] == "data"
+    assert manifest["n_train"] == res.n_train and manifest["n_validation"] == res.n_validation
+
+
+def test_encode_record_is_prefix_then_text_then_eos(tiny_tokenizer):
+    """encode_record = tokenize(codes + '\\n\\n') + tokenize(text) + [eos]."""
+    code, text = "Business Category: Bars\tReview Stars: 4.0", "Great beer, slow service."
+    assert prompt_for(code) == code + "\n\n"
+    expected = (
+        tiny_tokenizer.encode(code + "\n\n", add_special_tokens=False)
+        + tiny_tokenizer.encode(text, add_special_tokens=False)
+        + [tiny_tokenizer.eos_token_id]
+    )
+    ids = encode_record(tiny_tokenizer, code, text)
+    assert ids == expected
+    assert ids[-1] == tiny_tokenizer.eos_token_id
+    assert encode_record(tiny_tokenizer, code, text, max_length=5) == expected[:5]
+
+
+def test_empty_text_and_missing_code_are_reported_without_content(tmp_path):
+    """Empty text (row 3) and missing code (row 5) raise DataError naming rows/columns, quoting no record."""
+    rows = _sentinel_rows()
+    rows[2][0] = ""  # row 3: empty text
+    rows[4][2] = ""  # row 5: missing control code in label2
+    path = _write_csv(tmp_path / "bad.csv", rows)
+    cfg = DataConfig(path=path)
+    with pytest.raises(DataError) as err:
+        prepare_data(cfg, tmp_path / "out", seed=0)
+    msg = str(err.value)
+    assert "row 3" in msg and "'text'" in msg
+    assert "row 5" in msg and "'label2'" in msg
+    assert "data.drop_empty" in msg
+    for row in rows:
+        assert row[0] == "" or row[0] not in msg
+    assert "SECRET-RECORD" not in msg
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_drop_empty_drops_and_counts_rows(tmp_path):
+    """With drop_empty=True, the empty rows are dropped, counted and listed in the manifest."""
+    rows = _sentinel_rows()
+    rows[2][0] = "   "  # row 3: whitespace-only text
+    rows[4][2] = ""  # row 5: missing control code
+    path = _write_csv(tmp_path / "bad.csv", rows)
+    res = prepare_data(DataConfig(path=path, drop_empty=True), tmp_path / "out", seed=0)
+    assert res.n_dropped == 2
+    assert res.n_train + res.n_validation + res.n_test == len(rows) - 2
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["n_dropped"] == 2
+    assert manifest["dropped_rows"] == {"data.path": [3, 5], "data.test_path": []}
+    kept = []
+    for split in (res.train, res.validation, res.test):
+        kept += read_split(split)[1]
+    assert sorted(kept) == sorted(r[0] for i, r in enumerate(rows) if i not in (2, 4))
+
+
+def test_drop_empty_never_drops_an_invalid_code(tmp_path):
+    """A tab inside a code is an error even with drop_empty, whatever the column is called."""
+    rows = [[r[0], r[1]] for r in _sentinel_rows()]
+    rows[2][1] = "a\tb"
+    path = tmp_path / "d.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["text", "nonempty_tag"], *rows])
+    with pytest.raises(DataError, match="row 3, column 'nonempty_tag': control code contains a tab"):
+        prepare_data(DataConfig(path=path, code_columns=["nonempty_tag"], drop_empty=True), tmp_path / "o", seed=0)
+
+
+def test_missing_column_is_named_with_available_ones(tmp_path):
+    """A missing code column raises DataError naming it and listing the file's columns."""
+    path = _write_csv(tmp_path / "d.csv", _sentinel_rows())
+    with pytest.raises(DataError) as err:
+        prepare_data(DataConfig(path=path, code_columns=["label1", "stars"]), tmp_path / "out", seed=0)
+    msg = str(err.value)
+    assert "'stars'" in msg
+    for col in ("text", "label1", "label2"):
+        assert col in msg
+    assert "SECRET-RECORD" not in msg
+
+
+def test_unsupported_extension_is_refused(tmp_path):
+    """A .txt data file raises DataError naming the suffix."""
+    path = tmp_path / "data.txt"
+    path.write_text("text,label1,label2\nhello,a,b\n")
+    with pytest.raises(DataError, match=r"\.txt"):
+        read_table(path)
+    with pytest.raises(DataError, match=r"\.txt"):
+        prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_jsonl_and_parquet_inputs(tmp_path, fmt):
+    """JSONL and Parquet files are read and prepared like a CSV."""
+    rows = _sentinel_rows()
+    records = [{"text": t, "label1": a, "label2": b} for t, a, b in rows]
+    path = tmp_path / f"data.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        pq.write_table(pa.Table.from_pylist(records), path)
+    table = read_table(path)
+    assert table.num_rows == len(rows)
+    assert table["text"].to_pylist() == [r[0] for r in rows]
+
+    cfg = DataConfig(path=path, code_template="{column}={value}")
+    res = prepare_data(cfg, tmp_path / "out", seed=0)
+    assert res.n_train + res.n_validation + res.n_test == len(rows)
+    codes, _ = read_split(res.train)
+    assert all(re.fullmatch(r"label1=cat[01]\tlabel2=stars[012]", c) for c in codes), codes
+
+
+def test_csv_codes_stay_strings(tmp_path):
+    """The CSV reader keeps codes as written: '4.0' stays the string '4.0'."""
+    rows = [[f"review number {i}", "Bars", "4.0" if i % 2 else "05"] for i in range(10)]
+    path = _write_csv(tmp_path / "d.csv", rows)
+    table = read_table(path)
+    assert table.schema.field("label2").type == pa.string()
+    assert table["label2"].to_pylist()[:2] == ["05", "4.0"]
+
+    res = prepare_data(DataConfig(path=path, code_template="{column}: {value}"), tmp_path / "out", seed=0)
+    codes = read_split(res.train)[0] + read_split(res.validation)[0] + read_split(res.test)[0]
+    assert set(codes) == {"label1: Bars\tlabel2: 4.0", "label1: Bars\tlabel2: 05"}
+
+
+def test_nul_bytes_are_refused_and_duplicates_counted_without_content(tmp_path, caplog):
+    """A NUL byte in a text stops the data stage naming row and column; exact duplicate records
+    are accepted with a warning that gives their count only (they weaken record-level DP)."""
+    rows = _sentinel_rows()
+    rows[3][0] = "SECRET-RECORD-NUL\0here"  # row 4
+    with pytest.raises(DataError) as err:
+        prepare_data(DataConfig(path=_write_csv(tmp_path / "nul.csv", rows)), tmp_path / "a", seed=0)
+    assert "row 4, column 'text': text contains a NUL byte" in str(err.value)
+    assert "SECRET-RECORD" not in str(err.value)
+
+    rows = _sentinel_rows() + [_sentinel_rows()[1]] * 3  # three more copies of row 2
+    with caplog.at_level("WARNING", logger="pipeline.stages.data"):
+        prepare_data(DataConfig(path=_write_csv(tmp_path / "dup.csv", rows)), tmp_path / "b", seed=0)
+    warned = [r.getMessage() for r in caplog.records if "repeat an earlier record" in r.getMessage()]
+    assert len(warned) == 1 and ": 3 record(s) repeat" in warned[0] and "SECRET-RECORD" not in warned[0]
+
+
+def test_jsonl_value_of_another_kind_is_named_by_row_and_column(tmp_path):
+    """A number or a list in one row's text of a valid JSONL file names that row and column
+    (Arrow's own message names a row of its block, here the wrong one), never the content."""
+    rows = [{"text": f"SECRET-RECORD {i}", "label1": "a", "label2": "b"} for i in range(8)]
+    rows[0]["text"] = 4242  # row 1: Arrow would blame row 2
+    rows[5]["text"] = ["SECRET-RECORD", "list"]  # row 6
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as err:
+        prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)
+    msg = str(err.value)
+    assert "row 1, column 'text': a number where the other rows have a string" in msg
+    assert "row 6, column 'text': a list" in msg
+    assert "SECRET-RECORD" not in msg and "4242" not in msg
+
+
+def test_drop_empty_dropping_every_row_says_so(tmp_path):
+    """data.drop_empty=true on a file whose texts are all empty: 'all N rows', not 'only 0 records'."""
+    path = _write_csv(tmp_path / "d.csv", [["", f"cat{i}", "stars"] for i in range(7)])
+    with pytest.raises(DataError, match=r"all 7 rows have empty text in column 'text'"):
+        prepare_data(DataConfig(path=path, drop_empty=True), tmp_path / "out", seed=0)
+
+
+def test_list_typed_parquet_column_is_named(tmp_path):
+    """A list column gives a DataError naming it, not Arrow's ArrowNotImplementedError."""
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": [f"r{i}" for i in range(5)], "label1": [["a"]] * 5, "label2": ["b"] * 5}), path)
+    with pytest.raises(DataError, match=r"column 'label1' holds list"):
+        prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)
+
+
+# ---------------------------------------------------------------- shaping records in the config
+
+NEWS_NAMES = {"1": "World", "2": "Sports", "3": "Business", "4": "Sci/Tech"}
+
+
+def _news(tmp_path, n=20, label=lambda i: str(i % 4 + 1)):
+    """An AG News-like file: title and description columns, a numeric class label."""
+    rows = [[f"SECRET-TITLE-{i}", f"SECRET-BODY-{i} happened", label(i)] for i in range(n)]
+    return _write_csv(tmp_path / "news.csv", rows, header=("title", "description", "label"))
+
+
+def test_several_text_columns_are_joined_with_the_separator(tmp_path):
+    path = _news(tmp_path)
+    cfg = DataConfig(path=path, text_column=["title", "description"], text_separator=" // ",
+                     code_columns=["label"], validation_fraction=0.0)
+    res = prepare_data(cfg, tmp_path / "out", seed=0)
+    texts = read_split(res.train)[1] + read_split(res.test)[1]
+    assert sorted(texts) == sorted(f"SECRET-TITLE-{i} // SECRET-BODY-{i} happened" for i in range(20))
+    assert DataConfig(path=path).text_separator == "\n" and DataConfig(path=path).text_columns == ["text"]
+
+
+def test_an_empty_text_part_is_left_out_and_all_parts_empty_is_an_empty_text(tmp_path):
+    rows = [[f"SECRET-TITLE-{i}", f"SECRET-BODY-{i}", "1"] for i in range(20)]
+    rows[3][0] = ""  # no title: the description alone
+    rows[7][0] = rows[7][1] = " "  # nothing: an empty record
+    path = _write_csv(tmp_path / "news.csv", rows, header=("title", "description", "label"))
+    cfg = DataConfig(path=path, text_column=["title", "description"], code_columns=["label"])
+    with pytest.raises(DataError) as err:
+        prepare_data(cfg, tmp_path / "out", seed=0)
+    assert "row 8, columns ['title', 'description']: empty text" in str(err.value)
+    assert "1 unusable record" in str(err.value) and "SECRET" not in str(err.value)
+    res = prepare_data(cfg.model_copy(update={"drop_empty": True, "validation_fraction": 0.0}), tmp_path / "o2", seed=0)
+    texts = read_split(res.train)[1] + read_split(res.test)[1]
+    assert "SECRET-BODY-3" in texts and res.n_dropped == 1
+
+
+def test_code_values_name_the_codes_and_the_domain_holds_the_names(tmp_path):
+    """YAML reads `{1: World}` with a number: it still matches the file's "1"."""
+    yaml_names = {int(k): v for k, v in NEWS_NAMES.items()}
+    tree = {"data": {"path": str(_news(tmp_path)), "text_column": ["title", "description"], "code_columns": ["label"],
+                     "code_template": "Topic: {value}", "code_values": {"label": yaml_names}},
+            "control_codes": {"domain": {"label": list(NEWS_NAMES.values())}}}
+    cfg = config_from_dict(tree)
+    res = prepare_data(cfg.data, tmp_path / "out", seed=0, code_domain=cfg.control_codes.domain)
+    codes = read_split(res.train)[0] + read_split(res.test)[0]
+    assert set(codes) == {f"Topic: {name}" for name in NEWS_NAMES.values()}
+    assert domain_codes(cfg.data, cfg.control_codes.domain) == [f"Topic: {n}" for n in NEWS_NAMES.values()]
+
+
+def test_a_value_missing_from_code_values_names_row_column_and_fix(tmp_path):
+    path = _news(tmp_path, label=lambda i: "5" if i == 6 else str(i % 4 + 1))
+    cfg = DataConfig(path=path, text_column=["title", "description"], code_columns=["label"],
+                     code_values={"label": NEWS_NAMES})
+    with pytest.raises(DataError) as err:
+        prepare_data(cfg, tmp_path / "out", seed=0)
+    msg = str(err.value)
+    assert "row 7, column 'label': value not in data.code_values['label']" in msg
+    assert "data.unmapped_code_values=keep" in msg and "SECRET" not in msg and "'5'" not in msg
+    kept = prepare_data(cfg.model_copy(update={"unmapped_code_values": "keep"}), tmp_path / "o2", seed=0)
+    assert "5" in read_split(kept.train)[0] + read_split(kept.test)[0] + read_split(kept.validation)[0]
+
+
+def test_config_refuses_code_values_that_cannot_agree_with_the_domain(tmp_path):
+    data = {"path": str(tmp_path / "news.csv"), "code_columns": ["label"], "code_values": {"label": NEWS_NAMES}}
+    with pytest.raises(ConfigError, match=r"control_codes.domain\['label'\] lists \['1', '2'\].*mapped names"):
+        config_from_dict({"data": data, "control_codes": {"domain": {"label": ["1", "2"]}}})
+    keep = data | {"unmapped_code_values": "keep"}  # raw values may then occur too
+    assert config_from_dict({"data": keep, "control_codes": {"domain": {"label": ["1", "World"]}}})
+    with pytest.raises(ConfigError, match=r"code_values names \['topic'\], which are not code columns"):
+        config_from_dict({"data": data | {"code_values": {"topic": NEWS_NAMES}},
+                          "control_codes": {"mechanism": "exact"}})
+    with pytest.raises(ConfigError, match=r"names \['Sci\\tTech'\] that are empty or hold a tab"):
+        config_from_dict({"data": data | {"code_values": {"label": {"4": "Sci\tTech"}}},
+                          "control_codes": {"mechanism": "exact"}})
