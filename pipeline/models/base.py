@@ -41,6 +41,8 @@ from transformers import (
 from pipeline.config import BaseModelsConfig, TinyModelSpec
 from pipeline.locks import file_lock
 from pipeline.manifest import MANIFEST, atomic_write_json, hash_paths, sha256_file, write_manifest
+from pipeline.models.scoring import mean_token_nll, token_windows
+from pipeline.tokenized import ListIds
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +232,7 @@ def _encode(tok, paragraphs: list[str]) -> list[int]:
 
 def _validation_perplexity(model, ids: list[int], context_length: int, pad_id: int) -> float | None:
     """Perplexity on non-overlapping windows of held-out public text (None without any)."""
-    from pipeline.stages.evaluate import _chunks, mean_token_nll  # evaluate imports this module
-    from pipeline.tokenized import ListIds
-
-    windows = _chunks(ids[:VALIDATION_TOKENS], context_length)
+    windows = token_windows(ids[:VALIDATION_TOKENS], context_length)
     if not windows:
         return None
     return round(math.exp(mean_token_nll(model, ListIds(windows, pad_id), batch_size=32)), 2)

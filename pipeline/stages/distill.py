@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pipeline.batching import lm_batch
-from pipeline.stages.evaluate import mean_token_nll
+from pipeline.models.scoring import mean_token_nll
 from pipeline.config import DistillConfig
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.stages.generate import synthetic_ids

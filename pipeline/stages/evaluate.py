@@ -40,6 +40,7 @@ from pipeline.devices import CPU_FP32, Runtime
 from pipeline.stages.generate import synthetic_texts
 from pipeline.manifest import atomic_write_json, hash_paths, private_dir, write_manifest
 from pipeline.models.base import load_causal_lm, load_tokenizer, same_tokenizer
+from pipeline.models.scoring import nll_by_owner, token_windows
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 from pipeline.tokenized import ListIds, TokenIds, token_column, tokenized_split
 
@@ -65,46 +66,8 @@ class Perplexity:
     """Token-weighted perplexity of the records of each control code (small codes pooled)."""
 
 
-@torch.no_grad()
-def _nll_by_owner(
-    model, data: ListIds | TokenIds, owners: list[int], n_owners: int, batch_size: int,
-    on_batch: Callable[[int], None] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Summed next-token NLL and predicted-token count per owner of each sequence;
-    `on_batch(sequences)` after each batch. Batches go to the model's device; the logits
-    are upcast to fp32 before the log-softmax (bf16 weights or autocast)."""
-    model.eval()
-    device = next(model.parameters()).device
-    nll_sum, count = np.zeros(n_owners), np.zeros(n_owners)
-    for start in range(0, len(data), batch_size):
-        ids, lengths = data.collate([data[i] for i in range(start, min(start + batch_size, len(data)))])
-        batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
-        labels = batch.pop("labels")  # (B, L-1)
-        logits = model(**batch).logits[:, :-1].float()  # (B, L-1, V)
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
-        ).view(labels.shape)  # (B, L-1)
-        for row, owner in enumerate(owners[start : start + batch_size]):
-            nll_sum[owner] += float(nll[row].sum())
-            count[owner] += int((labels[row] != IGNORE).sum())
-        if on_batch:
-            on_batch(len(labels))
-    return nll_sum, count
-
-
-def mean_token_nll(model, data: ListIds | TokenIds, batch_size: int) -> float:
-    """Token-weighted mean next-token NLL over the sequences of `data`."""
-    nll, count = _nll_by_owner(model, data, [0] * len(data), 1, batch_size)
-    return float(nll[0] / max(count[0], 1))
-
-
 def _windows(windows: list[list[int]], pad_id: int) -> ListIds:
     return ListIds(windows, pad_id)
-
-
-def _chunks(ids: list[int], window: int) -> list[list[int]]:
-    """Non-overlapping windows; a trailing window of one token predicts nothing and is dropped."""
-    return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) > 1]
 
 
 def perplexity(
@@ -121,10 +84,10 @@ def perplexity(
         )
     records = token_ids if token_ids is not None else [encode_record(tokenizer, c, t) for c, t in zip(codes, texts)]
     joined = [t for r in records for t in r]
-    windows = _chunks(joined, window)
+    windows = token_windows(joined, window)
     per_windows, owners = [], []
     for i, r in enumerate(records):
-        for w in _chunks(r, window):
+        for w in token_windows(r, window):
             per_windows.append(w)
             owners.append(i)
     done, total = 0, len(windows) + len(per_windows)
@@ -135,9 +98,9 @@ def perplexity(
         if on_windows:
             on_windows(done, total)
 
-    nll, cnt = _nll_by_owner(model, _windows(windows, tokenizer.pad_token_id), [0] * len(windows), 1, batch_size,
+    nll, cnt = nll_by_owner(model, _windows(windows, tokenizer.pad_token_id), [0] * len(windows), 1, batch_size,
                              on_batch)
-    r_nll, r_cnt = _nll_by_owner(
+    r_nll, r_cnt = nll_by_owner(
         model, _windows(per_windows, tokenizer.pad_token_id), owners, len(records), batch_size, on_batch
     )
     keep = r_cnt > 0

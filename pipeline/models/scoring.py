@@ -1,0 +1,51 @@
+"""Scoring a causal LM on token data: summed next-token NLL per owner of each sequence, the
+token-weighted mean NLL, and non-overlapping windows. Used by the evaluation, the
+distillation's validation and the base models' held-out perplexity."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pipeline.batching import IGNORE, lm_batch
+from pipeline.tokenized import ListIds, TokenIds
+
+
+@torch.no_grad()
+def nll_by_owner(
+    model, data: ListIds | TokenIds, owners: list[int], n_owners: int, batch_size: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Summed next-token NLL and predicted-token count per owner of each sequence;
+    `on_batch(sequences)` after each batch. Batches go to the model's device; the logits
+    are upcast to fp32 before the log-softmax (bf16 weights or autocast)."""
+    model.eval()
+    device = next(model.parameters()).device
+    nll_sum, count = np.zeros(n_owners), np.zeros(n_owners)
+    for start in range(0, len(data), batch_size):
+        ids, lengths = data.collate([data[i] for i in range(start, min(start + batch_size, len(data)))])
+        batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
+        labels = batch.pop("labels")  # (B, L-1)
+        logits = model(**batch).logits[:, :-1].float()  # (B, L-1, V)
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
+        ).view(labels.shape)  # (B, L-1)
+        for row, owner in enumerate(owners[start : start + batch_size]):
+            nll_sum[owner] += float(nll[row].sum())
+            count[owner] += int((labels[row] != IGNORE).sum())
+        if on_batch:
+            on_batch(len(labels))
+    return nll_sum, count
+
+
+def mean_token_nll(model, data: ListIds | TokenIds, batch_size: int) -> float:
+    """Token-weighted mean next-token NLL over the sequences of `data`."""
+    nll, count = nll_by_owner(model, data, [0] * len(data), 1, batch_size)
+    return float(nll[0] / max(count[0], 1))
+
+
+def token_windows(ids: list[int], window: int) -> list[list[int]]:
+    """Non-overlapping windows; a trailing window of one token predicts nothing and is dropped."""
+    return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) > 1]
