@@ -252,14 +252,24 @@ def _format_codes(
             f"{where}: all {len(dropped)} rows have {what}, so data.drop_empty=true left no record; "
             "check that data.text_column / data.code_columns / data.user_column name the right columns"
         )
-    if (n_copies := len(texts_out) - len(set(zip(codes_out, texts_out)))) > 0:
-        # Counts only, never which records: a duplicated text is n records to record-level DP.
-        log.warning(
-            "%s: %d record(s) repeat an earlier record exactly (same codes and text); at record level each "
-            "copy is a separate unit, so a repeated text is protected only as a group of its copies: "
-            "deduplicate the file, or set data.user_column", where, n_copies,
-        )
+    _warn_copies(where, codes_out, texts_out, users_out if users is not None else None)
     return codes_out, texts_out, (users_out if users is not None else None), dropped
+
+
+def _warn_copies(where: str, codes: list[str], texts: list[str], users: list[str] | None) -> None:
+    """Say how many records repeat another unit's record exactly: DP protects each unit (record,
+    or user with data.user_column), so a text that n units hold is protected only as a group of n.
+    Counts only, never which records."""
+    if users is None:
+        n_copies = len(texts) - len(set(zip(codes, texts)))
+        unit, fix = "at record level each copy is a separate unit", "deduplicate the file, or set data.user_column"
+    else:  # one user's repeats are one unit already: count the copies held by other users
+        n_copies = len(set(zip(users, codes, texts))) - len(set(zip(codes, texts)))
+        unit, fix = "each user is a unit", "deduplicate the file across users (e.g. drop retweets)"
+    if n_copies > 0:
+        log.warning("%s: %d record(s) repeat %s record exactly (same codes and text); %s, so a repeated "
+                    "text is protected only as a group of its copies: %s", where, n_copies,
+                    "an earlier" if users is None else "another user's", unit, fix)
 
 
 def _write_split(path: Path, codes: list[str], texts: list[str], users: list[str] | None) -> None:

@@ -194,6 +194,21 @@ def test_nul_bytes_are_refused_and_duplicates_counted_without_content(tmp_path, 
     assert len(warned) == 1 and ": 3 record(s) repeat" in warned[0] and "SECRET-RECORD" not in warned[0]
 
 
+def test_at_user_level_only_copies_held_by_other_users_are_counted(tmp_path, caplog):
+    """A user who posts the same text twice is one unit; the same text from two other users
+    (a retweet) is protected only as a group of them, and the warning says so, with no
+    advice to set data.user_column, which is set."""
+    rows = [[*r, f"user{i}"] for i, r in enumerate(_sentinel_rows())]
+    rows += [[*rows[1][:3], "user1"], [*rows[1][:3], "user7"], [*rows[1][:3], "user8"]]
+    cfg = DataConfig(path=_write_csv(tmp_path / "users.csv", rows, ("text", "label1", "label2", "user")),
+                     user_column="user")
+    with caplog.at_level("WARNING", logger="pipeline.stages.data"):
+        prepare_data(cfg, tmp_path / "out", seed=0)
+    warned = [r.getMessage() for r in caplog.records if "repeat" in r.getMessage()]
+    assert len(warned) == 1 and ": 2 record(s) repeat another user's record" in warned[0]
+    assert "set data.user_column" not in warned[0] and "SECRET-RECORD" not in warned[0]
+
+
 def test_jsonl_value_of_another_kind_is_named_by_row_and_column(tmp_path):
     """A number or a list in one row's text of a valid JSONL file names that row and column
     (Arrow's own message names a row of its block, here the wrong one), never the content."""
