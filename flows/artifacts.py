@@ -24,6 +24,8 @@ SUMMARY_KEY = "privacy-summary"
 METRICS_KEY = "metrics"
 SYNTHETIC_KEY = "synthetic-samples"
 ADHERENCE_KEY = "code-adherence"
+SELECTION_KEY = "student-selection"
+DOWNSTREAM_KEY = "downstream-classifier"
 REPORT_KEY = "run-report"
 
 
@@ -125,6 +127,41 @@ def publish_metrics(metrics: dict) -> None:
     create_table_artifact(key=METRICS_KEY, table=rows, description=description)
     if (metrics.get("code_adherence") or {}).get("columns"):  # a column with 2 or more values was scored
         publish_code_adherence(metrics["code_adherence"])
+    if metrics.get("selection"):
+        publish_selection(metrics["selection"])
+    if metrics.get("downstream"):
+        publish_downstream(metrics["downstream"])
+
+
+def publish_selection(selection: dict) -> None:
+    """Every distillation candidate, its criterion values and the chosen one (pipeline/stages/selection.py)."""
+    keys = ["teacher_kl", "untruncated_ce", "synthetic_validation_ce", "test_perplexity"]
+    rows = [{"candidate": r["candidate"], "chosen": "yes" if r["candidate"] == selection["chosen"] else "",
+             **{k: _fmt(r.get(k)) for k in keys}} for r in selection["candidates"]]
+    description = (
+        f"Candidates for the student, kept: {selection['chosen']} (lowest {selection['select_by']}, on "
+        f"{selection['selection_samples']} texts the DP teacher sampled without truncation: no private record is "
+        "read, the choice costs no privacy). test_perplexity, where shown, was computed after the choice.\n\n"
+        + markdown_table(rows, ["candidate", "chosen", *keys])
+    )
+    create_table_artifact(key=SELECTION_KEY, table=rows, description=description)
+
+
+def publish_downstream(downstream: dict) -> None:
+    """Per code column, a classifier trained on the synthetic text and tested on the real test split."""
+    rows = []
+    for column, c in downstream["columns"].items():
+        if "skipped" in c:
+            continue
+        rows.append({"column": column, "accuracy": _fmt(c["synthetic"]["accuracy"]),
+                     "macro_f1": _fmt(c["synthetic"]["macro_f1"]),
+                     "real_reference_macro_f1": _fmt((c["real_reference"] or {}).get("macro_f1")),
+                     "majority_accuracy": _fmt(c["majority"]["accuracy"]), "chance_macro_f1": _fmt(c["chance_macro_f1"])})
+    if not rows:
+        return
+    description = (f"Does the synthetic text serve a downstream task? {downstream['classifier']} trained on the synthetic "
+                   "texts and their codes, tested on the real test split.\n\n" + markdown_table(rows, list(rows[0])))
+    create_table_artifact(key=DOWNSTREAM_KEY, table=rows, description=description)
 
 
 def publish_code_adherence(adherence: dict) -> None:

@@ -43,7 +43,7 @@ from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.stages.data import DataResult, delete_private_copies, prepare_data
 from pipeline.devices import Runtime
 from pipeline.stages.distill import DistillResult, distill
-from pipeline.stages.evaluate import evaluate_models
+from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
 from pipeline.stages.generate import GenerateResult
 from pipeline.privacy.budget import dataset_total, read_budget, record_release, store_total
 from pipeline.locks import file_lock, try_lock, unlock
@@ -203,7 +203,8 @@ def distillation_task(
 ) -> DistillResult:
     distill_cfg = cfg.distill
     if distill_cfg.method == "dp_syn":  # the synthetic data alone, no teacher logits
-        distill_cfg = distill_cfg.model_copy(update={"alpha": 0.0, "beta": 0.0, "teacher_top_k": None})
+        distill_cfg = distill_cfg.model_copy(update={"alpha": 0.0, "beta": 0.0, "teacher_top_k": None,
+                                                     "candidates": []})
     with StageProgress("distillation", "steps") as progress:
         return distill(
             distill_cfg,
@@ -237,6 +238,9 @@ def evaluation_task(
         models["base_teacher"] = resolve_model(cfg.teacher.model, base)  # what DP fine-tuning started from
         models["dp_teacher"] = str(teacher.checkpoint)
     models[f"student_{cfg.distill.method}"] = str(student.checkpoint)
+    selection = getattr(student, "selection", None)  # a TeacherResult (dp_sgd, dpkd) has none
+    for name, path in (getattr(student, "candidates", None) or {}).items():  # distill.keep_candidates
+        models[f"{CANDIDATE_PREFIX}{name}"] = str(path)
     out_dir = run_dir / "evaluation"
     code_values = None
     if synthetic is not None and codes is not None:  # the DP teacher checks its synthetic text's codes
@@ -246,6 +250,7 @@ def evaluation_task(
         synthetic_path=synthetic.path if synthetic else None, progress_every=cfg.progress_seconds,
         runtime=Runtime.from_config(cfg), code_values=code_values, adherence_model="dp_teacher",
         cache_dir=Path(cfg.run_root).resolve() / PERPLEXITY_DIR,  # the base models score once per run root
+        code_columns=cfg.data.code_columns, selection=selection,
     )
     return {**metrics, "evaluation_dir": str(out_dir)}
 

@@ -11,11 +11,14 @@ Relative paths are taken from the current working directory.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -336,6 +339,16 @@ class GenerateConfig(_Section):
     )
 
 
+# The DistillConfig fields a selection candidate may set (the rest is shared by all candidates).
+CANDIDATE_FIELDS = ("alpha", "temperature", "beta", "kl_skip_tokens", "epochs", "learning_rate",
+                    "num_synthetic", "batch_size", "weight_decay", "warmup_fraction")
+
+
+def candidate_name(settings: dict[str, Any]) -> str:
+    """A candidate's name from its settings, in CANDIDATE_FIELDS order: 'alpha=1.0,beta=1.0'."""
+    return ",".join(f"{k}={settings[k]}" for k in CANDIDATE_FIELDS if k in settings) or "default"
+
+
 class DistillConfig(_Section):
     """Stage 3: the student learns from the synthetic data only (no DP needed)."""
 
@@ -350,7 +363,10 @@ class DistillConfig(_Section):
         "builtin:student",
         description="'builtin:student', a local directory or a hub name such as 'distilgpt2'.",
     )
-    alpha: float = Field(0.4, ge=0, le=1, description="Weight of the KL term; 0 = plain CE.")
+    alpha: float = Field(
+        0.4, ge=0, le=1,
+        description="Weight of the KL term; 0 = plain CE. Each of `candidates` may set its own.",
+    )
     temperature: float = Field(1.0, gt=0, description="Softmax temperature T of the KL term.")
     beta: float = Field(
         0.0,
@@ -359,10 +375,12 @@ class DistillConfig(_Section):
         "student's hidden size to the teacher's when they differ.",
     )
     kl_skip_tokens: int | None = Field(
-        5,
+        0,
         ge=0,
-        description="Leading tokens the KL skips (the paper: 5, the control codes); None skips "
-        "each sample's whole control-code prompt.",
+        description="Leading tokens the KL skips (the paper: 5, its control codes); None skips each "
+        "sample's whole control-code prompt. 0 (the default): the KL covers every token, the codes "
+        "included, which the test perplexity counts too; with alpha=1 the KL is the student's only "
+        "signal for them.",
     )
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(16, ge=1)
@@ -392,6 +410,59 @@ class DistillConfig(_Section):
         "and dpkd train on the private data and ignore it.",
     )
 
+    candidates: list[dict[str, Any]] = Field(
+        default_factory=lambda: [{"alpha": 0.4}, {"alpha": 1.0}],
+        description="Settings to train a student with, each overriding this section's fields "
+        f"({', '.join(CANDIDATE_FIELDS)}); the student with the lowest `select_by` is kept. "
+        "The criterion reads only DP outputs (the DP teacher and samples from it), so selection "
+        "costs no privacy. [] or one candidate: no selection, this section's settings train the "
+        "student. Default: the paper's alpha=0.4 and the KL alone (alpha=1).",
+    )
+    select_by: Literal["teacher_kl", "untruncated_ce", "synthetic_validation_ce"] = Field(
+        "teacher_kl",
+        description="How candidates are compared, on `selection_samples` texts the DP teacher samples "
+        "WITHOUT top-k/top-p truncation (its whole distribution, which the student should match): "
+        "'teacher_kl' the mean per-token KL(teacher || student), 'untruncated_ce' the student's "
+        "cross-entropy on them (the same ranking in expectation, noisier); "
+        "'synthetic_validation_ce' the student's best CE on the truncated synthetic validation split "
+        "(ranked alpha the wrong way on Yelp, docs/reference.md; kept for comparison).",
+    )
+    selection_samples: int = Field(
+        256, ge=8, description="Untruncated samples the DP teacher writes for the selection criterion."
+    )
+    keep_candidates: bool = Field(
+        False,
+        description="Keep every candidate's student (student/candidates/<name>/model) and evaluate each "
+        "on the test split, for studying the criterion; False keeps the chosen one only.",
+    )
+
+    @field_validator("candidates")
+    @classmethod
+    def _candidates_name_fields(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        problems = []
+        for i, c in enumerate(v):
+            if not isinstance(c, dict) or not c:
+                problems.append(f"candidates[{i}] = {c!r} is not a mapping of settings, e.g. {{alpha: 1.0}}")
+            elif unknown := sorted(set(c) - set(CANDIDATE_FIELDS)):
+                problems.append(f"candidates[{i}] sets {unknown}; a candidate may set {list(CANDIDATE_FIELDS)}")
+        if len({candidate_name(c) for c in v if isinstance(c, dict)}) < len(v):
+            problems.append("two candidates have the same settings; list each setting once")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return v
+
+    def candidate_configs(self) -> list[tuple[str, "DistillConfig"]]:
+        """(name, settings) of each candidate: this section with the candidate's fields, each
+        validated as a whole section (a candidate alpha=2 is refused like distill.alpha=2)."""
+        base = self.model_dump(exclude={"candidates"})
+        out = []
+        for i, c in enumerate(self.candidates):
+            try:
+                out.append((candidate_name(c), DistillConfig(**{**base, **c, "candidates": []})))
+            except ValidationError as e:
+                raise ConfigError(f"distill.candidates[{i}] = {c!r}:\n{_format_errors(e)}") from e
+        return out
+
     @model_validator(mode="after")
     def _top_k_without_hidden_mse(self) -> "DistillConfig":
         if self.teacher_top_k is not None and self.beta > 0:
@@ -399,6 +470,19 @@ class DistillConfig(_Section):
                 f"distill.teacher_top_k={self.teacher_top_k} caches logits only, but distill.beta={self.beta} "
                 "needs the teacher's hidden states at every step; set distill.beta=0 or distill.teacher_top_k=null"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_candidates(self) -> "DistillConfig":
+        self.candidate_configs()  # each candidate's values, checked at load time (ConfigError: a ValueError)
+        if len(self.candidates) > 1:
+            shadowed = sorted({k for c in self.candidates for k in c} & self.model_fields_set)
+            if shadowed:
+                log.warning(
+                    "distill.%s set, but distill.candidates sets %s too and each candidate's value is used; "
+                    "set distill.candidates=[] to train with this section's settings alone",
+                    ", distill.".join(shadowed), "it" if len(shadowed) == 1 else "them",
+                )
         return self
 
 
@@ -413,6 +497,12 @@ class EvalConfig(_Section):
         description="Synthetic training samples (the first ones, in shard order) on which the DP teacher "
         "checks that the text follows its control code (pipeline/stages/adherence.py); 0 disables it. Cost: about "
         "(sum over code columns of the number of declared values) teacher forward passes per sample.",
+    )
+    mauve_texts: int = Field(
+        1000,
+        ge=0,
+        description="Synthetic and real test texts (as many of each) that MAUVE compares on the DP teacher's "
+        "features (pipeline/stages/downstream.py); 0 disables it. About 10-30 s on 2 cores at 1,000.",
     )
 
 

@@ -96,7 +96,7 @@ def tiny_pipeline_dict(tmp_path: Path) -> dict:
             "learning_rate": 1e-3,
         },
         "generate": {"num_samples": 24, "batch_size": 12, "max_length": 80},
-        "distill": {"epochs": 1, "batch_size": 8, "learning_rate": 1e-3},
+        "distill": {"epochs": 1, "batch_size": 8, "learning_rate": 1e-3, "selection_samples": 8},
         "evaluate": {"window": 96, "batch_size": 8},
     }
 

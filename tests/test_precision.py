@@ -127,7 +127,7 @@ def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
         teacher_dir=teacher.checkpoint, control_codes_path=codes, ledger=[], out_dir=out / "synthetic", seed=0,
         runtime=runtime)
     student = pipeline.stages.distill.distill(
-        DistillConfig(epochs=1, batch_size=8, learning_rate=1e-3, teacher_top_k=20, eval_every=2),
+        DistillConfig(candidates=[], epochs=1, batch_size=8, learning_rate=1e-3, teacher_top_k=20, eval_every=2),
         synthetic_path=synthetic.path, teacher_dir=teacher.checkpoint, student_model=str(model_dir),
         out_dir=out / "student", seed=0, runtime=runtime)
     return pipeline.stages.evaluate.evaluate_models(

@@ -155,7 +155,7 @@ def test_generation_reports_every_batch_of_a_single_shard(tiny_model_dir, codes_
     # The synthetic data is public: distilling from it logs steps, tokens/s and the loss, and
     # the teacher cache logs its samples.
     with captured("pipeline") as messages:
-        distill(DistillConfig(epochs=1, batch_size=8, teacher_top_k=5), synthetic_path=result.path,
+        distill(DistillConfig(candidates=[], epochs=1, batch_size=8, teacher_top_k=5), synthetic_path=result.path,
                 teacher_dir=tiny_model_dir, student_model=str(tiny_model_dir), out_dir=tmp_path / "student",
                 seed=0, progress_every=0)
     cache = [m for m in messages if m.startswith("teacher cache: ") and "samples/s" in m]

@@ -237,6 +237,55 @@ def _distillation(run_dir: Path) -> str:
     return out
 
 
+def _selection(metrics: dict | None) -> str:
+    """The distillation candidates, each criterion's value, the chosen one (pipeline/stages/selection.py)."""
+    sel = (metrics or {}).get("selection")
+    if not sel:
+        return ""
+    keys = ["teacher_kl", "untruncated_ce", "synthetic_validation_ce", "test_perplexity"]
+    rows = [[("→ " if r["candidate"] == sel["chosen"] else "") + r["candidate"]] + [r.get(k) for k in keys]
+            for r in sel["candidates"]]
+    out = "<h3>Choosing the student</h3>" + _table(["candidate"] + keys, rows)
+    out += _note(
+        f"Kept: {sel['chosen']}, the lowest {sel['select_by']}. Each candidate's student was scored on "
+        f"{sel['selection_samples']} texts the DP teacher sampled without top-k/top-p truncation (its whole "
+        "distribution): teacher_kl is the mean per-token KL(teacher ‖ student) there, untruncated_ce the student's "
+        "cross-entropy there; synthetic_validation_ce is the CE on the truncated synthetic validation split. None "
+        "reads a private record: the choice costs no privacy. test_perplexity (where shown) was computed after "
+        "the choice, for the study below, and never used to choose.")
+    study = sel.get("criterion_study") or {}
+    if study:
+        out += _table(["criterion", "Spearman ρ with test perplexity", "would choose", "regret (perplexity)"],
+                      [[c, v["spearman"], v["chooses"], v["regret"]] for c, v in study.items()])
+    return out
+
+
+def _downstream(metrics: dict | None) -> str:
+    """A classifier trained on the synthetic text, tested on the real test split (pipeline/stages/downstream.py)."""
+    ds = (metrics or {}).get("downstream")
+    mauve = (metrics or {}).get("mauve")
+    mauve_note = "" if not mauve else _note(
+        f"MAUVE of the synthetic against the real test texts: {mauve['mauve']:.3f} ({mauve['texts']} texts a side, "
+        f"features: {mauve['features']}; 1 = indistinguishable).")
+    if not ds:
+        return mauve_note
+    rows = []
+    for column, c in ds["columns"].items():
+        if "skipped" in c:
+            rows.append([column, None, None, None, None, None, c["skipped"]])
+            continue
+        ref = c["real_reference"] or {}
+        rows.append([column, c["synthetic"]["accuracy"], c["synthetic"]["macro_f1"], ref.get("macro_f1"),
+                     c["majority"]["accuracy"], c["chance_macro_f1"], "at chance" if c["at_chance"] else ""])
+    return ("<h3>Does the synthetic text serve a downstream task?</h3>"
+            + _table(["code column", "accuracy (trained on synthetic)", "macro-F1 (trained on synthetic)",
+                      "macro-F1, real reference", "majority-class accuracy", "chance macro-F1", ""], rows)
+            + _note(f"{ds['classifier']}: trained on synthetic texts with the codes they were prompted with, tested on "
+                    "the real test split; the real reference is the same classifier cross-validated on the test split "
+                    "(5 folds). Chance: the better macro-F1 of the majority class and of random labels (1/values).")
+            + mauve_note)
+
+
 def _perplexity(metrics: dict | None) -> str:
     ppl = (metrics or {}).get("perplexity")
     if not ppl:
@@ -253,7 +302,7 @@ def _perplexity(metrics: dict | None) -> str:
     keys = ["windowed", "per_record_mean", "per_record_median", "tokens", "records"]
     rows = [[n] + [ppl[n].get(k) for k in keys] for n in names]
     warnings = "".join(_note("Warning: " + line, "warn") for line in metrics.get("diagnostics", []))
-    return warnings + _svg(fig, "perplexity") + _table(["model"] + keys, rows)
+    return warnings + _svg(fig, "perplexity") + _table(["model"] + keys, rows) + _selection(metrics)
 
 
 def _code_adherence(metrics: dict | None) -> str:
@@ -355,7 +404,7 @@ def _generation(run_dir: Path, metrics: dict | None) -> str:
     out = ""
     if gen:
         keys = ["samples", "validation_samples", "dropped_empty", "new_tokens_per_second", "shards", "resumed_shards"]
-        out += _table(keys, [[gen.get(k) for k in keys]]) + _code_adherence(metrics)
+        out += _table(keys, [[gen.get(k) for k in keys]]) + _code_adherence(metrics) + _downstream(metrics)
     elif _method(run_dir, metrics) not in (None, *GENERATING_METHODS):
         return _note("This run has no generation stage (its method trains the student on the private data).")
     else:

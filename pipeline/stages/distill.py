@@ -10,6 +10,14 @@ release.
 
 Teacher and student must share one tokenizer: the KL compares distributions over the
 same vocabulary, and the synthetic token ids are fed to both.
+
+With several `candidates` (α, T, β, ...), one student is trained per candidate and the one
+closest to the DP teacher on texts it samples without truncation is kept
+(`pipeline.stages.selection`): post-processing too.
+
+The recipe: `_setup` (tokenizers, teacher or its logit cache, synthetic ids) →
+`_train` per candidate (`_step` per batch, `_Validation` keeps the best) → `_select` →
+`_save` (training log, manifest last).
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from pipeline.batching import lm_batch
 from pipeline.models.scoring import mean_token_nll
+from pipeline.stages.selection import choose, log_selection, score_students, selection_set
 from pipeline.config import DistillConfig
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.stages.generate import synthetic_ids
@@ -57,10 +67,248 @@ class DistillResult:
     """Synthetic train samples the student trained on (`num_synthetic`, or all of them)."""
     available_samples: int | None = None
     """Synthetic train samples the generation holds."""
+    selection: dict | None = None
+    """The candidates, their criterion values and the chosen one (None: one setting, no selection)."""
+    candidates: dict[str, Path] | None = None
+    """Each candidate's student checkpoint, when `keep_candidates` (evaluated on the test split too)."""
 
 
-def _n_positions(model) -> int:
-    return getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+def _n_positions(config) -> int:
+    return getattr(config, "n_positions", None) or config.max_position_embeddings
+
+
+@dataclass
+class _Setup:
+    """What every candidate shares: tokenizer, teacher (or its top-k logit cache), synthetic ids."""
+
+    tok: object
+    teacher: torch.nn.Module | None
+    cache: object | None  # TeacherCache
+    max_len: int
+    train_table: object  # pyarrow Table: sample_id, n_prompt_tokens, token_ids
+    validation: TokenIds
+    available: int
+    scratch: Path
+
+
+def _setup(cfg: DistillConfig, *, synthetic_path: Path, teacher_dir: Path, student_model: str, out_dir: Path,
+           teacher_cache_dir: Path | None, progress_every: float, runtime: Runtime) -> _Setup:
+    teacher_tok, student_tok = load_tokenizer(str(teacher_dir)), load_tokenizer(student_model)
+    if not same_tokenizer(teacher_tok, student_tok):
+        raise DistillError(
+            f"the student {student_model!r} and the teacher use different tokenizers; the KL needs "
+            "one vocabulary: pick a student of the teacher's family (e.g. gpt2 teacher, distilgpt2 student)"
+        )
+    teacher = cache = None
+    if cfg.teacher_top_k is None:
+        teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(runtime.device)
+        teacher_positions = _n_positions(teacher.config)
+    elif cfg.beta > 0:
+        raise DistillError(f"distill.beta={cfg.beta} needs teacher hidden states, which the top-k cache "
+                           "does not hold; set distill.beta=0 or distill.teacher_top_k=null")
+    else:
+        cache = build_teacher_cache(Path(teacher_dir), Path(synthetic_path), k=cfg.teacher_top_k,
+                                    cache_dir=teacher_cache_dir, batch_size=cfg.batch_size,
+                                    progress_every=progress_every, runtime=runtime)
+        teacher_positions = cache.max_length
+    max_len = min(_n_positions(AutoConfig.from_pretrained(student_model)), teacher_positions)
+    # The shards' ids copied, a batch at a time, into memory-mapped Arrow files: random access
+    # for shuffled epochs without the synthetic set in memory. Public; removed at the end.
+    scratch = Path(out_dir) / SCRATCH
+    train_table = synthetic_ids(synthetic_path, "train", scratch / "train.arrow").data.table
+    val_table = synthetic_ids(synthetic_path, "validation", scratch / "validation.arrow").data.table
+    if train_table.num_rows == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise DistillError(f"synthetic data {str(synthetic_path)!r} has no train samples; generate samples first")
+    validation = TokenIds(val_table["token_ids"], max_len, student_tok.pad_token_id)
+    if len(validation) == 0:  # generate.validation_fraction=0, or shards of a single kept sample
+        log.warning(
+            "distillation: the synthetic data has no validation samples, so the student is never evaluated "
+            "during training and the last one is kept (no early stopping); raise generate.num_samples or "
+            "generate.validation_fraction"
+        )
+    return _Setup(tok=student_tok, teacher=teacher, cache=cache, max_len=max_len, train_table=train_table,
+                  validation=validation, available=train_table.num_rows, scratch=scratch)
+
+
+def _train_rows(cfg: DistillConfig, setup: _Setup, synthetic_path: Path):
+    """The candidate's synthetic train samples: all, or the first `num_synthetic` in the shards'
+    order (sample_id order: each size is a prefix of the next, Figure 3 from one generation)."""
+    if cfg.num_synthetic is None:
+        return setup.train_table
+    if cfg.num_synthetic > setup.available:
+        raise DistillError(
+            f"distill.num_synthetic={cfg.num_synthetic} exceeds the {setup.available} synthetic train samples in "
+            f"{str(synthetic_path)!r} (generation keeps fewer than generate.num_samples: the validation "
+            f"split and empty samples); set distill.num_synthetic to at most {setup.available} or raise "
+            "generate.num_samples"
+        )
+    return setup.train_table.slice(0, cfg.num_synthetic)
+
+
+def _n_steps(cfg: DistillConfig, n_train: int) -> int:
+    return cfg.epochs * math.ceil(n_train / cfg.batch_size)
+
+
+class _Validation:
+    """CE on the synthetic validation split every `eval_every` steps; saves the student to
+    `ckpt` when it improves; says when `patience` evaluations passed without improvement."""
+
+    def __init__(self, cfg: DistillConfig, setup: _Setup, ckpt: Path, runtime: Runtime):
+        self.cfg, self.setup, self.ckpt, self.runtime = cfg, setup, ckpt, runtime
+        self.evals: list[dict] = []
+        self.best, self.since_best = float("inf"), 0
+
+    def __call__(self, student, step: int) -> bool:
+        """Evaluate at `step`; True: stop early."""
+        if len(self.setup.validation) == 0:
+            return False
+        with self.runtime.autocast():  # mean_token_nll upcasts the logits
+            loss = mean_token_nll(student, self.setup.validation, self.cfg.batch_size)
+        student.train()
+        self.evals.append({"step": step, "validation_loss": loss})
+        if loss < self.best:
+            self.best, self.since_best = loss, 0
+            _save_model(student, self.setup.tok, self.ckpt)
+        else:
+            self.since_best += 1
+        log.info("distillation: step %d validation loss %.4f (best %.4f)", step, loss, self.best)
+        return self.cfg.patience is not None and self.since_best >= self.cfg.patience
+
+
+def _save_model(student, tok, ckpt: Path) -> None:
+    student.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+
+
+def _step(cfg: DistillConfig, setup: _Setup, student, projection, cached, ids, lengths, skip, runtime: Runtime):
+    """One batch's loss parts (the caller steps the optimiser). ids (B, L), lengths (B,), skip (B,)."""
+    device, vocab, want_hidden = runtime.device, len(setup.tok), cfg.beta > 0
+    batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
+    labels = batch.pop("labels")  # (B, L-1)
+    kl_mask = prompt_mask(labels.shape[1], skip).to(device)  # (B, L-1)
+    if cached is not None:
+        top = cached  # TopKLogits (B, L-1, k), already on the device
+        teacher_logits, teacher_hidden = top, None
+    else:
+        with torch.no_grad(), runtime.autocast():
+            t_out = setup.teacher(**batch, output_hidden_states=want_hidden)
+        teacher_logits = t_out.logits[:, :-1, :vocab].float()  # (B, L-1, V)
+        teacher_hidden = t_out.hidden_states[-1][:, :-1].float() if want_hidden else None  # (B, L-1, H_t)
+    with runtime.autocast():  # forward only; the losses below run in fp32
+        s_out = student(**batch, output_hidden_states=want_hidden)
+        s_hidden = s_out.hidden_states[-1][:, :-1] if want_hidden else None  # (B, L-1, H_s)
+        if projection is not None:
+            s_hidden = projection(s_hidden)  # (B, L-1, H_t)
+    return distillation_loss(
+        s_out.logits[:, :-1, :vocab].float(), teacher_logits, labels, kl_mask,
+        alpha=cfg.alpha, temperature=cfg.temperature, beta=cfg.beta,
+        student_hidden=None if s_hidden is None else s_hidden.float(), teacher_hidden=teacher_hidden,
+    )
+
+
+def _train(cfg: DistillConfig, setup: _Setup, *, name: str, student_model: str, synthetic_path: Path,
+           ckpt: Path, seed: int, runtime: Runtime, progress: Callable[[dict], None]) -> dict:
+    """Train one student with `cfg`; the best on the synthetic validation split is saved to
+    `ckpt` (the last one without a validation split). Returns its training log."""
+    torch.manual_seed(seed)  # every candidate starts from the same draws
+    rows = _train_rows(cfg, setup, synthetic_path)
+    data = TokenIds(rows["token_ids"], setup.max_len, setup.tok.pad_token_id)
+    prompt_lengths = torch.from_numpy(rows["n_prompt_tokens"].to_numpy().astype("int64"))  # (N,)
+    cached = CachedTopK(setup.cache, rows["sample_id"].to_pylist()) if setup.cache is not None else None
+    log.info("distillation%s: training on %d of the %d synthetic train samples%s", f" [{name}]" if name else "",
+             len(data), setup.available, "" if cfg.num_synthetic is None else " (distill.num_synthetic)")
+    student = load_causal_lm(student_model).to(runtime.device)  # fp32 master weights
+    # β > 0 with different widths: a learned linear map from the student's hidden size to
+    # the teacher's (FitNets-style); it trains with the student and is not saved with it.
+    h_s = student.config.hidden_size
+    h_t = setup.teacher.config.hidden_size if setup.teacher is not None else h_s
+    projection = torch.nn.Linear(h_s, h_t, device=runtime.device) if cfg.beta > 0 and h_s != h_t else None
+    params = list(student.parameters()) + (list(projection.parameters()) if projection else [])
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    total = _n_steps(cfg, len(data))
+    warmup = max(1, int(cfg.warmup_fraction * total))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, (total - s) / max(1, total - warmup))
+    )
+    generator = torch.Generator().manual_seed(seed)
+    validate = _Validation(cfg, setup, ckpt, runtime)
+    history: list[dict] = []
+    t0, step, stopped_early = time.time(), 0, False
+    student.train()
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(data), generator=generator)
+        for start in range(0, len(data), cfg.batch_size):
+            idx = order[start : start + cfg.batch_size]
+            ids, lengths = data.collate([data[i] for i in idx])  # padded to this batch's longest
+            skip = prompt_lengths[idx] if cfg.kl_skip_tokens is None else torch.full((len(idx),), cfg.kl_skip_tokens)
+            top = None
+            if cached is not None:
+                top = cached.batch(idx, lengths)  # (B, L-1, k)
+                top = type(top)(*(t.to(runtime.device) for t in top))
+            parts = _step(cfg, setup, student, projection, top, ids, lengths, skip, runtime)
+            parts.loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            record = {"step": step, "epoch": epoch, **{k: v.detach().item() for k, v in parts._asdict().items()}}
+            history.append(record)
+            progress({**record, "tokens": int(lengths.sum()), "candidate": name})  # synthetic tokens: public
+            if step % cfg.log_every == 0 or step == total:
+                log.info("distillation%s: step %d/%d loss %.4f (ce %.4f, kl %.4f, mse %.4f) (%.0f s)",
+                         f" [{name}]" if name else "", step, total, record["loss"], record["ce"], record["kl"],
+                         record["mse"], time.time() - t0)
+            if (step % cfg.eval_every == 0 or step == total) and validate(student, step):
+                stopped_early = True
+                log.info("distillation: no improvement in %d evaluations, stopping at step %d", cfg.patience, step)
+                break
+        if stopped_early:
+            break
+    if not validate.evals:  # no validation split: the last student is the result
+        _save_model(student, setup.tok, ckpt)
+    return {"history": history, "validation": validate.evals, "stopped_early": stopped_early,
+            "seconds": time.time() - t0, "steps": step, "train_samples": len(data),
+            "best_validation_loss": validate.best if validate.evals else None}
+
+
+def _select(cfg: DistillConfig, setup: _Setup, logs: dict[str, dict], ckpts: dict[str, Path], *,
+            teacher_dir: Path, synthetic_path: Path, seed: int, runtime: Runtime) -> dict:
+    """Score every candidate's student on texts the DP teacher samples without truncation and
+    choose one by `cfg.select_by` (pipeline/stages/selection.py)."""
+    teacher = setup.teacher
+    if teacher is None:  # logits came from the top-k cache: load the teacher for the criterion
+        teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(runtime.device)
+    max_length = min(setup.max_len, _generated_max_length(synthetic_path))
+    t0 = time.time()
+    selection = selection_set(teacher, setup.tok, synthetic_path, cfg.selection_samples, max_length, seed)
+    students = {name: load_causal_lm(str(path), dtype=runtime.dtype).to(runtime.device) for name, path in ckpts.items()}
+    scores = score_students(teacher, students, selection, len(setup.tok), cfg.batch_size, runtime.autocast)
+    settings = dict(cfg.candidate_configs())
+    rows = [{"candidate": name, "settings": cfg.candidates[i],
+             "alpha": settings[name].alpha, "temperature": settings[name].temperature, "beta": settings[name].beta,
+             "kl_skip_tokens": settings[name].kl_skip_tokens, "epochs": settings[name].epochs,
+             "train_samples": logs[name]["train_samples"], "steps": logs[name]["steps"],
+             "synthetic_validation_ce": logs[name]["best_validation_loss"], **scores[name]}
+            for i, name in enumerate(ckpts)]
+    chosen = choose(rows, cfg.select_by)
+    log_selection(rows, chosen, cfg.select_by)
+    return {"select_by": cfg.select_by, "chosen": chosen, "selection_samples": len(selection),
+            "selection_tokens": int(sum(len(s) - 1 for s in selection.sequences)),
+            "seconds": time.time() - t0, "candidates": rows}
+
+
+def _generated_max_length(synthetic_path: Path) -> int:
+    """generate.max_length of the synthetic data (the selection texts are capped alike)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from pipeline.stages.generate import synthetic_files
+
+    meta = pq.read_schema(synthetic_files(synthetic_path)[0]).metadata or {}
+    return json.loads(meta.get(b"dpdistill.generate_config", b"{}")).get("max_length", 10**9)
 
 
 def distill(
@@ -78,196 +326,99 @@ def distill(
 ) -> DistillResult:
     """Train `student_model` on the synthetic data against the teacher; the best student is saved.
 
-    With `cfg.teacher_top_k` set, teacher logits come from a top-k cache in
-    `teacher_cache_dir` (default `<synthetic dir>/teacher_topk_k<k>/`), built or reused.
-    Progress lines (steps, steps/s, synthetic tokens/s, loss, ETA) come after the first step,
-    then at least every `progress_every` seconds; the cache build logs its own.
+    With two or more `cfg.candidates`, one student per candidate, and the one the selection
+    criterion prefers is saved (`out_dir/model`); `selection.json` and the result's `selection`
+    hold every candidate's figures. With `cfg.teacher_top_k` set, teacher logits come from a
+    top-k cache in `teacher_cache_dir` (default `<synthetic dir>/teacher_topk_k<k>/`), built or
+    reused. Progress lines (steps, steps/s, synthetic tokens/s, loss, ETA) come after the first
+    step, then at least every `progress_every` seconds; the cache build logs its own.
 
     `runtime`: device and precision. The student keeps fp32 master weights and its forward
     runs under autocast; the frozen teacher is loaded in the run's precision; losses in fp32.
     """
     runtime.apply_threads()
-    device = runtime.device
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
-    teacher_tok, student_tok = load_tokenizer(str(teacher_dir)), load_tokenizer(student_model)
-    if not same_tokenizer(teacher_tok, student_tok):
-        raise DistillError(
-            f"the student {student_model!r} and the teacher use different tokenizers; the KL needs "
-            "one vocabulary: pick a student of the teacher's family (e.g. gpt2 teacher, distilgpt2 student)"
-        )
-    teacher = cache = None
-    if cfg.teacher_top_k is None:
-        teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(device)
-        teacher_positions = _n_positions(teacher)
-    elif cfg.beta > 0:
-        raise DistillError(f"distill.beta={cfg.beta} needs teacher hidden states, which the top-k cache "
-                           "does not hold; set distill.beta=0 or distill.teacher_top_k=null")
-    else:
-        cache = build_teacher_cache(Path(teacher_dir), Path(synthetic_path), k=cfg.teacher_top_k,
-                                    cache_dir=teacher_cache_dir, batch_size=cfg.batch_size,
-                                    progress_every=progress_every, runtime=runtime)
-        teacher_positions = cache.max_length
-    student = load_causal_lm(student_model).to(device)  # fp32 master weights
-    vocab = len(student_tok)
-    # β > 0 with different widths: a learned linear map from the student's hidden size to
-    # the teacher's (FitNets-style); it trains with the student and is not saved with it.
-    h_s = student.config.hidden_size
-    h_t = teacher.config.hidden_size if teacher is not None else h_s
-    projection = torch.nn.Linear(h_s, h_t, device=device) if cfg.beta > 0 and h_s != h_t else None
+    candidates = cfg.candidate_configs() if len(cfg.candidates) > 1 else [("", _single(cfg))]
+    setup = _setup(cfg, synthetic_path=synthetic_path, teacher_dir=teacher_dir, student_model=student_model,
+                   out_dir=out_dir, teacher_cache_dir=teacher_cache_dir, progress_every=progress_every,
+                   runtime=runtime)
+    if setup.cache is not None:
+        log.info("distillation: teacher top-%d logits from %s", setup.cache.k, setup.cache.path)
+    try:
+        totals = {name: _n_steps(c, len(_train_rows(c, setup, synthetic_path))) for name, c in candidates}
+        progress = _Progress(sum(totals.values()), on_progress, progress_every)
+        ckpts = {name: (out_dir / "candidates" / name / "model" if name else out_dir / "model") for name, _ in candidates}
+        logs = {}
+        for name, c in candidates:
+            logs[name] = _train(c, setup, name=name, student_model=student_model, synthetic_path=synthetic_path,
+                                ckpt=ckpts[name], seed=seed, runtime=runtime, progress=progress)
+        selection = None
+        if len(candidates) > 1:
+            selection = _select(cfg, setup, logs, ckpts, teacher_dir=teacher_dir, synthetic_path=synthetic_path,
+                                seed=seed, runtime=runtime)
+    finally:
+        shutil.rmtree(setup.scratch, ignore_errors=True)
+    return _save(cfg, out_dir, logs, ckpts, selection, setup, synthetic_path=synthetic_path,
+                 teacher_dir=teacher_dir, student_model=student_model)
 
-    max_len = min(_n_positions(student), teacher_positions)
-    # The shards' ids copied, a batch at a time, into memory-mapped Arrow files: random access
-    # for shuffled epochs without the synthetic set in memory. Public; removed at the end.
-    scratch = out_dir / SCRATCH
-    train_table = synthetic_ids(synthetic_path, "train", scratch / "train.arrow").data.table
-    val_table = synthetic_ids(synthetic_path, "validation", scratch / "validation.arrow").data.table
-    if train_table.num_rows == 0:
-        raise DistillError(f"synthetic data {str(synthetic_path)!r} has no train samples; generate samples first")
-    available = train_table.num_rows
-    if cfg.num_synthetic is not None:
-        if cfg.num_synthetic > available:
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise DistillError(
-                f"distill.num_synthetic={cfg.num_synthetic} exceeds the {available} synthetic train samples in "
-                f"{str(synthetic_path)!r} (generation keeps fewer than generate.num_samples: the validation "
-                f"split and empty samples); set distill.num_synthetic to at most {available} or raise "
-                "generate.num_samples"
-            )
-        # The first n in the shards' order (sample_id order): each size is a prefix of the next.
-        train_table = train_table.slice(0, cfg.num_synthetic)
-    log.info("distillation: training on %d of the %d synthetic train samples%s", train_table.num_rows, available,
-             "" if cfg.num_synthetic is None else " (distill.num_synthetic)")
-    data = TokenIds(train_table["token_ids"], max_len, student_tok.pad_token_id)
-    prompt_lengths = torch.from_numpy(train_table["n_prompt_tokens"].to_numpy().astype("int64"))  # (N,)
-    validation = TokenIds(val_table["token_ids"], max_len, student_tok.pad_token_id)
-    if len(validation) == 0:  # generate.validation_fraction=0, or shards of a single kept sample
-        log.warning(
-            "distillation: the synthetic data has no validation samples, so the student is never evaluated "
-            "during training and the last one is kept (no early stopping); raise generate.num_samples or "
-            "generate.validation_fraction"
-        )
-    cached = CachedTopK(cache, train_table["sample_id"].to_pylist()) if cache is not None else None
-    if cached is not None:
-        log.info("distillation: teacher top-%d logits of %d train samples from %s (%.1f MB in memory)",
-                 cache.k, len(data), cache.path, cached.nbytes() / 2**20)
 
-    params = list(student.parameters()) + (list(projection.parameters()) if projection else [])
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    steps_per_epoch = math.ceil(len(data) / cfg.batch_size)
-    total = cfg.epochs * steps_per_epoch
-    warmup = max(1, int(cfg.warmup_fraction * total))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, (total - s) / max(1, total - warmup))
-    )
-    generator = torch.Generator().manual_seed(seed)
-    want_hidden = cfg.beta > 0
+def _single(cfg: DistillConfig) -> DistillConfig:
+    """The one setting trained: the lone candidate's, or this section's without candidates."""
+    return cfg.candidate_configs()[0][1] if cfg.candidates else cfg
+
+
+class _Progress:
+    """Steps over all candidates as one count: the progress lines and `on_progress` records."""
+
+    def __init__(self, total: int, on_progress: Callable[[dict], None] | None, every: float):
+        self.total, self.on_progress, self.done, self.tokens = total, on_progress, 0, 0
+        self.lines = ProgressLog(log, "distillation", "steps", total, every=every)
+
+    def __call__(self, record: dict) -> None:
+        self.done += 1
+        self.tokens += record.pop("tokens")
+        values = {"loss": f"{record['loss']:.4f}"} | ({"candidate": record["candidate"]} if record["candidate"] else {})
+        self.lines.update(self.done, counts={"tokens": self.tokens}, values=values)
+        if self.on_progress:
+            self.on_progress({**record, "done": self.done, "total": self.total})
+
+
+def _save(cfg: DistillConfig, out_dir: Path, logs: dict[str, dict], ckpts: dict[str, Path], selection: dict | None,
+          setup: _Setup, *, synthetic_path: Path, teacher_dir: Path, student_model: str) -> DistillResult:
+    """The chosen student to out_dir/model, the training log and the selection, manifest last."""
     ckpt = out_dir / "model"
-    history: list[dict] = []
-    evals: list[dict] = []
-    best, since_best = float("inf"), 0
-
-    def evaluate_and_keep_best(step: int) -> bool:
-        """Validation CE; saves the student when it improves. Returns True to stop early."""
-        nonlocal best, since_best
-        if len(validation) == 0:
-            return False
-        with runtime.autocast():  # mean_token_nll upcasts the logits
-            loss = mean_token_nll(student, validation, cfg.batch_size)
-        student.train()
-        evals.append({"step": step, "validation_loss": loss})
-        if loss < best:
-            best, since_best = loss, 0
-            student.save_pretrained(ckpt)
-            student_tok.save_pretrained(ckpt)
+    chosen = selection["chosen"] if selection else next(iter(ckpts))
+    kept = None
+    if selection:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.copytree(ckpts[chosen], ckpt)
+        if cfg.keep_candidates:
+            kept = dict(ckpts)
         else:
-            since_best += 1
-        log.info("distillation: step %d validation loss %.4f (best %.4f)", step, loss, best)
-        return cfg.patience is not None and since_best >= cfg.patience
-
-    t0, step, stopped_early = time.time(), 0, False
-    steps_log, tokens = ProgressLog(log, "distillation", "steps", total, every=progress_every), 0
-    student.train()
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(len(data), generator=generator)
-        for start in range(0, len(data), cfg.batch_size):
-            idx = order[start : start + cfg.batch_size]
-            ids, lengths = data.collate([data[i] for i in idx])  # padded to this batch's longest
-            batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
-            labels = batch.pop("labels")  # (B, L-1)
-            skip = (
-                prompt_lengths[idx] if cfg.kl_skip_tokens is None
-                else torch.full((len(idx),), cfg.kl_skip_tokens)
-            )
-            kl_mask = prompt_mask(labels.shape[1], skip).to(device)  # (B, L-1)
-            if cached is not None:
-                top = cached.batch(idx, lengths)  # (B, L-1, k)
-                teacher_logits, teacher_hidden = type(top)(*(t.to(device) for t in top)), None
-            else:
-                with torch.no_grad(), runtime.autocast():
-                    t_out = teacher(**batch, output_hidden_states=want_hidden)
-                teacher_logits = t_out.logits[:, :-1, :vocab].float()  # (B, L-1, V)
-                teacher_hidden = t_out.hidden_states[-1][:, :-1].float() if want_hidden else None  # (B, L-1, H_t)
-            with runtime.autocast():  # forward only; the losses below run in fp32
-                s_out = student(**batch, output_hidden_states=want_hidden)
-                s_hidden = s_out.hidden_states[-1][:, :-1] if want_hidden else None  # (B, L-1, H_s)
-                if projection is not None:
-                    s_hidden = projection(s_hidden)  # (B, L-1, H_t)
-            parts = distillation_loss(
-                s_out.logits[:, :-1, :vocab].float(),
-                teacher_logits,
-                labels,
-                kl_mask,
-                alpha=cfg.alpha,
-                temperature=cfg.temperature,
-                beta=cfg.beta,
-                student_hidden=None if s_hidden is None else s_hidden.float(),
-                teacher_hidden=teacher_hidden,
-            )
-            parts.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            record = {"step": step, "epoch": epoch, **{k: v.detach().item() for k, v in parts._asdict().items()}}
-            history.append(record)
-            tokens += int(lengths.sum())  # synthetic tokens: public
-            steps_log.update(step, counts={"tokens": tokens}, values={"loss": f"{record['loss']:.4f}"})
-            if step % cfg.log_every == 0 or step == total:
-                log.info(
-                    "distillation: step %d/%d loss %.4f (ce %.4f, kl %.4f, mse %.4f) (%.0f s)",
-                    step, total, record["loss"], record["ce"], record["kl"], record["mse"], time.time() - t0,
-                )
-            if on_progress:
-                on_progress({**record, "done": step, "total": total})
-            if (step % cfg.eval_every == 0 or step == total) and evaluate_and_keep_best(step):
-                stopped_early = True
-                log.info("distillation: no improvement in %d evaluations, stopping at step %d", cfg.patience, step)
-                break
-        if stopped_early:
-            break
-    seconds = time.time() - t0
-    shutil.rmtree(scratch, ignore_errors=True)
-    if not evals:  # no validation split: the last student is the result
-        student.save_pretrained(ckpt)
-        student_tok.save_pretrained(ckpt)
-    atomic_write_json(
-        out_dir / "training_log.json",
-        {"history": history, "validation": evals, "stopped_early": stopped_early, "seconds": seconds},
-    )
+            shutil.rmtree(out_dir / "candidates", ignore_errors=True)
+        atomic_write_json(out_dir / "selection.json", selection)
+    run = logs[chosen]
+    atomic_write_json(out_dir / "training_log.json", {
+        "history": run["history"], "validation": run["validation"], "stopped_early": run["stopped_early"],
+        "seconds": sum(r["seconds"] for r in logs.values()), "chosen": chosen or None,
+        "candidates": {name: r for name, r in logs.items()} if selection else None,
+    })
+    seconds = sum(r["seconds"] for r in logs.values()) + (selection["seconds"] if selection else 0.0)
+    cache = setup.cache
     write_manifest(
         out_dir,
         stage="distillation",
         inputs={"synthetic": Path(synthetic_path), "teacher": Path(teacher_dir)},
-        outputs={"model": ckpt},
-        extra={"student_model": student_model, "steps": step, "seconds": seconds,
-               "best_validation_loss": best if evals else None, "teacher_top_k": cfg.teacher_top_k,
+        outputs={"model": ckpt} | ({"selection": out_dir / "selection.json"} if selection else {}),
+        extra={"student_model": student_model, "steps": sum(r["steps"] for r in logs.values()), "seconds": seconds,
+               "best_validation_loss": run["best_validation_loss"], "teacher_top_k": cfg.teacher_top_k,
                "teacher_cache": str(cache.path) if cache else None,
                "teacher_cache_fingerprint": cache.fingerprint if cache else None,
                "teacher_cache_reused": cache.reused if cache else None,
-               "train_samples": len(data), "available_samples": available},
+               "train_samples": run["train_samples"], "available_samples": setup.available,
+               "chosen": chosen or None},
     )
-    return DistillResult(checkpoint=ckpt, train_loss=[h["loss"] for h in history], seconds=seconds,
-                         teacher_cache=cache.path if cache else None, train_samples=len(data),
-                         available_samples=available)
+    return DistillResult(checkpoint=ckpt, train_loss=[h["loss"] for h in run["history"]], seconds=seconds,
+                         teacher_cache=cache.path if cache else None, train_samples=run["train_samples"],
+                         available_samples=setup.available, selection=selection, candidates=kept)

@@ -14,6 +14,12 @@ With a `cache_dir`, a model's perplexity is computed once per (its files, the te
 file, window, batch size, device type, precision): the base models and the DP teacher,
 scored again by every run that shares them, are then read back (`PERPLEXITY_CACHE`).
 
+With the synthetic data, a classifier trained on it predicts the real test split's control
+codes (pipeline/stages/downstream.py): does the synthetic text serve a downstream task? With a
+distillation `selection`, its table gets each candidate's test perplexity where the candidate
+was evaluated (`distill.keep_candidates`), and how each criterion ranks them
+(`pipeline.stages.selection.criterion_study`): a study of the criterion, made after the choice.
+
 Only aggregates leave this stage: no text, no per-record value.
 """
 
@@ -37,7 +43,9 @@ from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import EvalConfig
 from pipeline.stages.data import encode_record, read_split
 from pipeline.devices import CPU_FP32, Runtime
-from pipeline.stages.generate import synthetic_texts
+from pipeline.stages.downstream import classification_lines, code_classification, length_ratio, mauve_score
+from pipeline.stages.generate import synthetic_head, synthetic_texts
+from pipeline.stages.selection import criterion_study
 from pipeline.manifest import atomic_write_json, hash_paths, private_dir, write_manifest
 from pipeline.models.base import load_causal_lm, load_tokenizer, same_tokenizer
 from pipeline.models.scoring import nll_by_owner, token_windows
@@ -47,6 +55,8 @@ from pipeline.tokenized import ListIds, TokenIds, token_column, tokenized_split
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.json"
+CANDIDATE_PREFIX = "candidate "  # models[...] of the distillation candidates kept for evaluation
+DOWNSTREAM_SAMPLE = 20_000  # synthetic train samples the downstream classifier learns from
 PERPLEXITY_CACHE = 1  # the format of a cached perplexity; a change to how it is computed bumps it
 
 
@@ -169,6 +179,8 @@ def evaluate_models(
     code_values: dict[str, dict[str, str]] | None = None,
     adherence_model: str = "dp_teacher",
     cache_dir: Path | None = None,
+    code_columns: list[str] | None = None,
+    selection: dict | None = None,
 ) -> dict:
     """Perplexity of each named model on the test split; writes `out_dir/metrics.json`.
 
@@ -180,6 +192,8 @@ def evaluate_models(
     `code_values` (pipeline/stages/adherence.py `declared_values`), the model named `adherence_model`
     also scores the code adherence of `cfg.adherence_samples` synthetic samples (`code_adherence`).
     With `cache_dir`, perplexities are read from and written to it (module docstring).
+    With `synthetic_path` and `code_columns`, the downstream classifier of the codes runs; with
+    `selection` (the distillation's), metrics get the selection table and the criterion study.
     """
     runtime.apply_threads()
     torch.manual_seed(seed)
@@ -187,7 +201,7 @@ def evaluate_models(
     if not texts:
         raise ValueError(f"test split {str(test_path)!r} is empty; give data.test_path or a larger data.path")
     reference = None
-    adherence = None
+    adherence = mauve = None
     metrics: dict[str, dict] = {}
     lines: ProgressLog | None = None
     started = time.monotonic()
@@ -205,8 +219,9 @@ def evaluate_models(
                 "perplexities over different tokens cannot be compared: use one tokenizer family"
             )
         scores_adherence = name == adherence_model and synthetic_path is not None and code_values and cfg.adherence_samples
+        scores_mauve = name == adherence_model and synthetic_path is not None and cfg.mauve_texts > 0
         model = None
-        if name not in known or scores_adherence:
+        if name not in known or scores_adherence or scores_mauve:
             model = load_causal_lm(path, dtype=runtime.dtype).to(runtime.device)
         if (ppl := known.get(name)) is None:
             position = to_score.index(name)
@@ -230,13 +245,18 @@ def evaluate_models(
         )
         if scores_adherence:
             adherence = _adherence(model, tok, synthetic_path, code_values, cfg, progress_every)
+        if scores_mauve:
+            mauve = mauve_score(model, tok, synthetic_texts(synthetic_path, cfg.mauve_texts, "train"),
+                                texts[: cfg.mauve_texts], cfg.batch_size, cfg.window, seed)
+            log.info("evaluation: MAUVE of the synthetic against the real test texts: %s",
+                     "-" if mauve is None else f"{mauve['mauve']:.3f} ({mauve['texts']} texts a side)")
     result = {"window": cfg.window, "test_records": len(texts), "perplexity": metrics}
     if adherence is not None:
         result["code_adherence"] = adherence
-    if diagnostics := diagnose(result):
-        result["diagnostics"] = diagnostics
-        for line in diagnostics:
-            log.warning("evaluation: %s", line)
+    if selection is not None:
+        result["selection"] = _selection_table(selection, metrics)
+    if mauve is not None:
+        result["mauve"] = mauve
     if synthetic_path is not None:
         # Synthetic samples are capped at generate.max_length tokens (prompt included); real
         # reviews are not: read the lengths with that cap in mind.
@@ -248,13 +268,47 @@ def evaluate_models(
             "synthetic": text_properties(reference, synthetic),
             "real_test": text_properties(reference, texts[:len(synthetic)]),
         }
+        # Real texts cut where generation cuts (the longest synthetic text): lengths then compare
+        # kinds of text, not generate.max_length.
+        cap = max((len(reference.encode(t, add_special_tokens=False)) for t in synthetic), default=0)
+        result["text_properties"]["real_test"]["tokens_capped"] = _length_summary(
+            [min(len(reference.encode(t, add_special_tokens=False)), cap) for t in texts[:len(synthetic)]])
+        if code_columns:
+            result["downstream"] = _downstream(synthetic_path, codes, texts, code_columns, seed)
+    if diagnostics := diagnose(result):
+        result["diagnostics"] = diagnostics
+        for line in diagnostics:
+            log.warning("evaluation: %s", line)
     atomic_write_json(Path(out_dir) / METRICS, result)
     write_manifest(out_dir, stage="evaluation", inputs={"test": Path(test_path)},
                    outputs={"metrics": Path(out_dir) / METRICS})
     return result
 
 
-ADHERENCE_FLOOR = 1.5  # overall adherence below this multiple of chance: the codes are barely followed
+def _selection_table(selection: dict, metrics: dict) -> dict:
+    """The distillation's selection with each evaluated candidate's test perplexity (windowed)
+    and the criterion study; the chosen candidate's is the student's."""
+    students = [m for name, m in metrics.items() if name.startswith("student_")]
+    rows = []
+    for row in selection["candidates"]:
+        m = metrics.get(f"{CANDIDATE_PREFIX}{row['candidate']}")
+        if m is None and row["candidate"] == selection["chosen"] and students:
+            m = students[0]
+        rows.append({**row, "test_perplexity": None if m is None else m["windowed"]})
+    return {**selection, "candidates": rows, "criterion_study": criterion_study(rows)}
+
+
+def _downstream(synthetic_path: Path, test_codes: list[str], test_texts: list[str], code_columns: list[str],
+                seed: int) -> dict:
+    head = synthetic_head(synthetic_path, DOWNSTREAM_SAMPLE, "train")
+    result = code_classification(head["control_code"].to_pylist(), head["text"].to_pylist(), test_codes,
+                                 test_texts, code_columns, seed)
+    log.info("evaluation: downstream classifier of the codes; %s", "; ".join(classification_lines(result)))
+    return result
+
+
+ADHERENCE_FLOOR = 1.5
+LENGTH_RATIO_FAR = 2.0  # synthetic mean length over real (or its inverse) beyond this: warned  # overall adherence below this multiple of chance: the codes are barely followed
 
 
 def diagnose(result: dict) -> list[str]:
@@ -285,6 +339,20 @@ def diagnose(result: dict) -> list[str]:
                        f"against {chance:.2f} by chance): the teacher writes text that ignores its topic, so the "
                        "student learns little of the codes. A stronger or closer-to-domain teacher, more teacher "
                        "steps or a larger ε help.")
+    downstream = result.get("downstream") or {}
+    if downstream.get("useful") is False:
+        out.append("a classifier trained on the synthetic text predicts the real test split's control codes no "
+                   f"better than chance on any code column ({'; '.join(classification_lines(downstream))}): the "
+                   "synthetic data does not carry what distinguishes the codes in real text. A teacher pretrained "
+                   "closer to your domain, more teacher steps or a larger ε help.")
+    ratio = length_ratio(result.get("text_properties") or {})
+    if ratio is not None and not 1 / LENGTH_RATIO_FAR <= ratio <= LENGTH_RATIO_FAR:
+        props = result["text_properties"]
+        real = props["real_test"].get("tokens_capped", props["real_test"]["tokens"])
+        out.append(f"the synthetic texts average {props['synthetic']['tokens']['mean']:.0f} tokens against "
+                   f"{real['mean']:.0f} for the real test texts cut at the same length ({ratio:.2f}x): the "
+                   "teacher writes texts of another kind than the private data (read the synthetic sample). A "
+                   "teacher pretrained closer to your domain, more teacher steps or a larger ε help.")
     return out
 
 

@@ -123,7 +123,7 @@ def _validation_positions(kept: list[int], fraction: float, rng: np.random.Gener
 
 def _generate_shard(
     model, tok, cfg: GenerateConfig, counts: dict[str, float], first_id: int, n: int, shard_seed: int,
-    on_batch: Callable[[int, int], None] | None = None,
+    on_batch: Callable[[int, int], None] | None = None, keep_empty: bool = False,
 ) -> tuple[dict[str, list], dict]:
     """Rows and stats of one shard of `n` samples with ids first_id, first_id + 1, ...;
     `on_batch(samples, new_tokens)` after each batch, with the shard's totals so far."""
@@ -170,7 +170,7 @@ def _generate_shard(
                     new = new[: new.index(eos)]
                 new_tokens += len(new)
                 text = tok.decode(new, skip_special_tokens=True)
-                if not text.strip():
+                if not text.strip() and not keep_empty:
                     dropped += 1  # prompt-only generation: counted, not kept
                     continue
                 seq = prompt_ids[requested[i]] + new + ([eos] if finished else [])
@@ -200,6 +200,18 @@ def _generate_shard(
         "new_tokens": new_tokens,
     }
     return rows, stats
+
+
+def sample_untruncated(model, tok, codes: dict[str, float], n: int, max_length: int, seed: int,
+                       batch_size: int = 64) -> list[list[int]]:
+    """`n` sequences (prompt + text + eos when finished) the model samples from its whole
+    distribution: no top-k, no top-p, temperature 1, prompts drawn with `codes`' frequencies.
+    Empty generations are kept (the model chose eos: that is part of its distribution).
+    What distillation's selection criterion compares students with (pipeline/stages/distill.py)."""
+    cfg = GenerateConfig(num_samples=n, batch_size=batch_size, top_k=0, top_p=1.0, temperature=1.0,
+                         max_length=max_length, validation_fraction=0.0)
+    rows, stats = _generate_shard(model, tok, cfg, codes, 0, n, seed, keep_empty=True)
+    return rows["token_ids"]
 
 
 def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: int, precision: str = "fp32") -> str:

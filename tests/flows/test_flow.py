@@ -11,7 +11,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from conftest import YELP_DOMAIN
-from flows.artifacts import ADHERENCE_KEY, LEDGER_KEY, METRICS_KEY, SUMMARY_KEY
+from flows.artifacts import ADHERENCE_KEY, LEDGER_KEY, METRICS_KEY, SELECTION_KEY, SUMMARY_KEY
 from flows.cli import main
 from flows.pipeline_flow import dp_distill
 from pipeline.stages.data import read_split
@@ -63,13 +63,22 @@ def test_flow_end_to_end(prefect_server, tiny_config):
         assert 0 <= result["share"] <= 1 and result["chance"] == pytest.approx(1 / len(values))
         assert list(result["values"]) == values and sum(v["n"] for v in result["values"].values()) == result["n"]
     assert 0 <= adherence["all_columns"] <= adherence["overall"] <= 1  # every column scored on every sample
+    # The student was chosen among the default candidates by the post-processing criterion (issue 20),
+    # and a classifier trained on the synthetic text was tested on the real test split's codes.
+    selection = metrics["selection"]
+    assert [r["candidate"] for r in selection["candidates"]] == ["alpha=0.4", "alpha=1.0"]
+    assert selection["select_by"] == "teacher_kl" and selection["chosen"] in ("alpha=0.4", "alpha=1.0")
+    chosen = next(r for r in selection["candidates"] if r["candidate"] == selection["chosen"])
+    assert chosen["test_perplexity"] == metrics["perplexity"]["student_distil"]["windowed"]
+    assert all(r["teacher_kl"] > 0 for r in selection["candidates"])
+    assert set(metrics["downstream"]["columns"]) == set(tiny_config.data.code_columns)
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
         )
     by_key = {a.key: a for a in artifacts}
-    assert {LEDGER_KEY, SUMMARY_KEY, METRICS_KEY, ADHERENCE_KEY} <= set(by_key)
+    assert {LEDGER_KEY, SUMMARY_KEY, METRICS_KEY, ADHERENCE_KEY, SELECTION_KEY} <= set(by_key)
     assert by_key[LEDGER_KEY].type == "table" and by_key[METRICS_KEY].type == "table"
     ledger_rows = json.loads(by_key[LEDGER_KEY].data) if isinstance(by_key[LEDGER_KEY].data, str) else by_key[LEDGER_KEY].data
     assert [r["stage"] for r in ledger_rows] == [*ledger, "TOTAL"]

@@ -35,7 +35,7 @@ def wide_student(tiny_tokenizer, tmp_path_factory):
 def test_early_stopping_keeps_the_best_validation_student(synthetic, tiny_model_dir, wide_student, tmp_path):
     """With patience 1 and a learning rate that overshoots, training stops early; the saved
     student is the one with the best validation loss."""
-    cfg = DistillConfig(epochs=20, batch_size=8, learning_rate=0.05, eval_every=2, patience=1, log_every=100)
+    cfg = DistillConfig(candidates=[], epochs=20, batch_size=8, learning_rate=0.05, eval_every=2, patience=1, log_every=100)
     distill(cfg, synthetic_path=synthetic.path, teacher_dir=tiny_model_dir, student_model=str(wide_student),
             out_dir=tmp_path, seed=0)
     log = json.loads((tmp_path / "training_log.json").read_text())
@@ -48,7 +48,7 @@ def test_early_stopping_keeps_the_best_validation_student(synthetic, tiny_model_
 
 def test_beta_with_different_widths_learns_a_projection(synthetic, tiny_model_dir, wide_student, tmp_path):
     """β > 0 with hidden sizes 16 (student) and 32 (teacher) trains through a projection."""
-    cfg = DistillConfig(epochs=1, batch_size=16, learning_rate=1e-3, beta=1.0, eval_every=100)
+    cfg = DistillConfig(candidates=[], epochs=1, batch_size=16, learning_rate=1e-3, beta=1.0, eval_every=100)
     result = distill(cfg, synthetic_path=synthetic.path, teacher_dir=tiny_model_dir,
                      student_model=str(wide_student), out_dir=tmp_path, seed=0)
     log = json.loads((tmp_path / "training_log.json").read_text())
@@ -173,7 +173,7 @@ def test_distilling_from_the_full_vocabulary_cache_matches_on_the_fly(
 ):
     """k = V cached logits give the on-the-fly loss history (to float tolerance); a second
     student reuses the cache in the default place, next to the synthetic data."""
-    kwargs = dict(epochs=1, batch_size=8, learning_rate=1e-3, eval_every=100, log_every=100, alpha=0.7,
+    kwargs = dict(candidates=[], epochs=1, batch_size=8, learning_rate=1e-3, eval_every=100, log_every=100, alpha=0.7,
                   temperature=2.0)
     run = dict(synthetic_path=synthetic.path, teacher_dir=sharp_teacher, student_model=str(wide_student), seed=0)
     fly = distill(DistillConfig(**kwargs), out_dir=tmp_path / "fly", **run)
@@ -207,7 +207,7 @@ def test_no_synthetic_validation_samples_is_said(tiny_model_dir, tmp_path, caplo
     synthetic = generate_synthetic(gen, teacher_dir=tiny_model_dir, control_codes_path=codes, ledger=[],
                                    out_dir=tmp_path / "synthetic", seed=0)
     assert synthetic.n_validation == 0
-    cfg = DistillConfig(epochs=1, batch_size=4, eval_every=1, log_every=100)
+    cfg = DistillConfig(candidates=[], epochs=1, batch_size=4, eval_every=1, log_every=100)
     with caplog.at_level("WARNING", logger="pipeline.stages.distill"):
         distill(cfg, synthetic_path=synthetic.path, teacher_dir=tiny_model_dir, student_model=str(tiny_model_dir),
                 out_dir=tmp_path / "student", seed=0)
@@ -236,7 +236,7 @@ def test_num_synthetic_trains_on_the_first_n_train_samples(sharded, tiny_model_d
     ids = synthetic_ids(sharded.path, "train", tmp_path / "ids.arrow")["sample_id"]
     assert ids == read_synthetic(sharded.path, "train")["sample_id"].to_pylist() == sorted(ids)
 
-    cfg = DistillConfig(epochs=1, batch_size=4, num_synthetic=10, eval_every=100, log_every=100)
+    cfg = DistillConfig(candidates=[], epochs=1, batch_size=4, num_synthetic=10, eval_every=100, log_every=100)
     with caplog.at_level("INFO", logger="pipeline.stages.distill"):
         result = distill(cfg, synthetic_path=sharded.path, teacher_dir=tiny_model_dir,
                          student_model=str(tiny_model_dir), out_dir=tmp_path / "student", seed=0)
@@ -258,7 +258,7 @@ def test_num_synthetic_beyond_the_generation_is_one_clear_error(sharded, tiny_mo
         config_from_dict(tree)
 
     available = sharded.n_samples - sharded.n_validation
-    cfg = DistillConfig(epochs=1, batch_size=4, num_synthetic=available + 1)
+    cfg = DistillConfig(candidates=[], epochs=1, batch_size=4, num_synthetic=available + 1)
     with pytest.raises(DistillError, match=rf"num_synthetic={available + 1} exceeds the {available} synthetic "
                                            rf"train samples .* at most {available}"):
         distill(cfg, synthetic_path=sharded.path, teacher_dir=tiny_model_dir, student_model=str(tiny_model_dir),

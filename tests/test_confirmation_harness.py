@@ -1,0 +1,38 @@
+"""bench/confirmation.py's report: mean ± sd over repeated runs and the issue's last line."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("confirmation", ROOT / "bench" / "confirmation.py")
+confirmation = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(confirmation)
+
+
+def _run(row, k, student, **extra):
+    return {"row": row, "repeat": k, "student": student, "student_per_record_mean": student * 0.8,
+            "zero_shot": 500.0, "dp_teacher": 120.0 + k, "epsilon": 1.98, "seconds": 100.0, **extra}
+
+
+def test_the_report_gives_mean_and_sd_and_ends_with_the_summary_line():
+    sel = {"chosen": "alpha=1.0", "criterion_study": {"teacher_kl": {"regret": 0.0}},
+           "candidates": [{"candidate": "alpha=0.4", "teacher_kl": 0.3, "untruncated_ce": 4.0,
+                           "synthetic_validation_ce": 3.0, "test_perplexity": 170.0},
+                          {"candidate": "alpha=1.0", "teacher_kl": 0.2, "untruncated_ce": 3.9,
+                           "synthetic_validation_ce": 3.2, "test_perplexity": 160.0}]}
+    results = [_run("ours", 1, 160.0, selection=sel), _run("ours", 2, 162.0, selection=sel),
+               _run("ours", 3, 164.0, selection=sel), _run("DP-SGD", 1, 180.0), _run("DP-SGD", 2, 184.0),
+               _run("DPKD", 1, 185.0)]
+    text = confirmation.report(results, "airline")
+    assert text.strip().splitlines()[-1] == "corpus=airline ours=162.0±2.0 dpsgd=182.0±2.8 dpkd=185.0±nan"
+    assert "| ours | 3 | 162.0±2.0 | 160.0, 162.0, 164.0 |" in text
+    assert "| DP teacher | 3 | 122.0±1.0 |" in text and "| zero-shot | 3 | 500.0±0.0 |" in text
+    assert "| r1 | → | alpha=1.0 | 0.2000 |" in text and "Regret" in text
+
+
+def test_every_repeat_after_the_first_reruns_the_stages_that_draw_noise():
+    assert [k for label, k in confirmation.SCHEDULE if label == "ours"] == [1, 2, 3]
+    for label, (overrides, stage) in confirmation.ROWS.items():
+        assert stage in ("control-codes", "dp-student"), label
