@@ -23,7 +23,9 @@ ghost-clipping optimizer.
 
 Layers: nn.Linear, GPT-2's Conv1D, nn.Embedding, nn.LayerNorm (every parameterised layer of
 GPT-2, peft's LoRA adapters being nn.Linear). Any other module with trainable parameters of
-its own is refused by name.
+its own is refused by name, and so is a trainable parameter shared by two layers (tied
+weights: each layer sees only its own use of it). The weights' gradients exist only after
+`backward_clipped`; a plain `loss.backward()` on the wrapped model is an error.
 """
 
 from __future__ import annotations
@@ -208,9 +210,12 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
         self._kept: list[_Kept] = []
         self._patched: list[nn.Module] = []
         self.per_sample_gradient_norms: torch.Tensor | None = None
+        self._clipping = False  # True only inside backward_clipped: the one backward bk supports
+        owners: dict[int, str] = {}  # id(trainable parameter) -> its first name
         for name, module in m.named_modules():
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
                 continue
+            self._claim(name, module, owners)
             if type(module) is nn.Linear:
                 module.forward = _linear_forward(module, self._keep, transposed=False)
             elif type(module) is Conv1D:
@@ -227,7 +232,29 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
                 )
             self._patched.append(module)
 
+    def _claim(self, name: str, module: nn.Module, owners: dict[int, str]) -> None:
+        """Refuse a trainable parameter that an earlier patched module also owns (tied weights):
+        each module's backward gives the norm of its own use, so a shared weight's per-example
+        norm would miss the cross term between its two uses (GPT-2's tied lm_head: up to 1%)."""
+        for pname, p in module.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            if p.requires_grad and (first := owners.setdefault(id(p), full)) != full:
+                self.remove_hooks()
+                raise ValueError(
+                    f"bk clipping: parameter {full} is the same tensor as {first} (tied weights), so its "
+                    "per-example gradient norm would be wrong; untie it before wrapping the model, e.g. "
+                    "pipeline.models.base.untie_lm_head(model) for an lm_head tied to the input embedding"
+                )
+
     def _keep(self, kept: _Kept) -> None:
+        if not self._clipping:
+            # The Functions above return no weight gradient: outside backward_clipped every
+            # patched weight would keep .grad None and the optimizer would skip it silently.
+            raise RuntimeError(
+                "bk clipping: backward() ran outside GradSampleModuleBookKeeping.backward_clipped, so the "
+                "weights would get no gradient; call dp_model.backward_clipped(per_example_loss) with the "
+                "(B,) per-example losses instead of loss.backward()"
+            )
         if self.hooks_enabled:
             self._kept.append(kept)
 
@@ -238,7 +265,11 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
         """One backward of Σᵢ ℓᵢ, then each trainable `.grad` = Σᵢ Cᵢ ∇ℓᵢ. Returns the
         factors C (B,). The per-example norms never leave this function (not private)."""
         self._kept.clear()
-        per_example_loss.sum().backward()
+        self._clipping = True
+        try:
+            per_example_loss.sum().backward()
+        finally:
+            self._clipping = False
         kept, self._kept = self._kept, []
         norms = torch.stack([k.sq_norm for k in kept]).sum(0).sqrt()  # (B,)
         coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)

@@ -106,3 +106,31 @@ def test_close_restores_the_plain_model(tiny_tokenizer):
     torch.testing.assert_close(bk(input_ids=ids).logits, before)
     bk._close()
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_a_tied_parameter_is_refused_by_name(tiny_tokenizer):
+    """GPT-2's lm_head tied to wte is one weight used twice: bk would give it the norm of each
+    use apart, not of its whole gradient (up to 1% off). Refused, naming both and the fix."""
+    model = make_tiny_model(tiny_tokenizer)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as transformers builds it
+    with pytest.raises(ValueError, match=r"lm_head\.weight.*transformer\.wte\.weight.*untie_lm_head"):
+        GradSampleModuleBookKeeping(model)
+    assert not any("forward" in vars(m) for m in model.modules())  # the modules patched before are restored
+    untie_lm_head(model)
+    GradSampleModuleBookKeeping(model)._close()  # untied: accepted
+
+
+def test_a_plain_backward_is_an_error_not_a_missing_gradient(tiny_tokenizer):
+    """bk forms the weights' gradients only in backward_clipped: a plain loss.backward() would
+    leave them None and an optimizer step would silently skip them."""
+    model = make_tiny_model(tiny_tokenizer)
+    untie_lm_head(model)
+    bk = GradSampleModuleBookKeeping(model, max_grad_norm=1.0)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    batch = lm_batch(ids, torch.tensor([4, 3]))
+    labels = batch.pop("labels")
+    with pytest.raises(RuntimeError, match=r"backward_clipped\(per_example_loss\)"):
+        per_sequence_loss(bk(**batch).logits, labels).mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    bk.backward_clipped(per_sequence_loss(bk(**batch).logits, labels))  # the intended call still works
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
