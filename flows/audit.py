@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import time
+from contextlib import closing
 from pathlib import Path
 
 from pipeline.privacy.audit import training_texts
@@ -71,23 +72,59 @@ def prefect_documents(flow_run_id: str) -> dict[str, list[str]]:
     return docs
 
 
+def local_prefect_database() -> Path | str:
+    """The SQLite file a Prefect server started here without PREFECT_API_URL keeps its logs
+    in (the setting's default: PREFECT_HOME/prefect.db), or the configured URL when the
+    database is not SQLite."""
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
+    from sqlalchemy.engine import make_url
+
+    url = make_url(PREFECT_SERVER_DATABASE_CONNECTION_URL.value())
+    return Path(url.database) if url.drivername.startswith("sqlite") and url.database else url.drivername
+
+
+def database_documents(db: Path, flow_run_id: str) -> dict[str, list[str]]:
+    """What `prefect_documents` reads through the API, read from the server's SQLite file:
+    the `log` table's messages of the flow run (its task runs' logs carry its id too) and
+    the `artifact` table's data and descriptions. Opened read-only."""
+    import sqlite3
+
+    with closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)) as con:
+        logs = con.execute("SELECT message FROM log WHERE flow_run_id = ? ORDER BY timestamp", (flow_run_id,))
+        docs: dict[str, list[str]] = {"prefect:logs": [m for (m,) in logs if m]}
+        rows = con.execute("SELECT key, id, data, description FROM artifact WHERE flow_run_id = ?", (flow_run_id,))
+        for key, id_, data, description in rows:
+            value = json.loads(data) if data else ""
+            docs.setdefault(f"prefect:artifact:{key or id_}", []).extend(
+                [value if isinstance(value, str) else json.dumps(value), description or ""])
+    return docs
+
+
 def prefect_sources(run_dir: Path) -> tuple[dict[str, list[str]] | None, str]:
-    """The Prefect documents to scan, when a server is configured and the run names its
-    flow run; else None and why not (the audit then says so)."""
+    """The Prefect documents of the run's flow run: through the API when PREFECT_API_URL is
+    set, else from the local server's SQLite database, where a flow run made without a
+    server (Prefect's ephemeral one) left its logs. None and why not when neither can be read
+    (the audit then says so)."""
     info_path = Path(run_dir) / "run.json"
     flow_run_id = json.loads(info_path.read_text()).get("flow_run_id") if info_path.is_file() else None
-    from prefect.settings import PREFECT_API_URL
-
-    if not PREFECT_API_URL.value():  # the environment, the active profile or a test harness
-        return None, "not scanned (PREFECT_API_URL is not set)"
     if not flow_run_id:
         return None, "not scanned (run.json names no flow run)"
+    from prefect.settings import PREFECT_API_URL
+
+    if api := PREFECT_API_URL.value():  # the environment, the active profile or a test harness
+        where, read = f"server {api}", prefect_documents
+    else:
+        db = local_prefect_database()
+        if not isinstance(db, Path) or not db.is_file():
+            return None, (f"not scanned (PREFECT_API_URL is not set and there is no local SQLite database at {db}: "
+                          "set PREFECT_API_URL to the server that ran the flow)")
+        where, read = f"database {db}", lambda run_id: database_documents(db, run_id)
     try:
-        docs = prefect_documents(str(flow_run_id))
-    except Exception as e:  # unreachable server, unknown flow run
-        return None, f"not scanned (the server could not be read: {type(e).__name__})"
+        docs = read(str(flow_run_id))
+    except Exception as e:  # unreachable server, unknown flow run, a database of another schema
+        return None, f"not scanned ({where} could not be read: {type(e).__name__})"
     n_logs = len(docs["prefect:logs"])
-    return docs, f"flow run {flow_run_id}: {n_logs} log lines, {len(docs) - 1} artifact(s)"
+    return docs, f"flow run {flow_run_id} from the {where}: {n_logs} log lines, {len(docs) - 1} artifact(s)"
 
 
 # --- canaries ---------------------------------------------------------------------------

@@ -1,19 +1,24 @@
-"""Audit what a run publishes for verbatim spans of its private training records.
+"""Audit what a run publishes for verbatim spans of its private records.
 
     dpdistill audit RUN_DIR [--span 10]
 
-Every file of the run directory is scanned except the private splits (`data/*.parquet`),
-checkpoints (`*/checkpoint/`) and model weights (binary tensors, listed as not scanned):
-the synthetic shards' text, report.html, logs, JSON files, the model directories' config,
-tokenizer and model card. Texts are normalised to lowercase words (split on non-word
-characters) and every window of `span` words is hashed; a window whose hash is one of the
-training records' windows is a hit. The result names files and counts only: a matched
-span is never printed, logged, written or put in an exception message.
+Every file of the run directory is read for what it holds, whatever its name or folder:
+a Parquet file (by its magic bytes) as its string cells, its integer-list cells (token ids,
+decoded with the run's tokenizer) and its metadata; a JSON document as its strings; any
+other file as text, HTML unescaped. Two kinds of file are not scanned, and listed as such:
+the private split files the data stage wrote (`data/train|validation|test.parquet`, known
+by the path and sha256 its manifest gives them, so an edited split or any other Parquet
+file under data/ is scanned), and binary tensor files recognised by their content
+(safetensors, a torch zip, numpy's .npy / .npz). Texts are normalised to lowercase words
+(split on non-word characters) and every window of `span` words is hashed; a window whose
+hash is one of the private records' windows is a hit. The result names files, counts and
+splits only: a matched span is never printed, logged, written or put in an exception message.
 
-The training records are the run's own: `data/train.parquet` when the run still has its
-split copies, else the split rebuilt from the source file its `config.yaml` names, with
-the same code as the data stage (`prepare_data`, into a temporary directory that is
-deleted afterwards), so the set is exactly the records the teacher trained on.
+The private records are every split the run had: training, validation and test (the
+held-out splits are private records too, which the ledger's ε does not cover). They are the
+run's split files while it still has them, else rebuilt from the source files its
+`config.yaml` names, with the same code as the data stage (`prepare_data`, into a
+temporary directory that is deleted afterwards), so the sets are exactly the run's.
 
 No Prefect here: `flows/audit.py` adds the flow run's Prefect logs and artifacts as extra
 documents (`extra=`).
@@ -24,9 +29,11 @@ from __future__ import annotations
 import html
 import json
 import re
+import struct
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,8 +46,7 @@ from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file
 
 AUDIT = "audit.json"
 DEFAULT_SPAN = 10
-# Binary tensors: no text to find, and a large model's weights would dominate the scan.
-WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz"}
+SPLITS = ("train", "validation", "test")
 _WORD = re.compile(r"\w+")
 
 
@@ -61,27 +67,37 @@ def shingles(text: str, span: int) -> Iterator[int]:
 
 
 @dataclass
-class TrainingIndex:
-    """Hashes of every `span`-word window of the training records, and which record has it."""
+class RecordIndex:
+    """Hashes of every `span`-word window of the private records, and which record has it.
+    Records are numbered across the splits in order: train first, then validation, test."""
 
     span: int
-    owner: dict[int, int]  # shingle hash -> index of the first training record holding it
-    n_records: int
+    owner: dict[int, int]  # shingle hash -> number of the first record holding it
+    splits: dict[str, int]  # split -> its number of records
     n_short: int  # records with fewer than `span` words: nothing of theirs can be matched
     source: str
 
     @classmethod
-    def build(cls, texts: Iterable[str], span: int, source: str) -> "TrainingIndex":
+    def build(cls, records: dict[str, list[str]], span: int, source: str) -> "RecordIndex":
         owner: dict[int, int] = {}
         n = short = 0
-        for i, text in enumerate(texts):
-            n += 1
-            found = False
-            for h in shingles(text or "", span):
-                owner.setdefault(h, i)
-                found = True
-            short += not found
-        return cls(span=span, owner=owner, n_records=n, n_short=short, source=source)
+        for split in SPLITS:
+            for text in records.get(split, []):
+                found = False
+                for h in shingles(text or "", span):
+                    owner.setdefault(h, n)
+                    found = True
+                short += not found
+                n += 1
+        splits = {split: len(records.get(split, [])) for split in SPLITS}
+        return cls(span=span, owner=owner, splits=splits, n_short=short, source=source)
+
+    def found_by_split(self, records: set[int]) -> dict[str, int]:
+        counts, start = {}, 0
+        for split, n in self.splits.items():
+            counts[split] = sum(start <= i < start + n for i in records)
+            start += n
+        return counts
 
 
 @dataclass
@@ -91,7 +107,7 @@ class FileScan:
     hits: int = 0
     records: set[int] = field(default_factory=set)
 
-    def add(self, text: str, index: TrainingIndex) -> None:
+    def add(self, text: str, index: RecordIndex) -> None:
         for h in shingles(text, index.span):
             self.spans += 1
             if (i := index.owner.get(h)) is not None:
@@ -102,7 +118,7 @@ class FileScan:
         return {"bytes": self.bytes, "spans": self.spans, "hits": self.hits, "records": len(self.records)}
 
 
-# --- the training records ---------------------------------------------------------------
+# --- the private records ----------------------------------------------------------------
 
 
 def _resolve(path: Path, run_dir: Path) -> Path:
@@ -116,12 +132,42 @@ def _resolve(path: Path, run_dir: Path) -> Path:
     return path
 
 
+def split_files(run_dir: Path) -> dict[str, Path]:
+    """The private split files the data stage wrote into `run_dir/data`, still there and
+    unchanged: split -> path. Known by the path and sha256 the data manifest gives them, not
+    by a glob, so that any other file under data/ (or a split edited since) is scanned."""
+    manifest = Path(run_dir) / "data" / MANIFEST
+    try:
+        outputs = json.loads(manifest.read_text())["outputs"] if manifest.is_file() else {}
+        items = [(name, manifest.parent / Path(item["path"]).name, item["sha256"]) for name, item in outputs.items()]
+    except (ValueError, KeyError, TypeError):  # damaged: no file can be recognised as a split
+        return {}
+    return {name: path for name, path, sha in items if path.is_file() and sha256_file(path) == sha}
+
+
+def private_records(run_dir: Path, files: dict[str, Path] | None = None) -> tuple[dict[str, list[str]], str]:
+    """The texts of the run's records, by split (train, validation, test), and where they
+    were read from: the run's split `files` (default: `split_files`), else the splits
+    rebuilt from its data source."""
+    run_dir = Path(run_dir)
+    files = split_files(run_dir) if files is None else files
+    if set(SPLITS) <= files.keys():
+        return {split: read_split(files[split])[1] for split in SPLITS}, "data/{train,validation,test}.parquet"
+    cfg, data = _run_data_config(run_dir)
+    with tempfile.TemporaryDirectory(prefix="dpdistill-audit-") as tmp:
+        result = prepare_data(data, Path(tmp), seed=cfg.seed, code_domain=cfg.control_codes.domain)
+        records = {split: read_split(getattr(result, split))[1] for split in SPLITS}
+    return records, f"data.path {str(cfg.data.path)!r} (splits rebuilt as the data stage made them)"
+
+
 def training_texts(run_dir: Path) -> tuple[list[str], str]:
     """The texts of the run's training records, and where they were read from."""
-    run_dir = Path(run_dir)
-    split = run_dir / "data" / "train.parquet"
-    if split.is_file():
-        return read_split(split)[1], "data/train.parquet"
+    records, source = private_records(run_dir)
+    return records["train"], source
+
+
+def _run_data_config(run_dir: Path):
+    """The run's config and its data config with the source paths resolved and checked."""
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise AuditError(f"{config_path} not found: pass a run directory (it holds config.yaml)")
@@ -136,43 +182,62 @@ def training_texts(run_dir: Path) -> tuple[list[str], str]:
     if not Path(data.path).is_file():
         raise AuditError(
             f"the run's data.path {str(cfg.data.path)!r} is not found (from {Path.cwd()} or beside "
-            f"the run) and the run has no data/train.parquet: run the audit from the directory "
+            f"the run) and the run has no split files: run the audit from the directory "
             "the run was started in"
         )
-    expected = _source_sha(run_dir)
-    if expected and sha256_file(Path(data.path)) != expected:
-        raise AuditError(
-            f"{data.path} changed since the run read it (its sha256 differs from the data "
-            "manifest's): the training records cannot be rebuilt from it"
-        )
-    with tempfile.TemporaryDirectory(prefix="dpdistill-audit-") as tmp:
-        result = prepare_data(data, Path(tmp), seed=cfg.seed, code_domain=cfg.control_codes.domain)
-        texts = read_split(result.train)[1]
-    return texts, f"data.path {str(cfg.data.path)!r} (split rebuilt as the data stage made it)"
+    for key, path in (("data", data.path), ("test_data", data.test_path)):
+        expected = _source_sha(run_dir, key)
+        if path and expected and sha256_file(Path(path)) != expected:
+            raise AuditError(
+                f"{path} changed since the run read it (its sha256 differs from the data "
+                "manifest's): the private records cannot be rebuilt from it"
+            )
+    return cfg, data
 
 
-def _source_sha(run_dir: Path) -> str | None:
+def _source_sha(run_dir: Path, key: str) -> str | None:
     manifest = run_dir / "data" / MANIFEST
     if not manifest.is_file():
         return None
-    return json.loads(manifest.read_text()).get("inputs", {}).get("data", {}).get("sha256")
+    return json.loads(manifest.read_text()).get("inputs", {}).get(key, {}).get("sha256")
 
 
 # --- the published files ----------------------------------------------------------------
 
 
-def _skip_reason(rel: Path) -> str | None:
+def tensor_kind(path: Path) -> str | None:
+    """What binary tensor file `path` is, judged by its content (None: not one). Its name
+    proves nothing: a text file called weights.npy is text."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+        if head.startswith(b"\x93NUMPY"):
+            return "numpy .npy"
+        if head.startswith(b"PK\x03\x04") and zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+            if names and all(n.endswith(".npy") for n in names):
+                return "numpy .npz"
+            if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+                return "torch zip"
+            return None
+        if len(head) == 9 and head[8:] == b"{":  # safetensors: u64 header length, then its JSON
+            (n,) = struct.unpack("<Q", head[:8])
+            if n <= path.stat().st_size - 8:
+                f.seek(8)
+                try:
+                    json.loads(f.read(n))
+                    return "safetensors"
+                except ValueError:
+                    return None
+    return None
+
+
+def _skip_reason(path: Path, splits: set[Path]) -> str | None:
     """Why a file of the run directory is not scanned (None: it is)."""
-    if rel.parts[0] == "data" and rel.suffix == ".parquet":
+    if path in splits:
         return "private split"
-    if "checkpoint" in rel.parts[:-1]:
-        return "checkpoint (private)"
-    if rel.suffix in WEIGHT_SUFFIXES:
-        return "model weights or tensors (binary)"
-    if rel.name in (AUDIT, "canaries.json") and len(rel.parts) == 1:
-        return "audit output"
-    if rel.name.startswith(".") and rel.name.endswith(".tmp"):
-        return "temporary file"
+    if kind := tensor_kind(path):
+        return f"binary tensors ({kind})"
     return None
 
 
@@ -188,27 +253,74 @@ def _json_strings(obj) -> Iterator[str]:
             yield from _json_strings(v)
 
 
-def documents(path: Path) -> Iterator[str]:
-    """The texts a published file holds: each string cell of a Parquet file (and its
-    metadata), each string of a JSON file, HTML unescaped, anything else as text."""
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        pf = pq.ParquetFile(path)
-        for k, v in (pf.schema_arrow.metadata or {}).items():
-            yield k.decode("utf-8", "replace") + "\n" + v.decode("utf-8", "replace")
-        for batch in pf.iter_batches():
-            for col in batch.columns:
-                if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-                    yield from (s for s in col.to_pylist() if s)
+def _is_token_ids(type_: pa.DataType) -> bool:
+    return (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and pa.types.is_integer(type_.value_type)
+
+
+def _parquet_documents(path: Path, decode: Callable[[list[list[int]]], list[str]]) -> Iterator[str]:
+    """Each string cell, each integer-list cell decoded as token ids, and the metadata."""
+    pf = pq.ParquetFile(path)
+    for k, v in (pf.schema_arrow.metadata or {}).items():
+        yield k.decode("utf-8", "replace") + "\n" + v.decode("utf-8", "replace")
+    for batch in pf.iter_batches():
+        for col in batch.columns:
+            if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                yield from (s for s in col.to_pylist() if s)
+            elif _is_token_ids(col.type):
+                yield from decode([ids for ids in col.to_pylist() if ids])
+
+
+def documents(path: Path, decode: Callable[[list[list[int]]], list[str]]) -> Iterator[str]:
+    """The texts a published file holds, by its content: a Parquet file's cells and metadata
+    (token ids through `decode`), a JSON document's strings, anything else as text, HTML
+    unescaped (harmless for other text: only entities change)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PAR1":
+        yield from _parquet_documents(path, decode)
         return
     text = path.read_bytes().decode("utf-8", "replace")
-    if suffix == ".json":
+    if text.lstrip()[:1] in ("{", "["):
         try:
             yield from _json_strings(json.loads(text))
             return
         except json.JSONDecodeError:
             pass
-    yield html.unescape(text) if suffix in (".html", ".htm", ".svg", ".xml") else text
+    yield html.unescape(text)
+
+
+def _tokenizer_dirs(run_dir: Path) -> Iterator[Path]:
+    """Where the run's tokenizer may be: its model directories, then the teacher its
+    generation manifest names (a cached teacher lives in another run)."""
+    yield run_dir / "teacher" / "model"
+    yield run_dir / "student" / "model"
+    manifest = run_dir / "synthetic" / MANIFEST
+    if manifest.is_file():
+        for key, item in json.loads(manifest.read_text()).get("inputs", {}).items():
+            if key.startswith("teacher/"):  # teacher/<file>: the file's directory is the teacher's
+                yield Path(item["path"]).parents[len(Path(key).parts) - 2]
+
+
+class TokenDecoder:
+    """Token ids to text with the run's tokenizer, loaded on the first call (most files
+    hold no ids)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self._tok = Path(run_dir), None
+
+    def __call__(self, rows: list[list[int]]) -> list[str]:
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            found = next((d for d in _tokenizer_dirs(self.run_dir) if (d / "tokenizer_config.json").is_file()), None)
+            if found is None:
+                raise AuditError(
+                    f"{self.run_dir} holds token ids but no tokenizer to decode them (teacher/model, "
+                    "student/model, or the teacher synthetic/manifest.json names): audit the run that "
+                    "trained the teacher, or copy its tokenizer files into teacher/model"
+                )
+            self._tok = AutoTokenizer.from_pretrained(str(found))
+        return self._tok.batch_decode(rows)
 
 
 @dataclass
@@ -221,52 +333,61 @@ class AuditResult:
         return self.report["total_hits"] > 0
 
 
+def _scan_files(run_dir: Path, index: RecordIndex, splits: set[Path]) -> tuple[dict[str, FileScan], dict[str, str]]:
+    """Scan every file of `run_dir` but the `splits` and binary tensors (named, with why)."""
+    decode = TokenDecoder(run_dir)
+    scans: dict[str, FileScan] = {}
+    not_scanned: dict[str, str] = {}
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        rel = str(path.relative_to(run_dir))
+        try:
+            if reason := _skip_reason(path, splits):
+                not_scanned[rel] = reason
+                continue
+            scan = scans[rel] = FileScan(bytes=path.stat().st_size)
+            for doc in documents(path, decode):
+                scan.add(doc, index)
+        except AuditError:
+            raise
+        except Exception as e:  # the cause's message could quote the file: name its type only
+            raise AuditError(f"could not read {rel} ({type(e).__name__}); is the run directory intact?") from None
+    return scans, not_scanned
+
+
 def audit_run(
     run_dir: Path, span: int = DEFAULT_SPAN, extra: dict[str, list[str]] | None = None,
     extra_note: str | None = None,
 ) -> AuditResult:
     """Scan what `run_dir` publishes (and the `extra` documents, e.g. Prefect logs) for
-    `span`-word windows of the training records; write `run_dir/audit.json`."""
+    `span`-word windows of its private records; write `run_dir/audit.json`."""
     if span < 1:
         raise AuditError(f"span={span}: use a positive number of words, e.g. 10")
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise AuditError(f"{run_dir} is not a directory: pass a run directory")
     t0 = time.time()
-    texts, source = training_texts(run_dir)
-    index = TrainingIndex.build(texts, span, source)
-    del texts
-    scans: dict[str, FileScan] = {}
-    not_scanned: dict[str, str] = {}
-    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
-        rel = path.relative_to(run_dir)
-        if reason := _skip_reason(rel):
-            not_scanned[str(rel)] = reason
-            continue
-        scan = scans[str(rel)] = FileScan(bytes=path.stat().st_size)
-        try:
-            for doc in documents(path):
-                scan.add(doc, index)
-        except Exception as e:  # the cause's message could quote the file: name its type only
-            raise AuditError(f"could not read {rel} ({type(e).__name__}); is the run directory intact?") from None
+    splits = split_files(run_dir)  # hashed once: the splits can be the largest files of the run
+    records, source = private_records(run_dir, splits)
+    index = RecordIndex.build(records, span, source)
+    del records
+    scans, not_scanned = _scan_files(run_dir, index, set(splits.values()))
     for name, docs in (extra or {}).items():
         scan = scans[name] = FileScan()
         for doc in docs:
             scan.bytes += len(doc.encode())
             scan.add(doc, index)
-    total = sum(s.hits for s in scans.values())
     leaked = set().union(*(s.records for s in scans.values())) if scans else set()
     report = {
         "run_dir": str(run_dir.resolve()),
         "span": span,
-        "training_records": index.n_records,
-        "training_records_shorter_than_span": index.n_short,
-        "training_source": index.source,
+        "private_records": index.splits,
+        "records_shorter_than_span": index.n_short,
+        "records_source": index.source,
         "files_scanned": len(scans),
         "bytes_scanned": sum(s.bytes for s in scans.values()),
         "spans_checked": sum(s.spans for s in scans.values()),
-        "total_hits": total,
-        "training_records_found": len(leaked),
+        "total_hits": sum(s.hits for s in scans.values()),
+        "private_records_found": index.found_by_split(leaked),
         "files_with_hits": sorted(name for name, s in scans.items() if s.hits),
         "files": {name: s.summary() for name, s in scans.items()},
         "not_scanned": not_scanned,
@@ -278,21 +399,25 @@ def audit_run(
     return AuditResult(report=report, path=out)
 
 
+def _by_split(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {split}" for split, n in counts.items())
+
+
 def format_audit(report: dict) -> str:
     """A short summary: counts and file names only."""
     lines = [
-        f"audit of {report['run_dir']}: {report['span']}-word spans of {report['training_records']} training "
-        f"records ({report['training_records_shorter_than_span']} shorter than the span), read from "
-        f"{report['training_source']}",
+        f"audit of {report['run_dir']}: {report['span']}-word spans of the private records "
+        f"({_by_split(report['private_records'])}; {report['records_shorter_than_span']} shorter than the "
+        f"span), read from {report['records_source']}",
         f"scanned {report['files_scanned']} files/sources, {report['bytes_scanned']:,} bytes, "
         f"{report['spans_checked']:,} spans in {report['elapsed_seconds']:.1f} s; "
         f"Prefect: {report['extra_sources']}",
     ]
     if report["total_hits"]:
-        lines.append(f"LEAK: {report['total_hits']} span(s) of {report['training_records_found']} training "
-                     "record(s) found in:")
+        lines.append(f"LEAK: {report['total_hits']} span(s) of private records "
+                     f"({_by_split(report['private_records_found'])}) found in:")
         lines += [f"  {name}: {report['files'][name]['hits']} span(s), {report['files'][name]['records']} record(s)"
                   for name in report["files_with_hits"]]
     else:
-        lines.append("clean: no training record span found")
+        lines.append("clean: no private record span found")
     return "\n".join(lines)

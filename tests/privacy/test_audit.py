@@ -9,11 +9,13 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from safetensors.torch import save_file
 from conftest import PUBLIC, make_tiny_model, tiny_pipeline_dict
 
 from flows.cli import main
@@ -31,9 +33,9 @@ def _public_sentences(n: int) -> list[str]:
 
 
 @pytest.fixture
-def run_dir(tmp_path) -> Path:
+def run_dir(tmp_path, tiny_tokenizer) -> Path:
     """A finished-looking run directory: config, private splits, checkpoint, report, shard,
-    model files, logs. Nothing published holds a training record."""
+    model files (with the run's tokenizer), logs. Nothing published holds a private record."""
     cfg = config_from_dict(tiny_pipeline_dict(tmp_path))
     run = tmp_path / "runs" / "tiny-1"
     run.mkdir(parents=True)
@@ -48,9 +50,13 @@ def run_dir(tmp_path) -> Path:
     model = run / "teacher" / "model"
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"n_layer": 1, "note": public[20]}))
-    # Private places the audit must not count: the checkpoint may hold anything.
+    tiny_tokenizer.save_pretrained(model)
+    # Binary tensors the audit skips as weights (a torch zip, a true .npy): no text to find.
     (run / "teacher" / "checkpoint").mkdir()
-    (run / "teacher" / "checkpoint" / "notes.txt").write_text(" ".join(train[:5]))
+    torch.save({"weight": torch.zeros(4, 4)}, run / "teacher" / "checkpoint" / "state.pt")
+    np.save(run / "teacher" / "checkpoint" / "noise.npy", np.arange(16, dtype=np.uint32))
+    save_file({"weight": torch.zeros(4, 4)}, model / "model.safetensors")
+    assert train  # the private splits stay in data/ while the run is alive
     (run / "teacher" / "training_log.json").write_text(json.dumps({"history": [{"step": 1, "loss": 3.2}]}))
     return run
 
@@ -72,11 +78,14 @@ def test_clean_run_exits_0_and_writes_counts(run_dir, capsys):
     the private splits and the checkpoint are listed as not scanned."""
     assert main(["audit", str(run_dir)]) == 0
     report = json.loads((run_dir / AUDIT).read_text())
-    assert report["total_hits"] == 0 and report["training_source"] == "data/train.parquet"
+    assert report["total_hits"] == 0 and report["records_source"].startswith("data/{train,validation,test}")
     assert report["span"] == 10 and report["spans_checked"] > 100 and report["bytes_scanned"] > 0
     assert {"report.html", "synthetic/shard-00000.parquet", "teacher/model/config.json"} <= set(report["files"])
-    assert report["not_scanned"]["data/train.parquet"] == "private split"
-    assert report["not_scanned"]["teacher/checkpoint/notes.txt"] == "checkpoint (private)"
+    for split in ("train", "validation", "test"):
+        assert report["not_scanned"][f"data/{split}.parquet"] == "private split"
+    for weights in ("teacher/checkpoint/state.pt", "teacher/checkpoint/noise.npy", "teacher/model/model.safetensors"):
+        assert report["not_scanned"][weights].startswith("binary tensors")
+    assert set(report["private_records"]) == {"train", "validation", "test"}
     assert "PREFECT_API_URL" in report["extra_sources"] or "no flow run" in report["extra_sources"]
     assert "clean" in capsys.readouterr().out
 
@@ -94,28 +103,106 @@ def test_planted_record_exits_1_names_the_file_never_the_text(run_dir, capsys):
     report_text = (run_dir / AUDIT).read_text()
     report = json.loads(report_text)
     assert report["files_with_hits"] == ["report.html", "synthetic/shard-00001.parquet"]
-    assert report["training_records_found"] == 1
+    assert report["private_records_found"] == {"train": 1, "validation": 0, "test": 0}
     assert report["files"]["report.html"]["hits"] == len(words(secret)) - 9
     assert "report.html" in out and "shard-00001.parquet" in out and "LEAK" in out
     _assert_not_quoted(secret, out, err, report_text)
 
 
-def test_without_split_copies_the_training_set_is_rebuilt_from_the_source(run_dir, capsys):
+def test_without_split_copies_the_splits_are_rebuilt_from_the_source(run_dir, capsys):
     """With data/*.parquet deleted, the records come from config.yaml's data.path through
-    the data stage's own split: a training record is found, a validation record is not
-    (it was never trained on), and --span changes the window."""
+    the data stage's own split: a training record is found, so is a validation record (a
+    private record too, outside the ledger's ε), and --span changes the window."""
     train_secret, val_secret = _record(run_dir, "train"), _record(run_dir, "validation")
     for p in (run_dir / "data").glob("*.parquet"):
         p.unlink()
     (run_dir / "logs.txt").write_text(val_secret + "\n")
-    assert main(["audit", str(run_dir)]) == 0
+    assert main(["audit", str(run_dir)]) == 1
     report = json.loads((run_dir / AUDIT).read_text())
-    assert report["training_source"].startswith("data.path") and report["total_hits"] == 0
+    assert report["records_source"].startswith("data.path") and report["files_with_hits"] == ["logs.txt"]
+    assert report["private_records_found"] == {"train": 0, "validation": 1, "test": 0}
     (run_dir / "logs.txt").write_text(" ".join(words(train_secret)[:12]) + "\n")
     assert main(["audit", str(run_dir)]) == 1
     assert json.loads((run_dir / AUDIT).read_text())["files_with_hits"] == ["logs.txt"]
     assert main(["audit", str(run_dir), "--span", "13"]) == 0  # 12 words cannot hold a 13-word span
     _assert_not_quoted(train_secret, capsys.readouterr().out)
+
+
+def _plant_in_checkpoint(run: Path, secret: str) -> str:
+    (run / "teacher" / "checkpoint" / "notes.txt").write_text(secret)  # a folder's name proves nothing
+    return "teacher/checkpoint/notes.txt"
+
+
+def _plant_in_npy_named_text(run: Path, secret: str) -> str:
+    (run / "teacher" / "model" / "extra.npy").write_text(secret)  # text with a weights suffix
+    return "teacher/model/extra.npy"
+
+
+def _plant_in_data_parquet(run: Path, secret: str) -> str:
+    pq.write_table(pa.table({"text": ["An ordinary sentence.", secret]}), run / "data" / "export.parquet")
+    return "data/export.parquet"  # under data/, but not one of the splits the data stage wrote
+
+
+def _plant_in_token_ids(run: Path, secret: str) -> str:
+    from pipeline.models.base import load_tokenizer
+
+    ids = encode_record(load_tokenizer(str(run / "teacher" / "model")), "Stars: 5", secret)
+    shard = run / "synthetic" / "shard-00001.parquet"
+    pq.write_table(pa.table({"sample_id": [0], "text": ["An ordinary sentence."],
+                             "token_ids": pa.array([ids], pa.list_(pa.int32()))}), shard)
+    return "synthetic/shard-00001.parquet"  # the text column is clean: only the ids hold it
+
+
+def _plant_in_modified_split(run: Path, secret: str) -> str:
+    """A split file that is no longer the one the data stage wrote (its hash differs)."""
+    codes, texts = read_split(run / "data" / "validation.parquet")
+    pq.write_table(pa.table({"control_code": codes + ["x"], "text": texts + [secret]}),
+                   run / "data" / "validation.parquet")
+    return "data/validation.parquet"
+
+
+@pytest.mark.parametrize("split", ["train", "validation", "test"])
+@pytest.mark.parametrize("plant", [_plant_in_checkpoint, _plant_in_npy_named_text, _plant_in_data_parquet,
+                                   _plant_in_token_ids, _plant_in_modified_split],
+                         ids=["checkpoint-folder", "npy-named-text", "data-parquet", "token-ids", "modified-split"])
+def test_a_planted_20_word_span_is_found_wherever_it_sits(run_dir, plant, split, capsys):
+    """Files are read by what they hold, not by their name or folder; token ids are decoded
+    with the run's tokenizer; every split's records are looked for."""
+    secret = " ".join(words(next(t for t in read_split(run_dir / "data" / f"{split}.parquet")[1]
+                                 if len(words(t)) >= 20))[:20])
+    where = plant(run_dir, secret)
+    assert main(["audit", str(run_dir)]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads((run_dir / AUDIT).read_text())
+    assert report["files_with_hits"] == [where] and report["files"][where]["hits"] >= 11
+    assert report["private_records_found"][split] >= 1
+    _assert_not_quoted(secret, out, err, (run_dir / AUDIT).read_text())
+
+
+def test_prefect_logs_are_read_from_the_local_database_without_an_api_url(prefect_server, run_dir, capsys):
+    """With no PREFECT_API_URL, the flow run's logs are read from the Prefect server's SQLite
+    database (PREFECT_HOME/prefect.db by default; the test harness's temporary one here)."""
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.types import DateTime
+
+    flow_run_id = str(uuid.uuid4())
+    (run_dir / "run.json").write_text(json.dumps({"status": "completed", "flow_run_id": flow_run_id}))
+    secret = _record(run_dir, "test")
+    with get_client(sync_client=True) as client:
+        client.create_logs([LogCreate(name="x", level=20, message=m, timestamp=DateTime.now("UTC"),
+                                      flow_run_id=flow_run_id) for m in ("an ordinary line", secret)])
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert not PREFECT_API_URL.value()
+        assert main(["audit", str(run_dir)]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads((run_dir / AUDIT).read_text())
+    assert report["files_with_hits"] == ["prefect:logs"] and "database" in report["extra_sources"]
+    assert report["private_records_found"]["test"] == 1
+    _assert_not_quoted(secret, out, err, (run_dir / AUDIT).read_text())
 
 
 def test_usage_errors_exit_2(run_dir, tmp_path, capsys):
