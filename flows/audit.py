@@ -3,10 +3,12 @@
     dpdistill audit RUN_DIR [--span 10]                                 # verbatim spans
     dpdistill audit --canaries 8 --config configs/demo.yaml [key=value]  # canary exposure
 
-`prefect_documents` reads what the Prefect server holds of a flow run (its logs, task
-runs' logs included, and its artifacts) so that `pipeline.privacy.audit.audit_run` scans them
-beside the run directory's files. `canary_audit` runs the real flow on a copy of the
-training data with canaries inserted and measures their exposure (`pipeline.privacy.canaries`).
+`prefect_sources` reads what Prefect holds of a flow run (its logs, task runs' logs
+included, and its artifacts: through the API, or from the local server's SQLite database
+when no PREFECT_API_URL is set) so that `pipeline.privacy.audit.audit_run` scans them beside
+the run directory's files. `canary_audit` runs the real flow on a copy of the training data
+with canaries inserted (in a 0700 work directory deleted at the end), audits the run and
+measures the canaries' exposure (`pipeline.privacy.canaries`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import shutil
 import time
-from contextlib import closing
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from pathlib import Path
 
-from pipeline.privacy.audit import training_texts
+from flows.run_info import RunDirError
+from pipeline.privacy.audit import audit_run, training_texts
 from pipeline.privacy.canaries import (
     DEFAULT_CANDIDATES,
     DEFAULT_REPETITIONS,
@@ -31,9 +37,9 @@ from pipeline.privacy.canaries import (
     summarise,
     write_canary_data,
 )
-from pipeline.config import PipelineConfig, config_from_dict, dump_config
+from pipeline.config import PipelineConfig, config_from_dict
 from pipeline.privacy.ledger import LEDGER, read_ledger
-from pipeline.manifest import atomic_write_json
+from pipeline.manifest import atomic_write_json, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +150,48 @@ def _models(cfg: PipelineConfig, run_dir: Path) -> dict[str, str]:
     return models
 
 
+@contextmanager
+def secret_work_dir(path: Path) -> Iterator[Path]:
+    """The canary audit's work directory, for the data copy (the whole training file plus
+    the secrets): new or empty, 0700 whatever the umask as a run directory is
+    (pipeline/manifest.py private_dir), and deleted when the audit ends, also on failure."""
+    path = Path(path).resolve()
+    if path.exists() and (not path.is_dir() or any(path.iterdir()) or path.stat().st_uid != os.geteuid()):
+        raise RunDirError(f"--work-dir {path} exists and is not an empty directory of yours: pass a new "
+                          "directory (it is deleted when the audit ends)")
+    private_dir(path)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)  # not ignore_errors: a copy of the secrets left behind must not pass silently
+
+
+def _run_with_canaries(cfg: PipelineConfig, source, canaries: list, work_dir: Path) -> tuple[PipelineConfig, Path, dict]:
+    """Write the canaried copy of `source` into `work_dir`, run the flow on it, and count what
+    only the copy can tell (canary copies in the training split, the verbatim audit); returns the
+    run's config, its directory and those figures."""
+    from flows.pipeline_flow import dp_distill
+
+    data_copy = work_dir / f"{Path(cfg.data.path).stem}_with_canaries.parquet"
+    added = write_canary_data(source, canaries, cfg.data, data_copy)
+    tree = cfg.model_dump(mode="json")
+    # The run goes under run_root like any other (0700, its split copies deleted after
+    # evaluation), not into the work directory, which is deleted with the copy.
+    tree["data"] |= {"path": str(data_copy), "max_records": None}
+    tree["name"] = f"{cfg.name}-canaries"
+    run_cfg = config_from_dict(tree)
+    run_dir = Path(dp_distill(run_cfg))
+    # The run deletes its split copies after evaluation: rebuilt from the data copy if so,
+    # and audited now, while the copy exists to rebuild its records from.
+    in_train = copies_in(training_texts(run_dir)[0], canaries)
+    extra, note = prefect_sources(run_dir)
+    audit = audit_run(run_dir, extra=extra, extra_note=note).report
+    verbatim = {k: audit[k] for k in ("span", "total_hits", "private_records_found", "files_with_hits",
+                                      "extra_sources")}
+    return run_cfg, run_dir, {"records_added": added, "in_train": in_train, "data_copy": str(data_copy),
+                              "verbatim_audit": verbatim}
+
+
 def canary_audit(
     cfg: PipelineConfig,
     n_canaries: int,
@@ -151,30 +199,21 @@ def canary_audit(
     repetitions: tuple[int, ...] = DEFAULT_REPETITIONS,
     n_candidates: int = DEFAULT_CANDIDATES,
 ) -> tuple[Path, dict]:
-    """Insert canaries into a copy of the training data, run the flow on it, measure their
-    exposure under each model and their verbatim emission in the synthetic data. Writes
+    """Insert canaries into a copy of the training data (in `work_dir`, deleted at the end),
+    run the flow on it, audit the run for verbatim spans, measure the canaries' exposure
+    under each model and their verbatim emission in the synthetic data. Writes
     `canaries.json` into the run directory and returns (its path, the report)."""
-    from flows.pipeline_flow import dp_distill
     from pipeline.stages.generate import read_synthetic
     from pipeline.models.base import load_causal_lm, load_tokenizer
 
     t0 = time.time()
-    work_dir = Path(work_dir).resolve()
-    work_dir.mkdir(parents=True, exist_ok=True)
     source = read_source(cfg.data)
     canaries = make_canaries(n_canaries, source, cfg.data, repetitions)
-    data_copy = work_dir / f"{Path(cfg.data.path).stem}_with_canaries.parquet"
-    added = write_canary_data(source, canaries, cfg.data, data_copy)
-    tree = cfg.model_dump(mode="json")
-    tree["data"] |= {"path": str(data_copy), "max_records": None}
-    tree["run_root"] = str(work_dir / "runs")
-    run_cfg = config_from_dict(tree)
-    (work_dir / "config.yaml").write_text(dump_config(run_cfg))
-
-    run_dir = Path(dp_distill(run_cfg))
+    with secret_work_dir(work_dir) as work:
+        run_cfg, run_dir, made = _run_with_canaries(cfg, source, canaries, work)
+    del source
     flow_seconds = time.time() - t0
-    # The run deletes its split copies after evaluation: rebuilt from the data copy if so.
-    in_train = copies_in(training_texts(run_dir)[0], canaries)
+    in_train = made["in_train"]
     synthetic = read_synthetic(run_dir / "synthetic")["text"].to_pylist() if (run_dir / "synthetic").is_dir() else []
     emitted = emissions(synthetic, canaries)
 
@@ -195,9 +234,9 @@ def canary_audit(
     teacher = next((e for e in ledger.entries if e.stage in ("teacher", "student") and e.epsilon), None)
     report = {
         "run_dir": str(run_dir),
-        "data_copy": str(data_copy),
+        "data_copy": made["data_copy"] + " (deleted)",
         "canaries": len(canaries),
-        "records_added": added,
+        "records_added": made["records_added"],
         "repetitions": list(repetitions),
         "candidates": n_candidates,
         "max_exposure_bits": math.log2(n_candidates + 1),
@@ -212,6 +251,7 @@ def canary_audit(
         "canaries_emitted": sum(e > 0 for e in emitted),
         "by_repetitions": summarise(rows, list(models)),
         "per_canary": rows,
+        "verbatim_audit": made["verbatim_audit"],
         "flow_seconds": round(flow_seconds, 1),
         "elapsed_seconds": round(time.time() - t0, 1),
     }
@@ -230,5 +270,13 @@ def format_canary_report(report: dict) -> str:
         head,
         format_table(report["by_repetitions"], models, report["max_exposure_bits"]),
         f"canaries emitted verbatim in {report['synthetic_samples']} synthetic samples: {report['canaries_emitted']}",
+        _format_verbatim(report["verbatim_audit"]),
         f"run {report['run_dir']} ({report['flow_seconds']:.0f} s flow, {report['elapsed_seconds']:.0f} s in all)",
     ])
+
+
+def _format_verbatim(audit: dict) -> str:
+    head = f"verbatim audit ({audit['span']}-word spans of the private records; Prefect: {audit['extra_sources']}): "
+    if not audit["total_hits"]:
+        return head + "clean"
+    return head + f"LEAK: {audit['total_hits']} span(s) in {', '.join(audit['files_with_hits'])}"

@@ -166,7 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--repetitions", default="1,1,4,16",
                        help="copies of each canary, cycled over the canaries (default 1,1,4,16)")
     audit.add_argument("--candidates", type=int, default=1000, help="random candidates per canary (default 1000)")
-    audit.add_argument("--work-dir", help="where the data copy and the run go (default <run_root>/canaries-<time>)")
+    audit.add_argument("--work-dir", help="a new directory for the secret data copy, 0700 and deleted when the audit "
+                       "ends (default <run_root>/canaries-<time>); the run itself goes under run_root")
     return parser
 
 
@@ -218,7 +219,7 @@ def run_audit(args) -> int:
         return usage(str(e))
     print(format_canary_report(report))
     print(f"written: {path}")
-    return 0
+    return 1 if report["verbatim_audit"]["total_hits"] else 0
 
 
 def make_deployment(config_path: str, cron: str, overrides: list[str], name: str | None = None,

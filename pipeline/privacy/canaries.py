@@ -11,8 +11,9 @@ average for a model that never saw it (the rank is then uniform), up to log2(R +
 exposure can rise with ε; a non-private model that memorises a repeated secret shows it.
 
 The secrets are the tool's own, yet they stay out of the outputs: `canaries.json` and the
-printed table carry exposures, ranks and counts only. The data copy in the work directory
-holds them, as it must to be trained on.
+printed table carry exposures, ranks and counts only. The data copy holds them, as it must
+to be trained on: it is written 0600 into a 0700 work directory that `flows/audit.py`
+deletes when the audit ends.
 
 No Prefect here: `flows/audit.py` runs the pipeline on the copy.
 """
@@ -20,6 +21,7 @@ No Prefect here: `flows/audit.py` runs the pipeline on the copy.
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,8 +99,12 @@ def write_canary_data(source: pa.Table, canaries: list[Canary], cfg: DataConfig,
             if cfg.user_column:
                 rows[cfg.user_column].insert(at, f"canary-user-{canary.id}")
             added += 1
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({c: pa.array(v, pa.string()) for c, v in rows.items()}), path)
+    # The whole training file plus the secrets: readable by its owner only (0600) from its
+    # creation, whatever the umask, as the data stage writes its splits.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        pq.write_table(pa.table({c: pa.array(v, pa.string()) for c, v in rows.items()}), f)
     return added
 
 

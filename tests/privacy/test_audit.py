@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import shutil
+import stat
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +20,11 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import save_file
-from conftest import PUBLIC, make_tiny_model, tiny_pipeline_dict
+from conftest import PUBLIC, YELP_TRAIN, make_tiny_model, tiny_pipeline_dict
 
+from flows.audit import secret_work_dir
 from flows.cli import main
+from flows.run_info import RunDirError
 from pipeline.privacy.audit import AUDIT, training_texts, words
 from pipeline.batching import lm_batch
 from pipeline.privacy.canaries import Canary, canary_exposures, make_canaries, write_canary_data
@@ -251,6 +257,45 @@ def test_exposure_sees_a_memorised_canary_and_not_an_unseen_one(tiny_tokenizer):
     assert all(e["exposure"] < 5 for e in trained[1:])  # the others were not trained on
 
 
+def test_the_canary_work_dir_is_private_while_alive_and_deleted_after(tmp_path):
+    """The data copy (the whole training file plus the secrets) lives in a 0700 directory,
+    written 0600 whatever the umask, and the directory goes when the block ends, also when
+    it ends in an error. A directory that holds something is refused, never emptied."""
+    source = pa.table({"text": ["a text"] * 4, "label1": ["Stars: 5"] * 4})
+    old_umask = os.umask(0o022)
+    try:
+        with secret_work_dir(tmp_path / "work") as work:
+            write_canary_data(source, _CANARIES[:1], _CFG, work / "copy.parquet")
+            assert stat.S_IMODE(work.stat().st_mode) == 0o700
+            assert stat.S_IMODE((work / "copy.parquet").stat().st_mode) == 0o600
+        assert not (tmp_path / "work").exists()
+        with pytest.raises(RuntimeError, match="the flow failed"), secret_work_dir(tmp_path / "work") as work:
+            write_canary_data(source, _CANARIES[:1], _CFG, work / "copy.parquet")
+            raise RuntimeError("the flow failed")
+        assert not (tmp_path / "work").exists()
+    finally:
+        os.umask(old_umask)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(RunDirError, match="not an empty directory"), secret_work_dir(tmp_path / "mine"):
+        pass
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_canary_run_that_fails_leaves_no_data_copy(prefect_server, tmp_path, capsys):
+    """The flow fails after the canaried copy is written (its run_root is shared: sticky
+    bit): exit 2 with the reason, and the work directory with the copy is gone."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_pipeline_dict(tmp_path) | {"run_root": str(shared)}))
+    work = tmp_path / "elsewhere" / "canaries"
+    assert main(["audit", "--canaries", "2", "--config", str(config), "--work-dir", str(work)]) == 2
+    assert "run_root" in capsys.readouterr().err
+    assert not work.exists() and not list(shared.iterdir())
+
+
 # --- model cards ------------------------------------------------------------------------
 
 
@@ -281,28 +326,54 @@ def test_model_card_states_the_ledger_and_what_is_not_protected():
 # --- the real flow ----------------------------------------------------------------------
 
 
+def _watch_modes(folder: Path, seen: dict[str, int], stop: threading.Event) -> None:
+    """Record the mode of everything in `folder` while it exists (a thread beside the flow)."""
+    while not stop.is_set():
+        for p in [folder, *folder.rglob("*")] if folder.exists() else []:
+            try:
+                seen[str(p.relative_to(folder))] = stat.S_IMODE(p.stat().st_mode)
+            except (FileNotFoundError, ValueError):  # deleted between the listing and the stat
+                pass
+        time.sleep(0.05)
+
+
 def test_canary_cli_on_the_tiny_flow_and_audit_with_prefect_logs(prefect_server, tmp_path, capsys):
     """`audit --canaries` runs the real flow on a canaried copy and writes canaries.json
-    (exposure per canary and model, ledger ε; no secret in it or on stdout); the run's
+    (exposure per canary and model, ledger ε, the run's verbatim audit; no secret in it or
+    on stdout); the copy lives 0600 in a 0700 work directory, deleted at the end; the run's
     models carry cards with the ledger's figures; the plain audit reads the flow run's
     Prefect logs and finds a training record planted in them."""
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_pipeline_dict(tmp_path)))
-    code = main(["audit", "--canaries", "2", "--config", str(config), "--candidates", "50",
-                 "--repetitions", "1,8", "--work-dir", str(tmp_path / "canaries")])
+    work, seen, stop = tmp_path / "elsewhere" / "canaries", {}, threading.Event()
+    watcher = threading.Thread(target=_watch_modes, args=(work, seen, stop), daemon=True)
+    old_umask = os.umask(0o022)
+    watcher.start()
+    try:  # the split copies kept, so that the plain audit below can read the canaried records
+        code = main(["audit", "--canaries", "2", "--config", str(config), "--candidates", "50",
+                     "--repetitions", "1,8", "--work-dir", str(work), "data.keep_private_copies=true"])
+    finally:
+        stop.set()
+        watcher.join()
+        os.umask(old_umask)
     out = capsys.readouterr().out
     assert code == 0
+    assert not work.exists()
+    assert seen["."] == 0o700 and seen[f"{YELP_TRAIN.stem}_with_canaries.parquet"] == 0o600
+    assert set(seen) == {".", f"{YELP_TRAIN.stem}_with_canaries.parquet"}  # nothing else, the run neither
     written = Path(out.strip().splitlines()[-1].split("written: ")[1])
     report = json.loads(written.read_text())
     run = Path(report["run_dir"])
-    assert written.parent == run and report["canaries"] == 2 and report["records_added"] == 9
+    assert written.parent == run and run.parent == tmp_path / "runs" and run.name.startswith("tiny-canaries-")
+    assert report["canaries"] == 2 and report["records_added"] == 9
+    assert report["verbatim_audit"]["total_hits"] == 0 and report["verbatim_audit"]["extra_sources"].startswith("flow run")
     assert set(report["models"]) == {"base_teacher", "dp_teacher", "base_student", "student"}
     assert all(0 <= r["exposure"]["dp_teacher"] <= report["max_exposure_bits"] for r in report["per_canary"])
     assert set(report["by_repetitions"]) == {"1", "8"}
     ledger = read_ledger(run / "ledger.json")
     assert report["epsilon_total"] == pytest.approx(ledger.total.epsilon)
-    copy = pq.read_table(report["data_copy"])["text"].to_pylist()
-    digits = {"".join(words(t)[4:]) for t in copy if t.startswith("my account number is")}
+    kept = [t for split in ("train", "validation") for t in read_split(run / "data" / f"{split}.parquet")[1]]
+    digits = {"".join(words(t)[4:]) for t in kept if t.startswith("my account number is")}
     assert len(digits) == 2
     for d in digits:
         assert d not in written.read_text() and " ".join(d) not in out and d not in out
@@ -322,7 +393,6 @@ def test_canary_cli_on_the_tiny_flow_and_audit_with_prefect_logs(prefect_server,
     audit = json.loads((run / AUDIT).read_text())
     assert audit["extra_sources"].startswith("flow run") and audit["files"]["prefect:logs"]["spans"] > 0
     flow_run_id = json.loads((run / "run.json").read_text())["flow_run_id"]
-    assert not (run / "data" / "train.parquet").exists()  # deleted after evaluation: rebuilt by the audit
     secret = next(t for t in training_texts(run)[0] if len(words(t)) >= 15)
     with get_client(sync_client=True) as client:
         client.create_logs([LogCreate(name="x", level=20, message=secret, timestamp=DateTime.now("UTC"),
