@@ -182,8 +182,9 @@ def _run_data_config(run_dir: Path):
     if not Path(data.path).is_file():
         raise AuditError(
             f"the run's data.path {str(cfg.data.path)!r} is not found (from {Path.cwd()} or beside "
-            f"the run) and the run has no split files: run the audit from the directory "
-            "the run was started in"
+            f"the run) and the run has no split files: run the audit from the directory the run was "
+            "started in (a canary run's data copy is deleted when `audit --canaries` ends; its "
+            "canaries.json holds the audit made before)"
         )
     for key, path in (("data", data.path), ("test_data", data.test_path)):
         expected = _source_sha(run_dir, key)
