@@ -186,95 +186,129 @@ def evaluate_models(
 
     All models must share one tokenizer, so that their perplexities count the same tokens.
     With `synthetic_path`, also compares the synthetic texts with the real test texts
-    (distinct-n, lengths): aggregate figures only. Progress lines count the windows scored
-    over all models (windows/s, ETA; no token counts), at least every `progress_every` s.
-    Models are loaded in `runtime`'s precision, on its device. With `synthetic_path` and
-    `code_values` (pipeline/stages/adherence.py `declared_values`), the model named `adherence_model`
-    also scores the code adherence of `cfg.adherence_samples` synthetic samples (`code_adherence`).
-    With `cache_dir`, perplexities are read from and written to it (module docstring).
-    With `synthetic_path` and `code_columns`, the downstream classifier of the codes runs; with
-    `selection` (the distillation's), metrics get the selection table and the criterion study.
+    (distinct-n, lengths) and, with `code_columns`, runs the downstream classifier of the
+    codes: aggregate figures only. Progress lines count the windows scored over all models
+    (windows/s, ETA; no token counts), at least every `progress_every` s. Models are loaded
+    in `runtime`'s precision, on its device. With `synthetic_path`, the model named
+    `adherence_model` (the DP teacher) also gives MAUVE's features and, with `code_values`
+    (pipeline/stages/adherence.py `declared_values`), scores the code adherence of
+    `cfg.adherence_samples` synthetic samples. With `cache_dir`, perplexities are read from and
+    written to it (module docstring). With `selection` (the distillation's), metrics get the
+    selection table and the criterion study.
+
+    The recipe: `_Scorer` scores each model (or reads its cached perplexity) → the DP teacher's
+    checks of the synthetic text (`_teacher_checks`) → `_synthetic_vs_real` → `_save`.
     """
     runtime.apply_threads()
     torch.manual_seed(seed)
     codes, texts = read_split(test_path)  # the test split is small; its ids come tokenized
     if not texts:
         raise ValueError(f"test split {str(test_path)!r} is empty; give data.test_path or a larger data.path")
-    reference = None
-    adherence = mauve = None
-    metrics: dict[str, dict] = {}
-    lines: ProgressLog | None = None
-    started = time.monotonic()
-    cache = {name: Path(cache_dir) / f"{_perplexity_key(path, test_path, cfg, runtime)}.json"
-             for name, path in models.items()} if cache_dir is not None else {}
-    known = {name: ppl for name, f in cache.items() if (ppl := _cached_perplexity(f)) is not None}
-    to_score = [name for name in models if name not in known]
+    scorer = _Scorer(cfg, models, test_path, codes, texts, runtime, cache_dir, progress_every)
+    result: dict = {"window": cfg.window, "test_records": len(texts), "perplexity": {}}
     for name, path in models.items():
+        result["perplexity"][name] = scorer.score(name, path)
+        if name == adherence_model and synthetic_path is not None:
+            result |= _teacher_checks(scorer.model(name, path), scorer.tokenizer, synthetic_path, texts, code_values,
+                                      cfg, progress_every, seed)
+    if selection is not None:
+        result["selection"] = _selection_table(selection, result["perplexity"])
+    if synthetic_path is not None:
+        result |= _synthetic_vs_real(scorer.tokenizer, synthetic_path, codes, texts, code_columns, seed)
+    return _save(result, out_dir, test_path)
+
+
+class _Scorer:
+    """Each model's test perplexity, scored once (or read from the cache), checking that every
+    model shares the first one's tokenizer; progress lines over all models' windows."""
+
+    def __init__(self, cfg: EvalConfig, models: dict[str, str], test_path: Path, codes: list[str], texts: list[str],
+                 runtime: Runtime, cache_dir: Path | None, progress_every: float):
+        self.cfg, self.test_path, self.codes, self.texts, self.runtime = cfg, test_path, codes, texts, runtime
+        self.first, self.tokenizer, self.loaded = next(iter(models)), None, {}
+        self.cache = {name: Path(cache_dir) / f"{_perplexity_key(path, test_path, cfg, runtime)}.json"
+                      for name, path in models.items()} if cache_dir is not None else {}
+        self.known = {name: ppl for name, f in self.cache.items() if (ppl := _cached_perplexity(f)) is not None}
+        self.to_score = [name for name in models if name not in self.known]
+        self.lines: ProgressLog | None = None
+        self.progress_every, self.started = progress_every, time.monotonic()
+
+    def model(self, name: str, path: str):
+        if name not in self.loaded:
+            self.loaded = {name: load_causal_lm(path, dtype=self.runtime.dtype).to(self.runtime.device)}  # one at a time
+        return self.loaded[name]
+
+    def _check_tokenizer(self, name: str, path: str):
         tok = load_tokenizer(path)
-        if reference is None:
-            reference = tok
-        elif not same_tokenizer(reference, tok):
+        if self.tokenizer is None:
+            self.tokenizer = tok
+        elif not same_tokenizer(self.tokenizer, tok):
             raise ValueError(
-                f"model {name!r} ({path}) uses another tokenizer than {next(iter(models))!r}; "
+                f"model {name!r} ({path}) uses another tokenizer than {self.first!r}; "
                 "perplexities over different tokens cannot be compared: use one tokenizer family"
             )
-        scores_adherence = name == adherence_model and synthetic_path is not None and code_values and cfg.adherence_samples
-        scores_mauve = name == adherence_model and synthetic_path is not None and cfg.mauve_texts > 0
-        model = None
-        if name not in known or scores_adherence or scores_mauve:
-            model = load_causal_lm(path, dtype=runtime.dtype).to(runtime.device)
-        if (ppl := known.get(name)) is None:
-            position = to_score.index(name)
+        return tok
+
+    def score(self, name: str, path: str) -> dict:
+        tok = self._check_tokenizer(name, path)
+        if (ppl := self.known.get(name)) is None:
+            position = self.to_score.index(name)
 
             def on_windows(done: int, total: int) -> None:
-                nonlocal lines
-                if lines is None:  # one tokenizer: every model scores the same windows
-                    lines = ProgressLog(log, "evaluation", "windows", total * len(to_score), every=progress_every,
-                                        started=started)
-                lines.update(position * total + done, values={"model": name})
+                if self.lines is None:  # one tokenizer: every model scores the same windows
+                    self.lines = ProgressLog(log, "evaluation", "windows", total * len(self.to_score),
+                                             every=self.progress_every, started=self.started)
+                self.lines.update(position * total + done, values={"model": name})
 
-            ids = token_column(tokenized_split(test_path, tok)).to_pylist()
-            ppl = perplexity(model, tok, codes, texts, cfg.window, cfg.batch_size, on_windows, token_ids=ids)
-            if name in cache:
-                atomic_write_json(private_dir(cache[name].parent) / cache[name].name, ppl.__dict__)
-        metrics[name] = {"model": path, **ppl.__dict__}
-        log.info(
-            "evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f%s",
-            name, ppl.windowed, ppl.tokens, ppl.per_record_mean, ppl.per_record_median,
-            " (cached)" if name in known else "",
-        )
-        if scores_adherence:
-            adherence = _adherence(model, tok, synthetic_path, code_values, cfg, progress_every)
-        if scores_mauve:
-            mauve = mauve_score(model, tok, synthetic_texts(synthetic_path, cfg.mauve_texts, "train"),
-                                texts[: cfg.mauve_texts], cfg.batch_size, cfg.window, seed)
-            log.info("evaluation: MAUVE of the synthetic against the real test texts: %s",
-                     "-" if mauve is None else f"{mauve['mauve']:.3f} ({mauve['texts']} texts a side)")
-    result = {"window": cfg.window, "test_records": len(texts), "perplexity": metrics}
-    if adherence is not None:
-        result["code_adherence"] = adherence
-    if selection is not None:
-        result["selection"] = _selection_table(selection, metrics)
-    if mauve is not None:
-        result["mauve"] = mauve
-    if synthetic_path is not None:
-        # Synthetic samples are capped at generate.max_length tokens (prompt included); real
-        # reviews are not: read the lengths with that cap in mind.
-        # On a sample: the first texts of each (shards are i.i.d. samples of the teacher),
-        # read lazily; never the whole synthetic set in memory.
-        # The same number of texts on each side: distinct-n falls as a set grows.
-        synthetic = synthetic_texts(synthetic_path, min(TEXT_PROPERTIES_SAMPLE, len(texts)))
-        result["text_properties"] = {
-            "synthetic": text_properties(reference, synthetic),
-            "real_test": text_properties(reference, texts[:len(synthetic)]),
-        }
-        # Real texts cut where generation cuts (the longest synthetic text): lengths then compare
-        # kinds of text, not generate.max_length.
-        cap = max((len(reference.encode(t, add_special_tokens=False)) for t in synthetic), default=0)
-        result["text_properties"]["real_test"]["tokens_capped"] = _length_summary(
-            [min(len(reference.encode(t, add_special_tokens=False)), cap) for t in texts[:len(synthetic)]])
-        if code_columns:
-            result["downstream"] = _downstream(synthetic_path, codes, texts, code_columns, seed)
+            ids = token_column(tokenized_split(self.test_path, tok)).to_pylist()
+            ppl = perplexity(self.model(name, path), tok, self.codes, self.texts, self.cfg.window,
+                             self.cfg.batch_size, on_windows, token_ids=ids)
+            if name in self.cache:
+                atomic_write_json(private_dir(self.cache[name].parent) / self.cache[name].name, ppl.__dict__)
+        log.info("evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f%s",
+                 name, ppl.windowed, ppl.tokens, ppl.per_record_mean, ppl.per_record_median,
+                 " (cached)" if name in self.known else "")
+        return {"model": path, **ppl.__dict__}
+
+
+def _teacher_checks(model, tok, synthetic_path: Path, texts: list[str], code_values: dict | None, cfg: EvalConfig,
+                    progress_every: float, seed: int) -> dict:
+    """What the DP teacher says of the synthetic text: code adherence and MAUVE's features."""
+    out = {}
+    if code_values and cfg.adherence_samples:
+        out["code_adherence"] = _adherence(model, tok, synthetic_path, code_values, cfg, progress_every)
+    if cfg.mauve_texts > 0:
+        mauve = mauve_score(model, tok, synthetic_texts(synthetic_path, cfg.mauve_texts, "train"),
+                            texts[: cfg.mauve_texts], cfg.batch_size, cfg.window, seed)
+        log.info("evaluation: MAUVE of the synthetic against the real test texts: %s",
+                 "-" if mauve is None else f"{mauve['mauve']:.3f} ({mauve['texts']} texts a side)")
+        if mauve is not None:
+            out["mauve"] = mauve
+    return out
+
+
+def _synthetic_vs_real(tok, synthetic_path: Path, codes: list[str], texts: list[str], code_columns: list[str] | None,
+                       seed: int) -> dict:
+    """Text properties of the synthetic and real test texts, and the downstream classifier."""
+    # On a sample: the first texts of each (shards are i.i.d. samples of the teacher), read
+    # lazily, never the whole synthetic set in memory; the same number on each side, since
+    # distinct-n falls as a set grows.
+    synthetic = synthetic_texts(synthetic_path, min(TEXT_PROPERTIES_SAMPLE, len(texts)))
+    real = texts[: len(synthetic)]
+    props = {"synthetic": text_properties(tok, synthetic), "real_test": text_properties(tok, real)}
+    # Synthetic samples stop at generate.max_length; real texts do not. Real texts cut where
+    # generation cuts (the longest synthetic text) compare kinds of text, not that cap.
+    cap = max((len(tok.encode(t, add_special_tokens=False)) for t in synthetic), default=0)
+    props["real_test"]["tokens_capped"] = _length_summary(
+        [min(len(tok.encode(t, add_special_tokens=False)), cap) for t in real])
+    out = {"text_properties": props}
+    if code_columns:
+        out["downstream"] = _downstream(synthetic_path, codes, texts, code_columns, seed)
+    return out
+
+
+def _save(result: dict, out_dir: Path, test_path: Path) -> dict:
+    """The warnings, then metrics.json and the manifest (last)."""
     if diagnostics := diagnose(result):
         result["diagnostics"] = diagnostics
         for line in diagnostics:
