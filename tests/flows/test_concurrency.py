@@ -16,8 +16,8 @@ import yaml
 from conftest import tiny_pipeline_dict
 
 from flows.cli import main
-from flows.pipeline_flow import RUN_INFO, TOOL, RunDirError, claim_run_dir, prepare_run_root
-from flows.run_info import RUN_LOCK
+from flows.run_dirs import claim_run_dir, prepare_run_root
+from flows.run_info import RUN_INFO, RUN_LOCK, TOOL, RunDirError
 from pipeline.config import config_from_dict
 from pipeline.privacy.ledger import read_ledger
 from pipeline.locks import file_lock, try_lock, unlock
@@ -72,9 +72,9 @@ def test_a_locked_run_directory_is_never_continued_nor_named(tmp_path):
     killed.mkdir()
     out, fd, why = claim_run_dir(cfg, None, None)  # a new directory: nothing to continue yet
     unlock(fd)
-    from flows.pipeline_flow import _config_sha
+    from flows.run_dirs import config_sha
 
-    info = {"tool": TOOL, "status": "running", "config_sha256": _config_sha(cfg), "pid": 1, "host": "h"}
+    info = {"tool": TOOL, "status": "running", "config_sha256": config_sha(cfg), "pid": 1, "host": "h"}
     atomic_write_json(killed / RUN_INFO, info)
     os.utime(killed / RUN_INFO, (time.time() + 10, time.time() + 10))  # the newest run
     out, fd, why = claim_run_dir(cfg, None, None)

@@ -11,9 +11,8 @@ from conftest import YELP_TEST, YELP_TRAIN, tiny_pipeline_dict
 
 from flows.caching import RESULTS_DIR
 from flows.cli import main
-from flows.pipeline_flow import (
-    RUN_INFO, TOOL, RunDirError, checked_run_dir, new_run_dir, prepare_run_root,
-)
+from flows.run_dirs import checked_run_dir, new_run_dir, prepare_run_root
+from flows.run_info import RUN_INFO, TOOL, RunDirError
 from pipeline.config import DataConfig, config_from_dict
 from pipeline.stages.data import DataResult, delete_private_copies, prepare_data
 from pipeline.manifest import atomic_write_json, manifest_problems
