@@ -52,7 +52,9 @@ from pipeline.plan import dp_sgd_budgets, format_plan, make_plan
 from pipeline.preflight import require_inputs
 from pipeline.models.base import BaseModels, build_base_models, resolve_model
 from pipeline.reports.report import write_report
-from pipeline.stages.teacher import KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher
+from pipeline.stages.teacher import (
+    TIMING_WINDOW_STEPS, KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher,
+)
 
 
 
@@ -115,7 +117,7 @@ def _dp_train(
     if done is not None:
         get_run_logger().info("%s: already finished in this run directory, reusing it (no new budget spent)", stage)
         return done
-    with StageProgress(stage, "steps") as progress:
+    with StageProgress(stage, "steps", window=TIMING_WINDOW_STEPS) as progress:
         return train_teacher(
             cfg.teacher.model_copy(update={"target_epsilon": epsilon}),
             train_path=data.train,

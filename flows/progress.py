@@ -2,6 +2,8 @@
 
 The library calls `on_progress(info)` with `done`/`total` and aggregates (ε so far, the
 teacher's validation loss, the distillation loss, tokens/s); nothing here ever sees a record.
+The artifact's updates are timestamped by the server: a DP stage passes `window`
+(pipeline.stages.teacher.TIMING_WINDOW_STEPS) so that none comes between two multiples of it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ _SHOWN = ("loss", "validation_loss", "epsilon", "kl", "tokens_per_second", "samp
 
 
 class StageProgress:
-    """Callable progress hook; updates the artifact at most every `every` seconds."""
+    """Callable progress hook; updates the artifact at most every `every` seconds, and the
+    artifact and the bar only when `done` is a multiple of `window` or the end."""
 
-    def __init__(self, stage: str, unit: str, every: float = 2.0):
-        self.stage, self.unit, self.every = stage, unit, every
+    def __init__(self, stage: str, unit: str, every: float = 2.0, window: int = 1):
+        self.stage, self.unit, self.every, self.window = stage, unit, every, window
         self.artifact_id = create_progress_artifact(
             progress=0.0, key=f"{stage}-progress", description=f"{stage}: {unit} done, in percent"
         )
@@ -28,6 +31,8 @@ class StageProgress:
 
     def __call__(self, info: dict) -> None:
         done, total = info["done"], max(info["total"], 1)
+        if done % self.window and done < total:
+            return  # a DP step's duration is private: nothing shows when one step ended
         if self.bar is None and sys.stderr.isatty():
             self.bar = tqdm(total=total, desc=self.stage, unit=self.unit, leave=False, file=sys.stderr)
         if self.bar is not None:

@@ -291,8 +291,9 @@ class TeacherConfig(_Section):
         False, description="Cryptographically secure noise (slower); turn on for production."
     )
     log_every: int = Field(
-        5, ge=1, description="Log ε and the loss on the validation split every N logical steps "
-        "(never the loss of a private batch)."
+        5, ge=1, description="Record ε and the loss on the validation split every N logical steps in "
+        "training_log.json (never the loss of a private batch); the log shows them only every 20 steps "
+        "and at the end, since a time is published with each line (issue 21)."
     )
     processes: int = Field(
         1,
@@ -515,7 +516,8 @@ class PipelineConfig(_Section):
     progress_seconds: float = Field(
         30.0, gt=0, description="Most seconds between two progress lines (done/total, rate, ETA) of a "
         "long stage: teacher, generation, distillation, evaluation. The first step or batch is always "
-        "logged. Not part of any stage's cache key.",
+        "logged, except a DP stage's: its lines come only every 20 steps and at the end (a step's "
+        "duration is private). Not part of any stage's cache key.",
     )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$",

@@ -12,6 +12,10 @@ run logs (terminal and UI); nothing here imports Prefect. A line shows only what
 passes: the DP stages pass steps and ε, never a private batch's size or token count (with
 Poisson sampling they are functions of the records drawn). Tokens/s are for public text
 (synthetic samples) only.
+
+A DP stage's step *durations* are private too (they track the Poisson batch size), and every
+line's timestamp publishes one: with `window=W` lines come only at multiples of W units and at
+the end, so a reader learns the time of W steps at once, never of one (issue 21).
 """
 
 from __future__ import annotations
@@ -88,14 +92,19 @@ class ProgressLog:
     From the second line on, the rate and ETA count from the first update: start-up before
     the first unit (loading models, starting Dask workers: minutes on a busy machine) would
     otherwise make the early ETAs far too long. `elapsed` still counts from `started`.
+
+    `window`: lines only when `done` is a multiple of it, or at the end (the timing of a DP
+    stage's steps: see the module's docstring); the `every` throttle applies on top.
     """
 
     def __init__(
         self, logger: logging.Logger | logging.LoggerAdapter, stage: str, unit: str, total: int, *,
         every: float = DEFAULT_EVERY, done: int = 0, clock: Callable[[], float] = time.monotonic,
-        started: float | None = None,
+        started: float | None = None, window: int = 1,
     ):
+        assert window >= 1, window
         self.logger, self.stage, self.unit, self.total, self.every = logger, stage, unit, total, every
+        self.window = window
         self.start, self.clock = done, clock
         self.t0 = clock() if started is None else started
         self._last: float | None = None  # when the last line was logged
@@ -108,7 +117,10 @@ class ProgressLog:
 
     def due(self, done: int) -> bool:
         """Whether `update(done)` logs a line: the first update, the last, or `every` s since
-        the previous line. Lets a caller compute a costly value (ε) only for a logged line."""
+        the previous line, and only at a multiple of `window` (or the end). Lets a caller
+        compute a costly value (ε) only for a logged line."""
+        if done % self.window and done < self.total:
+            return False
         if self._last is None or self.clock() - self._last >= self.every:
             return True
         return done >= self.total and done != self._last_done  # the end, once

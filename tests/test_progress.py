@@ -1,6 +1,7 @@
 """Progress a person can trust (issue 10): every long stage logs done/total, rate and ETA
 after its first step or batch and then at least every `progress_every` seconds; generation
-reports per batch, not per shard; the DP teacher's lines hold steps, ε and times only."""
+reports per batch, not per shard; the DP teacher's lines hold steps, ε and times only, and
+come only every TIMING_WINDOW_STEPS steps (a step's duration is private, issue 21)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+import flows.progress
 from flows.generation import _read_shard_progress, generation_shard_task
 from pipeline.config import DistillConfig, EvalConfig, GenerateConfig, TeacherConfig
 from pipeline.stages.distill import distill
@@ -20,7 +22,7 @@ from pipeline.stages.evaluate import evaluate_models
 from pipeline.stages.generate import generate_synthetic, plan_generation
 from pipeline.models.base import load_causal_lm
 from pipeline.progress import ProgressLog, eta_seconds, format_duration, format_rate, progress_line
-from pipeline.stages.teacher import train_teacher
+from pipeline.stages.teacher import TIMING_WINDOW_STEPS, train_teacher
 
 CODES = {"Category: A\tStars: 5": 6, "Category: B\tStars: 1": 3, "Category: C": 1}
 
@@ -82,6 +84,36 @@ def test_lines_are_throttled_but_the_first_and_last_always_shown():
     assert lines[-1].endswith("ETA 0s")
 
 
+def test_a_windowed_log_publishes_times_only_at_multiples_of_the_window():
+    """Issue 21: with a step every 2 s and no throttle, a 45-step log with window 20 says
+    something (a line, hence a timestamp) at steps 20, 40 and 45 only, each rate an average
+    over the window, never over one step."""
+    now = [0.0]
+    with captured("pipeline.test_progress") as lines:
+        log = ProgressLog(logging.getLogger("pipeline.test_progress"), "teacher", "steps", 45, every=0,
+                          clock=lambda: now[0], window=20)
+        for step in range(1, 46):
+            now[0] += 2.0 if step % 2 else 8.0  # uneven steps: only their sums may show
+            assert log.due(step) == (step in (20, 40, 45))
+            log.update(step)
+    assert [int(re.match(r"teacher: (\d+)/45", line).group(1)) for line in lines] == [20, 40, 45]
+    assert "0.2 steps/s" in lines[0]  # 20 steps in 100 s, from the start
+    assert "0.2 steps/s" in lines[1]  # 20 steps in 100 s since the first line
+    assert lines[2].endswith("elapsed 3m 42s, ETA 0s")  # steps 41-45 end with the stage (public anyway)
+
+
+def test_the_teacher_progress_artifact_moves_only_at_multiples_of_the_window(monkeypatch):
+    """Prefect timestamps each artifact update: the teacher's come every 20 steps and at the end."""
+    updates = []
+    monkeypatch.setattr(flows.progress, "create_progress_artifact", lambda **kw: "artifact")
+    monkeypatch.setattr(flows.progress, "update_progress_artifact",
+                        lambda artifact_id, progress: updates.append(round(progress)))
+    progress = flows.progress.StageProgress("teacher", "steps", every=0, window=TIMING_WINDOW_STEPS)
+    for step in range(1, 46):
+        progress({"done": step, "total": 45})
+    assert updates == [round(100 * 20 / 45), round(100 * 40 / 45), 100]
+
+
 def test_rate_and_eta_leave_out_the_start_up_before_the_first_unit():
     """Dask workers took minutes to start on a busy machine: the ETA after it was 2 h 45 m for
     a 3-minute generation. From the second line on, the rate counts from the first unit."""
@@ -102,25 +134,32 @@ TEACHER_LINE = re.compile(  # everything a teacher progress line may say: steps,
     r"teacher: (\d+)/(\d+) steps \(\d+%\), [\d.?]+ steps/s, ε=[\d.]+, elapsed [\dmhd ]+s?, ETA [\w ]+")
 
 
-def test_teacher_logs_steps_rate_epsilon_and_eta_from_the_first_step_never_a_batch_size(
+def test_teacher_logs_steps_rate_epsilon_and_eta_every_window_never_a_batch_size(
     splits, tiny_model_dir, tmp_path
 ):
-    cfg = TeacherConfig(target_epsilon=3.0, epochs=1, batch_size=25, physical_batch_size=10, max_length=48,
-                        log_every=100)  # log_every's own line never comes: progress lines do
+    cfg = TeacherConfig(target_epsilon=3.0, epochs=3, batch_size=10, physical_batch_size=10, max_length=48,
+                        log_every=3)
     with captured("pipeline.stages.teacher") as messages:
         result = train_teacher(cfg, train_path=splits.train, validation_path=splits.validation,
                                base_model=str(tiny_model_dir), out_dir=tmp_path, seed=0, progress_every=0)
     lines = [m for m in messages if "steps/s" in m]
     steps = result.ledger.steps
-    assert len(lines) == steps >= 3  # an interval of ~0: one line per step, the first one included
-    for i, line in enumerate(lines, start=1):
+    assert TIMING_WINDOW_STEPS < steps < 2 * TIMING_WINDOW_STEPS
+    # An interval of ~0, yet lines only at the window and the end: no single step's duration
+    assert [int(TEACHER_LINE.fullmatch(line).group(1)) for line in lines] == [TIMING_WINDOW_STEPS, steps]
+    for line in lines:
         m = TEACHER_LINE.fullmatch(line)
         assert m, line  # nothing else: no tokens, no batch size (private under Poisson sampling)
-        assert (int(m.group(1)), int(m.group(2))) == (i, steps)
+        assert int(m.group(2)) == steps
     assert not re.search(r"token|batch|records", " ".join(lines))
-    # issue 9 settled what training_log.json holds; progress lines add nothing to it
+    timed = [re.match(r"teacher: step (\d+)/", m) for m in messages]  # log_every's line, with seconds
+    assert [int(m.group(1)) for m in timed if m] == [TIMING_WINDOW_STEPS, steps]
+    # issue 9 settled what training_log.json holds; progress lines add nothing to it, and
+    # its seconds come at the window too, while ε and the validation loss follow log_every
     history = json.loads((tmp_path / "training_log.json").read_text())["history"]
     assert all(set(h) <= {"step", "epsilon", "validation_loss", "seconds"} for h in history)
+    assert [h["step"] for h in history if "seconds" in h] == [TIMING_WINDOW_STEPS, steps]
+    assert {3, 6, 9} <= {h["step"] for h in history if "validation_loss" in h}
 
 
 @pytest.fixture

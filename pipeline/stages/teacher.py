@@ -22,9 +22,10 @@ user come from generators keyed with OS entropy (pipeline/privacy/noise.py), nev
 which is published with the config; `seed` drives the rest (dropout, data order). With
 `secure_mode` they come from a ChaCha20 CSPRNG.
 
-What is published per step is a function of public quantities only (step, ε spent, elapsed
-time) plus, every `log_every` steps, the model's loss on the validation split (held out,
-not protected). The loss and size of a private Poisson batch are never published.
+What is published per step is a function of public quantities only (step, ε spent) plus,
+every `log_every` steps, the model's loss on the validation split (held out, not protected).
+The loss and size of a private Poisson batch are never published. Time is published only
+every TIMING_WINDOW_STEPS steps and at the end: a step's duration tracks its Poisson batch.
 
 Crash-safe budget: every `checkpoint_every` steps the model, optimizer, accountant and
 RNG states are saved atomically to `out_dir/checkpoint/state.pt` (mode 0600: it holds the
@@ -88,6 +89,18 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint/state.pt"
 VALIDATION_MONITOR_RECORDS = 64  # validation records scored every log_every steps
+
+# A DP-SGD step's duration tracks its Poisson batch size, a function of the private records
+# drawn, and the DP guarantee says nothing about it. Progress lines came 1-2 steps apart on
+# a loaded CPU, publishing single-step durations (issue 21): anything that carries a time
+# (a log line, its timestamp, the progress artifact, training_log.json's seconds) comes only
+# at multiples of this many steps and at the end, so only sums of ≥ 20 durations are public.
+TIMING_WINDOW_STEPS = 20
+
+
+def publishes_time(done: int, total: int) -> bool:
+    """Whether the end of step `done` of `total` may be published with a time."""
+    return done % TIMING_WINDOW_STEPS == 0 or done >= total
 
 
 class TeacherError(ValueError):
@@ -553,15 +566,18 @@ def _step(run: _Run, ids: torch.Tensor, lengths: torch.Tensor) -> None:
 def _record_step(run: _Run, t0: float) -> dict:
     """What a finished logical step publishes: public quantities and, every log_every steps,
     the validation loss; never the private batch's loss or size (a function of the records
-    drawn, released without noise)."""
+    drawn, released without noise). A time (the log line, `seconds`) only where
+    `publishes_time`, where ε and the validation loss are computed too, so the line has them."""
     done = _steps_accounted(run.engine)
     record = {"step": done}
-    if run.rank == 0 and (done % run.cfg.log_every == 0 or done == run.steps_allowed):
+    timed = publishes_time(done, run.steps_allowed)
+    if run.rank == 0 and (done % run.cfg.log_every == 0 or timed):
         # Plain floats: the history goes into the checkpoint, which is read back with
         # weights_only=True, and that refuses a numpy scalar (the PRV accountant's ε).
         record["epsilon"] = float(run.engine.get_epsilon(run.delta))
         record["validation_loss"] = float(_validation_loss(run.model, run.monitor, run.cfg.physical_batch_size,
                                                            run.runtime))
+    if run.rank == 0 and timed:
         record["seconds"] = round(time.time() - t0, 1)
         log.info("%s: step %d/%d ε=%.3f validation loss %.4f (%.0f s)", run.stage, done, run.steps_allowed,
                  record["epsilon"], record["validation_loss"], record["seconds"])
@@ -651,10 +667,12 @@ def train_teacher(
     """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
 
     `on_progress` receives each logical step's record after the step and its checkpoint:
-    step and done/total steps, plus ε, the validation loss and elapsed seconds every
-    `log_every` steps; never anything computed from a private batch. An exception raised
-    there interrupts training like a crash. A progress line (steps, steps/s, ε spent, elapsed,
-    ETA) is logged after the first step, then at least every `progress_every` seconds.
+    step and done/total steps, plus ε and the validation loss every `log_every` steps and
+    elapsed seconds every TIMING_WINDOW_STEPS; never anything computed from a private batch.
+    An exception raised there interrupts training like a crash. It is called every step (to
+    stop promptly): publish its calls' times only where `publishes_time` (flows/progress.py).
+    A progress line (steps, steps/s, ε spent, elapsed, ETA) is logged every
+    TIMING_WINDOW_STEPS steps, at most every `progress_every` seconds, and at the end.
 
     `cfg.processes` > 1 outside a process group: runs `ddp_worker` under torchrun
     (pipeline/stages/teacher_ddp.py) and returns the finished stage. Inside an initialised process
@@ -682,8 +700,10 @@ def train_teacher(
         f", data-parallel rank {run.rank} of {run.world}" if run.world > 1 else "",
     )
     t0, done = time.time(), run.resumed_from
-    # Steps, ε and time only: the size or token count of a Poisson batch is private.
-    steps_log = ProgressLog(log, stage, "steps", run.steps_allowed, every=progress_every, done=run.resumed_from)
+    # Steps, ε and time only: the size or token count of a Poisson batch is private, and so is
+    # one step's duration: lines only every TIMING_WINDOW_STEPS steps.
+    steps_log = ProgressLog(log, stage, "steps", run.steps_allowed, every=progress_every, done=run.resumed_from,
+                            window=TIMING_WINDOW_STEPS)
     while done < run.steps_allowed:
         with BatchMemoryManager(data_loader=run.loader, max_physical_batch_size=cfg.physical_batch_size,
                                 optimizer=run.optimizer) as physical_loader:
