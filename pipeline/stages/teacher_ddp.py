@@ -9,7 +9,8 @@ Each process runs `main`: it joins the process group and calls the job's `target
 ("module:function", e.g. pipeline.stages.teacher:ddp_worker) with the arguments and, on rank 0, an
 `on_progress` that appends to a file. Each rank logs to `<work>/rank<r>.log`; rank 0's log
 lines and progress records are relayed to the caller's logger and `on_progress` while the
-job runs. This module knows nothing of the teacher: it imports the target by name, so the
+job runs; when the job fails, the log of the rank that failed first is quoted (`FIRST_FAILURE`).
+This module knows nothing of the teacher: it imports the target by name, so the
 teacher imports this module and not the other way round.
 """
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 WORKDIR = "ddp"
 PROGRESS = "progress.jsonl"
+FIRST_FAILURE = "first_failure"  # the rank that failed first, once its log holds the error
 LOG_TAIL_LINES = 40
 
 
@@ -53,6 +55,27 @@ class _Tail:
         end = data.rfind(b"\n") + 1
         self.offset += end
         return data[:end].decode(errors="replace").splitlines()
+
+
+def _record_failure(work: Path, rank: int) -> None:
+    """Claim `FIRST_FAILURE` for this rank unless another rank has (O_EXCL: exactly one wins).
+    Called after the error is logged: whoever reads the file finds that rank's log complete.
+    torchrun stops the other ranks when one fails, so rank 0 may be killed before it logs
+    anything, and its log alone can be empty (issue 22, seen at load 10)."""
+    try:
+        with open(work / FIRST_FAILURE, "x") as f:
+            f.write(str(rank))
+    except FileExistsError:
+        pass
+
+
+def _failed_rank(work: Path) -> int:
+    """The rank whose log explains a failed job: the first to fail, else rank 0 (a rank killed
+    from outside, by a signal or the OOM killer, records nothing)."""
+    try:
+        return int((work / FIRST_FAILURE).read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
@@ -104,7 +127,7 @@ def launch(
             f"{torch.cuda.device_count()} visible); use ddp_backend=gloo on CPU or fewer processes"
         )
     work.mkdir(parents=True, exist_ok=True)
-    for old in [work / PROGRESS, *work.glob("rank*.log")]:
+    for old in [work / PROGRESS, work / FIRST_FAILURE, *work.glob("rank*.log")]:
         old.unlink(missing_ok=True)
     atomic_write_json(work / "args.json", {"target": target, "backend": backend, "args": args})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
@@ -132,9 +155,11 @@ def launch(
             stop_group(proc)
             raise
     if proc.returncode != 0:
+        rank = _failed_rank(work)
+        rank_log = work / f"rank{rank}.log"
         raise error(
             f"{stage}: the data-parallel job (torchrun, {processes} processes) failed with exit code "
-            f"{proc.returncode}; rank 0's log ({work / 'rank0.log'}) ends with:\n{_tail(work / 'rank0.log')}\n"
+            f"{proc.returncode}; rank {rank}'s log ({rank_log}) ends with:\n{_tail(rank_log)}\n"
             f"(all processes: {work / 'torchrun.log'})"
         )
 
@@ -164,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         getattr(importlib.import_module(module), function)(job["args"], on_progress)
     except BaseException:
-        logging.getLogger(__name__).exception("rank %d failed", rank)
+        logging.getLogger(__name__).exception("rank %d failed", rank)  # FileHandler flushes each record
+        _record_failure(work, rank)
         raise
     finally:
         dist.destroy_process_group()

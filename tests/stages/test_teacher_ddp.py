@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from pipeline.config import TeacherConfig
 from pipeline.privacy.noise import TEST_SEED_ENV
+from pipeline.stages import teacher_ddp
 from pipeline.stages.teacher import TeacherError, train_teacher
 
 
@@ -56,10 +61,32 @@ def test_two_gloo_processes_account_and_train_like_one(splits, tiny_model_dir, t
 
 
 def test_a_failing_rank_raises_with_rank0_log(splits, tiny_model_dir, tmp_path):
-    """A worker's error comes back as a TeacherError quoting the end of rank 0's log."""
-    with pytest.raises(TeacherError, match=r"(?s)rank 0's log.*teacher.max_length=100 exceeds"):
+    """A worker's error comes back as a TeacherError quoting the end of the log of the rank that
+    failed first: every rank fails here, and torchrun stops the others once one has, so rank 0
+    may be stopped before it logs anything (issue 22)."""
+    with pytest.raises(TeacherError, match=r"(?s)rank [01]'s log.*teacher.max_length=100 exceeds"):
         _run(_cfg(processes=2, max_length=100), splits, tiny_model_dir, tmp_path)
     assert not (tmp_path / "manifest.json").exists()
+
+
+def rank1_fails_while_rank0_works(args: dict, on_progress) -> None:
+    """A torchrun target (imported by name in the ranks): rank 1 fails at once, rank 0 is still
+    at work, without a line logged, when torchrun stops it."""
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 cannot go on")
+    time.sleep(120)
+
+
+def test_the_error_quotes_the_rank_that_failed_first(tmp_path, monkeypatch):
+    """The race behind an empty quoted log (issue 22), made certain: rank 0 is stopped before it
+    logs anything, and the error quotes rank 1's log, which holds the cause."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1's log .*ValueError: rank 1 cannot go on"):
+        teacher_ddp.launch({}, target=f"{Path(__file__).stem}:rank1_fails_while_rank0_works", processes=2,
+                           backend="gloo", work=tmp_path, threads=1, stage="test")
+    assert time.monotonic() - started < 100  # rank 0 was stopped, not waited for
+    assert (tmp_path / "rank0.log").read_text() == ""
 
 
 def test_teacher_ddp_does_not_import_the_teacher():
