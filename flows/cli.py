@@ -438,7 +438,13 @@ def run_pipeline(args) -> int:
         if args.command == "plan":
             from pipeline.plan import format_plan, make_plan  # torch, Opacus; no Prefect
 
-            print(format_plan(make_plan(cfg, timing=True)))
+            # Progress on stderr while it works (seconds of timing), the plan itself on stdout.
+            started = time.monotonic()
+            plan = make_plan(cfg, timing=True, say=lambda line: print(
+                f"{line} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True))
+            print(format_plan(plan))
+            for warning in plan.warnings:
+                print(f"dpdistill: warning: {warning}", file=sys.stderr)
             return 0
         if args.command == "build-base":
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

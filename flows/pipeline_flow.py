@@ -396,7 +396,10 @@ def dp_distill(
     # Fail clean before anything is made (scheduled runs never pass through the CLI's check),
     # then say what the run will spend: the plan reads the data's split and calibrates σ.
     require_inputs(cfg)
-    logger.info("%s", format_plan(make_plan(cfg, timing=False)))
+    plan = make_plan(cfg, timing=False)
+    logger.info("%s", format_plan(plan))
+    for warning in plan.warnings:
+        logger.warning("%s", warning)
     prepare_run_root(cfg)
     out, lock, why = claim_run_dir(cfg, run_dir, flow_run.id)
     if why:

@@ -27,11 +27,16 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_DEFAULT_THREADS = 4  # beyond this, the tiny-to-small models here gain little per extra thread
+
+
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that compute bf16 natively
 
 
 class DeviceError(ValueError):
@@ -66,6 +71,32 @@ def resolve_device(spec: str, precision: str = "fp32") -> torch.device:
     if spec == "cuda":
         return torch.device("cuda", 0)
     return torch.device(spec)
+
+
+@cache
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX); None where /proc/cpuinfo
+    cannot tell (not Linux)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return any(f in flags for f in CPU_BF16_FLAGS)
+
+
+def slow_bf16_warning(device: torch.device, precision: str, native: bool | None = None) -> str | None:
+    """The warning for precision=bf16 on a CPU that only emulates it (None: nothing to say).
+    Without AVX-512 BF16 or AMX, torch converts every bf16 product to fp32 and back: on such a
+    2-core machine `dpdistill plan` timed the demo teacher's DP step 16x and its generation 30x
+    slower than in fp32 (issue 22)."""
+    if precision != "bf16" or device.type != "cpu":
+        return None
+    if (cpu_has_native_bf16() if native is None else native) is not False:
+        return None
+    return ("precision=bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 flag in /proc/cpuinfo): "
+            "torch emulates it, 10-30x slower than fp32 per step; set precision=fp32 on this machine "
+            "(bf16 pays off on CPUs with AMX or AVX-512 BF16, and on CUDA GPUs from Ampere on)")
 
 
 def default_threads(processes: int = 1) -> int:

@@ -8,28 +8,35 @@ stage's split (`data.training_units`), q and steps from the teacher's Poisson sc
 the teacher's calibration (`teacher.calibrate_noise`), each ε from the accountant and the total
 from the ledger's `compose`. The same text, without the timing, is the first log line of a run.
 
-The time is an estimate: one forward+backward of each configured model shape, randomly
-initialised, on random token ids (public; never a private record), scaled by the step
-counts; generation times one short `generate` call and scales it per token. No Prefect here.
+The time is an estimate, made in seconds: each stage's own step (the teacher's Opacus DP step,
+a distillation step, a sampled `generate` call, an evaluation batch) timed on each configured
+model shape, randomly initialised in the run's precision, on random token ids (public; never a
+private record), scaled by the step counts (pipeline/timing.py). Evaluation's batches follow
+the test records' token counts. No Prefect here.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from pipeline.privacy.control_codes import gaussian_sigma
 from pipeline.config import PipelineConfig, TeacherConfig
-from pipeline.stages.data import training_units
-from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose
-from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, base_models_built, tiny_gpt2
+from pipeline.devices import Runtime, resolve_device, slow_bf16_warning
+from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, ModelError, base_models_built, load_tokenizer
 from pipeline.privacy.accountant import epsilon_of, resolve_delta
-from pipeline.stages.teacher import calibrate_noise, poisson_schedule
+from pipeline.privacy.control_codes import gaussian_sigma
+from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose
+from pipeline.stages.adherence import declared_values
+from pipeline.stages.data import CODE_JOINER, PlannedSplit, planned_split, prompt_for
+from pipeline.stages.teacher import VALIDATION_MONITOR_RECORDS, calibrate_noise, poisson_schedule
+from pipeline.timing import StepTimer
 
 PROMPT_TOKENS = 16  # a control-code prompt, about ("Business Category: Bars\tReview Stars: 4.0\n\n")
+BUSY_SHARE = 0.7  # below this share of the CPU, the plan says the machine is busy
+CHARS_PER_TOKEN = 4  # GPT-2-style BPE on English prose, for a tokenizer the run has yet to build
 
 
 @dataclass
@@ -44,8 +51,16 @@ class Plan:
     total: LedgerTotal
     sampling_probability: dict[str, float]
     batch_size: int
+    n_validation: int = 0
     seconds: dict[str, tuple[float | None, str]] = field(default_factory=dict)
     """Per stage: (estimated seconds or None, how it was estimated)."""
+    accounting_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per DP-SGD stage: seconds of σ's calibration and of one ε, which the stage spends too."""
+    cpu_share: float | None = None
+    """CPU seconds the timed steps got per wall second and thread (pipeline/timing.py): below ~0.7,
+    other processes were taking the cores, and the times hold only while they do."""
+    warnings: list[str] = field(default_factory=list)
+    """Allowed but risky choices, said once by `dpdistill plan` and at the start of a run."""
 
 
 def dp_sgd_budgets(cfg: PipelineConfig) -> dict[str, float]:
@@ -58,17 +73,22 @@ def dp_sgd_budgets(cfg: PipelineConfig) -> dict[str, float]:
     }[cfg.distill.method]
 
 
-def _dp_sgd_entry(stage: str, cfg: TeacherConfig, n: int, unit: str) -> tuple[LedgerEntry, float]:
+def _dp_sgd_entry(stage: str, cfg: TeacherConfig, n: int, unit: str) -> tuple[LedgerEntry, float, tuple[float, float]]:
+    """The stage's planned ledger entry, its Poisson probability, and the seconds its σ calibration
+    and one ε took here (the stage spends them again: the plan's time counts them)."""
     probability, q, steps = poisson_schedule(n, cfg.batch_size, cfg.epochs, unit)
     delta = resolve_delta(cfg.target_delta, n)
+    t0 = time.perf_counter()
     sigma, steps_allowed = calibrate_noise(cfg, q, steps, delta)
+    t1 = time.perf_counter()
     history = [(sigma, q, steps_allowed)]
+    epsilon = epsilon_of(cfg.accountant, history, delta)
     return LedgerEntry(
-        stage=stage, private=True, epsilon=epsilon_of(cfg.accountant, history, delta), delta=delta,
+        stage=stage, private=True, epsilon=epsilon, delta=delta,
         accountant=cfg.accountant, mechanism="subsampled_gaussian", noise_multiplier=sigma, sample_rate=q,
         steps=steps_allowed, max_grad_norm=cfg.max_grad_norm, privacy_unit=unit, history=history,
         note=f"planned: target ε={cfg.target_epsilon}",
-    ), probability
+    ), probability, (t1 - t0, time.perf_counter() - t1)
 
 
 def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
@@ -89,143 +109,191 @@ def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
                        sample_rate=1.0, steps=1, privacy_unit=unit, history=history, note="planned")
 
 
-def make_plan(cfg: PipelineConfig, timing: bool = True) -> Plan:
-    """The run's privacy numbers (and with `timing`, a time estimate per stage); writes nothing."""
-    n, unit, n_test = training_units(cfg.data, cfg.seed, cfg.control_codes.domain)
-    entries, probability = [], {}
+def _warnings(cfg: PipelineConfig) -> list[str]:
+    if cfg.precision != "bf16" or cfg.device.startswith("cuda"):  # pre-flight checks a GPU's bf16
+        return []
+    warning = slow_bf16_warning(resolve_device(cfg.device, cfg.precision), cfg.precision)
+    return [warning] if warning else []
+
+
+def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], None] | None = None) -> Plan:
+    """The run's privacy numbers (and with `timing`, a time estimate per stage); writes nothing.
+    `say` receives a line as each part starts (the CLI prints them: the plan takes seconds)."""
+    say = say or (lambda line: None)
+    say("plan: reading the data and calibrating σ")
+    split = planned_split(cfg.data, cfg.seed, cfg.control_codes.domain)
+    n, unit = split.n, split.unit
+    entries, probability, accounting = [], {}, {}
     if codes := _codes_entry(cfg, n, unit):
         entries.append(codes)
     for stage, eps in dp_sgd_budgets(cfg).items():
-        entry, probability[stage] = _dp_sgd_entry(stage, cfg.teacher.model_copy(update={"target_epsilon": eps}), n, unit)
+        entry, probability[stage], accounting[stage] = _dp_sgd_entry(
+            stage, cfg.teacher.model_copy(update={"target_epsilon": eps}), n, unit)
         entries.append(entry)
     delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
-    plan = Plan(name=cfg.name, n=n, unit=unit, n_test=n_test, entries=entries,
+    plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
                 total=compose(entries, cfg.teacher.accountant, delta), sampling_probability=probability,
-                batch_size=cfg.teacher.batch_size)
+                batch_size=cfg.teacher.batch_size, n_validation=split.n_validation, accounting_seconds=accounting,
+                warnings=_warnings(cfg))
     if timing:
-        plan.seconds = estimate_seconds(cfg, plan)
+        plan.seconds = estimate_seconds(cfg, plan, split, say)
     return plan
 
 
 # --- time -------------------------------------------------------------------------------
 
-def _shape_model(name: str, cfg: PipelineConfig) -> torch.nn.Module:
-    """A randomly initialised model of the configured shape: its step costs what the real one's
-    does, without loading weights (nor building the builtin ones, which pretrains them)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if name.startswith(BUILTIN_PREFIX) and cfg.base_models.corpus is None:  # the shipped pair
+def _tokenizer(cfg: PipelineConfig):
+    """The run's tokenizer when it exists before the run (the shipped pair's, a local or cached
+    checkpoint's); None for builtin models the run will build from a corpus."""
+    name = cfg.distill.student_model
+    if name.startswith(BUILTIN_PREFIX):
+        if cfg.base_models.corpus is not None:
+            return None
         name = str(SHIPPED / name[len(BUILTIN_PREFIX):])
-    elif name.startswith(BUILTIN_PREFIX):
-        spec = getattr(cfg.base_models, name[len(BUILTIN_PREFIX):])
-        return tiny_gpt2(spec, cfg.base_models.vocab_size, cfg.base_models.context_length, eos_id=0)
-
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name))
-
-
-def _timed(fn) -> float:
-    fn()  # the first call pays one-off costs (allocation, kernels)
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    try:
+        return load_tokenizer(name)
+    except ModelError:
+        return None
 
 
-def _random_ids(model, batch: int, length: int) -> torch.Tensor:
-    """Random public token ids of the batch's shape: timing never touches a private record."""
-    length = min(length, model.config.n_positions if hasattr(model.config, "n_positions")
-                 else model.config.max_position_embeddings)
-    return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+def _token_counts(tok, codes: list[str], texts: list[str]) -> list[int]:
+    """Tokens of each record as the stages encode them; ~4 characters a token (GPT-2 BPE on
+    English prose) when the tokenizer does not exist yet."""
+    if tok is None:
+        return [max(1, (len(prompt_for(c)) + len(t)) // CHARS_PER_TOKEN + 1) for c, t in zip(codes, texts)]
+    # encode_record's count (prefix and text tokenized apart, plus eos), in two batched calls.
+    prefixes = tok([prompt_for(c) for c in codes], add_special_tokens=False)["input_ids"]
+    bodies = tok(list(texts), add_special_tokens=False)["input_ids"]
+    return [len(p) + len(b) + 1 for p, b in zip(prefixes, bodies)]
 
 
-def _train_step(model, batch: int, length: int) -> float:
-    ids = _random_ids(model, batch, length)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
-
-    model.train()
-    return _timed(step)
-
-
-def _forward(model, batch: int, length: int) -> float:
-    ids = _random_ids(model, batch, length)
-    model.eval()
-    with torch.no_grad():
-        return _timed(lambda: model(input_ids=ids))
+def _prompt_lengths(cfg: PipelineConfig, tok) -> list[int]:
+    """Token lengths of the possible generation prompts (declared domain × tokenizer), else
+    one typical length. Generation batches prompts of one length together."""
+    domain = cfg.control_codes.domain
+    if tok is None or domain is None:
+        return [PROMPT_TOKENS]
+    parts = [list(v.values()) for v in declared_values(cfg.data, domain, None).values()]
+    return sorted({len(tok.encode(prompt_for(CODE_JOINER.join(p)), add_special_tokens=False))
+                   for p in itertools.product(*parts)})
 
 
-def _generate_per_token(model, batch: int, new_tokens: int = 8) -> float:
-    ids = _random_ids(model, batch, PROMPT_TOKENS)
-    model.eval()
-    with torch.no_grad():
-        seconds = _timed(lambda: model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True,
-            max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-        ))
-    return seconds / new_tokens
+def _window_batches(lengths: list[int], window: int, batch: int) -> list[tuple[int, int]]:
+    """(sequences, padded length) of each batch evaluation scores for one model: the joined
+    stream's windows, then each record's (pipeline/stages/evaluate.py `perplexity`)."""
+    joined = sum(lengths)
+    stream = [window] * (joined // window) + ([joined % window] if joined % window > 1 else [])
+    per_record = [min(window, n - i) for n in lengths for i in range(0, n, window) if n - i > 1]
+    return [(len(part[i:i + batch]), max(part[i:i + batch])) for part in (stream, per_record)
+            for i in range(0, len(part), batch)]
 
 
-def estimate_seconds(cfg: PipelineConfig, plan: Plan) -> dict[str, tuple[float | None, str]]:
-    """Seconds per stage: one timed step of each model shape, scaled by the step counts."""
-    models: dict[str, torch.nn.Module] = {}
+def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer) -> dict[str, tuple[float, str]]:
+    """Each DP-SGD stage: its logical steps (the stages' Opacus step on random ids), the validation
+    loss every log_every steps, the final validation perplexity and σ's calibration."""
+    t, out = cfg.teacher, {}
+    for entry in plan.entries:
+        if entry.mechanism != "subsampled_gaussian":
+            continue
+        name = t.model if entry.stage == "teacher" else cfg.distill.student_model
+        timer.say(f"plan: timing the {entry.stage}'s DP-SGD step ({name}, {t.grad_sample_mode} clipping)")
+        step = timer.teacher_step(name, t.batch_size, t.max_length)
+        if entry.stage == "student" and cfg.distill.method == "dpkd":
+            step += t.batch_size / t.physical_batch_size * timer.forward(t.model, t.physical_batch_size, t.max_length)
+        checks = math.ceil(entry.steps / t.log_every)
+        monitor = checks * timer.forward(name, min(VALIDATION_MONITOR_RECORDS, plan.n_validation), t.max_length)
+        final = 2 * timer.forward(name, plan.n_validation, t.max_length)  # a stream pass, a per-record pass
+        calibration, one_epsilon = plan.accounting_seconds[entry.stage]
+        accounting = calibration + checks * one_epsilon  # the stage calibrates σ again, and reports ε
+        out[entry.stage] = (entry.steps * step + monitor + final + accounting,
+                            f"{entry.steps} steps of {t.batch_size} (expected) × {t.max_length} tokens at {step:.3g} s "
+                            f"with {t.grad_sample_mode} clipping, validation and σ calibration "
+                            f"{monitor + final + accounting:.0f} s")
+    return out
 
-    def model(name: str) -> torch.nn.Module:
-        if name not in models:
-            models[name] = _shape_model(name, cfg)
-        return models[name]
 
+def _generation_seconds(cfg: PipelineConfig, timer: StepTimer, prompts: list[int]) -> tuple[float, str]:
+    """Full batches of the most common prompt length, one part-filled batch per other length
+    (generation batches equal-length prompts), each run to its token budget."""
+    g = cfg.generate
+    timer.say(f"plan: timing generation ({cfg.teacher.model}, batches of {g.batch_size})")
+    budget = lambda prompt: min(g.max_length - prompt, g.max_new_tokens or g.max_length)  # noqa: E731
+    batches = math.ceil(g.num_samples / g.batch_size) + len(prompts) - 1
+    mid = prompts[len(prompts) // 2]
+    seconds = timer.generate_batch(cfg.teacher.model, g.batch_size, mid, budget(mid))
+    return (batches * seconds, f"{batches} batches of up to {g.batch_size} × {budget(mid)} new tokens at "
+            f"{seconds:.3g} s (no sample stopping early; prompts of {len(prompts)} token lengths), one worker")
+
+
+def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int) -> tuple[float, str]:
+    g, d, method = cfg.generate, cfg.distill, cfg.distill.method
+    n_validation = round(g.num_samples * g.validation_fraction)
+    n_synthetic = g.num_samples - n_validation
+    if d.num_synthetic is not None:
+        n_synthetic = min(n_synthetic, d.num_synthetic)
+    steps = d.epochs * math.ceil(n_synthetic / d.batch_size)
+    on_the_fly = method == "distil" and (d.alpha > 0 or d.beta > 0) and d.teacher_top_k is None
+    timer.say(f"plan: timing a distillation step ({d.student_model}" + (f" and {cfg.teacher.model})" if on_the_fly else ")"))
+    step = timer.distill_step(d.student_model, cfg.teacher.model if on_the_fly else None, d.batch_size, g.max_length,
+                              prompt)
+    evals = math.ceil(steps / d.eval_every) * timer.forward(d.student_model, n_validation, g.max_length)
+    cache = 0.0
+    if method == "distil" and d.teacher_top_k is not None:
+        cache = timer.forward(cfg.teacher.model, n_synthetic, g.max_length)  # once per synthetic set
+    return (steps * step + evals + cache,
+            f"{steps} steps of {d.batch_size}×{g.max_length} tokens at {step:.3g} s"
+            + (" (student forward+backward, teacher forward)" if on_the_fly else "")
+            + f", validation {evals:.0f} s" + (f", teacher top-k cache {cache:.0f} s" if cache else ""))
+
+
+def _evaluation_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer, tok,
+                        test_tokens: list[int]) -> tuple[float, str]:
+    """Perplexity of every model on the test windows, and the DP teacher's code adherence."""
+    e, t, d = cfg.evaluate, cfg.teacher, cfg.distill
+    names = [d.student_model, d.student_model] + ([t.model, t.model] if "teacher" in dp_sgd_budgets(cfg) else [])
+    timer.say(f"plan: timing evaluation ({len(names)} models on {plan.n_test} test records)")
+    batches = _window_batches(test_tokens, e.window, e.batch_size)
+    # A batch costs about its padded tokens' share of a full one (attention's T² term is small here).
+    share = sum(b * length for b, length in batches) / (e.batch_size * e.window)
+    seconds = sum(share * timer.forward(m, e.batch_size, e.window) for m in names)
+    how = f"{len(names)} models × {len(batches)} batches of ≤ {e.batch_size}×{e.window} test tokens"
+    domain = cfg.control_codes.domain
+    if d.method in ("distil", "dp_syn") and e.adherence_samples and domain is not None:
+        candidates = sum(len(v) for v in domain.values() if len(v) >= 2)
+        sequences = min(e.adherence_samples, cfg.generate.num_samples) * candidates
+        adherence = math.ceil(sequences / e.batch_size) * timer.forward(t.model, e.batch_size, cfg.generate.max_length)
+        seconds += adherence
+        how += f", code adherence {sequences} sequences {adherence:.0f} s"
+    return seconds, how
+
+
+def estimate_seconds(cfg: PipelineConfig, plan: Plan, split: PlannedSplit,
+                     say: Callable[[str], None] | None = None) -> dict[str, tuple[float | None, str]]:
+    """Seconds per stage: each stage's own step timed on the configured shapes (pipeline/timing.py),
+    scaled by the step counts."""
+    timer = StepTimer(cfg, Runtime.from_config(cfg), say)
     out: dict[str, tuple[float | None, str]] = {}
-    method, b = cfg.distill.method, cfg.base_models
+    b = cfg.base_models
     builtin = [m for m in (cfg.teacher.model, cfg.distill.student_model) if m.startswith(BUILTIN_PREFIX)]
     if builtin and b.corpus is None:
         out["base-models"] = (0.0, "shipped with the package")
     elif builtin and base_models_built(b):
         out["base-models"] = (0.0, "cached")
     elif builtin:
-        total = sum(spec.steps * _train_step(tiny_gpt2(spec, b.vocab_size, b.context_length, 0), spec.batch_size,
-                                             b.context_length) for spec in (b.teacher, b.student))
-        out["base-models"] = (total, "pretraining steps of both builtin models (plus their tokenizer)")
-
-    t = cfg.teacher
-    passes = math.ceil(t.batch_size / t.physical_batch_size)  # physical batches per expected logical batch
-    for entry in plan.entries:
-        if entry.mechanism != "subsampled_gaussian":
-            continue
-        name = t.model if entry.stage == "teacher" else cfg.distill.student_model
-        step = _train_step(model(name), t.physical_batch_size, t.max_length)
-        out[entry.stage] = (entry.steps * passes * step,
-                            f"{entry.steps} steps × {passes} passes of {t.physical_batch_size}×{t.max_length} "
-                            f"tokens at {step:.3g} s, without DP clipping's extra cost (docs/teacher_modes.md)")
-
-    g, d = cfg.generate, cfg.distill
-    if method in ("distil", "dp_syn"):
-        teacher, student = model(t.model), model(d.student_model)
-        new_tokens = g.max_length - PROMPT_TOKENS
-        if g.max_new_tokens:
-            new_tokens = min(new_tokens, g.max_new_tokens)
-        batches = math.ceil(g.num_samples / g.batch_size)
-        per_token = _generate_per_token(teacher, g.batch_size)
-        out["generation"] = (batches * new_tokens * per_token,
-                             f"{batches} batches of {g.batch_size} × {new_tokens} new tokens at {per_token:.3g} s "
-                             "per token (no sample stopping early), one worker")
-        n_synthetic = g.num_samples - round(g.num_samples * g.validation_fraction)
-        if d.num_synthetic is not None:
-            n_synthetic = min(n_synthetic, d.num_synthetic)
-        steps = d.epochs * math.ceil(n_synthetic / d.batch_size)
-        step = _train_step(student, d.batch_size, g.max_length)
-        uses_teacher = method == "distil" and (d.alpha > 0 or d.beta > 0)
-        if uses_teacher:
-            step += _forward(teacher, d.batch_size, g.max_length)
-        out["distillation"] = (steps * step, f"{steps} steps of {d.batch_size}×{g.max_length} tokens at {step:.3g} s"
-                               + (" (student forward+backward, teacher forward)" if uses_teacher else ""))
-
-    e = cfg.evaluate
-    batches = math.ceil(plan.n_test / e.batch_size)
-    names = [d.student_model, d.student_model] + ([t.model, t.model] if "teacher" in dp_sgd_budgets(cfg) else [])
-    out["evaluation"] = (sum(batches * _forward(model(m), e.batch_size, e.window) for m in names),
-                         f"{len(names)} models × {batches} batches of {e.batch_size}×{e.window} tokens "
-                         "(an upper bound: records shorter than the window cost less)")
+        timer.say("plan: timing the builtin models' pretraining steps")
+        out["base-models"] = (sum(spec.steps * timer.distill_step(f"{BUILTIN_PREFIX}{which}", None, spec.batch_size,
+                                                                  b.context_length, 0)
+                                  for which, spec in (("teacher", b.teacher), ("student", b.student))),
+                              "pretraining steps of both builtin models (plus their tokenizer)")
+    out.update(_dp_sgd_seconds(cfg, plan, timer))
+    tok = _tokenizer(cfg)
+    if cfg.distill.method in ("distil", "dp_syn"):
+        prompts = _prompt_lengths(cfg, tok)
+        out["generation"] = _generation_seconds(cfg, timer, prompts)
+        out["distillation"] = _distillation_seconds(cfg, timer, prompts[len(prompts) // 2])
+    out["evaluation"] = _evaluation_seconds(cfg, plan, timer, tok,
+                                            _token_counts(tok, split.test_codes, split.test_texts))
+    plan.cpu_share = timer.cpu_share()
     return out
 
 
@@ -261,8 +329,11 @@ def format_plan(plan: Plan) -> str:
                  + ("" if t.complete else f"; incomplete: {t.note}"))
     if plan.seconds:
         known = sum(s for s, _ in plan.seconds.values() if s)
-        lines.append(f"  time, estimated (one timed step of each model shape on random token ids, scaled; "
-                     f"this machine): ~{_duration(known)} in all")
+        lines.append(f"  time, estimated (each stage's step timed on its model shapes with random weights "
+                     f"and token ids, scaled; this machine): ~{_duration(known)} in all")
         for stage, (seconds, how) in plan.seconds.items():
             lines.append(f"    {stage}: " + (how if not seconds else f"~{_duration(seconds)} ({how})"))
+        if plan.cpu_share is not None and plan.cpu_share < BUSY_SHARE:
+            lines.append(f"  this machine is busy: the timed steps got {plan.cpu_share:.0%} of the CPU time their "
+                         f"threads could use; with the cores to itself the run would take ~{_duration(known * plan.cpu_share)}")
     return "\n".join(lines)

@@ -383,6 +383,24 @@ def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32) -> tor
     return model
 
 
+def causal_lm_from_config(name_or_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal LM of `name_or_path`'s shape with random weights in `dtype` (no weights read).
+
+    The dtype is always passed: `from_config` otherwise takes the config's own `dtype`, and the
+    shipped pair's says float16 (how its weights are stored). An fp16 model on a CPU ran each
+    step ~20x slower than the fp32 a run trains in, and `dpdistill plan` timed that (issue 22)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except OSError as e:
+        raise ModelError(
+            f"cannot read a model config from {name_or_path!r}: not a local directory and not in "
+            "the hub cache; build the offline models (builtin:...) or name a local checkpoint"
+        ) from e
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def untie_lm_head(model: torch.nn.Module) -> None:
     """Give `lm_head` its own weight. Opacus ghost clipping computes one norm per parameter
     use; a weight shared by the embedding and the head would be counted wrongly, and

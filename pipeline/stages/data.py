@@ -384,15 +384,37 @@ def _split(cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None)
     )
 
 
+@dataclass(frozen=True)
+class PlannedSplit:
+    """The data stage's split as `dpdistill plan` needs it, written nowhere."""
+
+    n: int
+    """Privacy units the teacher's DP-SGD samples from."""
+    unit: str
+    """'record' or 'user'."""
+    n_validation: int
+    test_codes: list[str]
+    test_texts: list[str]
+    """Held out and never trained on; the plan times evaluation by their token count only, a
+    figure the run publishes anyway (metrics.json's perplexity `tokens`)."""
+
+
+def planned_split(cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None = None) -> PlannedSplit:
+    """The split the data stage will make, read and validated the same way, writing nothing."""
+    split = _split(cfg, seed, code_domain)
+    unit = "record" if split.users is None else "user"
+    n = len(split.train_units) if split.users is not None else len(split.train_idx)
+    return PlannedSplit(n=n, unit=unit, n_validation=len(split.val_idx), test_codes=split.test[0],
+                        test_texts=split.test[1])
+
+
 def training_units(
     cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None = None
 ) -> tuple[int, str, int]:
     """(N, 'record' or 'user', test records) as the data stage will split them, writing nothing:
     N is what the teacher's DP-SGD samples from (`dpdistill plan`)."""
-    split = _split(cfg, seed, code_domain)
-    unit = "record" if split.users is None else "user"
-    n = len(split.train_units) if split.users is not None else len(split.train_idx)
-    return n, unit, len(split.test[1])
+    split = planned_split(cfg, seed, code_domain)
+    return split.n, split.unit, len(split.test_texts)
 
 
 def prepare_data(

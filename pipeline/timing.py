@@ -1,0 +1,242 @@
+"""What one step of each stage costs on this machine: the measurements behind `dpdistill plan`'s time.
+
+    timer = StepTimer(cfg, Runtime.from_config(cfg))
+    timer.teacher_step("builtin:teacher", records=128, length=128)   # seconds of one logical DP step
+
+Each model is built from its config with random weights, in the run's precision (fp32 master
+weights for training, the run's dtype for inference), on the run's device, with the run's
+thread count, and fed random token ids (public: timing never touches a private record). The
+code timed is the stages' own: the DP step goes through the same Opacus engine and clipping
+function (`teacher.CLIPPING`), distillation through `distillation_loss` and AdamW.
+
+A full-size step of a real model takes seconds on a CPU, so a shape is first timed on a few
+sequences (`PROBE_SEQUENCES`); when that predicts a cheap full step, the full batch is timed
+too (tiny models, where fixed per-call costs dominate), otherwise the cost is scaled by the
+batch (large models, where it is linear in the sequences). The fastest of a few repeats
+counts (the first also pays one-off costs): another process's burst of work only ever slows
+one down. No Prefect here.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from pipeline.batching import lm_batch
+from pipeline.config import PipelineConfig
+from pipeline.devices import Runtime
+from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, causal_lm_from_config, tiny_gpt2, untie_lm_head
+from pipeline.models.losses import distillation_loss, prompt_mask
+
+PROBE_SEQUENCES = 4  # sequences of a first, cheap timing of each shape on a CPU
+FULL_BATCH_SECONDS = 0.25  # a shape predicted to run faster than this is timed at its real batch too
+REPEATS = 2  # calls per shape; the fastest counts (the first also pays one-off costs: allocation, lazy imports)
+
+
+def _n_positions(model) -> int:
+    return getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+
+
+class StepTimer:
+    """Times the configured models' steps; models are built once and reused across stages."""
+
+    def __init__(self, cfg: PipelineConfig, runtime: Runtime, say: Callable[[str], None] | None = None,
+                 clock: str = "wall", repeats: int = REPEATS):
+        """`clock`: 'wall' (what a run will take on this machine as busy as it is now) or 'cpu'
+        (this process's CPU seconds: the same on an idle machine, and steady under load, which
+        tests that compare it with a stage's own CPU seconds need)."""
+        self.cfg, self.runtime, self.say, self.clock = cfg, runtime, say or (lambda line: None), clock
+        self.repeats = repeats
+        self._models: dict[tuple[str, bool], torch.nn.Module] = {}
+        self._timed: dict[tuple, float] = {}
+        self.wall_seconds = self.cpu_seconds = 0.0  # of the fastest repeats: how busy the machine is
+        self.threads = runtime.apply_threads()  # the run's threads: a step's cost depends on them
+
+    def cpu_share(self) -> float | None:
+        """CPU seconds the timed steps got per wall second and thread asked for: ~1 on an idle
+        CPU (less where threads contend for cores), lower when other processes take the cores."""
+        if self.runtime.device.type != "cpu" or self.wall_seconds <= 0:
+            return None
+        return self.cpu_seconds / (self.wall_seconds * self.threads)
+
+    # --- models -------------------------------------------------------------------------
+
+    def _build(self, name: str) -> torch.nn.Module:
+        """Random weights of the configured shape, fp32 (the run trains fp32 master weights)."""
+        b = self.cfg.base_models
+        if name.startswith(BUILTIN_PREFIX) and b.corpus is not None:  # built by the run: its spec is the shape
+            spec = getattr(b, name[len(BUILTIN_PREFIX):])
+            return tiny_gpt2(spec, b.vocab_size, b.context_length, eos_id=0)
+        path = str(SHIPPED / name[len(BUILTIN_PREFIX):]) if name.startswith(BUILTIN_PREFIX) else name
+        return causal_lm_from_config(path, dtype=torch.float32)
+
+    def model(self, name: str, inference: bool = False) -> torch.nn.Module:
+        """The training copy (fp32) or the inference copy (the run's dtype, as the stages load it)."""
+        key = (name, inference and self.runtime.dtype != torch.float32)
+        if key not in self._models:
+            if key[1]:
+                self._models[key] = copy.deepcopy(self.model(name)).to(self.runtime.dtype).eval()
+            else:
+                self.say(f"plan: building {name} with random weights ({self.runtime.precision}, {self.runtime.device})")
+                self._models[key] = self._build(name).to(self.runtime.device)
+        return self._models[key].train(not inference)
+
+    def _ids(self, model, batch: int, length: int) -> torch.Tensor:
+        length = min(length, _n_positions(model))
+        return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0)).to(
+            self.runtime.device)
+
+    # --- timing -------------------------------------------------------------------------
+
+    def _fastest(self, fn: Callable[[], object]) -> float:
+        sync = torch.cuda.synchronize if self.runtime.device.type == "cuda" else (lambda: None)
+        best = (float("inf"), float("inf"))
+        for _ in range(self.repeats):
+            sync()
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            sync()
+            best = min(best, (time.perf_counter() - wall, time.process_time() - cpu))
+        self.wall_seconds += best[0]
+        self.cpu_seconds += best[1]
+        return best[1] if self.clock == "cpu" else best[0]
+
+    def _once(self, key: tuple, measure: Callable[[], float]) -> float:
+        """A shape's seconds, timed once however many stages ask (validation and evaluation
+        batches share shapes)."""
+        if key not in self._timed:
+            self._timed[key] = measure()
+        return self._timed[key]
+
+    def _scaled(self, seconds_of: Callable[[int], float], batch: int) -> float:
+        """Seconds of `seconds_of(batch)`, timed at the real batch when that is cheap (always on
+        a GPU, whose time is flat in small batches), else scaled from a few sequences."""
+        probe = batch if self.runtime.device.type == "cuda" else min(batch, PROBE_SEQUENCES)
+        seconds = seconds_of(probe)
+        if probe == batch:
+            return seconds
+        if seconds * batch / probe <= FULL_BATCH_SECONDS:
+            return seconds_of(batch)
+        return seconds * batch / probe
+
+    def forward(self, name: str, batch: int, length: int) -> float:
+        """Seconds of one no-grad forward of batch × length in the inference dtype (generation's
+        logit passes, evaluation, code adherence); none to run (an empty split) costs nothing."""
+        if batch < 1:
+            return 0.0
+        model = self.model(name, inference=True)
+
+        def seconds(b: int) -> float:
+            ids = self._ids(model, b, length)
+            with torch.no_grad():
+                return self._once(("forward", name, b, length), lambda: self._fastest(lambda: model(input_ids=ids)))
+        return self._scaled(seconds, batch)
+
+    def teacher_step(self, name: str, records: float, length: int) -> float:
+        """Seconds of one logical DP-SGD step over `records` (expected) sequences, in physical
+        batches: each one's forward, clipped backward and optimizer step."""
+        dp_model, optimizer, clip = self._dp_model(name)
+        shape = self.model(name)  # Opacus' wrapper hides the config
+
+        def one_pass(b: int) -> float:
+            batch = lm_batch(self._ids(shape, b, length).cpu(), torch.full((b,), min(length, _n_positions(shape))))
+            labels = batch.pop("labels").to(self.runtime.device)  # (B, L-1)
+            batch = {k: v.to(self.runtime.device) for k, v in batch.items()}
+
+            def clipped_pass():
+                with self.runtime.autocast():
+                    logits = dp_model(**batch).logits  # (B, L, V)
+                clip(dp_model, optimizer, _per_sequence_loss(logits, labels))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            return self._fastest(clipped_pass)
+
+        physical = self.cfg.teacher.physical_batch_size
+        # Every pass timed with a real (noisy) optimizer step, where the run skips all but the
+        # last of a logical batch's: a few percent high for large models, whose passes dominate.
+        return records / physical * self._scaled(one_pass, min(physical, max(1, round(records))))
+
+    def _dp_model(self, name: str):
+        """The model behind the run's Opacus engine and clipping mode, on random public ids."""
+        from pipeline.privacy.bk import BookKeepingPrivacyEngine
+        from pipeline.stages.teacher import CLIPPING, prepare_trainable
+
+        key = ("dp", name)
+        if key in self._models:
+            return self._models[key]
+        t = self.cfg.teacher
+        model = copy.deepcopy(self.model(name))
+        untie_lm_head(model)
+        model = prepare_trainable(model, t).to(self.runtime.device).train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2, dtype=torch.long)),
+                                             batch_size=4)
+        with warnings.catch_warnings():  # "Secure RNG turned off": this noise only costs time
+            warnings.simplefilter("ignore")
+            made = BookKeepingPrivacyEngine(accountant=t.accountant, secure_mode=False).make_private(
+                module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
+                max_grad_norm=t.max_grad_norm, poisson_sampling=False, grad_sample_mode=t.grad_sample_mode,
+                **({"criterion": torch.nn.CrossEntropyLoss()} if t.grad_sample_mode == "ghost" else {}))
+        self._models[key] = (made[0], made[1], CLIPPING[t.grad_sample_mode])
+        return self._models[key]
+
+    def distill_step(self, student: str, teacher: str | None, batch: int, length: int, prompt: int) -> float:
+        """Seconds of one distillation step: student forward+backward under autocast, the frozen
+        teacher's forward (None: no teacher logits), the losses, clipping and AdamW."""
+        d = self.cfg.distill
+        s_model = self.model(student)
+        t_model = self.model(teacher, inference=True) if teacher else None
+        optimizer = torch.optim.AdamW(s_model.parameters(), lr=d.learning_rate)
+        vocab = s_model.config.vocab_size
+
+        def seconds(b: int) -> float:
+            ids = self._ids(s_model, b, length)
+            labels = ids[:, 1:]
+            kl_mask = prompt_mask(labels.shape[1], torch.full((b,), prompt)).to(ids.device)  # (B, L-1)
+
+            def step():
+                if t_model is not None:
+                    with torch.no_grad(), self.runtime.autocast():
+                        t_logits = t_model(input_ids=ids).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+                with self.runtime.autocast():
+                    s_logits = s_model(input_ids=ids).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+                parts = distillation_loss(s_logits, t_logits if t_model is not None else s_logits.detach(), labels,
+                                          kl_mask, alpha=d.alpha if t_model is not None else 0.0,
+                                          temperature=d.temperature, beta=0.0)
+                parts.loss.backward()
+                torch.nn.utils.clip_grad_norm_(s_model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            return self._fastest(step)
+        return self._scaled(seconds, batch)
+
+    def generate_batch(self, name: str, batch: int, prompt: int, new_tokens: int) -> float:
+        """Seconds of one sampled `generate` call of batch prompts × new tokens (KV cache, the
+        run's sampling settings): the prompt pass plus a few new tokens, timed, with the cost
+        of a new token taken from the difference and scaled to `new_tokens`."""
+        g = self.cfg.generate
+        model = self.model(name, inference=True)
+        ids = self._ids(model, batch, prompt)
+        few = min(new_tokens, 3)
+
+        def call(n: int):
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=g.top_k,
+                               top_p=g.top_p, temperature=g.temperature, max_new_tokens=n, min_new_tokens=n,
+                               no_repeat_ngram_size=g.no_repeat_ngram_size or None, use_cache=True,
+                               pad_token_id=0)
+        first = self._fastest(lambda: call(1))
+        if new_tokens == 1:
+            return first
+        per_token = max(self._fastest(lambda: call(few)) - first, 0.0) / max(few - 1, 1)
+        return first + (new_tokens - 1) * per_token
+
+
+def _per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from pipeline.stages.teacher import per_sequence_loss
+
+    return per_sequence_loss(logits, labels)  # (B,)
