@@ -90,6 +90,14 @@ class StepTimer:
         return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0)).to(
             self.runtime.device)
 
+    def _batch(self, model, batch: int, length: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Inputs and labels as the stages build them (`lm_batch`: attention mask and position
+        ids too), so that a probe runs the code path the stage runs."""
+        ids = self._ids(model, batch, length).cpu()
+        inputs = lm_batch(ids, torch.full((batch,), ids.shape[1]))
+        labels = inputs.pop("labels").to(self.runtime.device)  # (B, L-1)
+        return {k: v.to(self.runtime.device) for k, v in inputs.items()}, labels
+
     # --- timing -------------------------------------------------------------------------
 
     def _fastest(self, fn: Callable[[], object]) -> float:
@@ -131,9 +139,9 @@ class StepTimer:
         model = self.model(name, inference=True)
 
         def seconds(b: int) -> float:
-            ids = self._ids(model, b, length)
+            inputs, _ = self._batch(model, b, length)
             with torch.no_grad():
-                return self._once(("forward", name, b, length), lambda: self._fastest(lambda: model(input_ids=ids)))
+                return self._once(("forward", name, b, length), lambda: self._fastest(lambda: model(**inputs)))
         return self._scaled(seconds, batch)
 
     def teacher_step(self, name: str, records: float, length: int) -> float:
@@ -143,9 +151,7 @@ class StepTimer:
         shape = self.model(name)  # Opacus' wrapper hides the config
 
         def one_pass(b: int) -> float:
-            batch = lm_batch(self._ids(shape, b, length).cpu(), torch.full((b,), min(length, _n_positions(shape))))
-            labels = batch.pop("labels").to(self.runtime.device)  # (B, L-1)
-            batch = {k: v.to(self.runtime.device) for k, v in batch.items()}
+            batch, labels = self._batch(shape, b, length)
 
             def clipped_pass():
                 with self.runtime.autocast():
@@ -194,16 +200,15 @@ class StepTimer:
         vocab = s_model.config.vocab_size
 
         def seconds(b: int) -> float:
-            ids = self._ids(s_model, b, length)
-            labels = ids[:, 1:]
-            kl_mask = prompt_mask(labels.shape[1], torch.full((b,), prompt)).to(ids.device)  # (B, L-1)
+            batch, labels = self._batch(s_model, b, length)
+            kl_mask = prompt_mask(labels.shape[1], torch.full((b,), prompt)).to(labels.device)  # (B, L-1)
 
             def step():
                 if t_model is not None:
                     with torch.no_grad(), self.runtime.autocast():
-                        t_logits = t_model(input_ids=ids).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+                        t_logits = t_model(**batch).logits[:, :-1, :vocab].float()  # (B, L-1, V)
                 with self.runtime.autocast():
-                    s_logits = s_model(input_ids=ids).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+                    s_logits = s_model(**batch).logits[:, :-1, :vocab].float()  # (B, L-1, V)
                 parts = distillation_loss(s_logits, t_logits if t_model is not None else s_logits.detach(), labels,
                                           kl_mask, alpha=d.alpha if t_model is not None else 0.0,
                                           temperature=d.temperature, beta=0.0)
