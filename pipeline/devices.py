@@ -88,14 +88,14 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
 def slow_bf16_warning(device: torch.device, precision: str, native: bool | None = None) -> str | None:
     """The warning for precision=bf16 on a CPU that only emulates it (None: nothing to say).
     Without AVX-512 BF16 or AMX, torch converts every bf16 product to fp32 and back: on such a
-    2-core machine `dpdistill plan` timed the demo teacher's DP step 16x and its generation 30x
-    slower than in fp32 (issue 22)."""
+    machine the demo's steps took 8-17x the CPU time of fp32's, timed side by side (teacher DP
+    step 13x, generation batch 8x, distillation step 17x; issue 22)."""
     if precision != "bf16" or device.type != "cpu":
         return None
     if (cpu_has_native_bf16() if native is None else native) is not False:
         return None
     return ("precision=bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 flag in /proc/cpuinfo): "
-            "torch emulates it, 10-30x slower than fp32 per step; set precision=fp32 on this machine "
+            "torch emulates it, about 10x slower than fp32 per step (8-17x on the demo's); set precision=fp32 on this machine "
             "(bf16 pays off on CPUs with AMX or AVX-512 BF16, and on CUDA GPUs from Ampere on)")
 
 

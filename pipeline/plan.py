@@ -4,7 +4,7 @@
     print(format_plan(plan))
 
 Nothing is trained and nothing is written. Every number is the run's own: N from the data
-stage's split (`data.training_units`), q and steps from the teacher's Poisson schedule, σ from
+stage's split (`data.planned_split`), q and steps from the teacher's Poisson schedule, σ from
 the teacher's calibration (`teacher.calibrate_noise`), each ε from the accountant and the total
 from the ledger's `compose`. The same text, without the timing, is the first log line of a run.
 

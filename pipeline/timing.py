@@ -31,6 +31,8 @@ from pipeline.config import PipelineConfig
 from pipeline.devices import Runtime
 from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, causal_lm_from_config, tiny_gpt2, untie_lm_head
 from pipeline.models.losses import distillation_loss, prompt_mask
+from pipeline.privacy.bk import BookKeepingPrivacyEngine
+from pipeline.stages.teacher import CLIPPING, per_sequence_loss, prepare_trainable
 
 PROBE_SEQUENCES = 4  # sequences of a first, cheap timing of each shape on a CPU
 FULL_BATCH_SECONDS = 0.25  # a shape predicted to run faster than this is timed at its real batch too
@@ -51,7 +53,7 @@ class StepTimer:
         tests that compare it with a stage's own CPU seconds need)."""
         self.cfg, self.runtime, self.say, self.clock = cfg, runtime, say or (lambda line: None), clock
         self.repeats = repeats
-        self._models: dict[tuple[str, bool], torch.nn.Module] = {}
+        self._models: dict[tuple, object] = {}  # models, and the DP model with its optimizer
         self._timed: dict[tuple, float] = {}
         self.wall_seconds = self.cpu_seconds = 0.0  # of the fastest repeats: how busy the machine is
         self.threads = runtime.apply_threads()  # the run's threads: a step's cost depends on them
@@ -156,7 +158,7 @@ class StepTimer:
             def clipped_pass():
                 with self.runtime.autocast():
                     logits = dp_model(**batch).logits  # (B, L, V)
-                clip(dp_model, optimizer, _per_sequence_loss(logits, labels))
+                clip(dp_model, optimizer, per_sequence_loss(logits, labels))  # (B,)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             return self._fastest(clipped_pass)
@@ -168,9 +170,6 @@ class StepTimer:
 
     def _dp_model(self, name: str):
         """The model behind the run's Opacus engine and clipping mode, on random public ids."""
-        from pipeline.privacy.bk import BookKeepingPrivacyEngine
-        from pipeline.stages.teacher import CLIPPING, prepare_trainable
-
         key = ("dp", name)
         if key in self._models:
             return self._models[key]
@@ -240,8 +239,3 @@ class StepTimer:
         per_token = max(self._fastest(lambda: call(few)) - first, 0.0) / max(few - 1, 1)
         return first + (new_tokens - 1) * per_token
 
-
-def _per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    from pipeline.stages.teacher import per_sequence_loss
-
-    return per_sequence_loss(logits, labels)  # (B,)

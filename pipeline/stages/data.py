@@ -343,7 +343,7 @@ class _Split:
 
 
 def _split(cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None) -> _Split:
-    """Read, validate and split, writing nothing (prepare_data writes; training_units counts)."""
+    """Read, validate and split, writing nothing (prepare_data writes; planned_split counts)."""
     table = read_table(cfg.path)
     if cfg.max_records:
         table = table.slice(0, cfg.max_records)
@@ -406,15 +406,6 @@ def planned_split(cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] 
     n = len(split.train_units) if split.users is not None else len(split.train_idx)
     return PlannedSplit(n=n, unit=unit, n_validation=len(split.val_idx), test_codes=split.test[0],
                         test_texts=split.test[1])
-
-
-def training_units(
-    cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None = None
-) -> tuple[int, str, int]:
-    """(N, 'record' or 'user', test records) as the data stage will split them, writing nothing:
-    N is what the teacher's DP-SGD samples from (`dpdistill plan`)."""
-    split = planned_split(cfg, seed, code_domain)
-    return split.n, split.unit, len(split.test_texts)
 
 
 def prepare_data(

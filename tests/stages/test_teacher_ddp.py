@@ -86,7 +86,7 @@ def test_the_error_quotes_the_rank_that_failed_first(tmp_path, monkeypatch):
         teacher_ddp.launch({}, target=f"{Path(__file__).stem}:rank1_fails_while_rank0_works", processes=2,
                            backend="gloo", work=tmp_path, threads=1, stage="test")
     assert time.monotonic() - started < 100  # rank 0 was stopped, not waited for
-    assert (tmp_path / "rank0.log").read_text() == ""
+    assert "Error" not in (tmp_path / "rank0.log").read_text()  # stopped, not failed: its log has no cause
 
 
 def test_teacher_ddp_does_not_import_the_teacher():
