@@ -226,7 +226,27 @@ def _generation_seconds(cfg: PipelineConfig, timer: StepTimer, prompts: list[int
 
 
 def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int) -> tuple[float, str]:
-    g, d, method = cfg.generate, cfg.distill, cfg.distill.method
+    """Every candidate's training (distill.candidates), then the selection: the DP teacher
+    samples `selection_samples` untruncated texts and scores them with each candidate."""
+    d, method = cfg.distill, cfg.distill.method
+    candidates = [c for _, c in d.candidate_configs()] if method == "distil" and len(d.candidates) > 1 else \
+        [d.candidate_configs()[0][1] if method == "distil" and d.candidates else d]
+    parts = [_candidate_seconds(cfg, c, timer, prompt) for c in candidates]
+    total = sum(seconds for seconds, _ in parts)
+    what = parts[0][1] if len(parts) == 1 else f"{len(parts)} candidates: " + "; ".join(w for _, w in parts)
+    if len(candidates) > 1:
+        g = cfg.generate
+        batches = math.ceil(d.selection_samples / 64)
+        sample = batches * timer.generate_batch(cfg.teacher.model, 64, prompt, g.max_length - prompt)
+        score = (timer.forward(cfg.teacher.model, d.selection_samples, g.max_length)
+                 + len(candidates) * timer.forward(d.student_model, d.selection_samples, g.max_length))
+        total += sample + score
+        what += f"; selection {sample + score:.0f} s ({d.selection_samples} untruncated teacher samples, scored)"
+    return total, what
+
+
+def _candidate_seconds(cfg: PipelineConfig, d, timer: StepTimer, prompt: int) -> tuple[float, str]:
+    g, method = cfg.generate, cfg.distill.method
     n_validation = round(g.num_samples * g.validation_fraction)
     n_synthetic = g.num_samples - n_validation
     if d.num_synthetic is not None:
