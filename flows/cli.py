@@ -32,6 +32,7 @@ from pathlib import Path
 # loaded machine; issue 10). The commands that need them import them in their handlers.
 from flows.run_info import RUN_INFO, STAGES, STAGES_INFO, RunDirError, read_run_info, run_alive, stages_to_rerun
 from pipeline.config import ConfigError, load_config
+from pipeline.reports import STAGE_WORDS
 from pipeline.privacy.ledger import LEDGER, format_table, read_ledger
 
 EPHEMERAL_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
@@ -273,7 +274,8 @@ def print_status(run_dir: Path) -> int:
         elif out and s["status"] == "cached":
             out = f"reused from {out}"
         eps = s.get("epsilon")
-        rows.append((name, s["status"], f"{s['seconds']:.1f}" if s.get("seconds") is not None else "",
+        rows.append((name, STAGE_WORDS.get(s["status"], s["status"]),
+                     f"{s['seconds']:.1f}" if s.get("seconds") is not None else "",
                      f"{eps:.4f}" if eps else "", out))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:

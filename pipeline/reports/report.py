@@ -29,14 +29,13 @@ from matplotlib.figure import Figure
 
 from pipeline.privacy.ledger import LEDGER, fmt_value, read_ledger
 from pipeline.manifest import MANIFEST, atomic_write_text
+from pipeline.reports import STAGE_WORDS
 
 log = logging.getLogger(__name__)
 
 REPORT = "report.html"
 STAGES = ("data", "control_codes", "teacher", "synthetic", "student", "evaluation")
 GENERATING_METHODS = ("distil", "dp_syn")  # the others train the student on the private data itself
-# What the flow writes into stages.json (flows/pipeline_flow.py StageRunner), as the report says it.
-_STAGE_STATUS = {"ran": "finished", "forced": "finished (forced rerun)", "cached": "cached", "failed": "failed"}
 MAX_CODES_PLOTTED = 40  # a bar per code value stays readable up to about this many
 _SYNTHETIC_COLUMNS = ("n_tokens", "n_prompt_tokens", "finished")  # numeric only: never the text
 _STYLE = """
@@ -45,8 +44,11 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom:
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
 /* A wide table (the ledger has 12 columns) scrolls inside its own box instead of widening the
-   page; long paths and names (reused outputs, accountants) may break anywhere. */
-.table-wrap { max-width: 100%; overflow-x: auto; } td, th { overflow-wrap: anywhere; }
+   page. Headers and numbers stay whole ('anywhere' broke them: "finishe|d", "epsil|on"); a text
+   cell breaks between words, and inside a word only when the word alone is wider than the box
+   (a long path). */
+.table-wrap { max-width: 100%; overflow-x: auto; }
+th, td.num { white-space: nowrap; } td { overflow-wrap: break-word; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; } th { background: #f4f4f4; }
 .note { color: #666; font-style: italic; } .warn { color: #a40000; font-weight: bold; }
 pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
@@ -127,7 +129,7 @@ def _flow_stages(run_dir: Path, writer_alive: bool) -> str | None:
             out = str(Path(out).resolve().relative_to(run_dir.resolve()))
         elif out:
             out = f"reused from {out}"
-        rows.append([name, _STAGE_STATUS.get(status, status), s.get("seconds"), s.get("finished_at"), out])
+        rows.append([name, STAGE_WORDS.get(status, status), s.get("seconds"), s.get("finished_at"), out])
     table = _table(["stage", "status", "seconds", "finished at", "output"], rows)
     notes = "".join(_note(w, "warn") for w in warnings)
     return notes + table + _note("A stage not listed has not started (or this method has no such stage).")

@@ -165,3 +165,22 @@ def test_ephemeral_server_timeout_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err  # any other error keeps its traceback, then one line points at it
     assert "Traceback" in err and "RuntimeError: a real bug" in err
     assert err.splitlines()[-1].startswith("dpdistill: error: unexpected RuntimeError: a real bug (a bug: ")
+
+
+def test_status_and_the_report_say_a_stage_ran_in_the_same_words(run_dir):
+    """Issue 24: the report said "finished" where `status` said "ran" for the same stage."""
+    from pipeline.reports import STAGE_WORDS
+
+    info = json.loads((run_dir / "stages.json").read_text())
+    info["teacher"]["status"], info["evaluation"]["status"] = "ran", "cached"
+    (run_dir / "stages.json").write_text(json.dumps(info))
+    rc, out, err, _ = _cli("status", str(run_dir))
+    assert rc == 0, err
+    teacher = next(line for line in out.splitlines() if line.startswith("teacher"))
+    evaluation = next(line for line in out.splitlines() if line.startswith("evaluation"))
+    assert STAGE_WORDS["ran"] == "finished" and " finished " in teacher and " ran " not in teacher
+    assert " cached " in evaluation
+    rc, out, err, _ = _cli("report", str(run_dir))
+    assert rc == 0, err
+    page = (run_dir / "report.html").read_text()
+    assert "<td>teacher</td><td>finished</td>" in page and "<td>evaluation</td><td>cached</td>" in page

@@ -282,8 +282,9 @@ def test_an_unfinished_distil_run_says_generation_has_not_finished(tmp_path):
 
 @pytest.mark.skipif(BROWSER is None, reason="no chromium/google-chrome binary (apt-get install chromium)")
 def test_wide_tables_stay_inside_the_page_at_1280_px(tmp_path):
-    """The 12-column ledger table was 1402 px wide in a 1280 px window: it must wrap or scroll
-    inside its own box, never widen the page."""
+    """The 12-column ledger table was 1402 px wide in a 1280 px window: it must scroll inside its
+    own box, never widen the page; and no header or number may be cut across lines (issue 24:
+    "finishe|d", "epsil|on")."""
     run = make_run(tmp_path, "distil")
     page = write_report(run)
     browser = Chromium(BROWSER)
@@ -297,10 +298,15 @@ def test_wide_tables_stay_inside_the_page_at_1280_px(tmp_path):
         sizes = browser.js(
             "({page: document.documentElement.scrollWidth, window: window.innerWidth,"
             " body: document.body.getBoundingClientRect().right,"
-            " tables: [...document.querySelectorAll('.table-wrap')].map(t => t.getBoundingClientRect().right)})"
+            " tables: [...document.querySelectorAll('.table-wrap')].map(t => t.getBoundingClientRect().right),"
+            # a header or a number laid out on two lines or more (a range has one rect per line)
+            " broken: [...document.querySelectorAll('th, td.num')].filter(e => {"
+            "   const r = document.createRange(); r.selectNodeContents(e); return r.getClientRects().length > 1;"
+            " }).map(e => e.textContent)})"
         )
     finally:
         browser.close()
     assert sizes["window"] == 1280
     assert sizes["page"] <= sizes["window"], sizes
     assert len(sizes["tables"]) == page.read_text().count("<table>") and max(sizes["tables"]) <= sizes["body"], sizes
+    assert sizes["broken"] == [], sizes["broken"]  # headers and numbers are never cut ("finishe|d")
