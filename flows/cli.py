@@ -389,7 +389,7 @@ def run_flow(args, cfg) -> int:
     from prefect.exceptions import TerminationSignal
 
     from flows.interrupts import Interrupts
-    from flows.run_log import quiet_expected_errors
+    from flows.run_log import keep_early_lines, quiet_expected_errors
 
     with Interrupts() as interrupts:
         try:
@@ -398,8 +398,9 @@ def run_flow(args, cfg) -> int:
             # Every row of the data read and σ calibrated before any Prefect server starts: a
             # bad record or an unreachable budget is one line, with no run directory left.
             make_plan(cfg, timing=False)
-            from flows.pipeline_flow import dp_distill
+            from flows.pipeline_flow import dp_distill  # Prefect configures logging here
 
+            keep_early_lines()  # the server's start and the plan, for run.log once the run directory exists
             quiet_expected_errors(user_errors())
             rerun = stages_to_rerun(args.rerun_from, args.force)
             run_dir = dp_distill(cfg, run_dir=args.run_dir, rerun=rerun)

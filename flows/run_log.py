@@ -49,6 +49,42 @@ class _RunLogHandler(logging.StreamHandler):
     """run.log's handler (told apart from the terminal's)."""
 
 
+class _EarlyLines(logging.Handler):
+    """The lines logged before the run directory exists (the plan, the temporary server's
+    start), kept in memory, at most `cap`, for the top of run.log (issue 24: run.log lacked
+    what the terminal had shown first)."""
+
+    def __init__(self, cap: int = 2000):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.cap = cap
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < self.cap:
+            self.records.append(record)
+
+
+_early: _EarlyLines | None = None
+
+
+def keep_early_lines() -> None:
+    """From now on, lines logged before `run_log` opens the file are kept for it (the CLI's
+    `run` calls this first)."""
+    global _early
+    if _early is None:
+        _early = _EarlyLines()
+        logging.getLogger().addHandler(_early)
+
+
+def _flush_early_lines(handler: logging.Handler) -> None:
+    global _early
+    if _early is not None:
+        logging.getLogger().removeHandler(_early)
+        for record in _early.records:
+            handler.emit(record)
+        _early = None
+
+
 def _terminal_formatter() -> logging.Formatter:
     """The formatter of the terminal's lines, so that run.log reads the same."""
     for h in _console_handlers():
@@ -72,6 +108,7 @@ def run_log(run_dir: Path) -> Iterator[Path]:
     root.addHandler(handler)
     _latest = Path(run_dir)
     handler.stream.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} dpdistill (pid {os.getpid()}) ---\n")
+    _flush_early_lines(handler)
     try:
         yield path
     except BaseException as e:

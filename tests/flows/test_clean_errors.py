@@ -74,6 +74,8 @@ def test_a_stage_error_in_the_flow_is_one_last_line(prefect_server, tmp_path):
     text = log.read_text()
     assert "Traceback" in text and "pipeline.stages.teacher.TeacherError" in text and "teacher.max_length=120" in text
     assert "base models" in text  # the progress lines are there too
+    # and what the terminal showed before the run directory existed: the plan (issue 24)
+    assert "plan of run 'tiny'" in text and text.index("plan of run") < text.index("base models")
     info = yaml.safe_load((run / "run.json").read_text())
     assert info["status"] == "failed" and info["reason"].startswith("TeacherError: teacher.max_length")
 
