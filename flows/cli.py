@@ -30,7 +30,7 @@ from pathlib import Path
 # Only light modules here: `--help`, `status`, `ledger show`, `report` and config errors
 # must answer without importing torch, transformers, Opacus or Prefect (tens of seconds on a
 # loaded machine; issue 10). The commands that need them import them in their handlers.
-from flows.run_info import RUN_INFO, STAGES, STAGES_INFO, RunDirError, read_run_info, run_alive, stages_to_rerun
+from flows.run_info import RUN_INFO, STAGES, STAGES_INFO, TOOL, RunDirError, read_run_info, run_alive, stages_to_rerun
 from pipeline.config import ConfigError, load_config
 from pipeline.reports import STAGE_WORDS
 from pipeline.privacy.ledger import LEDGER, format_table, read_ledger
@@ -333,7 +333,15 @@ def write_run_report(run_dir: Path) -> int:
 def show_ledger(run_dir: Path) -> int:
     path = run_dir / LEDGER
     if not path.is_file():
-        print(f"dpdistill: error: {path} not found; pass a run directory", file=sys.stderr)
+        info = read_run_info(run_dir)
+        if info.get("tool") != TOOL:
+            why = f"{run_dir} is not a run directory (no {RUN_INFO} written by dpdistill); pass the directory a run wrote"
+        else:  # a run of ours that has not written its ledger (yet)
+            state = "is still running" if info.get("status") == "running" and run_alive(info) else \
+                f"stopped ({info.get('status', 'unknown')})"
+            why = (f"{run_dir} has no {LEDGER} yet: the run {state} before writing it, so it has released "
+                   "nothing a ledger would list; `dpdistill status` shows how far its stages got")
+        print(f"dpdistill: error: {why}", file=sys.stderr)
         return 2
     ledger = read_ledger_file(path)
     print(format_table(ledger))

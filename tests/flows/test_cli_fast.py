@@ -184,3 +184,15 @@ def test_status_and_the_report_say_a_stage_ran_in_the_same_words(run_dir):
     assert rc == 0, err
     page = (run_dir / "report.html").read_text()
     assert "<td>teacher</td><td>finished</td>" in page and "<td>evaluation</td><td>cached</td>" in page
+
+
+def test_ledger_show_on_a_run_stopped_before_its_ledger_says_why(run_dir, tmp_path):
+    """Issue 24: it said "ledger.json not found; pass a run directory" about a run directory."""
+    (run_dir / "ledger.json").unlink()
+    info = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps(info | {"status": "interrupted"}))
+    rc, out, err, heavy = _cli("ledger", "show", str(run_dir))
+    assert (rc, heavy) == (2, [])
+    assert "has no ledger.json yet: the run stopped (interrupted)" in err and "dpdistill status" in err
+    rc, out, err, _ = _cli("ledger", "show", str(tmp_path))
+    assert rc == 2 and "is not a run directory" in err
