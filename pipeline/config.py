@@ -291,10 +291,47 @@ class TeacherConfig(_Section):
         False, description="Cryptographically secure noise (slower); turn on for production."
     )
     log_every: int = Field(
-        5, ge=1, description="Record ε and the loss on the validation split every N logical steps in "
+        5, ge=1, description="Record ε (and the validation loss, see `monitor`) every N logical steps in "
         "training_log.json (never the loss of a private batch); the log shows them only every 20 steps "
-        "and at the end, since a time is published with each line (issue 21)."
+        "and at the end, since a time is published with each line (issue 21). With monitor=dp, more "
+        "frequent releases mean more noise on each at the same monitor_epsilon."
     )
+    monitor: Literal["none", "dp", "public"] = Field(
+        "none",
+        description="What the validation loss published while training is computed from (issue 21: "
+        "a loss on private validation records, published exactly, confirmed a candidate record). "
+        "'none' (the default): no validation loss is computed or published; ε and steps only. "
+        "'dp': the mean clipped per-record loss on the validation split plus Gaussian noise, an "
+        "accounted release (ledger entry '<stage>-validation', composed into the total). "
+        "'public': the loss on `monitor_path`, records you declare public, published exactly.",
+    )
+    monitor_epsilon: float = Field(
+        0.5, gt=0, description="monitor=dp: ε of all the validation-loss releases together, at the "
+        "run's δ; composed with the DP-SGD stage's ε in the run's total.",
+    )
+    monitor_records: int | None = Field(
+        None, ge=1, description="How many validation (monitor=dp) or public (monitor=public) records "
+        "the loss is the mean over, the first ones; None: all of them. Fewer: cheaper, noisier (dp).",
+    )
+    monitor_clip: float = Field(
+        10.0, gt=0, description="monitor=dp: each record's mean per-token loss is clipped to [0, this] "
+        "(nats), so one record moves the mean by at most monitor_clip / n; the noise scales with it.",
+    )
+    monitor_path: Path | None = Field(
+        None, description="monitor=public: a file of records you declare public (a .csv, .jsonl or "
+        ".parquet with the columns of data.path); its loss is published without noise.",
+    )
+
+    @model_validator(mode="after")
+    def _monitor_is_consistent(self) -> "TeacherConfig":
+        if self.monitor == "public" and self.monitor_path is None:
+            raise ValueError("teacher.monitor=public needs teacher.monitor_path (a file of public records); "
+                             "or set teacher.monitor=dp (noisy) or none")
+        if self.monitor != "public" and self.monitor_path is not None:
+            raise ValueError(f"teacher.monitor_path is set but teacher.monitor={self.monitor!r}: set "
+                             "teacher.monitor=public to use it, or remove teacher.monitor_path")
+        return self
+
     processes: int = Field(
         1,
         ge=1,

@@ -28,10 +28,11 @@ from pipeline.devices import Runtime, resolve_device, slow_bf16_warning
 from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, ModelError, base_models_built, load_tokenizer
 from pipeline.privacy.accountant import epsilon_of, resolve_delta
 from pipeline.privacy.control_codes import gaussian_sigma
+from pipeline.privacy import monitor as dp_monitor
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose
 from pipeline.stages.adherence import declared_values
 from pipeline.stages.data import CODE_JOINER, PlannedSplit, planned_split, prompt_for
-from pipeline.stages.teacher import VALIDATION_MONITOR_RECORDS, calibrate_noise, poisson_schedule
+from pipeline.stages.teacher import calibrate_noise, monitor_points, poisson_schedule
 from pipeline.timing import StepTimer
 
 PROMPT_TOKENS = 16  # a control-code prompt, about ("Business Category: Bars\tReview Stars: 4.0\n\n")
@@ -87,8 +88,20 @@ def _dp_sgd_entry(stage: str, cfg: TeacherConfig, n: int, unit: str) -> tuple[Le
         stage=stage, private=True, epsilon=epsilon, delta=delta,
         accountant=cfg.accountant, mechanism="subsampled_gaussian", noise_multiplier=sigma, sample_rate=q,
         steps=steps_allowed, max_grad_norm=cfg.max_grad_norm, privacy_unit=unit, history=history,
-        note=f"planned: target ε={cfg.target_epsilon}",
+        validation_monitor=cfg.monitor, note=f"planned: target ε={cfg.target_epsilon}",
     ), probability, (t1 - t0, time.perf_counter() - t1)
+
+
+def _monitor_entry(trained: LedgerEntry, cfg: TeacherConfig, n_validation: int) -> LedgerEntry | None:
+    """teacher.monitor=dp: the planned entry of the stage's validation-loss releases, as the stage makes it."""
+    if cfg.monitor != "dp":
+        return None
+    releases = len(monitor_points(trained.steps, cfg.log_every))
+    z, accountant = dp_monitor.calibrate(cfg.monitor_epsilon, trained.delta, releases, cfg.accountant)
+    n = min(cfg.monitor_records or n_validation, n_validation)
+    return dp_monitor.ledger_entry(trained.stage, z=z, releases=releases, n=n, clip=cfg.monitor_clip,
+                                   target_epsilon=cfg.monitor_epsilon, delta=trained.delta, accountant=accountant,
+                                   unit=trained.privacy_unit, secure=cfg.secure_mode)
 
 
 def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
@@ -130,6 +143,8 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
         entry, probability[stage], accounting[stage] = _dp_sgd_entry(
             stage, cfg.teacher.model_copy(update={"target_epsilon": eps}), n, unit)
         entries.append(entry)
+        if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation):
+            entries.append(monitored)
     delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
                 total=compose(entries, cfg.teacher.accountant, delta), sampling_probability=probability,
@@ -190,7 +205,7 @@ def _window_batches(lengths: list[int], window: int, batch: int) -> list[tuple[i
 
 def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer) -> dict[str, tuple[float, str]]:
     """Each DP-SGD stage: its logical steps (the stages' Opacus step on random ids), the validation
-    loss every log_every steps, the final validation perplexity and σ's calibration."""
+    loss at each monitor point (teacher.monitor dp or public; none scores nothing) and σ's calibration."""
     t, out = cfg.teacher, {}
     for entry in plan.entries:
         if entry.mechanism != "subsampled_gaussian":
@@ -200,15 +215,15 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer) -> dict[s
         step = timer.teacher_step(name, t.batch_size, t.max_length)
         if entry.stage == "student" and cfg.distill.method == "dpkd":
             step += t.batch_size / t.physical_batch_size * timer.forward(t.model, t.physical_batch_size, t.max_length)
-        checks = math.ceil(entry.steps / t.log_every)
-        monitor = checks * timer.forward(name, min(VALIDATION_MONITOR_RECORDS, plan.n_validation), t.max_length)
-        final = 2 * timer.forward(name, plan.n_validation, t.max_length)  # a stream pass, a per-record pass
+        checks = len(monitor_points(entry.steps, t.log_every))
+        scored = min(t.monitor_records or plan.n_validation, plan.n_validation)  # monitor=public: timed at the validation split's size
+        monitor = 0.0 if t.monitor == "none" else checks * timer.forward(name, scored, t.max_length)
         calibration, one_epsilon = plan.accounting_seconds[entry.stage]
         accounting = calibration + checks * one_epsilon  # the stage calibrates σ again, and reports ε
-        out[entry.stage] = (entry.steps * step + monitor + final + accounting,
+        out[entry.stage] = (entry.steps * step + monitor + accounting,
                             f"{entry.steps} steps of {t.batch_size} (expected) × {t.max_length} tokens at {step:.3g} s "
                             f"with {t.grad_sample_mode} clipping, validation and σ calibration "
-                            f"{monitor + final + accounting:.0f} s")
+                            f"{monitor + accounting:.0f} s")
     return out
 
 

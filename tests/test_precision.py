@@ -117,7 +117,7 @@ def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
     each called through its module so that the observing test can wrap it."""
     teacher = pipeline.stages.teacher.train_teacher(
         TeacherConfig(target_epsilon=3.0, epochs=1, batch_size=25, physical_batch_size=10, max_length=48,
-                      learning_rate=1e-3),
+                      learning_rate=1e-3, monitor="dp"),  # monitored: its forwards are observed too
         train_path=splits.train, validation_path=splits.validation, base_model=str(model_dir),
         out_dir=out / "teacher", seed=0, runtime=runtime)
     codes = out / "codes.json"
@@ -139,8 +139,8 @@ def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
 
 # Stage functions observed, and the label their model calls get (the innermost wins).
 OBSERVED = [
-    (pipeline.stages.teacher, "_step", "teacher training"), (pipeline.stages.teacher, "_validation_loss", "teacher validation"),
-    (pipeline.stages.teacher, "_save", "teacher validation"),
+    (pipeline.stages.teacher, "_step", "teacher training"),
+    (pipeline.stages.teacher, "_per_record_losses", "teacher validation"),
     (pipeline.stages.generate, "_generate_shard", "generation"), (pipeline.stages.logit_cache, "_write_shard", "logit cache"),
     (pipeline.stages.distill, "distill", "distillation"), (pipeline.stages.evaluate, "perplexity", "evaluation"),
     (pipeline.stages.evaluate, "_adherence", "code adherence"),

@@ -155,11 +155,13 @@ def test_teacher_logs_steps_rate_epsilon_and_eta_every_window_never_a_batch_size
     timed = [re.match(r"teacher: step (\d+)/", m) for m in messages]  # log_every's line, with seconds
     assert [int(m.group(1)) for m in timed if m] == [TIMING_WINDOW_STEPS, steps]
     # issue 9 settled what training_log.json holds; progress lines add nothing to it, and
-    # its seconds come at the window too, while ε and the validation loss follow log_every
+    # its seconds come at the window too, while ε follows log_every; no validation loss at all
+    # under the default teacher.monitor=none (issue 21: it was computed from private records)
     history = json.loads((tmp_path / "training_log.json").read_text())["history"]
-    assert all(set(h) <= {"step", "epsilon", "validation_loss", "seconds"} for h in history)
+    assert all(set(h) <= {"step", "epsilon", "seconds"} for h in history)
     assert [h["step"] for h in history if "seconds" in h] == [TIMING_WINDOW_STEPS, steps]
-    assert {3, 6, 9} <= {h["step"] for h in history if "validation_loss" in h}
+    assert {3, 6, 9} <= {h["step"] for h in history if "epsilon" in h}
+    assert not any("validation" in m for m in messages)
 
 
 @pytest.fixture

@@ -50,6 +50,10 @@ class LedgerEntry(BaseModel):
     noise_source: str | None = None
     """Where the mechanism's randomness came from (pipeline/privacy/noise.py): OS entropy, a CSPRNG,
     or the test hook's fixed seed, which anyone could regenerate: then the entry is not private."""
+    validation_monitor: str | None = None
+    """A DP-SGD stage's teacher.monitor: what its published validation loss is computed from,
+    'none' (nothing published), 'dp' (its own '<stage>-validation' entry) or 'public' (records
+    the user declared public). None in ledgers written before the setting existed."""
     note: str
 
 
@@ -104,7 +108,8 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
         parts.append(f"plus basic composition (ε added) of the pure-ε {', '.join(e.stage for e in pure)}")
     not_dp = [e.stage for e in entries if not e.private]
     fixed_noise = [e.stage for e in entries if (e.noise_source or "").startswith(TEST_HOOK)]
-    note = f"(ε, δ)-DP per {next(iter(units), 'record')} for everything this run releases"
+    note = (f"(ε, δ)-DP per {next(iter(units), 'record')} for everything this run releases from its training "
+            f"split{_validation_scope(entries)}")
     if not_dp:
         note = f"covers the DP stages only; NOT differentially private: {', '.join(not_dp)}"
     if fixed_noise:
@@ -120,6 +125,29 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
         complete=not not_dp and not fixed_noise,
         note=note,
     )
+
+
+def _validation_scope(entries: list[LedgerEntry]) -> str:
+    """What the total says about the held-out splits, from what each DP-SGD stage published
+    from its validation split (`validation_monitor`) and whether evaluation read the test split."""
+    trained = [e for e in entries if e.mechanism == "subsampled_gaussian"]
+    modes = {e.validation_monitor for e in trained}
+    released = [e.stage for e in entries if e.stage.endswith("-validation") and e.mechanism == "gaussian"]
+    parts = []
+    if released:
+        parts.append(f" and the validation loss it publishes ({', '.join(released)})")
+    if modes == {"none"}:
+        parts.append("; nothing computed from the validation split is published")
+    if "public" in modes:
+        parts.append("; the validation loss of a stage with teacher.monitor=public is computed on records the "
+                     "user declared public, not on the private validation split")
+    if None in modes:
+        old = [e.stage for e in trained if e.validation_monitor is None]
+        parts.append(f"; the validation loss that {', '.join(old)} published (made before teacher.monitor "
+                     "existed) is computed on private validation records and NOT covered")
+    if any(e.stage == "evaluation" for e in entries):
+        parts.append("; the test split's figures (evaluation) are not covered")
+    return "".join(parts)
 
 
 def write_ledger(path: Path, ledger: PrivacyLedger) -> None:

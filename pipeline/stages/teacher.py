@@ -23,8 +23,11 @@ which is published with the config; `seed` drives the rest (dropout, data order)
 `secure_mode` they come from a ChaCha20 CSPRNG.
 
 What is published per step is a function of public quantities only (step, ε spent) plus,
-every `log_every` steps, the model's loss on the validation split (held out, not protected).
-The loss and size of a private Poisson batch are never published. Time is published only
+every `log_every` steps, a validation loss as `monitor` says: none (the default), a DP release
+on the validation split (pipeline/privacy/monitor.py, its own ledger entry) or the exact loss
+on records the user declared public. The validation records are private records: their exact
+loss confirmed a candidate record (issue 21). The loss and size of a private Poisson batch are
+never published. Time is published only
 every TIMING_WINDOW_STEPS steps and at the end: a step's duration tracks its Poisson batch.
 
 Crash-safe budget: every `checkpoint_every` steps the model, optimizer, accountant and
@@ -46,7 +49,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import pickle
 import shutil
@@ -70,14 +72,14 @@ from torch.utils.data import DataLoader, Dataset
 from pipeline.privacy import noise
 
 from pipeline.privacy import accountant as privacy
+from pipeline.privacy import monitor as dp_monitor
 
 from pipeline.stages import teacher_ddp
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import TeacherConfig
-from pipeline.stages.data import read_split, read_users
+from pipeline.stages.data import read_users
 from pipeline.devices import CPU_FP32, Runtime
-from pipeline.stages.evaluate import perplexity
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, sha256_file, write_manifest
 from pipeline.models.losses import per_sequence_distillation_loss
@@ -88,7 +90,6 @@ from pipeline.tokenized import TokenIds, token_column, tokenized_split
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint/state.pt"
-VALIDATION_MONITOR_RECORDS = 64  # validation records scored every log_every steps
 
 # A DP-SGD step's duration tracks its Poisson batch size, a function of the private records
 # drawn, and the DP guarantee says nothing about it. Progress lines came 1-2 steps apart on
@@ -101,6 +102,18 @@ TIMING_WINDOW_STEPS = 20
 def publishes_time(done: int, total: int) -> bool:
     """Whether the end of step `done` of `total` may be published with a time."""
     return done % TIMING_WINDOW_STEPS == 0 or done >= total
+
+
+def is_monitor_point(done: int, total: int, log_every: int) -> bool:
+    """Whether step `done` of `total` publishes ε and the validation loss (if monitored): every
+    `log_every` steps, and wherever a time is published, so that the line has them."""
+    return done % log_every == 0 or publishes_time(done, total)
+
+
+def monitor_points(total: int, log_every: int) -> list[int]:
+    """Every step that publishes a validation loss, the last one (the final loss) included:
+    with monitor=dp, the releases the accountant is told about before training."""
+    return [s for s in range(1, total + 1) if is_monitor_point(s, total, log_every)]
 
 
 class TeacherError(ValueError):
@@ -122,9 +135,13 @@ class TeacherResult:
     checkpoint: Path
     ledger: LedgerEntry
     validation_curve: list[tuple[int, float]] = field(default_factory=list)
-    """(step, loss on the first validation records) every log_every steps; never a training loss."""
-    validation_loss: float = float("nan")
+    """(step, published validation loss) every log_every steps (teacher.monitor: noisy with dp, on
+    public records with public); empty with monitor=none. Never a training loss."""
+    validation_loss: float | None = None
+    """The last published validation loss (the final model's); None with monitor=none."""
     resumed_from_step: int = 0
+    monitor_ledger: LedgerEntry | None = None
+    """monitor=dp: the ledger entry of the validation-loss releases, composed into the run's total."""
 
 
 def per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -292,21 +309,85 @@ def _world() -> tuple[int, int]:
 
 
 @torch.no_grad()
-def _validation_loss(model: torch.nn.Module, records: TokenIds, batch_size: int, runtime: Runtime) -> float:
-    """Mean per-record loss on held-out validation records (forward only, eval mode): the
-    training progress that is safe to publish, unlike the loss of a private batch."""
-    if len(records) == 0:
-        return float("nan")
+def _per_record_losses(model: torch.nn.Module, records: TokenIds, batch_size: int, runtime: Runtime) -> torch.Tensor:
+    """Each monitor record's mean per-token loss, (R,) float64 on the host (forward only, eval
+    mode). Published only through `_monitor_value`: exact for public records, noisy for private ones."""
     model.eval()
-    total = 0.0
+    losses: list[float] = []
     for ids, lengths in DataLoader(records, batch_size=batch_size, collate_fn=records.collate):
         batch = {k: v.to(runtime.device) for k, v in lm_batch(ids, lengths).items()}
         labels = batch.pop("labels")
         with runtime.autocast():
-            logits = model(**batch).logits
-        total += per_sequence_loss(logits, labels).sum().item()
+            logits = model(**batch).logits  # (B, L, V)
+        losses += per_sequence_loss(logits, labels).tolist()  # (B,)
     model.train()
-    return total / len(records)
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+@dataclass
+class _Monitor:
+    """What the stage scores at each monitor point (teacher.monitor dp or public)."""
+
+    mode: str
+    records: TokenIds
+    n: int  # units the published mean is over
+    units: torch.Tensor | None = None  # dp at user level: each record's user index (R,)
+    z: float = 0.0  # dp: the calibrated noise multiplier
+    entry: LedgerEntry | None = None  # dp: the release's ledger entry
+
+
+def _first_units(column, users: list[str] | None, limit: int | None):
+    """(records, each record's unit index or None, n) of the first `limit` units (all: None)
+    of a split, in its order. At user level a unit is every record of one user."""
+    if users is None:
+        n = len(column) if limit is None else min(limit, len(column))
+        return column.slice(0, n), None, n
+    first = list(dict.fromkeys(users))[:limit]
+    index = {u: i for i, u in enumerate(first)}
+    rows = [r for r, u in enumerate(users) if u in index]
+    return column.take(rows), torch.tensor([index[users[r]] for r in rows]), len(first)
+
+
+def _setup_monitor(cfg: TeacherConfig, tok, *, validation_path: Path, monitor_path: Path | None, stage: str,
+                   steps_allowed: int, delta: float) -> _Monitor | None:
+    """The records the validation loss is computed on, and with dp its calibrated mechanism."""
+    if cfg.monitor == "none":
+        return None  # the validation split is not even read
+    if cfg.monitor == "public":
+        if monitor_path is None:
+            raise TeacherError("teacher.monitor=public: pass train_teacher(monitor_path=...), the public "
+                               "records formatted as a split (the flow makes it from teacher.monitor_path)")
+        records, _, n = _first_units(token_column(tokenized_split(monitor_path, tok)), None, cfg.monitor_records)
+        if n == 0:
+            raise TeacherError(f"teacher.monitor_path {str(cfg.monitor_path)!r} holds no records; "
+                               "point it at a file of public records, or set teacher.monitor=none")
+        return _Monitor("public", TokenIds(records, cfg.max_length, tok.pad_token_id), n)
+    users = read_users(validation_path)
+    records, units, n = _first_units(token_column(tokenized_split(validation_path, tok)), users,
+                                     cfg.monitor_records)
+    if n == 0:
+        raise TeacherError("teacher.monitor=dp: the validation split is empty; raise data.validation_fraction "
+                           "or set teacher.monitor=none")
+    releases = len(monitor_points(steps_allowed, cfg.log_every))
+    try:
+        z, accountant = dp_monitor.calibrate(cfg.monitor_epsilon, delta, releases, cfg.accountant)
+    except dp_monitor.MonitorError as e:
+        raise TeacherError(str(e)) from e
+    entry = dp_monitor.ledger_entry(stage, z=z, releases=releases, n=n, clip=cfg.monitor_clip,
+                                    target_epsilon=cfg.monitor_epsilon, delta=delta, accountant=accountant,
+                                    unit="record" if users is None else "user", secure=cfg.secure_mode)
+    return _Monitor("dp", TokenIds(records, cfg.max_length, tok.pad_token_id), n, units, z, entry)
+
+
+def _monitor_value(run: _Run) -> float:
+    """The validation loss to publish at a monitor point: public records' exact mean, or the
+    DP release (pipeline/privacy/monitor.py) with noise from the secret monitor generator."""
+    m = run.monitor
+    losses = _per_record_losses(run.model, m.records, run.cfg.physical_batch_size, run.runtime)  # (R,)
+    if m.mode == "public":
+        return float(losses.double().mean())
+    return dp_monitor.noisy_mean(dp_monitor.unit_means(losses, m.units), run.cfg.monitor_clip, m.z,
+                                 run.rngs["monitor"])
 
 
 def _save_private(path: Path, save) -> None:
@@ -355,6 +436,8 @@ def _fingerprint(
         spec["world_size"] = world_size
     if precision != "fp32":  # not the device: a run may resume on another one
         spec["precision"] = precision
+    if cfg.monitor == "dp":  # the releases were counted from log_every; a resumed run must make the same
+        spec["log_every"] = cfg.log_every
     spec |= {"checkpoint_format": 2, "base_model": base_model, "train_sha256": sha256_file(train_path),
              "seed": seed, "sigma": sigma,
              "kd": None if kd is None else [str(kd.teacher_dir), kd.alpha, kd.temperature]}
@@ -390,7 +473,7 @@ class _Run:
     total_steps: int
     steps_allowed: int
     fingerprint: str
-    monitor: TokenIds  # the first validation records, scored every log_every steps
+    monitor: _Monitor | None  # what the published validation loss is computed on (None: not monitored)
     kd: KnowledgeDistillation | None = None
     kd_teacher: torch.nn.Module | None = None
     history: list[dict] = field(default_factory=list)
@@ -419,8 +502,9 @@ def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | Non
     return tok, model, kd_teacher
 
 
-def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_model: str, out_dir: Path,
-           seed: int, stage: str, kd: KnowledgeDistillation | None, runtime: Runtime) -> _Run:
+def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monitor_path: Path | None,
+           base_model: str, out_dir: Path, seed: int, stage: str, kd: KnowledgeDistillation | None,
+           runtime: Runtime) -> _Run:
     """Models, the private data behind secret Poisson sampling, σ, and Opacus' engine."""
     rank, world = _world()
     device = runtime.device  # a data-parallel rank's own: cuda:local_rank on nccl (ddp_worker)
@@ -437,6 +521,8 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_
     rngs = {"noise": noise.generator("noise", secure=cfg.secure_mode, rank=rank, device=device),
             "poisson": noise.generator("poisson", secure=cfg.secure_mode),
             "user_pick": noise.generator("user_pick", secure=cfg.secure_mode, rank=rank)}
+    if cfg.monitor == "dp":  # the validation-loss noise: rank 0 draws it, saved with the others
+        rngs["monitor"] = noise.generator("monitor", secure=cfg.secure_mode)
     train = records if users is None else OneRecordPerUser(records, users, rngs["user_pick"])
     unit, n = ("record" if users is None else "user"), len(train)
     sampling_probability, sample_rate, total_steps = poisson_schedule(n, cfg.batch_size, cfg.epochs, unit)
@@ -491,8 +577,8 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, base_
     dp_model, dp_optimizer, loader = made[0], made[1], made[-1]
     dp_model.forbid_grad_accumulation()  # what make_private does for Poisson sampling
 
-    validation = token_column(tokenized_split(validation_path, tok))
-    monitor = TokenIds(validation.slice(0, VALIDATION_MONITOR_RECORDS), cfg.max_length, tok.pad_token_id)
+    monitor = _setup_monitor(cfg, tok, validation_path=validation_path, monitor_path=monitor_path, stage=stage,
+                             steps_allowed=steps_allowed, delta=delta)
     return _Run(
         cfg=cfg, stage=stage, out_dir=Path(out_dir), rank=rank, world=world, runtime=runtime, device=device, tok=tok,
         model=model,
@@ -564,23 +650,25 @@ def _step(run: _Run, ids: torch.Tensor, lengths: torch.Tensor) -> None:
 
 
 def _record_step(run: _Run, t0: float) -> dict:
-    """What a finished logical step publishes: public quantities and, every log_every steps,
-    the validation loss; never the private batch's loss or size (a function of the records
-    drawn, released without noise). A time (the log line, `seconds`) only where
-    `publishes_time`, where ε and the validation loss are computed too, so the line has them."""
+    """What a finished logical step publishes: public quantities and, at monitor points, ε and
+    the validation loss as teacher.monitor says (none: no loss at all; dp: only the noisy
+    release); never the private batch's loss or size (a function of the records drawn,
+    released without noise). A time (the log line, `seconds`) only where `publishes_time`,
+    which is always a monitor point, so the line has them."""
     done = _steps_accounted(run.engine)
     record = {"step": done}
     timed = publishes_time(done, run.steps_allowed)
-    if run.rank == 0 and (done % run.cfg.log_every == 0 or timed):
+    if run.rank == 0 and is_monitor_point(done, run.steps_allowed, run.cfg.log_every):
         # Plain floats: the history goes into the checkpoint, which is read back with
         # weights_only=True, and that refuses a numpy scalar (the PRV accountant's ε).
         record["epsilon"] = float(run.engine.get_epsilon(run.delta))
-        record["validation_loss"] = float(_validation_loss(run.model, run.monitor, run.cfg.physical_batch_size,
-                                                           run.runtime))
+        if run.monitor is not None:
+            record["validation_loss"] = float(_monitor_value(run))
     if run.rank == 0 and timed:
         record["seconds"] = round(time.time() - t0, 1)
-        log.info("%s: step %d/%d ε=%.3f validation loss %.4f (%.0f s)", run.stage, done, run.steps_allowed,
-                 record["epsilon"], record["validation_loss"], record["seconds"])
+        loss = f" validation loss {record['validation_loss']:.4f}" if "validation_loss" in record else ""
+        log.info("%s: step %d/%d ε=%.3f%s (%.0f s)", run.stage, done, run.steps_allowed, record["epsilon"], loss,
+                 record["seconds"])
     run.history.append(record)
     return record
 
@@ -612,42 +700,56 @@ def _ledger_entry(run: _Run) -> LedgerEntry:
         + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else "")
         + (f"; KD loss (α={kd.alpha}, T={kd.temperature}) from the DP teacher" if kd else "")
         + (f"; data-parallel over {run.world} processes (Opacus DPDDP: each samples its share of the "
-           "global Poisson batch, noise added once, by rank 0)" if run.world > 1 else ""),
+           "global Poisson batch, noise added once, by rank 0)" if run.world > 1 else "")
+        + _monitor_note(run),
+        validation_monitor=cfg.monitor,
     )
 
 
-def _save(run: _Run, entry: LedgerEntry, *, train_path: Path, validation_path: Path, base_model: str) -> TeacherResult:
+def _monitor_note(run: _Run) -> str:
+    """What the stage's published validation loss is computed from, for its ledger note."""
+    if run.cfg.monitor == "none":
+        return ("; no figure computed from the validation split is published (teacher.monitor=none: no "
+                "validation loss)")
+    if run.cfg.monitor == "dp":
+        return f"; its validation loss is released with DP, see {run.monitor.entry.stage}"
+    return (f"; its validation loss is computed on public data, {run.monitor.n} records the user declared "
+            f"public (teacher.monitor_path={str(run.cfg.monitor_path)!r}), and published without noise; "
+            "the private validation split is not read")
+
+
+def _save(run: _Run, entry: LedgerEntry, *, train_path: Path, validation_path: Path, monitor_path: Path | None,
+          base_model: str) -> TeacherResult:
     """Rank 0 writes the plain checkpoint (LoRA merged), accountant state, training log and,
-    last, the manifest; then deletes the resume checkpoint."""
+    last, the manifest; then deletes the resume checkpoint. The final validation loss is the
+    last monitor point's, the final model's: no further release (monitor=dp counted it)."""
     run.dp_model._close()  # remove Opacus hooks and per-sample state before saving
     out_dir, ckpt, curve = run.out_dir, run.out_dir / "model", _validation_curve(run.history)
+    final_loss = curve[-1][1] if curve else None
+    monitor_entry = run.monitor.entry if run.monitor is not None else None
+    result = TeacherResult(checkpoint=ckpt, ledger=entry, validation_curve=curve, validation_loss=final_loss,
+                           resumed_from_step=run.resumed_from, monitor_ledger=monitor_entry)
     if run.rank != 0:  # rank 0 writes the stage's files
-        return TeacherResult(checkpoint=ckpt, ledger=entry, validation_curve=curve, resumed_from_step=run.resumed_from)
+        return result
     model = run.model.merge_and_unload() if run.cfg.mode == "lora" else run.model  # a plain checkpoint
     for p in model.parameters():
         p.requires_grad_(True)
-    model = model.eval()  # stays on the run's device: save_pretrained writes device-free safetensors
-    validation_loss = float("nan")
-    val_codes, val_texts = read_split(validation_path)
-    if val_texts:
-        ids = token_column(tokenized_split(validation_path, run.tok)).to_pylist()  # tokenized in _setup
-        with run.runtime.autocast():  # logits upcast to fp32 inside perplexity
-            ppl = perplexity(model, run.tok, val_codes, val_texts, run.cfg.max_length, run.cfg.physical_batch_size,
-                             token_ids=ids)
-        validation_loss = math.log(ppl.windowed)
-        log.info("%s: validation perplexity %.2f", run.stage, ppl.windowed)
-    model.save_pretrained(ckpt)
+    model.eval().save_pretrained(ckpt)  # from the run's device: safetensors are device-free
     run.tok.save_pretrained(ckpt)
     torch.save({"accountant": run.engine.accountant.state_dict(), "mechanism": run.engine.accountant.mechanism()},
                out_dir / "accountant_state.pt")
-    atomic_write_json(out_dir / "training_log.json", {"history": run.history, "validation_loss": validation_loss,
-                                                      "resumed_from_step": run.resumed_from})
-    write_manifest(out_dir, stage=run.stage, inputs={"train": train_path, "validation": validation_path},
-                   outputs={"model": ckpt, "accountant_state": out_dir / "accountant_state.pt"},
-                   extra={"base_model": base_model, "ledger": entry.model_dump()})
+    training_log = {"history": run.history, "monitor": run.cfg.monitor, "resumed_from_step": run.resumed_from}
+    if final_loss is not None:
+        training_log["validation_loss"] = final_loss
+    atomic_write_json(out_dir / "training_log.json", training_log)
+    read = {"dp": {"validation": validation_path}, "public": {"monitor": monitor_path}}.get(run.cfg.monitor, {})
+    extra = {"base_model": base_model, "ledger": entry.model_dump()}
+    if monitor_entry is not None:
+        extra["monitor_ledger"] = monitor_entry.model_dump()
+    write_manifest(out_dir, stage=run.stage, inputs={"train": train_path, **read},
+                   outputs={"model": ckpt, "accountant_state": out_dir / "accountant_state.pt"}, extra=extra)
     shutil.rmtree(run.checkpoint_path.parent, ignore_errors=True)  # finished: the manifest now says so
-    return TeacherResult(checkpoint=ckpt, ledger=entry, validation_curve=curve, validation_loss=validation_loss,
-                         resumed_from_step=run.resumed_from)
+    return result
 
 
 def train_teacher(
@@ -663,11 +765,15 @@ def train_teacher(
     kd: KnowledgeDistillation | None = None,
     progress_every: float = DEFAULT_EVERY,
     runtime: Runtime = CPU_FP32,
+    monitor_path: Path | None = None,
 ) -> TeacherResult:
     """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
 
+    `validation_path` is read only with `cfg.monitor` = dp; `monitor_path` (monitor=public) is
+    the user's public records formatted as a split (pipeline/stages/data.py format_public_split).
+
     `on_progress` receives each logical step's record after the step and its checkpoint:
-    step and done/total steps, plus ε and the validation loss every `log_every` steps and
+    step and done/total steps, plus ε (and the validation loss, per `cfg.monitor`) every `log_every` steps and
     elapsed seconds every TIMING_WINDOW_STEPS; never anything computed from a private batch.
     An exception raised there interrupts training like a crash. It is called every step (to
     stop promptly): publish its calls' times only where `publishes_time` (flows/progress.py).
@@ -682,7 +788,8 @@ def train_teacher(
     `runtime` (pipeline/devices.py): the device, precision (bf16: forward passes under
     autocast, fp32 master weights and losses) and CPU threads of this process.
     """
-    paths = dict(train_path=Path(train_path), validation_path=Path(validation_path), base_model=base_model)
+    paths = dict(train_path=Path(train_path), validation_path=Path(validation_path), base_model=base_model,
+                 monitor_path=None if monitor_path is None else Path(monitor_path))
     if cfg.processes > 1 and _world()[1] == 1:
         return _train_data_parallel(cfg, out_dir=Path(out_dir), seed=seed, on_progress=on_progress, stage=stage,
                                     kd=kd, progress_every=progress_every, runtime=runtime, **paths)
@@ -736,6 +843,7 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
     args = {"runtime": rank_runtime.to_json(),
             "config": cfg.model_dump(mode="json"), "out_dir": str(out_dir.resolve()), "stage": stage,
             "train_path": str(job["train_path"].resolve()), "validation_path": str(job["validation_path"].resolve()),
+            "monitor_path": None if job["monitor_path"] is None else str(job["monitor_path"].resolve()),
             "base_model": job["base_model"], "seed": job["seed"], "progress_every": progress_every,
             "kd": None if kd is None else {"teacher_dir": str(Path(kd.teacher_dir).resolve()), "alpha": kd.alpha,
                                            "temperature": kd.temperature}}
@@ -757,6 +865,7 @@ def ddp_worker(args: dict, on_progress: Callable[[dict], None] | None) -> None:
     train_teacher(
         TeacherConfig.model_validate(args["config"]), train_path=Path(args["train_path"]),
         validation_path=Path(args["validation_path"]), base_model=args["base_model"], out_dir=Path(args["out_dir"]),
+        monitor_path=Path(args["monitor_path"]) if args.get("monitor_path") else None,
         seed=args["seed"], on_progress=on_progress, stage=args["stage"],
         progress_every=args.get("progress_every", DEFAULT_EVERY), runtime=runtime,
         kd=None if kd is None else KnowledgeDistillation(Path(kd["teacher_dir"]), kd["alpha"], kd["temperature"]),
@@ -784,6 +893,7 @@ def finished_teacher(out_dir: Path) -> TeacherResult | None:
         checkpoint=Path(out_dir) / "model",
         ledger=LedgerEntry.model_validate(manifest["ledger"]),
         validation_curve=_validation_curve(log_["history"]),
-        validation_loss=log_["validation_loss"],
+        validation_loss=log_.get("validation_loss"),
         resumed_from_step=log_["resumed_from_step"],
+        monitor_ledger=LedgerEntry.model_validate(manifest["monitor_ledger"]) if "monitor_ledger" in manifest else None,
     )

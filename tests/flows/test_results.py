@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -32,12 +31,18 @@ class _Payload:
 
 def test_stage_results_round_trip_as_json():
     entry = LedgerEntry(stage="teacher", private=True, epsilon=1.0, history=[(1.0, 0.1, 3)], note="DP-SGD")
-    result = TeacherResult(checkpoint=Path("/runs/x/teacher/model"), ledger=entry, validation_curve=[(2, 2.0)])
+    result = TeacherResult(checkpoint=Path("/runs/x/teacher/model"), ledger=entry)  # teacher.monitor=none
     blob = encode_result(result)
     json.loads(blob)  # plain JSON
     back = decode_result(blob)
-    assert back.checkpoint == result.checkpoint and back.ledger == entry and math.isnan(back.validation_loss)
-    assert back.validation_curve == [(2, 2.0)]
+    assert back.checkpoint == result.checkpoint and back.ledger == entry
+    assert back.validation_loss is None and back.validation_curve == [] and back.monitor_ledger is None
+    released = LedgerEntry(stage="teacher-validation", private=True, epsilon=0.5, history=[(9.0, 1.0, 2)],
+                           mechanism="gaussian", note="noisy validation loss")  # teacher.monitor=dp
+    dp = TeacherResult(checkpoint=result.checkpoint, ledger=entry, validation_curve=[(2, 2.0)], validation_loss=2.0,
+                       monitor_ledger=released)
+    back = decode_result(encode_result(dp))
+    assert back.validation_curve == [(2, 2.0)] and back.validation_loss == 2.0 and back.monitor_ledger == released
     assert decode_result(encode_result({"perplexity": {"a": 1.5}})) == {"perplexity": {"a": 1.5}}
     assert decode_result(encode_result(None)) is None
     with pytest.raises(TypeError, match="not a stage result type"):
