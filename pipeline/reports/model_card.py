@@ -26,6 +26,30 @@ _ROLES = {
 }
 
 
+# What the model's DP-SGD stage published from the validation split, by its teacher.monitor.
+_VALIDATION = {
+    "none": "Nothing computed from the private validation split is published (teacher.monitor=none: the "
+            "DP-SGD stage reports ε and steps only).",
+    "dp": "The DP-SGD stage's validation loss is published only as noisy releases of a Gaussian mechanism "
+          "(teacher.monitor=dp), in the ledger as its own entry and composed into the total above: the "
+          "validation records are covered.",
+    "public": "The DP-SGD stage's validation loss is computed on records the user declared public "
+              "(teacher.monitor=public, teacher.monitor_path) and published without noise; the private "
+              "validation split is not read. If those records are not in fact public, nothing protects them.",
+}
+
+
+def _held_out(e) -> list[str]:
+    """The 'Not protected' item on the held-out splits, true for the stage's teacher.monitor."""
+    test = ("- **The held-out test split.** It is read without DP (the evaluation's perplexities); only "
+            "aggregate figures are published from it, and no guarantee covers the records in it.")
+    validation = _VALIDATION.get(e.validation_monitor)
+    if validation is None:  # a ledger written before teacher.monitor existed
+        return ["- **The held-out splits.** The private validation split (the DP-SGD stage's validation loss) "
+                "and the test split (the evaluation's perplexities) are read without DP; only aggregate "
+                "figures are published from them, and no guarantee covers the records in them."]
+    return [test, f"- **The validation split.** {validation}"]
+
 def _trained_by(ledger: PrivacyLedger, stage: str) -> LedgerEntry:
     """The DP-SGD entry behind a model: its own stage's, or the teacher's for a model
     computed from the teacher only (distillation)."""
@@ -84,11 +108,7 @@ def model_card(ledger: PrivacyLedger, stage: str, run_name: str | None = None) -
         lines.append(f"- **total**: ε = {total.epsilon:.4g}, δ = {total.delta:.3g}, {total.accountant} accountant; "
                      f"{'complete' if total.complete else 'INCOMPLETE'}")
     lines += ["", "## Not protected", ""]
-    lines.append(
-        "- **The held-out splits.** The private validation split (the DP-SGD stage's validation loss) and "
-        "the test split (the evaluation's perplexities) are read without DP; only aggregate figures are "
-        "published from them, and no guarantee covers the records in them."
-    )
+    lines += _held_out(e)
     for x in ledger.entries:
         if not x.private:
             lines.append(f"- **`{x.stage}` is released without DP**; the ledger says: {x.note}.")
