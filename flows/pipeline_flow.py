@@ -38,7 +38,7 @@ from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.stages.adherence import declared_values
 from pipeline.privacy.control_codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
-from pipeline.stages.data import DataResult, delete_private_copies, prepare_data
+from pipeline.stages.data import DataResult, delete_private_copies, format_public_split, prepare_data
 from pipeline.devices import Runtime
 from pipeline.stages.distill import DistillResult, distill
 from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
@@ -117,6 +117,10 @@ def _dp_train(
     if done is not None:
         get_run_logger().info("%s: already finished in this run directory, reusing it (no new budget spent)", stage)
         return done
+    monitor_path = None
+    if cfg.teacher.monitor == "public":  # formatted as the private splits are, so the loss is comparable
+        monitor_path = format_public_split(cfg.data, cfg.teacher.monitor_path,
+                                           run_dir / PUBLIC_MONITOR_DIR / f"{stage}.parquet")
     with StageProgress(stage, "steps", window=TIMING_WINDOW_STEPS) as progress:
         return train_teacher(
             cfg.teacher.model_copy(update={"target_epsilon": epsilon}),
@@ -130,7 +134,18 @@ def _dp_train(
             on_progress=progress,
             progress_every=cfg.progress_seconds,
             runtime=Runtime.from_config(cfg),
+            monitor_path=monitor_path,
         )
+
+
+PUBLIC_MONITOR_DIR = "public_monitor"
+"""Where teacher.monitor=public's records are written as a split, in the run directory."""
+
+
+def _monitor_key(cfg: PipelineConfig) -> dict:
+    """monitor=public: the public file's bytes are an input of the DP-SGD stages (their cache key)."""
+    path = cfg.teacher.monitor_path
+    return {"monitor_sha256": sha256_file(Path(path))} if cfg.teacher.monitor == "public" else {}
 
 
 def _teacher_epsilon(cfg: PipelineConfig) -> float:
@@ -145,7 +160,8 @@ def _precision(cfg: PipelineConfig) -> dict:
     return {} if cfg.precision == "fp32" else {"precision": cfg.precision}
 
 
-@stage_task("teacher", lambda cfg: {"teacher": cfg.teacher, "model": cfg.teacher.model, **_precision(cfg)})
+@stage_task("teacher", lambda cfg: {"teacher": cfg.teacher, "model": cfg.teacher.model, **_precision(cfg),
+                                    **_monitor_key(cfg)})
 def teacher_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, epsilon: float, run_dir: Path
 ) -> TeacherResult:
@@ -163,7 +179,7 @@ def _distill_key(cfg: PipelineConfig, *, reads_synthetic: bool = True) -> dict:
 
 
 @stage_task("dp-student", lambda cfg: {"teacher": cfg.teacher, "distill": _distill_key(cfg, reads_synthetic=False),
-                                       **_precision(cfg)})
+                                       **_precision(cfg), **_monitor_key(cfg)})
 def dp_student_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, teacher: TeacherResult | None,
     epsilon: float, run_dir: Path,
@@ -277,13 +293,14 @@ class StageRunner:
         deltas = [r.entry.delta for r in budget.releases if r.entry.delta]
         return self.run_delta or (deltas[-1] if deltas else None)
 
-    def _record_release(self, stage: str, result, entry: LedgerEntry) -> None:
+    def _record_release(self, stage: str, result, entry: LedgerEntry, part: str = "") -> None:
         """Add this DP release to the dataset's budget; warn when it raises the total that
-        earlier runs had spent on the same data."""
+        earlier runs had spent on the same data. `part` names a second release of the same
+        stage run (its validation loss, teacher.monitor=dp), identified by its manifest too."""
         root, sha = Path(self.cfg.run_root).resolve(), self.dataset_sha256
         if self.run_delta is None and entry.history:
             self.run_delta = entry.delta
-        release_id = manifest_digest(stage_dir_of(result))
+        release_id = manifest_digest(stage_dir_of(result)) + part
         before = read_budget(root, sha)
         earlier = [r for r in before.releases if r.release_id not in self.releases | {release_id}]
         budget, new = record_release(root, sha, release_id=release_id, stage=stage, run_dir=self.run_dir, entry=entry)
@@ -365,6 +382,9 @@ class StageRunner:
         ledger = getattr(result, "ledger", None)
         if self.dataset_sha256 and isinstance(ledger, LedgerEntry) and ledger.private and ledger.epsilon:
             self._record_release(stage, result, ledger)
+        monitor = getattr(result, "monitor_ledger", None)  # the validation loss released with DP
+        if self.dataset_sha256 and isinstance(monitor, LedgerEntry) and monitor.epsilon:
+            self._record_release(monitor.stage, result, monitor, part=":validation")
         self._record(
             stage,
             status="cached" if cached else ("forced" if forced else "ran"),
@@ -460,6 +480,11 @@ def _dataset_total(budget, run_total: LedgerTotal | None, accountant: str) -> Le
     return dataset_total(budget, accountant, run_total.delta) if budget and run_total and budget.releases else None
 
 
+def _dp_sgd_entries(result: TeacherResult) -> list[LedgerEntry]:
+    """A DP-SGD stage's releases: its training, and its validation loss with teacher.monitor=dp."""
+    return [result.ledger] + ([result.monitor_ledger] if result.monitor_ledger is not None else [])
+
+
 def _run_stages(
     cfg: PipelineConfig, out: Path, rerun: list[str], sources: dict[str, str]
 ) -> tuple[PrivacyLedger, dict]:
@@ -479,7 +504,7 @@ def _run_stages(
         ledger.append(codes.ledger)
     if method in ("distil", "dp_syn", "dpkd"):
         teacher = stage("teacher", teacher_task, cfg, data, base, _teacher_epsilon(cfg), out)
-        ledger.append(teacher.ledger)
+        ledger += _dp_sgd_entries(teacher)
         write_ledger(out / LEDGER, typed(ledger))
     if method in ("distil", "dp_syn"):
         synthetic = stage("generation", generation_task, cfg, teacher, codes, ledger, out)
@@ -489,7 +514,7 @@ def _run_stages(
     else:  # dp_sgd, dpkd: the student itself trains on the private data with DP-SGD
         student_epsilon = dp_sgd_budgets(cfg)["student"]
         student = stage("dp-student", dp_student_task, cfg, data, base, teacher, student_epsilon, out)
-        ledger.append(student.ledger)
+        ledger += _dp_sgd_entries(student)
     evaluation = stage("evaluation", evaluation_task, cfg, data, base, teacher, student, synthetic, codes, out)
     ledger.append(
         post_processing(
@@ -516,7 +541,7 @@ def _run_stages(
     metrics = {**evaluation, "method": method,
                "seconds": {name: s.get("seconds") for name, s in stage.stages.items()},
                "cached": sorted(name for name, s in stage.stages.items() if s.get("status") == "cached")}
-    if teacher is not None:
+    if teacher is not None and teacher.validation_loss is not None:  # teacher.monitor=none: nothing
         metrics["teacher_validation_loss"] = teacher.validation_loss
     if isinstance(student, DistillResult):  # how many synthetic samples the student saw (Figure 3's x)
         metrics["distillation"] = {"train_samples": student.train_samples,

@@ -46,6 +46,9 @@ def check_inputs(cfg: PipelineConfig) -> list[str]:
     problems = _data_file(data.path, "data.path", columns)
     if data.test_path is not None:
         problems += _data_file(data.test_path, "data.test_path", columns)
+    if cfg.teacher.monitor == "public":  # the public records the validation loss is computed on
+        problems += _data_file(cfg.teacher.monitor_path, "teacher.monitor_path",
+                               [*data.text_columns, *data.code_columns])
     problems += _models(cfg)
     problems += _device(cfg)
     problems += _run_root(Path(cfg.run_root))

@@ -287,6 +287,16 @@ def _write_split(path: Path, codes: list[str], texts: list[str], users: list[str
     tmp.replace(path)
 
 
+def format_public_split(cfg: DataConfig, source: Path, out: Path) -> Path:
+    """Records the user declares public (teacher.monitor_path, the columns of data.path) written
+    as a split at `out`, formatted exactly as the private ones, for the teacher's public
+    validation loss. Users are dropped: a public loss needs no privacy unit."""
+    public = cfg.model_copy(update={"user_column": None})  # no privacy unit: the column need not exist
+    codes, texts, _, _ = _format_codes(read_table(source), public, f"teacher.monitor_path {str(source)!r}")
+    _write_split(Path(out), codes, texts, None)
+    return Path(out)
+
+
 def delete_private_copies(result: DataResult) -> list[Path]:
     """Delete the private splits and their tokenized copies once nothing reads them any more
     (after evaluation). The splits' sha256 stay in the data manifest; a later run with the
