@@ -178,6 +178,18 @@ def _is_dp_log(train_log: dict) -> bool:
     return not any("ce" in h for h in train_log.get("history", []))
 
 
+_MONITOR_SAYS = {
+    "dp": "Validation loss: the noisy DP releases (teacher.monitor=dp, its own ledger entry).",
+    "public": "Validation loss: on records the user declared public (teacher.monitor=public).",
+}
+_NOT_MONITORED = (
+    "The validation loss is not monitored (teacher.monitor=none, the default): nothing computed from the "
+    "private validation split is published. To chart it, set teacher.monitor=dp (a Gaussian release with "
+    "its own ε, teacher.monitor_epsilon, composed into the total) or teacher.monitor=public with "
+    "teacher.monitor_path (records you declare public)."
+)
+
+
 def _dp_training(run_dir: Path) -> str:
     logs = {}
     for stage in ("teacher", "student"):
@@ -186,29 +198,33 @@ def _dp_training(run_dir: Path) -> str:
             logs[stage] = train_log
     if not logs:
         return _note("No finished DP-SGD training log (teacher/ or a DP student) in this run.")
-    fig = Figure(figsize=(10, 3.6))
-    loss_ax, eps_ax = fig.subplots(1, 2)
-    rows = []
+    # The validation loss as the stage published it (teacher.monitor), never a private batch's loss.
+    curves = {s: [h for h in log["history"] if h.get("validation_loss") is not None] for s, log in logs.items()}
+    monitored = any(curves.values())
+    fig = Figure(figsize=(10, 3.6) if monitored else (5.5, 3.6))
+    axes = fig.subplots(1, 2) if monitored else [fig.subplots()]
+    eps_ax, rows = axes[-1], []
     for stage, train_log in logs.items():
-        hist = train_log["history"]
+        hist, val = train_log["history"], curves[stage]
         label = "teacher" if stage == "teacher" else "DP student"
-        # The loss on held-out validation records, as logged every log_every steps. The loss of
-        # a private training batch is never logged: it would be released without noise.
-        val = [h for h in hist if h.get("validation_loss") is not None]
-        loss_ax.plot([h["step"] for h in val], [h["validation_loss"] for h in val], marker="o", label=label)
+        if val:
+            axes[0].plot([h["step"] for h in val], [h["validation_loss"] for h in val], marker="o", label=label)
         # ε as recorded from the Opacus accountant every log_every steps: never recomputed here.
         eps = [h for h in hist if h.get("epsilon") is not None]
         eps_ax.plot([h["step"] for h in eps], [h["epsilon"] for h in eps], marker="o", label=label)
-        rows.append([label, len(hist), val[-1]["validation_loss"] if val else None,
-                     eps[-1]["epsilon"] if eps else None, train_log.get("validation_loss")])
-    loss_ax.set(title="Validation loss during DP-SGD", xlabel="step", ylabel="mean token loss")
+        rows.append([label, len(hist), train_log.get("monitor", "-"), val[-1]["validation_loss"] if val else None,
+                     eps[-1]["epsilon"] if eps else None])
+    if monitored:
+        axes[0].set(title="Validation loss during DP-SGD", xlabel="step", ylabel="mean token loss")
     eps_ax.set(title="ε spent (Opacus accountant)", xlabel="step", ylabel="ε", ylim=(0, None))
-    for ax in (loss_ax, eps_ax):
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    table = _table(["model", "steps", "last logged validation loss", "ε at the end",
-                    "final validation loss (log perplexity)"], rows)
-    return _svg(fig, "dp-training") + table
+    table = _table(["model", "steps", "teacher.monitor", "final validation loss", "ε at the end"], rows)
+    modes = {log.get("monitor") for log in logs.values()}
+    says = [_MONITOR_SAYS[m] for m in sorted(modes - {None}) if m in _MONITOR_SAYS]
+    notes = "".join(_note(s) for s in says) + (_note(_NOT_MONITORED) if not monitored else "")
+    return _svg(fig, "dp-training") + table + notes
 
 
 def _distillation(run_dir: Path) -> str:

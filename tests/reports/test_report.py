@@ -33,17 +33,20 @@ def _json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj))
 
 
-def _dp_log(last_epsilon: float, loss0: float) -> dict:
-    history = [{"step": s} for s in range(1, 13)]  # what the teacher publishes: no batch loss or size
+def _dp_log(last_epsilon: float, loss0: float, monitor: str = "none") -> dict:
+    """What a DP-SGD stage writes: no batch loss or size; a validation loss only when monitored."""
+    history = [{"step": s} for s in range(1, 13)]
     for h in history:
         if h["step"] % 5 == 0 or h["step"] == 12:
             h["epsilon"] = last_epsilon * (h["step"] / 12) ** 0.5  # recorded values, as the accountant wrote them
-            h["validation_loss"] = loss0 - 0.05 * h["step"]
+            if monitor != "none":
+                h["validation_loss"] = loss0 - 0.05 * h["step"]
             h["seconds"] = 2.0 * h["step"]
-    return {"history": history, "validation_loss": loss0 - 0.5, "resumed_from_step": 0}
+    log = {"history": history, "monitor": monitor, "resumed_from_step": 0}
+    return log | ({"validation_loss": loss0 - 0.6} if monitor != "none" else {})
 
 
-def make_run(root: Path, method: str = "distil") -> Path:
+def make_run(root: Path, method: str = "distil", monitor: str = "none") -> Path:
     """A finished run directory of `method` with the files the flow writes (tiny, made by hand)."""
     run = root / f"run-{method}"
     (run / "data").mkdir(parents=True)
@@ -77,12 +80,13 @@ def make_run(root: Path, method: str = "distil") -> Path:
                            "tokens": 2000, "records": 10, "per_code": {}} for m, v in ppl.items()},
         "method": method,
         "seconds": {"data": 0.5, "teacher": 10.0, "evaluation": 2.0},
-        "teacher_validation_loss": 5.5,
     }
+    if monitor != "none":
+        metrics["teacher_validation_loss"] = 6.2
     if method == "dp_sgd":
         del metrics["perplexity"]["base_teacher"], metrics["perplexity"]["dp_teacher"]
     if dp:
-        _json(run / "student" / "training_log.json", _dp_log(teacher_eps if method == "dpkd" else 2.0, 4.8))
+        _json(run / "student" / "training_log.json", _dp_log(teacher_eps if method == "dpkd" else 2.0, 4.8, monitor))
     else:
         _json(run / "student" / "training_log.json", {
             "history": [{"step": s, "epoch": 0, "loss": 3 - 0.1 * s, "ce": 5 - 0.1 * s, "kl": 0.3, "mse": 0.0}
@@ -117,7 +121,7 @@ def make_run(root: Path, method: str = "distil") -> Path:
             outcomes, {"category": ["Bars", "Shopping"], "stars": ["Stars: 1.0", "Stars: 3.0", "Stars: 5.0"]},
             truncated=1)
     if method != "dp_sgd":
-        _json(run / "teacher" / "training_log.json", _dp_log(teacher_eps, 6.8))
+        _json(run / "teacher" / "training_log.json", _dp_log(teacher_eps, 6.8, monitor))
     _json(run / "metrics.json", metrics)
     return run
 
@@ -149,6 +153,17 @@ def test_report_of_a_distil_run_has_every_figure_and_no_private_record(tmp_path)
     assert _external_refs(page) == set()
     assert SECRET not in page and SYNTHETIC_TEXT not in page
     assert not list(run.glob(".report.html.*"))  # the atomic write left no temp file
+
+
+def test_report_says_the_validation_loss_is_not_monitored_by_default_and_how_to_turn_it_on(tmp_path):
+    """teacher.monitor=none: no validation loss anywhere in the report, and a note saying why and
+    which setting charts it; with monitor=dp the noisy releases are charted and labelled."""
+    page = write_report(make_run(tmp_path / "none", "distil")).read_text()
+    assert "validation loss is not monitored" in page and "teacher.monitor=dp" in page
+    assert "Validation loss during DP-SGD" not in page and f"{6.8 - 0.05 * 5:.4g}" not in page
+    page = write_report(make_run(tmp_path / "dp", "distil", monitor="dp")).read_text()
+    assert "Validation loss during DP-SGD" in page and "noisy DP releases" in page
+    assert "not monitored" not in page and f"{6.8 - 0.6:.4g}" in page  # the last (final) release
 
 
 def test_report_is_the_same_for_the_same_run(tmp_path):
