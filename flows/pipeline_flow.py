@@ -42,7 +42,7 @@ from pipeline.stages.data import DataResult, delete_private_copies, format_publi
 from pipeline.devices import Runtime
 from pipeline.stages.distill import DistillResult, distill
 from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
-from pipeline.stages.generate import GenerateResult
+from pipeline.stages.generate import PLACEMENT_FIELDS, GenerateResult
 from pipeline.privacy.budget import dataset_total, read_budget, record_release, store_total
 from pipeline.locks import file_lock, unlock
 from pipeline.privacy.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
@@ -192,8 +192,10 @@ def dp_student_task(
                      epsilon=epsilon, kd=kd)
 
 
-# The worker count changes how fast, not what: shards depend on (seed, shard) alone.
-@stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(mode="json", exclude={"workers"}),
+# Where shards are computed (worker count, Dask cluster) changes how fast, not what: shards
+# depend on (seed, shard) alone.
+@stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(mode="json",
+                                                                         exclude=set(PLACEMENT_FIELDS)),
                                        **_precision(cfg)})
 def generation_task(
     cfg: PipelineConfig, teacher: TeacherResult, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path

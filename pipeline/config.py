@@ -373,7 +373,18 @@ class GenerateConfig(_Section):
         1,
         ge=1,
         description="Local worker processes generating shards in parallel (a Dask cluster under "
-        "Prefect); 1 generates in-process. The shards are the same for any value.",
+        "Prefect); 1 generates in-process. The shards are the same for any value. Ignored with "
+        "`dask_address`, where the cluster's workers do the work.",
+    )
+    dask_address: str | None = Field(
+        None,
+        min_length=1,
+        description="A running Dask scheduler (e.g. 'tcp://10.0.0.5:8786') to send the shards to, "
+        "instead of local processes; unset: $DASK_SCHEDULER_ADDRESS if set, else `workers`. Every "
+        "worker loads the teacher and writes shards by path: the run directory must be on storage "
+        "shared by all nodes, mounted at the same path (checked before any shard is generated; "
+        "docs/operations.md, 'Running generation on a Dask cluster'). Like `workers`, it changes "
+        "where shards are computed, never what they hold.",
     )
 
 

@@ -31,7 +31,9 @@ import json
 import logging
 import math
 import os
+import socket
 import time
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +69,12 @@ SCHEMA = pa.schema(
         ("finished", pa.bool_()),
     ]
 )
+
+
+# Where shards are computed (local processes, a Dask cluster), never what they hold: left out of
+# the fingerprint, the shards' metadata and the stage's cache key, so shards written anywhere are
+# one generation and resume each other.
+PLACEMENT_FIELDS = frozenset({"workers", "dask_address"})
 
 
 class GenerateError(ValueError):
@@ -215,10 +223,9 @@ def sample_untruncated(model, tok, codes: dict[str, float], n: int, max_length: 
 
 
 def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: int, precision: str = "fp32") -> str:
-    # `workers` changes how shards are scheduled, never what they hold: shards written with any
-    # number of workers are the same generation (and resume each other). So does the device
+    # PLACEMENT_FIELDS change how shards are scheduled, never what they hold. So does the device
     # (rounding only); the precision does not: bf16 weights sample other texts.
-    spec = {"config": cfg.model_dump(mode="json", exclude={"shard_size", "workers"}), "teacher": teacher_sha,
+    spec = {"config": cfg.model_dump(mode="json", exclude={"shard_size", *PLACEMENT_FIELDS}), "teacher": teacher_sha,
             "codes": counts_sha, "seed": seed, "shard_size": cfg.shard_size, "format": 3}
     if precision != "fp32":  # fp32 shards written before precision existed stay this generation's
         spec["precision"] = precision
@@ -295,7 +302,7 @@ def plan_generation(
         "dpdistill.teacher_checkpoint": str(teacher_dir),
         "dpdistill.teacher_sha256": teacher_sha,
         "dpdistill.ledger": json.dumps([e.model_dump() for e in ledger]),
-        "dpdistill.generate_config": cfg.model_dump_json(exclude={"workers"}),
+        "dpdistill.generate_config": cfg.model_dump_json(exclude=set(PLACEMENT_FIELDS)),
         "dpdistill.seed": str(seed),
         "dpdistill.precision": runtime.precision,
         "dpdistill.fingerprint": fingerprint,
@@ -308,6 +315,38 @@ def plan_generation(
     return GenerationPlan(cfg=cfg, teacher_dir=teacher_dir, control_codes_path=Path(control_codes_path),
                           out_dir=out_dir, seed=seed, fingerprint=fingerprint, counts=counts,
                           metadata=metadata, shards=shards, runtime=runtime)
+
+
+def teacher_files(teacher_dir: Path) -> dict[str, int]:
+    """Name -> size of the files a process loads the teacher from (config, weights, tokenizer)."""
+    return {f.name: f.stat().st_size for f in sorted(Path(teacher_dir).iterdir()) if f.is_file()}
+
+
+def shard_access_problems(teacher_dir: Path, out_dir: Path, marker: str) -> list[str]:
+    """What stops this process from writing shards (empty: nothing). Run on each worker of a
+    cluster: `out_dir/marker` (written by the flow, the teacher's `teacher_files`) proves the
+    worker sees the flow's output directory, not a local one at the same path, and that the
+    teacher it reads at `teacher_dir` is the flow's. Paths as the worker resolves them."""
+    where = f" (relative to this worker's directory {os.getcwd()})" if not Path(teacher_dir).is_absolute() else ""
+    try:
+        expected = json.loads((Path(out_dir) / marker).read_text())
+    except OSError:
+        return [f"cannot see the output directory {out_dir}{where}: the file the flow wrote there is missing"]
+    try:
+        seen = teacher_files(teacher_dir)
+        for name in seen:  # readable, not only listed
+            with open(Path(teacher_dir) / name, "rb") as f:
+                f.read(1)
+    except OSError as e:
+        return [f"cannot read the teacher checkpoint {teacher_dir}{where}: {e.strerror or e}"]
+    problems = [] if seen == expected else [f"the teacher checkpoint {teacher_dir} holds other files than the flow's"]
+    probe = Path(out_dir) / f".write-probe-{uuid.uuid4().hex}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        problems.append(f"cannot write the output directory {out_dir}: {e.strerror or e}")
+    return problems
 
 
 @functools.lru_cache(maxsize=1)
@@ -340,12 +379,15 @@ def generate_shard(plan: GenerationPlan, shard: int, on_batch: Callable[[int, in
     table = pa.table(rows, schema=SCHEMA).replace_schema_metadata(
         plan.metadata | {"dpdistill.shard_stats": json.dumps(stats)}
     )
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two workers never share one
+    # A name of its own (a random one: workers on several nodes sharing the directory may have the
+    # same pid). It starts with '.', so a worker killed mid-write leaves a file no reader takes for
+    # a shard (they read shard-*.parquet); finish_generation removes it.
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     pq.write_table(table, tmp)
     tmp.replace(path)  # atomic: a crash never leaves half a shard
     log.info("generation: shard %d written, %d samples kept, %.0f new tokens/s",
              shard, stats["kept"], stats["new_tokens"] / max(stats["seconds"], 1e-9))
-    return {**stats, "shard": shard, "samples": n, "reused": False, "pid": os.getpid()}
+    return {**stats, "shard": shard, "samples": n, "reused": False, "pid": os.getpid(), "host": socket.gethostname()}
 
 
 class GenerationProgress:
@@ -404,6 +446,8 @@ def finish_generation(plan: GenerationPlan, stats: list[dict], wall_seconds: flo
         )
     shards = [plan.shard_path(s["shard"]) for s in stats]
     assert all(p.is_file() for p in shards), "a shard reported finished is missing"
+    for stale in plan.out_dir.glob(".shard-*.parquet.*.tmp"):  # half-written by a killed worker
+        stale.unlink(missing_ok=True)
     requested, generated, totals = Counter(), Counter(), Counter()
     for s in stats:
         requested.update(s["requested"])
@@ -445,7 +489,8 @@ def finish_generation(plan: GenerationPlan, stats: list[dict], wall_seconds: flo
             "wall_seconds": wall_seconds,
             "tokens_per_second": result.tokens_per_second,
             "resumed_shards": resumed,
-            "processes": len({s["pid"] for s in fresh}),  # that wrote the shards generated now
+            # that wrote the shards generated now (pids repeat across the nodes of a Dask cluster)
+            "processes": len({(s.get("host"), s["pid"]) for s in fresh}),
         },
     )
     log.info(
