@@ -128,9 +128,9 @@ def test_cluster_writes_the_in_process_shards(prefect_server, dask_cluster, tmp_
     assert manifest["processes"] == 2  # both workers of the cluster wrote shards, none this process
 
 
-# 4 shards of 40 samples, 2 per batch, up to 40 new tokens each: a shard takes a few seconds,
+# 4 shards of 24 samples, 2 per batch, up to 40 new tokens each: a shard takes a second or more,
 # long enough to kill a worker in the middle of one.
-SLOW = dict(num_samples=160, shard_size=40, batch_size=2, max_length=48, validation_fraction=0.2)
+SLOW = dict(num_samples=96, shard_size=24, batch_size=2, max_length=48, validation_fraction=0.2)
 
 
 def _kill_mid_shard(out_dir: Path, workers: list[subprocess.Popen], killed: list[int], stop: threading.Event):
