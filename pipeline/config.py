@@ -386,6 +386,12 @@ class GenerateConfig(_Section):
         "docs/operations.md, 'Running generation on a Dask cluster'). Like `workers`, it changes "
         "where shards are computed, never what they hold.",
     )
+    engine: Literal["fast", "hf"] = Field(
+        "fast",
+        description="'fast': our decode loop for GPT-2 teachers (KV cache allocated once, a slot refilled "
+        "as its sample ends, top-k/top-p on the k largest logits; pipeline/models/decoding.py). 'hf': "
+        "transformers' generate, the reference; the same sampling distribution, other samples for a seed.",
+    )
 
 
 # The DistillConfig fields a selection candidate may set (the rest is shared by all candidates).

@@ -1,9 +1,13 @@
 """Stage 2: the DP teacher writes synthetic records to sharded Parquet.
 
 Prompts are control codes drawn with the released control-code distribution; sampling is
-top-k / top-p with a temperature (optionally `no_repeat_ngram_size`), batched with the KV
-cache, at most `max_length` tokens including the prompt. Prompts of equal token length
-are batched together, so no batch needs padding.
+top-k / top-p with a temperature (optionally `no_repeat_ngram_size`), at most `max_length`
+tokens including the prompt. Two engines draw from that same distribution: `fast` (the
+default, pipeline/models/decoding.py: a KV cache allocated once, `batch_size` rows each
+refilled with the next prompt as its sample ends, no padding) and `hf`, the reference
+(transformers' `generate` on batches of prompts of equal token length). They consume the
+random stream differently, so a seed gives other samples with each (the fingerprint says
+which engine wrote a shard).
 
 Scale: samples are written in shards of `shard_size` (`synthetic/shard-00000.parquet`,
 ...), one shard in memory at a time. Shard i draws its prompts and samples from a seed
@@ -51,6 +55,7 @@ from pipeline.stages.data import prompt_for, read_control_codes
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.manifest import sha256_file, write_manifest
+from pipeline.models import decoding
 from pipeline.models.base import load_causal_lm, load_tokenizer
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 
@@ -129,34 +134,25 @@ def _validation_positions(kept: list[int], fraction: float, rng: np.random.Gener
     return {int(i) for i in rng.choice(kept, size=n_validation, replace=False)} if n_validation else set()
 
 
-def _generate_shard(
-    model, tok, cfg: GenerateConfig, counts: dict[str, float], first_id: int, n: int, shard_seed: int,
-    on_batch: Callable[[int, int], None] | None = None, keep_empty: bool = False,
-) -> tuple[dict[str, list], dict]:
-    """Rows and stats of one shard of `n` samples with ids first_id, first_id + 1, ...;
-    `on_batch(samples, new_tokens)` after each batch, with the shard's totals so far."""
-    rng = np.random.default_rng(shard_seed)
-    torch.manual_seed(shard_seed)
-    eos = tok.eos_token_id
-    device = next(model.parameters()).device
-    n_prompts = math.ceil(n / cfg.samples_per_prompt)
-    requested = [c for c in sample_control_codes(counts, n_prompts, rng) for _ in range(cfg.samples_per_prompt)][:n]
-    prompt_ids = {c: tok.encode(prompt_for(c), add_special_tokens=False) for c in set(requested)}
-    by_length: dict[int, list[int]] = defaultdict(list)  # prompt length -> sample positions
-    for i, code in enumerate(requested):
-        by_length[len(prompt_ids[code])].append(i)
-    assert max(by_length) < cfg.max_length, "plan_generation checks prompt lengths"
+def _budget(cfg: GenerateConfig, prompt_length: int) -> int:
+    """New tokens a sample may have: up to max_length in all, and max_new_tokens when set."""
+    budget = cfg.max_length - prompt_length
+    return min(budget, cfg.max_new_tokens) if cfg.max_new_tokens else budget
 
-    kept: dict[int, tuple] = {}
-    dropped, new_tokens, samples_done = 0, 0, 0
+
+def _hf_samples(model, cfg: GenerateConfig, prompts: list[list[int]], eos: int):
+    """The reference engine (generate.engine=hf): transformers' generate on batches of prompts
+    of equal length (no padding), each batch running until its longest sample ends. Yields each
+    batch's (prompt index, new tokens without eos, whether eos ended it)."""
+    device = next(model.parameters()).device
+    by_length: dict[int, list[int]] = defaultdict(list)  # prompt length -> prompt indices
+    for i, prompt in enumerate(prompts):
+        by_length[len(prompt)].append(i)
     for length in sorted(by_length):
-        budget = cfg.max_length - length
-        if cfg.max_new_tokens:
-            budget = min(budget, cfg.max_new_tokens)
         positions = by_length[length]
         for start in range(0, len(positions), cfg.batch_size):
             chunk = positions[start : start + cfg.batch_size]
-            input_ids = torch.tensor([prompt_ids[requested[i]] for i in chunk], device=device)  # (B, P), equal lengths
+            input_ids = torch.tensor([prompts[i] for i in chunk], device=device)  # (B, P), equal lengths
             with torch.no_grad():
                 out = model.generate(
                     input_ids=input_ids,
@@ -166,26 +162,64 @@ def _generate_shard(
                     top_p=cfg.top_p,
                     temperature=cfg.temperature,
                     no_repeat_ngram_size=cfg.no_repeat_ngram_size or None,
-                    max_new_tokens=budget,
+                    max_new_tokens=_budget(cfg, length),
                     use_cache=True,
                     pad_token_id=eos,
                     eos_token_id=eos,
                 )  # (B, <= P + budget)
+            rows = []
             for i, row in zip(chunk, out.tolist()):
                 new = row[length:]
                 finished = eos in new
-                if finished:
-                    new = new[: new.index(eos)]
-                new_tokens += len(new)
-                text = tok.decode(new, skip_special_tokens=True)
-                if not text.strip() and not keep_empty:
-                    dropped += 1  # prompt-only generation: counted, not kept
-                    continue
-                seq = prompt_ids[requested[i]] + new + ([eos] if finished else [])
-                kept[i] = (text, seq, length, finished)
-            samples_done += len(chunk)
-            if on_batch:
-                on_batch(samples_done, new_tokens)
+                rows.append((i, new[: new.index(eos)] if finished else new, finished))
+            yield rows
+
+
+def _fast_samples(model, cfg: GenerateConfig, prompts: list[list[int]], eos: int):
+    """The default engine (generate.engine=fast, pipeline/models/decoding.py): `batch_size`
+    rows decoded at a time, each refilled with the next prompt as its sample ends. Yields the
+    ended samples a batch_size at a time (the progress granularity of the hf engine)."""
+    ended = []
+    for rows in decoding.sample(model, prompts, [_budget(cfg, len(p)) for p in prompts], eos=eos,
+                                slots=cfg.batch_size, max_length=cfg.max_length, top_k=cfg.top_k, top_p=cfg.top_p,
+                                temperature=cfg.temperature, no_repeat_ngram_size=cfg.no_repeat_ngram_size):
+        ended += rows
+        if len(ended) >= cfg.batch_size:
+            yield ended
+            ended = []
+    if ended:
+        yield ended
+
+
+def _generate_shard(
+    model, tok, cfg: GenerateConfig, counts: dict[str, float], first_id: int, n: int, shard_seed: int,
+    on_batch: Callable[[int, int], None] | None = None, keep_empty: bool = False,
+) -> tuple[dict[str, list], dict]:
+    """Rows and stats of one shard of `n` samples with ids first_id, first_id + 1, ...;
+    `on_batch(samples, new_tokens)` after each batch, with the shard's totals so far."""
+    rng = np.random.default_rng(shard_seed)
+    torch.manual_seed(shard_seed)
+    eos = tok.eos_token_id
+    n_prompts = math.ceil(n / cfg.samples_per_prompt)
+    requested = [c for c in sample_control_codes(counts, n_prompts, rng) for _ in range(cfg.samples_per_prompt)][:n]
+    prompt_ids = {c: tok.encode(prompt_for(c), add_special_tokens=False) for c in set(requested)}
+    prompts = [prompt_ids[c] for c in requested]
+    assert max(map(len, prompts)) < cfg.max_length, "plan_generation checks prompt lengths"
+    engine = _fast_samples if cfg.engine == "fast" else _hf_samples
+
+    kept: dict[int, tuple] = {}
+    dropped, new_tokens, samples_done = 0, 0, 0
+    for ended in engine(model, cfg, prompts, eos):
+        for i, new, finished in ended:
+            new_tokens += len(new)
+            text = tok.decode(new, skip_special_tokens=True)
+            if not text.strip() and not keep_empty:
+                dropped += 1  # prompt-only generation: counted, not kept
+                continue
+            kept[i] = (text, prompts[i] + new + ([eos] if finished else []), len(prompts[i]), finished)
+        samples_done += len(ended)
+        if on_batch:
+            on_batch(samples_done, new_tokens)
 
     validation = _validation_positions(sorted(kept), cfg.validation_fraction, rng)
     rows: dict[str, list] = {name: [] for name in SCHEMA.names}
@@ -217,7 +251,8 @@ def sample_untruncated(model, tok, codes: dict[str, float], n: int, max_length: 
     Empty generations are kept (the model chose eos: that is part of its distribution).
     What distillation's selection criterion compares students with (pipeline/stages/distill.py)."""
     cfg = GenerateConfig(num_samples=n, batch_size=batch_size, top_k=0, top_p=1.0, temperature=1.0,
-                         max_length=max_length, validation_fraction=0.0)
+                         max_length=max_length, validation_fraction=0.0,
+                         engine="hf" if decoding.fast_decode_problem(model) else "fast")
     rows, stats = _generate_shard(model, tok, cfg, codes, 0, n, seed, keep_empty=True)
     return rows["token_ids"]
 
@@ -225,7 +260,10 @@ def sample_untruncated(model, tok, codes: dict[str, float], n: int, max_length: 
 def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: int, precision: str = "fp32") -> str:
     # PLACEMENT_FIELDS change how shards are scheduled, never what they hold. So does the device
     # (rounding only); the precision does not: bf16 weights sample other texts.
-    spec = {"config": cfg.model_dump(mode="json", exclude={"shard_size", *PLACEMENT_FIELDS}), "teacher": teacher_sha,
+    # The engine changes the samples (other draws from the same distribution); shards written by
+    # `generate` before engines existed stay the hf engine's generation.
+    exclude = {"shard_size", *PLACEMENT_FIELDS} | ({"engine"} if cfg.engine == "hf" else set())
+    spec = {"config": cfg.model_dump(mode="json", exclude=exclude), "teacher": teacher_sha,
             "codes": counts_sha, "seed": seed, "shard_size": cfg.shard_size, "format": 3}
     if precision != "fp32":  # fp32 shards written before precision existed stay this generation's
         spec["precision"] = precision
@@ -282,6 +320,11 @@ def plan_generation(
     except OSError as e:
         raise GenerateError(f"no model config in the teacher checkpoint {teacher_dir}; run the teacher stage first") from e
     n_positions = getattr(model_config, "n_positions", None) or model_config.max_position_embeddings
+    if cfg.engine == "fast" and model_config.model_type != "gpt2":
+        raise GenerateError(
+            f"generate.engine=fast decodes GPT-2 teachers only, and {teacher_dir} is a {model_config.model_type!r} "
+            "model; set generate.engine=hf"
+        )
     if cfg.max_length > n_positions:
         raise GenerateError(
             f"generate.max_length={cfg.max_length} exceeds the teacher's {n_positions} positions; "
