@@ -449,6 +449,12 @@ class DistillConfig(_Section):
         None, ge=1, description="Stop after this many evaluations without improvement (None: never)."
     )
     log_every: int = Field(20, ge=1)
+    bucket_batches: int = Field(
+        50, ge=0,
+        description="Length bucketing: each epoch's shuffle is cut into chunks of this many batches, each "
+        "chunk sorted by length into batches, the batches shuffled, so a batch pads little "
+        "(pipeline/batching.py). 0: plain shuffled batches, padded to their longest sample.",
+    )
     teacher_top_k: int | None = Field(
         None,
         ge=1,

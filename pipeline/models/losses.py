@@ -43,24 +43,38 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def _log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T) in fp32 (B, T, V). No division at T = 1: on (B, T, V) every
+    elementwise pass is a copy of the largest tensor of the step, forward and backward (issue 22)."""
+    logits = logits.float()
+    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+
+
+def _nll(log_probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """-log p(label) (B, T) from log-probs (B, T, V); ignored labels read token 0 (masked later)."""
+    return -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+def _kl(log_p_t: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(p_t ‖ q) = Σ p_t·log p_t − Σ p_t·log q (B, T) from log-probs (B, T, V).
+
+    Two dot products over V, each one fused pass that writes no (B, T, V) temporary (the
+    difference-then-product form took four passes and two such tensors); the teacher's term
+    carries no gradient. Identical inputs give exactly 0: the two dots are the same sums."""
+    p_t = log_p_t.exp()  # (B, T, V)
+    return torch.einsum("btv,btv->bt", p_t, log_p_t) - torch.einsum("btv,btv->bt", p_t, log_q)
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token CE over non-ignored labels. logits (B, T, V), labels (B, T)."""
-    nll = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        labels.reshape(-1).clamp(min=0),
-        reduction="none",
-    ).view(labels.shape)  # (B, T)
-    return _masked_mean(nll, labels != IGNORE)
+    return _masked_mean(_nll(_log_softmax(logits), labels), labels != IGNORE)
 
 
 def kl_teacher_student(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """Mean per-token KL(teacher_T ‖ student_T) over `mask`. logits (B, T, V), mask (B, T)."""
-    log_p_s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, T, V)
-    log_p_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # (B, T, V)
-    kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1)  # (B, T)
-    return _masked_mean(kl, mask)
+    return _masked_mean(_kl(_log_softmax(teacher_logits, temperature), _log_softmax(student_logits, temperature)), mask)
 
 
 def kl_teacher_student_topk(
@@ -73,11 +87,13 @@ def kl_teacher_student_topk(
     k ids. With k = V this is exactly `kl_teacher_student`. student_logits (B, T, V),
     teacher (B, T, k), mask (B, T).
     """
-    log_p_s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, T, V)
-    log_p_s_k = log_p_s.gather(-1, teacher.indices.long())  # (B, T, k)
-    log_p_t = F.log_softmax(teacher.logits.float() / temperature, dim=-1)  # (B, T, k), renormalised
-    kl = (log_p_t.exp() * (log_p_t - log_p_s_k)).sum(-1)  # (B, T)
-    return _masked_mean(kl, mask)
+    return _masked_mean(_kl_topk(_log_softmax(student_logits, temperature), teacher, temperature), mask)
+
+
+def _kl_topk(log_q: torch.Tensor, teacher: TopKLogits, temperature: float) -> torch.Tensor:
+    """Per-token KL (B, T) of the renormalised top-k teacher against the log-probs (B, T, V)."""
+    log_q_k = log_q.gather(-1, teacher.indices.long())  # (B, T, k)
+    return _kl(_log_softmax(teacher.logits, temperature), log_q_k)  # teacher (B, T, k), renormalised
 
 
 def hidden_mse(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -105,11 +121,13 @@ def distillation_loss(
     (B, T, V) or cached `TopKLogits` (B, T, k), see `kl_teacher_student_topk`.
     """
     kl_mask = kl_mask & (labels != IGNORE)
-    ce = cross_entropy(student_logits, labels)
+    log_p_s = _log_softmax(student_logits)  # (B, T, V): the CE's, and the KL's at T = 1 (computed once)
+    ce = _masked_mean(_nll(log_p_s, labels), labels != IGNORE)
+    log_q_s = log_p_s if temperature == 1.0 else _log_softmax(student_logits, temperature)  # (B, T, V)
     if isinstance(teacher_logits, TopKLogits):
-        kl = kl_teacher_student_topk(student_logits, teacher_logits, kl_mask, temperature)
+        kl = _masked_mean(_kl_topk(log_q_s, teacher_logits, temperature), kl_mask)
     else:
-        kl = kl_teacher_student(student_logits, teacher_logits, kl_mask, temperature)
+        kl = _masked_mean(_kl(_log_softmax(teacher_logits, temperature), log_q_s), kl_mask)
     zero = ce.new_zeros(())
     mse = zero
     if beta > 0:
