@@ -50,23 +50,3 @@ def lm_batch(ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor
         "labels": labels,
     }
 
-
-def length_bucketed_batches(lengths: torch.Tensor, batch_size: int, generator: torch.Generator,
-                            chunk_batches: int) -> list[torch.Tensor]:
-    """One epoch's batches of sample indices (every sample once), shuffled but with little padding.
-
-    The epoch's random permutation is cut into chunks of `chunk_batches` batches; each chunk is
-    sorted by length and cut into batches, and all the batches are shuffled. A batch holds
-    samples of about one length drawn from a random chunk (the bucketing of Megatron and
-    fairseq), so it pads little where a shuffled batch pads to its longest sample: ~30% of
-    the demo's synthetic batches were padding. `chunk_batches=0`: the permutation cut into
-    batches, as plain shuffling does. lengths (N,) -> batches of at most `batch_size` indices.
-    """
-    order = torch.randperm(len(lengths), generator=generator)  # (N,)
-    if chunk_batches == 0:
-        return list(order.split(batch_size))
-    batches = []
-    for chunk in order.split(batch_size * chunk_batches):
-        by_length = chunk[torch.sort(lengths[chunk], stable=True).indices]
-        batches += list(by_length.split(batch_size))
-    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]

@@ -449,11 +449,11 @@ class DistillConfig(_Section):
         None, ge=1, description="Stop after this many evaluations without improvement (None: never)."
     )
     log_every: int = Field(20, ge=1)
-    bucket_batches: int = Field(
-        50, ge=0,
-        description="Length bucketing: each epoch's shuffle is cut into chunks of this many batches, each "
-        "chunk sorted by length into batches, the batches shuffled, so a batch pads little "
-        "(pipeline/batching.py). 0: plain shuffled batches, padded to their longest sample.",
+    length_groups: int = Field(
+        4, ge=1,
+        description="The models run each batch in this many groups of samples of similar length, each "
+        "padded to its own longest (1: the whole batch padded to its longest). The batch, its loss and "
+        "its gradient stay the same; only padding is saved.",
     )
     teacher_top_k: int | None = Field(
         None,

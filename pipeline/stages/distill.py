@@ -30,11 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.compute as pc
 import torch
 from transformers import AutoConfig
 
-from pipeline.batching import IGNORE, length_bucketed_batches, lm_batch
+from pipeline.batching import IGNORE, lm_batch
 from pipeline.models.scoring import mean_token_nll
 from pipeline.stages.selection import choose, log_selection, score_students, selection_set
 from pipeline.config import DistillConfig
@@ -185,39 +184,45 @@ def _save_model(student, tok, ckpt: Path) -> None:
 def _step(cfg: DistillConfig, setup: _Setup, student, projection, cached, ids, lengths, skip, runtime: Runtime):
     """One batch's loss parts (the caller steps the optimiser). ids (B, L), lengths (B,), skip (B,).
 
-    The vocabulary projection and the losses run on the N real target tokens only, as one
-    (1, N) row, never on padding: the same per-token losses and the same means over the same
-    tokens as on the padded (B, L-1, V) logits, without the padded positions' share of the
-    largest tensors of the step."""
+    The models run the batch in `cfg.length_groups` groups of samples of similar length, each
+    padded to its own longest; the vocabulary projections and the losses then run once, on the
+    batch's N real targets only, as one (1, N) row. The same per-token losses, means over the
+    same tokens and gradient as on the padded (B, L-1, V) logits (issue 22: a shuffled batch
+    of synthetic samples was ~30% padding, and the (B, L-1, V) tensors the largest of the step)."""
     device, vocab, want_hidden = runtime.device, len(setup.tok), cfg.beta > 0
-    batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
-    labels = batch.pop("labels")  # (B, L-1)
-    real = labels != IGNORE  # (B, L-1): the targets that count
-    kl_mask = prompt_mask(labels.shape[1], skip).to(device)[real]  # (N,)
+    groups = [g for g in torch.argsort(lengths).chunk(cfg.length_groups) if len(g)]  # similar lengths together
+    batches, labels, kl_mask = [], [], []
+    for g in groups:
+        batch = {k: v.to(device) for k, v in lm_batch(ids[g], lengths[g]).items()}
+        target = batch.pop("labels")  # (b, l-1)
+        real = target != IGNORE  # (b, l-1): the targets that count
+        batches.append((batch, real))
+        labels.append(target[real])
+        kl_mask.append(prompt_mask(target.shape[1], skip[g]).to(device)[real])
+    labels, kl_mask = torch.cat(labels)[None], torch.cat(kl_mask)[None]  # (1, N)
     teacher_hidden = None
-    if cached is not None:
-        teacher_logits = TopKLogits(*(t[real][None] for t in cached))  # (1, N, k), already on the device
+    if cached is not None:  # TopKLogits (B, L-1, k), already on the device
+        teacher_logits = TopKLogits(*(torch.cat([t[g][:, : real.shape[1]][real] for g, (_, real) in zip(groups, batches)])[None]
+                                      for t in cached))  # (1, N, k)
     else:
         with torch.no_grad(), runtime.autocast():
-            t_last = _last_hidden(setup.teacher, batch)[real]  # (N, H_t)
+            t_last = _real_hidden(setup.teacher, batches)  # (N, H_t)
             teacher_logits = _vocab_logits(setup.teacher, t_last, vocab).float()[None]  # (1, N, V)
-        teacher_hidden = t_last.float() if want_hidden else None
+        teacher_hidden = t_last.float()[None] if want_hidden else None
     with runtime.autocast():  # forward only; the losses below run in fp32
-        s_last = _last_hidden(student, batch)[real]  # (N, H_s)
+        s_last = _real_hidden(student, batches)  # (N, H_s)
         s_logits = _vocab_logits(student, s_last, vocab)  # (N, V)
         s_hidden = projection(s_last) if projection is not None else s_last  # (N, H_t)
     return distillation_loss(
-        s_logits.float()[None], teacher_logits, labels[real][None],
-        kl_mask[None], alpha=cfg.alpha, temperature=cfg.temperature, beta=cfg.beta,
-        student_hidden=s_hidden.float()[None] if want_hidden else None,
-        teacher_hidden=teacher_hidden[None] if want_hidden else None,
+        s_logits.float()[None], teacher_logits, labels, kl_mask, alpha=cfg.alpha, temperature=cfg.temperature,
+        beta=cfg.beta, student_hidden=s_hidden.float()[None] if want_hidden else None, teacher_hidden=teacher_hidden,
     )
 
 
-def _last_hidden(model, batch: dict) -> torch.Tensor:
-    """The last hidden states (B, L-1, H) at the positions that predict a next token: what the
-    LM head reads, and `hidden_states[-1]` of the model's output (after the final norm)."""
-    return model.base_model(**batch).last_hidden_state[:, :-1]
+def _real_hidden(model, batches: list[tuple[dict, torch.Tensor]]) -> torch.Tensor:
+    """The last hidden states (N, H) at the real targets' positions of every group, in order:
+    what the LM head reads, `hidden_states[-1]` of the model's output (after the final norm)."""
+    return torch.cat([model.base_model(**batch).last_hidden_state[:, :-1][real] for batch, real in batches])
 
 
 def _vocab_logits(model, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -234,8 +239,6 @@ def _train(cfg: DistillConfig, setup: _Setup, *, name: str, student_model: str, 
     rows = _train_rows(cfg, setup, synthetic_path)
     data = TokenIds(rows["token_ids"], setup.max_len, setup.tok.pad_token_id)
     prompt_lengths = torch.from_numpy(rows["n_prompt_tokens"].to_numpy().astype("int64"))  # (N,)
-    sample_lengths = torch.from_numpy(pc.list_value_length(rows["token_ids"]).to_numpy().astype("int64"))  # (N,)
-    sample_lengths = sample_lengths.clamp(max=setup.max_len)  # as TokenIds cuts them
     cached = CachedTopK(setup.cache, rows["sample_id"].to_pylist()) if setup.cache is not None else None
     log.info("distillation%s: training on %d of the %d synthetic train samples%s", f" [{name}]" if name else "",
              len(data), setup.available, "" if cfg.num_synthetic is None else " (distill.num_synthetic)")
@@ -258,7 +261,9 @@ def _train(cfg: DistillConfig, setup: _Setup, *, name: str, student_model: str, 
     t0, step, stopped_early = time.time(), 0, False
     student.train()
     for epoch in range(cfg.epochs):
-        for idx in length_bucketed_batches(sample_lengths, cfg.batch_size, generator, cfg.bucket_batches):
+        order = torch.randperm(len(data), generator=generator)
+        for start in range(0, len(data), cfg.batch_size):
+            idx = order[start : start + cfg.batch_size]
             ids, lengths = data.collate([data[i] for i in idx])  # padded to this batch's longest
             skip = prompt_lengths[idx] if cfg.kl_skip_tokens is None else torch.full((len(idx),), cfg.kl_skip_tokens)
             top = None

@@ -284,28 +284,10 @@ def test_num_synthetic_changes_only_the_distillation_key(tiny_config):
     assert "num_synthetic" not in distillation_task.cache_policy.config_of(tiny_config)["distill"]
 
 
-def test_length_buckets_cover_every_sample_once_and_pad_less():
-    """Each epoch's batches hold every sample once, as many batches as plain shuffling, with far
-    less padding; chunk_batches=0 is the plain shuffle, drawn as it was before bucketing."""
-    import torch
-
-    from pipeline.batching import length_bucketed_batches
-
-    lengths = torch.randint(5, 129, (1000,))
-
-    def padding(batches):
-        return sum(int(lengths[b].max()) * len(b) - int(lengths[b].sum()) for b in batches) / int(lengths.sum())
-
-    bucketed = length_bucketed_batches(lengths, 16, torch.Generator().manual_seed(0), chunk_batches=50)
-    plain = length_bucketed_batches(lengths, 16, torch.Generator().manual_seed(0), chunk_batches=0)
-    assert sorted(torch.cat(bucketed).tolist()) == list(range(1000)) and len(bucketed) == len(plain) == 63
-    assert [b.tolist() for b in plain] == [b.tolist() for b in torch.randperm(1000, generator=torch.Generator().manual_seed(0)).split(16)]
-    assert padding(bucketed) < 0.05 < 0.5 < padding(plain)
-
-
-def test_the_step_on_real_tokens_is_the_padded_loss(tiny_tokenizer, tiny_model_dir, wide_student):
-    """The step's head and losses on the real tokens only give the loss parts the padded
-    (B, L-1, V) logits give, and the same gradient."""
+@pytest.mark.parametrize("groups", [1, 2, 3, 8])
+def test_the_step_in_length_groups_is_the_padded_loss(tiny_tokenizer, tiny_model_dir, wide_student, groups):
+    """The step, its models run in length groups and its heads and losses on the real tokens
+    only, gives the loss parts and the gradient of the padded (B, L-1, V) batch."""
     import torch
 
     from pipeline.batching import lm_batch
@@ -316,10 +298,10 @@ def test_the_step_on_real_tokens_is_the_padded_loss(tiny_tokenizer, tiny_model_d
 
     torch.manual_seed(0)
     teacher, student = load_causal_lm(str(tiny_model_dir)).eval(), load_causal_lm(str(wide_student))
-    lengths = torch.tensor([20, 7, 13])
-    ids = torch.randint(1, 300, (3, 20)) * (torch.arange(20) < lengths.unsqueeze(1))  # (B, L), padded with 0
-    skip = torch.tensor([3, 2, 5])
-    cfg = DistillConfig(candidates=[], alpha=0.6, temperature=2.0)
+    lengths = torch.tensor([20, 7, 13, 2, 9])
+    ids = torch.randint(1, 300, (5, 20)) * (torch.arange(20) < lengths.unsqueeze(1))  # (B, L), padded with 0
+    skip = torch.tensor([3, 2, 5, 0, 4])
+    cfg = DistillConfig(candidates=[], alpha=0.6, temperature=2.0, length_groups=groups)
     setup = _Setup(tok=tiny_tokenizer, teacher=teacher, cache=None, max_len=64, train_table=None, validation=None,
                    available=3, scratch=None)
     ours = _step(cfg, setup, student, None, None, ids, lengths, skip, CPU_FP32)
