@@ -193,9 +193,10 @@ def dp_student_task(
 
 
 # Where shards are computed (worker count, Dask cluster) changes how fast, not what: shards
-# depend on (seed, shard) alone.
-@stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(mode="json",
-                                                                         exclude=set(PLACEMENT_FIELDS)),
+# depend on (seed, shard) alone. The hf engine is left out of the key, as out of the shards'
+# fingerprint: runs generated before generate.engine existed stay cached under engine=hf.
+@stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(
+    mode="json", exclude=set(PLACEMENT_FIELDS) | ({"engine"} if cfg.generate.engine == "hf" else set())),
                                        **_precision(cfg)})
 def generation_task(
     cfg: PipelineConfig, teacher: TeacherResult, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path

@@ -2,11 +2,12 @@
 batching, top-k / top-p / temperature as tensor ops. Generation's default engine
 (`generate.engine: fast`); HF's `model.generate` stays the reference (`generate.engine: hf`).
 
-Why not `model.generate` (issue 22): a decode step of the builtin teacher (4 × 256, vocabulary
-8192, 64 rows) is ~12 ms of arithmetic on one CPU core, and `generate` spent ~100 ms a step
-around it: warpers over the whole vocabulary (a sort and an exponential draw for each of the
-8192 logits of each row), a KV cache grown by concatenation, and rows that had finished riding
-along until the batch's longest one finished. Here:
+Why not `model.generate` (issue 22): profiled on one busy CPU core, a `generate` step of the
+builtin teacher (4 × 256, vocabulary 8192, 64 rows) took ~100 ms, ~25 ms of it the model's
+matmuls and the rest around them: warpers over the whole vocabulary (a sort and an
+exponential draw for each of the 8192 logits of each row), a KV cache grown by
+concatenation; and rows that had finished rode along until the batch's longest one did.
+Here a step takes ~40 ms, ~22 ms of it the same matmuls (so this CPU caps the gain near 3x):
 
 - each of the `slots` rows has its own position and its own rows in a key/value cache of
   (slots, heads, max_length, head_dim) per layer, allocated once; a row attends to the
@@ -22,9 +23,10 @@ along until the batch's longest one finished. Here:
   HF's warpers give (temperature → top-k → top-p, `sample_next`), on 50 values a row
   instead of 8192.
 
-`torch.compile` is not used: on CPU the step is bound by its matmuls (the vocabulary
-projection alone is half of it) and compiling buys little for minutes of compile time per
-process (bench/pipeline_speed.py measured it, docs/operations.md "Speed").
+`torch.compile` is not used: compiling `_forward_one` (dynamic shapes) took 6.5 minutes
+before the first step on this project's 2 busy cores and then decoded ~1.25x faster
+(docs/operations.md "Speed"): the step is bound by its matmuls, the vocabulary projection
+alone a quarter of it, so it pays only for generations of over ~30 minutes, per process.
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def _forward_one(model, slots: _Slots) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, scale: float):
     """One query per row against its cached keys, as two batched matmuls: with a single query
-    and a mask, CPU SDPA took ~5x longer (bench/pipeline_speed.py). q (S, H, D), keys/values
+    and a mask, CPU SDPA took ~5x longer (measured at 64 rows, 8 heads, 100 keys). q (S, H, D), keys/values
     (S, H, span, D), hidden (S, 1, span) True where a key is not the row's -> (S, H·D)."""
     S, H, span, D = keys.shape
     scores = torch.bmm(q.reshape(S * H, 1, D), keys.reshape(S * H, span, D).transpose(1, 2))  # (S·H, 1, span)

@@ -277,8 +277,9 @@ def _finished_shard(path: Path, fingerprint: str) -> dict | None:
     meta = pq.read_schema(path).metadata or {}
     if meta.get(b"dpdistill.fingerprint", b"").decode() != fingerprint:
         raise GenerateError(
-            f"{path} was written by another generation (config, teacher, codes or seed differ); "
-            "use a new run directory, or delete the synthetic/ directory to generate anew"
+            f"{path} was written by another generation (config, teacher, codes, seed or engine differ); "
+            "use a new run directory, or delete the synthetic/ directory to generate anew (shards "
+            "written before generate.engine existed are generate.engine=hf's: set it to resume them)"
         )
     return json.loads(meta[b"dpdistill.shard_stats"])
 

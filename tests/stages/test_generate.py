@@ -205,3 +205,17 @@ def test_twenty_samples_at_the_default_fraction_keep_one_for_validation(tmp_path
     assert GenerateConfig.model_fields["validation_fraction"].default == 0.01
     assert res.n_samples >= 2 and res.n_validation == 1
     assert read_synthetic(res.path)["split"].to_pylist().count("validation") == 1
+
+
+def test_the_hf_engine_keeps_the_fingerprint_shards_had_before_engines():
+    """Shards written before generate.engine existed (by HF's generate) stay resumable with
+    engine=hf; the fast engine, whose samples differ, is another generation."""
+    import hashlib
+
+    from pipeline.stages.generate import _fingerprint
+
+    cfg = GenerateConfig(engine="hf")
+    before = {"config": cfg.model_dump(mode="json", exclude={"shard_size", "workers", "engine"}), "teacher": "t",
+              "codes": "c", "seed": 0, "shard_size": cfg.shard_size, "format": 3}  # the spec as it was
+    assert _fingerprint(cfg, "t", "c", 0) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+    assert _fingerprint(GenerateConfig(engine="fast"), "t", "c", 0) != _fingerprint(cfg, "t", "c", 0)

@@ -1,0 +1,169 @@
+"""Generation and distillation speed (issue 22): the new implementations against the reference,
+side by side in one process, alternating in rounds so that background load hits both alike.
+
+Generation: the builtin teacher samples `--gen-samples` texts (max_length 128, top-k 50, top-p
+0.9, batch 64, Yelp-like control codes) with `generate.engine=hf` (transformers' generate on
+batches of equal-length prompts, the reference) and `generate.engine=fast`
+(pipeline/models/decoding.py). Compared: new tokens per second (the engines sample one
+distribution, so samples/s follows).
+
+Distillation: the builtin student learns from `--distill-samples` synthetic samples of the
+builtin teacher (written first by the fast engine), teacher logits on the fly, one candidate,
+the same shuffled batches and steps. The reference is the step as it was (`_padded_step`
+below: each batch padded to its longest sample through both models, heads and losses on
+every padded position); the new one runs each batch in `distill.length_groups` groups of
+similar length and the heads and losses on the real targets only. Compared: training
+samples per second, and the synthetic-validation loss each reaches (the same batches and
+the same loss: equal up to float rounding).
+
+Run from the repository root (`OMP_NUM_THREADS=1`: one core each, the ratio is per core):
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pipeline_speed.py            # ~6 min on 2 busy cores
+
+The last line reads `generation_x=G distillation_x=D teacher_ratio=nan plan_s=nan demo_s=nan`
+(the plan and teacher figures are measured elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from pipeline.batching import IGNORE  # noqa: E402
+from pipeline.config import DistillConfig, GenerateConfig  # noqa: E402
+from pipeline.models.base import load_causal_lm, load_tokenizer  # noqa: E402
+from pipeline.stages import distill as distill_stage  # noqa: E402
+from pipeline.stages.generate import _generate_shard, generate_synthetic  # noqa: E402
+
+TEACHER = ROOT / "pipeline" / "models" / "builtin" / "teacher"
+STUDENT = ROOT / "pipeline" / "models" / "builtin" / "student"
+CATEGORIES = ["Restaurants", "Bars", "Shopping", "Beauty & Spas", "Hotels & Travel"]
+CODES = {f"Business Category: {c}\tReview Stars: {s}.0": 1 + (i * 7 + s) % 5
+         for i, c in enumerate(CATEGORIES) for s in range(1, 6)}
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def bench_generation(samples: int, rounds: int) -> float:
+    """New tokens/s of the fast engine over the hf engine's, summed over alternating rounds."""
+    model, tok = load_causal_lm(str(TEACHER)).eval(), load_tokenizer(str(TEACHER))
+    per_round = samples // rounds
+    totals = {"hf": [0, 0.0, 0], "fast": [0, 0.0, 0]}  # new tokens, seconds, samples
+    print("| round | engine | samples | new tokens | s | new tokens/s | load |\n|---|---|---|---|---|---|---|")
+    for r in range(rounds):
+        for engine in ("hf", "fast"):
+            cfg = GenerateConfig(num_samples=per_round, batch_size=64, top_k=50, top_p=0.9, max_length=128,
+                                 validation_fraction=0.0, engine=engine)
+            t0 = time.perf_counter()
+            _, stats = _generate_shard(model, tok, cfg, CODES, 0, per_round, shard_seed=r, keep_empty=True)
+            seconds = time.perf_counter() - t0
+            totals[engine][0] += stats["new_tokens"]
+            totals[engine][1] += seconds
+            totals[engine][2] += per_round
+            print(f"| {r} | {engine} | {per_round} | {stats['new_tokens']} | {seconds:.1f} | "
+                  f"{stats['new_tokens'] / seconds:.0f} | {_load()} |")
+    rate = {e: t[0] / t[1] for e, t in totals.items()}
+    print(f"generation: hf {rate['hf']:.0f} new tokens/s ({totals['hf'][2] / totals['hf'][1]:.1f} samples/s), "
+          f"fast {rate['fast']:.0f} ({totals['fast'][2] / totals['fast'][1]:.1f} samples/s): "
+          f"{rate['fast'] / rate['hf']:.2f}x")
+    return rate["fast"] / rate["hf"]
+
+
+def _padded_step(cfg, setup, student, projection, cached, ids, lengths, skip, runtime):
+    """distill._step as it was before issue 22 (the reference): both models' heads and the
+    losses on the padded (B, L-1, V) batch, the losses as pipeline/models/losses.py had them."""
+    from pipeline.batching import lm_batch
+    from pipeline.models.losses import prompt_mask
+
+    device, vocab = runtime.device, len(setup.tok)
+    batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
+    labels = batch.pop("labels")  # (B, L-1)
+    kl_mask = prompt_mask(labels.shape[1], skip).to(device) & (labels != IGNORE)  # (B, L-1)
+    with torch.no_grad(), runtime.autocast():
+        teacher_logits = setup.teacher(**batch).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+    with runtime.autocast():
+        student_logits = student(**batch).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+    return _reference_loss(student_logits, teacher_logits, labels, kl_mask, cfg.alpha, cfg.temperature)
+
+
+def _reference_loss(student_logits, teacher_logits, labels, kl_mask, alpha: float, temperature: float):
+    """The dense (1-α)·CE + α·T²·KL as pipeline/models/losses.py computed it before issue 22."""
+    import torch.nn.functional as F
+
+    from pipeline.models.losses import DistillLoss
+
+    def masked_mean(values, mask):
+        mask = mask.to(values.dtype)
+        return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+    nll = F.cross_entropy(student_logits.reshape(-1, student_logits.shape[-1]).float(),
+                          labels.reshape(-1).clamp(min=0), reduction="none").view(labels.shape)  # (B, T)
+    ce = masked_mean(nll, labels != IGNORE)
+    log_p_s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, T, V)
+    log_p_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # (B, T, V)
+    kl = masked_mean((log_p_t.exp() * (log_p_t - log_p_s)).sum(-1), kl_mask)  # (B, T) -> ()
+    loss = (1 - alpha) * ce + alpha * temperature**2 * kl
+    return DistillLoss(loss=loss, ce=ce, kl=kl, mse=ce.new_zeros(()))
+
+
+def bench_distillation(samples: int, epochs: int, rounds: int, tmp: Path) -> float:
+    """Training samples/s of the new recipe over the reference's, summed over alternating rounds."""
+    codes = tmp / "codes.json"
+    codes.write_text(json.dumps({"counts": CODES}))
+    generate_synthetic(GenerateConfig(num_samples=samples, batch_size=64, max_length=128, validation_fraction=0.1),
+                       teacher_dir=TEACHER, control_codes_path=codes, ledger=[], out_dir=tmp / "synthetic", seed=0)
+    new_step = distill_stage._step
+    totals = {"reference": [0.0, 0], "grouped": [0.0, 0]}
+    losses = {}
+    print("| round | recipe | steps | samples | s | samples/s | validation loss | load |\n|---|---|---|---|---|---|---|---|")
+    for r in range(rounds):
+        for recipe in ("reference", "grouped"):
+            distill_stage._step = _padded_step if recipe == "reference" else new_step
+            cfg = DistillConfig(candidates=[], alpha=0.4, epochs=epochs, batch_size=16, learning_rate=3e-3,
+                                eval_every=10_000, log_every=10_000, length_groups=1 if recipe == "reference" else 4)
+            out = tmp / f"{recipe}-{r}"
+            distill_stage.distill(cfg, synthetic_path=tmp / "synthetic", teacher_dir=TEACHER,
+                                  student_model=str(STUDENT), out_dir=out, seed=0)
+            log = json.loads((out / "training_log.json").read_text())
+            trained = epochs * json.loads((out / "manifest.json").read_text())["train_samples"]
+            totals[recipe][0] += log["seconds"]
+            totals[recipe][1] += trained
+            losses[recipe] = log["validation"][-1]["validation_loss"]
+            print(f"| {r} | {recipe} | {len(log['history'])} | {trained} | {log['seconds']:.1f} | "
+                  f"{trained / log['seconds']:.1f} | {losses[recipe]:.4f} | {_load()} |")
+    distill_stage._step = new_step
+    rate = {k: n / s for k, (s, n) in totals.items()}
+    print(f"distillation: reference {rate['reference']:.1f} samples/s, grouped {rate['grouped']:.1f}: "
+          f"{rate['grouped'] / rate['reference']:.2f}x; validation loss at equal steps "
+          f"{losses['reference']:.4f} vs {losses['grouped']:.4f}")
+    return rate["grouped"] / rate["reference"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gen-samples", type=int, default=512)
+    ap.add_argument("--distill-samples", type=int, default=400)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    print(f"torch threads {torch.get_num_threads()}, load {_load()}")
+    generation_x = bench_generation(args.gen_samples, args.rounds)
+    with tempfile.TemporaryDirectory() as tmp:
+        distillation_x = bench_distillation(args.distill_samples, args.epochs, args.rounds, Path(tmp))
+    print(f"generation_x={generation_x:.2f} distillation_x={distillation_x:.2f} teacher_ratio=nan plan_s=nan demo_s=nan")
+
+
+if __name__ == "__main__":
+    main()
