@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, tiny_pipeline_dict
+from cli_probe import child_pythonpath
 from flows.cli import main
 from pipeline.config import config_from_dict
 from pipeline.preflight import check_inputs
@@ -106,7 +107,7 @@ def test_cli_subprocess_fails_fast_before_prefect(tmp_path):
              "except SystemExit as e:\n    print('PREFECT' if 'prefect' in sys.modules else 'NO-PREFECT'); raise\n"
              % str(cfg_path))
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": child_pythonpath()})
     assert p.returncode == 2 and p.stdout.strip() == "NO-PREFECT", (p.stdout, p.stderr)
     _assert_one_error_line(p.stderr, "is a directory")
     assert not (tmp_path / "runs").exists()

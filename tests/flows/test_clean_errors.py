@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from conftest import ROOT, YELP_TRAIN, tiny_pipeline_dict
+from cli_probe import child_pythonpath
 from flows.run_log import QuietExpectedErrors
 from pipeline.stages.data import DataError
 
@@ -21,7 +22,7 @@ def cli_env(tmp_path: Path) -> dict:
     """The caller's environment without its Prefect settings: the run starts its own
     temporary server, on a database of its own (other runs may use the default one)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    return env | {"PREFECT_HOME": str(tmp_path / "prefect_home"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return env | {"PREFECT_HOME": str(tmp_path / "prefect_home"), "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
 
 
 def _run(tmp_path: Path, tree: dict, api_url: str | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:

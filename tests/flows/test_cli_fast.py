@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, PrivacyLedger, post_processing, write_ledger
 
-from cli_probe import HEAVY, _cli
+from cli_probe import HEAVY, _cli, child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +123,7 @@ def _startup_timeout_env(env: dict) -> str:
     code = "import os, sys, flows; print(os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS'], 'prefect' in sys.modules)"
     base = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
-                       env={**base, "PYTHONPATH": str(ROOT), **env})
+                       env={**base, "PYTHONPATH": child_pythonpath(), **env})
     return p.stdout.strip()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import tiny_pipeline_dict
+from cli_probe import child_pythonpath
 
 from flows.cli import main
 from flows.run_dirs import claim_run_dir, prepare_run_root
@@ -37,7 +38,7 @@ with file_lock(sys.argv[1], on_wait=lambda: print("waiting", flush=True)):
 
 def _waiter(path: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", _WAITER, str(path)], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
+                            text=True, env=os.environ | {"PYTHONPATH": child_pythonpath()})
 
 
 def test_a_second_process_waits_for_the_lock_and_gets_it_when_the_holder_dies(tmp_path):
@@ -125,7 +126,7 @@ def test_two_runs_of_the_same_config_started_together(prefect_server, tmp_path, 
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tree))
     command = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
-    env = os.environ | {"PREFECT_API_URL": prefect_server, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"PREFECT_API_URL": prefect_server, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=900)[0] for p in procs]

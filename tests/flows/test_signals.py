@@ -20,13 +20,14 @@ import psutil
 import yaml
 
 from conftest import ROOT, tiny_pipeline_dict
+from cli_probe import child_pythonpath
 
 
 def cli_env(tmp_path: Path) -> dict:
     """Without the caller's Prefect settings: the run starts its own temporary server (in its
     process group), on a database of its own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    return env | {"PREFECT_HOME": str(tmp_path / "prefect_home"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return env | {"PREFECT_HOME": str(tmp_path / "prefect_home"), "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
 
 
 def _group(pgid: int) -> list[psutil.Process]:
