@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.stages.generate import synthetic_head
 from pipeline.privacy.budget import DatasetBudget
-from pipeline.privacy.ledger import LedgerTotal, PrivacyLedger
+from pipeline.privacy.ledger import ADJACENCY_NOTE as _ADJACENCY, LedgerTotal, PrivacyLedger
 
 LEDGER_KEY = "privacy-ledger"
 SUMMARY_KEY = "privacy-summary"
@@ -55,12 +55,14 @@ def ledger_summary(
     lines = ["# Privacy ledger", ""]
     t = ledger.total
     if t:
-        lines += [f"**Total: ε = {t.epsilon:.4f}, δ = {t.delta:.3g}** ({t.composition}). {t.note}.", ""]
+        lines += [f"**Total: ε = {t.epsilon:.4f}, δ = {t.delta:.3g}; replace-one ε = {_fmt(t.epsilon_replace_one)}** "
+                  f"({t.composition}). {t.note}.", "", _ADJACENCY, ""]
     for e in ledger.entries:
         if e.private and e.epsilon:
             lines.append(
-                f"- **{e.stage}**: (ε = {e.epsilon:.4f}, δ = {e.delta:.3g})-DP per {e.privacy_unit}, "
-                f"{e.accountant} accountant (RDP cross-check ε = {_fmt(e.epsilon_rdp)}), "
+                f"- **{e.stage}**: (ε = {e.epsilon:.4f}, δ = {e.delta:.3g})-DP per {e.privacy_unit}, replace-one "
+                f"ε = {_fmt(e.epsilon_replace_one)}, {e.accountant} accountant (cross-checks: RDP ε = "
+                f"{_fmt(e.epsilon_rdp)}, dp-accounting PLD ε = {_fmt(e.epsilon_pld)}), "
                 f"σ = {_fmt(e.noise_multiplier)}, q = {_fmt(e.sample_rate)}, {e.steps} steps, "
                 f"clipping norm {e.max_grad_norm}; noise from {e.noise_source or 'unrecorded'}."
             )
@@ -74,14 +76,16 @@ def ledger_summary(
         n = len(budget.releases)
         lines += [
             "", "## All releases on this dataset", "",
-            f"**Every run together: ε = {dataset_total.epsilon:.4f}, δ = {dataset_total.delta:.3g}** "
+            f"**Every run together: ε = {dataset_total.epsilon:.4f}, δ = {dataset_total.delta:.3g}; replace-one "
+            f"ε = {_fmt(dataset_total.epsilon_replace_one)}** "
             f"over {n} DP release{'s' * (n != 1)} on the same private training file "
             f"(sha256 `{budget.dataset_sha256[:12]}…`), {dataset_total.composition}. A person in the "
             "data is protected by this total, not by one run's.",
             "",
         ]
         lines += [
-            f"- {r.recorded_at}: **{r.stage}**, ε = {r.entry.epsilon:.4f} ({r.entry.mechanism}), "
+            f"- {r.recorded_at}: **{r.stage}**, ε = {r.entry.epsilon:.4f}, replace-one ε = "
+            f"{_fmt(r.entry.epsilon_replace_one)} ({r.entry.mechanism}), "
             f"run `{Path(r.run_dir).name}`" for r in budget.releases
         ]
     return "\n".join(lines)
@@ -90,16 +94,19 @@ def ledger_summary(
 def publish_ledger(
     ledger: PrivacyLedger, budget: DatasetBudget | None = None, dataset_total: LedgerTotal | None = None
 ) -> None:
-    keep = ("stage", "private", "epsilon", "delta", "accountant", "mechanism", "noise_multiplier",
-            "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "noise_source", "note")
+    keep = ("stage", "private", "epsilon", "epsilon_replace_one", "delta", "accountant", "mechanism",
+            "noise_multiplier", "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "epsilon_pld",
+            "noise_source", "note")
     rows = [{k: _fmt(getattr(e, k)) for k in keep} for e in ledger.entries]
     if ledger.total:
         t = ledger.total
         rows.append({k: "" for k in keep} | {
             "stage": "TOTAL", "private": _fmt(t.complete), "epsilon": _fmt(t.epsilon),
+            "epsilon_replace_one": _fmt(t.epsilon_replace_one), "epsilon_pld": _fmt(t.epsilon_pld),
             "delta": _fmt(t.delta), "accountant": t.accountant, "note": f"{t.composition}. {t.note}",
         })
-    short = ["stage", "private", "epsilon", "delta", "noise_multiplier", "sample_rate", "steps", "accountant"]
+    short = ["stage", "private", "epsilon", "epsilon_replace_one", "delta", "noise_multiplier", "sample_rate",
+             "steps", "accountant"]
     description = ("Privacy ledger: one row per stage\n\n" + markdown_table(rows, short)
                    + "\n\nEvery column (mechanism, clipping norm, noise source, notes): the artifact below.")
     create_table_artifact(key=LEDGER_KEY, table=rows, description=description)

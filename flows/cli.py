@@ -283,7 +283,8 @@ def print_status(run_dir: Path) -> int:
     if ledger is not None:
         total = ledger.total
         if total:
-            print(f"total: ε = {total.epsilon:.4f}, δ = {total.delta:.3g} ({total.accountant})"
+            replace_one = "" if total.epsilon_replace_one is None else f", replace-one ε = {total.epsilon_replace_one:.4f}"
+            print(f"total: ε = {total.epsilon:.4f}{replace_one}, δ = {total.delta:.3g} ({total.accountant})"
                   + ("" if total.complete else "; incomplete: " + total.note))
     return 0
 

@@ -45,7 +45,9 @@ from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
 from pipeline.stages.generate import PLACEMENT_FIELDS, GenerateResult
 from pipeline.privacy.budget import dataset_total, read_budget, record_release, store_total
 from pipeline.locks import file_lock, unlock
-from pipeline.privacy.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, write_ledger
+from pipeline.privacy.ledger import (
+    LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, with_pld_epsilons, write_ledger,
+)
 from pipeline.manifest import atomic_write_json, atomic_write_text, manifest_digest, private_dir, sha256_file
 from pipeline.reports.model_card import write_model_card
 from pipeline.plan import dp_sgd_budgets, format_plan, make_plan
@@ -314,9 +316,9 @@ class StageRunner:
         was, now = dataset_total(before, accountant, delta), dataset_total(budget, accountant, delta)
         self.log.warning(
             "%s: a new DP release on data already used by earlier runs: the privacy spent on this dataset "
-            "(sha256 %s…) over every run rises from ε = %.4f to ε = %.4f at δ = %.3g (%d releases); "
-            "see `dpdistill ledger show %s`", stage, sha[:12], was.epsilon, now.epsilon, delta,
-            len(budget.releases), self.run_dir,
+            "(sha256 %s…) over every run rises from ε = %.4f to ε = %.4f at δ = %.3g (replace-one: from %.4f "
+            "to %.4f; %d releases); see `dpdistill ledger show %s`", stage, sha[:12], was.epsilon, now.epsilon,
+            delta, was.epsilon_replace_one, now.epsilon_replace_one, len(budget.releases), self.run_dir,
         )
 
     def _record(self, stage: str, **info) -> None:
@@ -500,6 +502,8 @@ def _run_stages(
 
     def typed(entries: list[LedgerEntry]) -> PrivacyLedger:
         delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
+        # A stage cached by an older version has no replace-one ε yet: computed here, once.
+        entries = [e if e.epsilon_replace_one is not None else with_pld_epsilons(e) for e in entries]
         return PrivacyLedger(entries=entries, total=compose(entries, cfg.teacher.accountant, delta))
 
     if method in ("distil", "dp_syn"):

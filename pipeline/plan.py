@@ -29,7 +29,7 @@ from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, ModelError, base_model
 from pipeline.privacy.accountant import epsilon_of, resolve_delta
 from pipeline.privacy.control_codes import gaussian_sigma
 from pipeline.privacy import monitor as dp_monitor
-from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose
+from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, with_pld_epsilons
 from pipeline.stages.adherence import declared_values
 from pipeline.stages.data import CODE_JOINER, PlannedSplit, planned_split, prompt_for
 from pipeline.stages.teacher import calibrate_noise, monitor_points, poisson_schedule
@@ -138,13 +138,13 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
     n, unit = split.n, split.unit
     entries, probability, accounting = [], {}, {}
     if codes := _codes_entry(cfg, n, unit):
-        entries.append(codes)
+        entries.append(with_pld_epsilons(codes))
     for stage, eps in dp_sgd_budgets(cfg).items():
         entry, probability[stage], accounting[stage] = _dp_sgd_entry(
             stage, cfg.teacher.model_copy(update={"target_epsilon": eps}), n, unit)
-        entries.append(entry)
+        entries.append(with_pld_epsilons(entry))
         if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation):
-            entries.append(monitored)
+            entries.append(with_pld_epsilons(monitored))
     delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
                 total=compose(entries, cfg.teacher.accountant, delta), sampling_probability=probability,
@@ -351,17 +351,22 @@ def format_plan(plan: Plan) -> str:
             lines.append(
                 f"  {e.stage}: DP-SGD, batch size {plan.batch_size} (expected), q = {e.sample_rate:.6g} "
                 f"(Poisson probability {plan.sampling_probability[e.stage]:.6g}), σ = {e.noise_multiplier:.4f}, "
-                f"{e.steps} steps, ε = {e.epsilon:.4f} at δ = {e.delta:.3g} ({e.accountant} accountant)")
+                f"{e.steps} steps, ε = {e.epsilon:.4f} at δ = {e.delta:.3g} ({e.accountant} accountant), "
+                f"replace-one ε = {e.epsilon_replace_one:.4f}")
         elif e.mechanism == "gaussian":
             lines.append(f"  control codes: Gaussian histogram, σ = {e.noise_multiplier:.4f}, ε = {e.epsilon:.4f} "
-                         f"at δ = {e.delta:.3g} ({e.accountant} accountant)")
+                         f"at δ = {e.delta:.3g} ({e.accountant} accountant), replace-one ε = {e.epsilon_replace_one:.4f}")
         elif e.mechanism == "geometric":
-            lines.append(f"  control codes: geometric histogram, pure ε = {e.epsilon:.4f}")
+            lines.append(f"  control codes: geometric histogram, pure ε = {e.epsilon:.4f}, "
+                         f"replace-one ε = {e.epsilon_replace_one:.4f}")
         else:
             lines.append("  control codes: exact counts, NOT differentially private")
     t = plan.total
     lines.append(f"  total: ε = {t.epsilon:.4f}, δ = {t.delta:.3g} ({t.composition})"
                  + ("" if t.complete else f"; incomplete: {t.note}"))
+    lines.append(f"  replace-one: ε = {t.epsilon_replace_one:.4f} at the same δ (dp-accounting PLD). ε above is "
+                 "add/remove-one; N is published, so replace-one is the guarantee against an attacker "
+                 "who knows it (docs/privacy.md)")
     if plan.seconds:
         known = sum(s for s, _ in plan.seconds.values() if s)
         lines.append(f"  time, estimated (each stage's step timed on its model shapes with random weights "

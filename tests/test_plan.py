@@ -17,6 +17,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, tiny_pipeline_dict
+from cli_probe import child_pythonpath
 from pipeline.config import config_from_dict
 from pipeline.devices import CPU_FP32, Runtime, cpu_has_native_bf16, slow_bf16_warning
 from pipeline.models.base import SHIPPED, causal_lm_from_config
@@ -58,9 +59,12 @@ def test_plan_gives_the_numbers_a_real_teacher_run_records(tmp_path, tiny_model_
     assert (p.noise_multiplier, p.sample_rate, p.steps, p.delta) == (
         teacher.noise_multiplier, teacher.sample_rate, teacher.steps, teacher.delta)
     assert p.epsilon == pytest.approx(teacher.epsilon, rel=1e-9)
+    assert p.epsilon_replace_one == pytest.approx(teacher.epsilon_replace_one, rel=1e-9)
+    assert teacher.epsilon_replace_one > teacher.epsilon
     assert planned["control_codes"].epsilon == pytest.approx(codes.ledger.epsilon, rel=1e-9)
     total = compose([codes.ledger, teacher], cfg.teacher.accountant, teacher.delta)
     assert plan.total.epsilon == pytest.approx(total.epsilon, rel=1e-9)
+    assert plan.total.epsilon_replace_one == pytest.approx(total.epsilon_replace_one, rel=1e-9)
 
 
 def test_plan_command_prints_them_with_a_time_estimate_and_writes_nothing(tmp_path, tiny_model_dir):
@@ -71,7 +75,7 @@ def test_plan_command_prints_them_with_a_time_estimate_and_writes_nothing(tmp_pa
              "finally:\n    print('PREFECT' if 'prefect' in sys.modules else 'NO-PREFECT')\n"
              % str(tmp_path / "config.yaml"))
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().endswith("NO-PREFECT")
     # The numbers are make_plan's (checked against a real run above); here, that they are printed.
@@ -79,6 +83,7 @@ def test_plan_command_prints_them_with_a_time_estimate_and_writes_nothing(tmp_pa
     assert re.search(r"teacher: DP-SGD, batch size 32 .*q = 0\.25 .*σ = \d+\.\d{4}, 4 steps, ε = \d\.\d{4} at δ", p.stdout)
     assert re.search(r"control codes: Gaussian histogram, σ = \d+\.\d{4}, ε = \d\.\d{4}", p.stdout)
     assert re.search(r"total: ε = \d\.\d{4}", p.stdout)
+    assert re.search(r"replace-one: ε = \d\.\d{4} at the same δ", p.stdout)
     for stage in ("teacher", "generation", "distillation", "evaluation"):
         assert f"    {stage}: ~" in p.stdout, p.stdout
     assert "estimated" in p.stdout

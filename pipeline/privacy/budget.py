@@ -122,22 +122,25 @@ def format_budget(budget: DatasetBudget, total: LedgerTotal | None) -> str:
     """The dataset's releases as text, newest last, and their composed total."""
     if not budget.releases:
         return "no DP release recorded on this dataset"
-    rows = [("stage", "epsilon", "delta", "mechanism", "recorded_at", "run_dir")]
+    rows = [("stage", "epsilon", "epsilon_replace_one", "delta", "mechanism", "recorded_at", "run_dir")]
     for r in budget.releases:
         e = r.entry
-        rows.append((r.stage, fmt_value(e.epsilon), fmt_value(e.delta), e.mechanism or "-", r.recorded_at, r.run_dir))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[5] for row in rows]
+        rows.append((r.stage, fmt_value(e.epsilon), fmt_value(e.epsilon_replace_one), fmt_value(e.delta),
+                     e.mechanism or "-", r.recorded_at, r.run_dir))
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[6] for row in rows]
     if total is not None:
-        out.append(f"TOTAL: ε = {total.epsilon:.4f}, δ = {total.delta:.3g} ({total.composition}). {total.note}")
+        out.append(f"TOTAL: ε = {total.epsilon:.4f}, replace-one ε = {fmt_value(total.epsilon_replace_one)}, "
+                   f"δ = {total.delta:.3g} ({total.composition}). {total.note}")
     return "\n".join(out)
 
 
 def stored_total(budget: DatasetBudget, accountant: str, delta: float) -> LedgerTotal | None:
     """The total kept by `store_total` for exactly these releases, accountant and δ, if any."""
     ids = [r.release_id for r in budget.releases]
-    return next((t.total for t in budget.totals
-                 if t.accountant == accountant and t.delta == delta and t.release_ids == ids), None)
+    # One stored before the replace-one ε was kept lacks it: composed again (and stored) instead.
+    return next((t.total for t in budget.totals if t.accountant == accountant and t.delta == delta
+                 and t.release_ids == ids and t.total.epsilon_replace_one is not None), None)
 
 
 def store_total(run_root: Path, dataset_sha256: str, accountant: str, delta: float, total: LedgerTotal) -> None:

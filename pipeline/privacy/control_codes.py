@@ -34,7 +34,7 @@ import numpy as np
 from pipeline.privacy import noise
 from pipeline.config import CodesConfig, ConfigError, DataConfig
 from pipeline.stages.data import CODE_JOINER, read_split, read_users
-from pipeline.privacy.ledger import LedgerEntry
+from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.privacy.accountant import (
     DEFAULT_DELTA, CalibrationTimeout, calibrate_sigma, epsilon_of, resolve_delta, weak_delta_warning,
@@ -160,6 +160,7 @@ def release_control_codes(
             floored[:] = 1.0  # all noise: fall back to uniform over the domain (still DP)
             entry.note += "; every noisy count was ≤ 0, so prompts are uniform over the domain"
         counts = {b: float(v) for b, v in zip(bins, floored) if v > 0}
+        entry = with_pld_epsilons(entry)  # its replace-one ε: one record moves between two bins
 
     out_dir = Path(out_dir)
     path = out_dir / RELEASED

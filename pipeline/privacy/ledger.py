@@ -1,6 +1,8 @@
 """The privacy ledger: one entry per stage, and the run's total composed by an accountant.
 
-ε values come from Opacus accountants, never from our arithmetic. Gaussian mechanisms
+ε values come from accountants, never from our arithmetic: Opacus' for `epsilon` (add/remove
+adjacency), dp-accounting's PLD accountant for `epsilon_replace_one` (the guarantee when N is
+known, as it is: it is published) and `epsilon_pld` (add/remove, a check of Opacus'). Gaussian mechanisms
 (DP-SGD steps, a Gaussian histogram) are composed by giving the accountant their joint
 history; a pure ε-DP mechanism (the geometric histogram) is added by basic composition,
 which is valid and conservative, and the total says so. Stages after the teacher are
@@ -21,6 +23,12 @@ from pydantic import BaseModel, ConfigDict
 from pipeline.manifest import atomic_write_json
 
 LEDGER = "ledger.json"
+ADJACENCY_NOTE = (
+    "epsilon: add/remove-one (neighbouring datasets differ by one unit present or absent); "
+    "epsilon_replace_one: one unit replaced by another, N unchanged. N is published, so replace-one is "
+    "the guarantee against an attacker who knows it (dp-accounting PLD; docs/privacy.md). "
+    "epsilon_rdp, epsilon_pld: add/remove checks of epsilon by Opacus' RDP and dp-accounting's PLD accountants."
+)
 TEST_HOOK = "TEST HOOK"
 """How a `noise_source` made through the test-only fixed-noise hook starts (pipeline/privacy/noise.py)."""
 
@@ -45,6 +53,12 @@ class LedgerEntry(BaseModel):
     """'record' or 'user': what one protected unit is."""
     epsilon_rdp: float | None = None
     """The RDP accountant's ε for the same history: a cross-check of the default PRV figure."""
+    epsilon_replace_one: float | None = None
+    """ε when neighbouring datasets have the same size and differ in one unit replaced by
+    another (dp-accounting's PLD accountant, pipeline/privacy/pld.py). `epsilon` is add/remove-one;
+    N is published, so this is the guarantee against an attacker who knows it (docs/privacy.md)."""
+    epsilon_pld: float | None = None
+    """dp-accounting's PLD ε for the same history at add/remove: a check of `epsilon` by a second library."""
     history: list[tuple[float, float, int]] = []
     """(σ, q, steps) of each Gaussian mechanism, what the accountant composes."""
     noise_source: str | None = None
@@ -66,6 +80,10 @@ class LedgerTotal(BaseModel):
     composition: str
     complete: bool
     """False when some release of the run is not DP: then ε covers the DP stages only."""
+    epsilon_replace_one: float | None = None
+    """The same releases composed under replace-one adjacency (see LedgerEntry.epsilon_replace_one)."""
+    epsilon_pld: float | None = None
+    """dp-accounting's PLD ε of the same releases at add/remove: a check of `epsilon`."""
     note: str
 
 
@@ -81,7 +99,28 @@ class PrivacyLedger(BaseModel):
 
 def post_processing(stage: str, note: str) -> LedgerEntry:
     """A stage that only reads DP outputs: no privacy cost (post-processing theorem)."""
-    return LedgerEntry(stage=stage, private=True, epsilon=0.0, note=f"post-processing: {note}")
+    return LedgerEntry(stage=stage, private=True, epsilon=0.0, epsilon_replace_one=0.0, epsilon_pld=0.0,
+                       note=f"post-processing: {note}")
+
+
+def _pld_epsilons(dp: list[LedgerEntry], delta: float) -> dict[str, float]:
+    """dp-accounting's ε of these DP releases: replace-one, and add/remove as a check."""
+    from pipeline.privacy import pld  # dp-accounting: only when there is something to account
+
+    gaussians = [(e.mechanism, e.history) for e in dp if e.history]
+    pure = [e.epsilon for e in dp if e.mechanism == "geometric"]
+    return {"epsilon_replace_one": pld.epsilon(gaussians, delta, pld.REPLACE_ONE, pure),
+            "epsilon_pld": pld.epsilon(gaussians, delta, pld.ADD_REMOVE, pure)}
+
+
+def with_pld_epsilons(entry: LedgerEntry) -> LedgerEntry:
+    """`entry` with its replace-one ε and PLD check filled in, computed once, when the entry is
+    made, so that reading a ledger never needs an accountant. Not DP: left as it is."""
+    if not entry.private:
+        return entry
+    if not entry.epsilon:
+        return entry.model_copy(update={"epsilon_replace_one": 0.0, "epsilon_pld": 0.0})
+    return entry.model_copy(update=_pld_epsilons([entry], entry.delta))
 
 
 def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> LedgerTotal:
@@ -119,6 +158,7 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
         note += f"; composed with rdp because {accountant} cannot compose different mechanisms"
     return LedgerTotal(
         epsilon=eps,
+        **(_pld_epsilons(dp, delta) if dp else {"epsilon_replace_one": 0.0, "epsilon_pld": 0.0}),
         delta=delta,
         accountant=used,
         composition="; ".join(parts) or "no DP mechanism",
@@ -174,12 +214,12 @@ def fmt_value(x) -> str:
 
 def format_table(ledger: PrivacyLedger) -> str:
     """The ledger as a fixed-width text table plus its total and notes."""
-    cols = ["stage", "private", "epsilon", "delta", "accountant", "noise_multiplier", "sample_rate",
-            "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp"]
+    cols = ["stage", "private", "epsilon", "epsilon_replace_one", "delta", "accountant", "noise_multiplier",
+            "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "epsilon_pld"]
     rows = [[fmt_value(getattr(e, c)) for c in cols] for e in ledger.entries]
     if ledger.total:
-        t = ledger.total
-        rows.append(["TOTAL", fmt_value(t.complete), fmt_value(t.epsilon), fmt_value(t.delta), t.accountant] + ["-"] * 6)
+        t = ledger.total.model_dump() | {"stage": "TOTAL", "private": ledger.total.complete}
+        rows.append([fmt_value(t.get(c)) for c in cols])
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths))  # noqa: E731
     out = [line(cols), line(["-" * w for w in widths]), *map(line, rows), ""]
@@ -187,4 +227,5 @@ def format_table(ledger: PrivacyLedger) -> str:
             for e in ledger.entries]
     if ledger.total:
         out += [f"TOTAL: {ledger.total.composition}. {ledger.total.note}"]
+    out += [ADJACENCY_NOTE]
     return "\n".join(out)

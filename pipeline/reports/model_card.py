@@ -79,6 +79,12 @@ def model_card(ledger: PrivacyLedger, stage: str, run_name: str | None = None) -
             f"per **{e.privacy_unit or 'record'}** for everything it releases through DP mechanisms "
             f"({total.composition}). {total.note[0].upper() + total.note[1:]}.",
             "",
+            f"That ε is add/remove-one: it bounds what the model tells about whether a {e.privacy_unit or 'record'} "
+            f"is in the data. The number of {e.privacy_unit or 'record'}s is published, so the bound that "
+            f"still holds against someone who knows it is the replace-one ε (one {e.privacy_unit or 'record'} "
+            f"replaced by another): **ε = {fmt_value(total.epsilon_replace_one)}** at the same δ "
+            "(dp-accounting's PLD accountant).",
+            "",
         ]
     if stage == "distillation":
         lines += ["The model is post-processing of the DP teacher below: its guarantee is the teacher's "
@@ -89,7 +95,8 @@ def model_card(ledger: PrivacyLedger, stage: str, run_name: str | None = None) -
         "",
         "| quantity | value |",
         "|---|---|",
-        f"| ε (this stage) | {fmt_value(e.epsilon)} |",
+        f"| ε (this stage, add/remove-one) | {fmt_value(e.epsilon)} |",
+        f"| ε (this stage, replace-one; dp-accounting PLD) | {fmt_value(e.epsilon_replace_one)} |",
         f"| δ | {fmt_value(e.delta)} |",
         f"| privacy unit | {e.privacy_unit} |",
         f"| accountant | {e.accountant} (RDP cross-check ε = {fmt_value(e.epsilon_rdp)}) |",
@@ -102,10 +109,11 @@ def model_card(ledger: PrivacyLedger, stage: str, run_name: str | None = None) -
         "",
     ]
     for x in ledger.entries:
-        eps = "not DP" if not x.private else f"ε = {fmt_value(x.epsilon)}"
+        eps = "not DP" if not x.private else f"ε = {fmt_value(x.epsilon)}, replace-one {fmt_value(x.epsilon_replace_one)}"
         lines.append(f"- `{x.stage}` ({eps}{f', {x.mechanism}' if x.mechanism else ''}): {x.note}")
     if total is not None:
-        lines.append(f"- **total**: ε = {total.epsilon:.4g}, δ = {total.delta:.3g}, {total.accountant} accountant; "
+        lines.append(f"- **total**: ε = {total.epsilon:.4g} (replace-one {fmt_value(total.epsilon_replace_one)}), "
+                     f"δ = {total.delta:.3g}, {total.accountant} accountant; "
                      f"{'complete' if total.complete else 'INCOMPLETE'}")
     lines += ["", "## Not protected", ""]
     lines += _held_out(e)

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import yaml
 from matplotlib.figure import Figure
 
-from pipeline.privacy.ledger import LEDGER, fmt_value, read_ledger
+from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, read_ledger
 from pipeline.manifest import MANIFEST, atomic_write_text
 from pipeline.reports import STAGE_WORDS
 
@@ -159,15 +159,18 @@ def _privacy(run_dir: Path) -> str:
     if not (run_dir / LEDGER).exists():
         return _note("No ledger.json yet (it is written once the first DP stage finishes).")
     ledger = read_ledger(run_dir / LEDGER)
-    cols = ["stage", "private", "epsilon", "delta", "accountant", "mechanism", "noise_multiplier",
-            "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp"]
+    cols = ["stage", "private", "epsilon", "epsilon_replace_one", "delta", "accountant", "mechanism",
+            "noise_multiplier", "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "epsilon_pld"]
     rows = [[getattr(e, c) for c in cols] for e in ledger.entries]
     out = ""
     t = ledger.total
     if t is not None:
-        rows.append(["TOTAL", t.complete, t.epsilon, t.delta, t.accountant] + [None] * 7)
-        out += f"<p><b>Total: ε = {t.epsilon:.4f}, δ = {t.delta:.3g}</b> ({_esc(t.composition)}).</p>"
+        total = t.model_dump() | {"stage": "TOTAL", "private": t.complete}
+        rows.append([total.get(c) for c in cols])
+        replace_one = "" if t.epsilon_replace_one is None else f"; replace-one ε = {t.epsilon_replace_one:.4f}"
+        out += f"<p><b>Total: ε = {t.epsilon:.4f}, δ = {t.delta:.3g}{replace_one}</b> ({_esc(t.composition)}).</p>"
         out += _note(t.note, "note" if t.complete else "warn")
+    out += _note(ADJACENCY_NOTE)
     out += _table(cols, rows)
     notes = "".join(f"<li><b>{_esc(e.stage)}</b>: {_esc(e.note)}</li>" for e in ledger.entries)
     return out + f"<ul>{notes}</ul>"
@@ -508,6 +511,7 @@ def _run_row(label: str, run: Path, out_dir: Path) -> dict:
         "dp_teacher": (ppl.get("dp_teacher") or {}).get("windowed"),
         "zero_shot": (ppl.get("base_student") or {}).get("windowed"),
         "epsilon": total.epsilon if total else None,
+        "epsilon_replace_one": total.epsilon_replace_one if total else None,
         "complete": total.complete if total else None,
         "seconds": round(sum((metrics.get("seconds") or {}).values()), 1) if metrics.get("seconds") else None,
         "report": os.path.relpath(report, out_dir) if report.exists() else None,
@@ -535,10 +539,11 @@ def write_comparison_report(run_dirs: dict[str, Path], out: Path) -> Path:
     else:
         body += _note("None of these runs has finished its evaluation yet.")
     header = ["run", "method", "student ppl", "DP teacher ppl", "zero-shot ppl", "ε (ledger total)",
-              "ε complete", "seconds"]
+              "ε replace-one", "ε complete", "seconds"]
     table_rows = "".join(
         "<tr>" + "".join(f"<td>{_esc(fmt_value(r[k]))}</td>" for k in
-                         ("label", "method", "student", "dp_teacher", "zero_shot", "epsilon", "complete", "seconds"))
+                         ("label", "method", "student", "dp_teacher", "zero_shot", "epsilon", "epsilon_replace_one",
+                          "complete", "seconds"))
         + (f'<td><a href="{_esc(r["report"])}">report</a></td>' if r["report"] else "<td>–</td>") + "</tr>"
         for r in rows
     )

@@ -80,7 +80,7 @@ from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import TeacherConfig
 from pipeline.stages.data import read_users
 from pipeline.devices import CPU_FP32, Runtime
-from pipeline.privacy.ledger import LedgerEntry
+from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, sha256_file, write_manifest
 from pipeline.models.losses import per_sequence_distillation_loss
 from pipeline.models.base import load_causal_lm, load_tokenizer, same_tokenizer, untie_lm_head
@@ -685,7 +685,7 @@ def _ledger_entry(run: _Run) -> LedgerEntry:
         )
     accounted = [(run.sigma, run.sample_rate, steps)]
     kd, unit = run.kd, run.unit
-    return LedgerEntry(
+    return with_pld_epsilons(LedgerEntry(
         stage=run.stage, private=True, epsilon=epsilon, delta=run.delta, accountant=cfg.accountant,
         mechanism="subsampled_gaussian", noise_multiplier=run.sigma, sample_rate=run.sample_rate, steps=steps,
         max_grad_norm=cfg.max_grad_norm, privacy_unit=unit,
@@ -703,7 +703,7 @@ def _ledger_entry(run: _Run) -> LedgerEntry:
            "global Poisson batch, noise added once, by rank 0)" if run.world > 1 else "")
         + _monitor_note(run),
         validation_monitor=cfg.monitor,
-    )
+    ))
 
 
 def _monitor_note(run: _Run) -> str:

@@ -55,6 +55,34 @@ def test_gaussian_histogram_covers_the_domain_and_reports_the_accountants_epsilo
     assert abs(counts[top] - exact[top]) < 6 * e.noise_multiplier
 
 
+def test_replacing_one_record_moves_the_histogram_by_root_two(yelp, tmp_path):
+    """The sensitivity pipeline/privacy/pld.py accounts the Gaussian histogram at under replace-one:
+    one record's code replaced by another moves one count between two bins, L2 √2 (L1 2)."""
+    import pyarrow.parquet as pq
+
+    cfg, data = yelp
+    table = pq.read_table(data.train)
+    codes = table["control_code"].to_pylist()
+    other = next(c for c in domain_codes(cfg, DOMAIN) if c != codes[0])
+    replaced = tmp_path / "replaced.parquet"
+    column = table.schema.get_field_index("control_code")
+    pq.write_table(table.set_column(column, "control_code", [[other] + codes[1:]]), replaced)
+    bins = domain_codes(cfg, DOMAIN)
+
+    def released(path, out):
+        counts = json.loads(release_control_codes(CodesConfig(mechanism="exact"), cfg, train_path=path,
+                                                  out_dir=out).path.read_text())["counts"]
+        return np.array([counts.get(b, 0.0) for b in bins])
+
+    diff = released(data.train, tmp_path / "a") - released(replaced, tmp_path / "b")
+    assert np.linalg.norm(diff) == pytest.approx(math.sqrt(2)) and np.abs(diff).sum() == 2
+    res = _release(yelp, tmp_path / "g", mechanism="gaussian", epsilon=1.0, domain=DOMAIN)
+    from pipeline.privacy import pld
+    assert res.ledger.epsilon_replace_one == pytest.approx(
+        pld.epsilon([("gaussian", res.ledger.history)], res.ledger.delta, pld.REPLACE_ONE))
+    assert res.ledger.epsilon < res.ledger.epsilon_replace_one
+
+
 def test_geometric_histogram_is_pure_epsilon(yelp, tmp_path):
     """mechanism=geometric: pure ε (δ = 0), no accountant history: composed by addition."""
     res = _release(yelp, tmp_path, mechanism="geometric", epsilon=0.5, domain=DOMAIN)

@@ -1,0 +1,77 @@
+"""ε by Google's dp-accounting PLD accountant, under both adjacencies: add/remove and replace-one.
+
+Opacus' ε (the ledger's `epsilon`) is add/remove-one: neighbouring datasets differ by one
+record present or absent. But N (and δ = 1/(10N), q, the split sizes) is published exactly in
+the ledger and manifests, so presence is learnt from N itself, and the guarantee that still
+means something is replace-one: the datasets hold the same number of records, one of them
+different (issue 21). Opacus accounts add/remove only; dp-accounting's PLD accountant takes
+`NeighboringRelation.REPLACE_ONE`. Its add/remove figure for the same history is kept too, as
+a check of Opacus' from a second library (the ledger's `epsilon_pld`).
+
+    eps = epsilon([("subsampled_gaussian", [(σ, q, steps)])], delta, REPLACE_ONE, pure=[0.5])
+
+Every ε comes from the accountant; the pure-ε geometric histogram is added by basic
+composition (ε, or 2ε under replace-one: see `pure_epsilon`), as the ledger's total does.
+Imports dp-accounting (numpy, scipy) only when called: `dpdistill ledger show` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+ADD_REMOVE = "add_remove"
+REPLACE_ONE = "replace_one"
+RELATIONS = (ADD_REMOVE, REPLACE_ONE)
+
+# dp-accounting's REPLACE_ONE Gaussian (GaussianPrivacyLoss with AdjacencyType.REPLACE: the
+# sum of the remove and the add privacy losses) takes the worst replacement to move the output
+# by 2 sensitivities: right for DP-SGD, where one clipped gradient g (‖g‖ ≤ C) can be replaced
+# by -g. Replacing one record of the control-code histogram moves one count from bin a to bin
+# b: Δ = e_b − e_a, ‖Δ‖₂ = √2, not 2 (tests/privacy/test_pld.py measures it on the released
+# counts). A Gaussian mechanism's privacy depends on sensitivity / σ only, so the histogram is
+# the accountant's REPLACE_ONE Gaussian with noise multiplier σ · 2 / √2 (checked there against
+# Balle and Wang's analytic ε at sensitivity √2).
+ACCOUNTANT_REPLACE_SENSITIVITY = 2.0
+HISTOGRAM_REPLACE_SENSITIVITY = math.sqrt(2)
+
+Mechanism = tuple[str, list[tuple[float, float, int]]]
+"""(ledger mechanism, its (σ, q, steps) history): 'subsampled_gaussian' (DP-SGD) or 'gaussian'."""
+
+
+def _events(mechanism: str, history, relation: str) -> list:
+    import dp_accounting as dpa
+
+    if mechanism == "subsampled_gaussian":
+        return [dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), int(n))
+                for s, q, n in history]
+    assert mechanism == "gaussian" and all(q == 1.0 for _, q, _ in history), (mechanism, history)
+    scale = ACCOUNTANT_REPLACE_SENSITIVITY / HISTOGRAM_REPLACE_SENSITIVITY if relation == REPLACE_ONE else 1.0
+    return [dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(s * scale), int(n)) for s, _, n in history]
+
+
+def pure_epsilon(epsilon: float, relation: str) -> float:
+    """A pure ε-DP histogram (two-sided geometric, L1 sensitivity 1 under add/remove) under
+    `relation`. Replacing a record changes two bins by one each, L1 sensitivity 2: the privacy
+    loss is the sum of the two bins' (group privacy of two), 2ε, and tight. Basic arithmetic,
+    the same exception as basic composition (pipeline/privacy/README.md invariant 2)."""
+    return 2 * epsilon if relation == REPLACE_ONE else epsilon
+
+
+def epsilon(mechanisms: list[Mechanism], delta: float, relation: str, pure: Sequence[float] = ()) -> float:
+    """ε at `delta` of the Gaussian mechanisms composed by dp-accounting's PLD accountant under
+    `relation`, plus the pure-ε ones by basic composition."""
+    if relation not in RELATIONS:
+        raise ValueError(f"relation must be one of {RELATIONS}, got {relation!r}")
+    eps = sum(pure_epsilon(e, relation) for e in pure)
+    events = [ev for mechanism, history in mechanisms for ev in _events(mechanism, history, relation)]
+    if not events:
+        return eps
+    import dp_accounting as dpa
+    from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+
+    neighbours = (dpa.NeighboringRelation.REPLACE_ONE if relation == REPLACE_ONE
+                  else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    accountant = PLDAccountant(neighboring_relation=neighbours)
+    accountant.compose(dpa.ComposedDpEvent(events))
+    return eps + float(accountant.get_epsilon(delta))
