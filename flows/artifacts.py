@@ -78,8 +78,8 @@ def ledger_summary(
             "", "## All releases on this dataset", "",
             f"**Every run together: ε = {dataset_total.epsilon:.4f}, δ = {dataset_total.delta:.3g}; replace-one "
             f"ε = {_fmt(dataset_total.epsilon_replace_one)}** "
-            f"over {n} DP release{'s' * (n != 1)} on the same private training file "
-            f"(sha256 `{budget.dataset_sha256[:12]}…`), {dataset_total.composition}. A person in the "
+            f"over {n} DP release{'s' * (n != 1)} on these training records or records overlapping them "
+            f"(budget `{budget.records_id[:12]}…`, keyed by the records), {dataset_total.composition}. A person in the "
             "data is protected by this total, not by one run's.",
             "",
         ]

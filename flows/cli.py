@@ -289,15 +289,37 @@ def print_status(run_dir: Path) -> int:
     return 0
 
 
+def planned_budget(cfg, plan) -> str:
+    """`plan`'s lines on the training records' budget under run_root: spent by earlier runs, and
+    with this run; BudgetExceeded past privacy.max_epsilon. Writes nothing."""
+    from pipeline.privacy.budget import budget_of, check_max_epsilon, dataset_total
+    from pipeline.stages.data import training_records
+
+    records = training_records(cfg.data, cfg.seed, cfg.control_codes.domain)
+    budget = budget_of(Path(cfg.run_root).resolve(), *records)
+    delta, accountant, limit = plan.total.delta, cfg.teacher.accountant, cfg.privacy.max_epsilon
+    spent = dataset_total(budget, accountant, delta)
+    total = check_max_epsilon(budget, plan.entries, limit, accountant, delta)
+    lines = [f"  budget of these {budget.n_records} training records under {cfg.run_root} (every run, with records "
+             "overlapping them): " + ("nothing spent yet" if spent is None else
+                                      f"ε = {spent.epsilon:.4f} over {len(budget.releases)} DP releases")]
+    if total is not None:
+        lines.append(f"    with this run: ε = {total.epsilon:.4f}, replace-one ε = {total.epsilon_replace_one:.4f} "
+                     f"at δ = {delta:.3g}" + ("" if limit is None else f", within privacy.max_epsilon={limit:g}")
+                     + ("" if spent is None else " (if no stage of it is cached: a cached stage spends nothing)"))
+    return "\n".join(lines)
+
+
 def print_dataset_budget(run_dir: Path, ledger) -> None:
-    """Every DP release recorded on the run's private training file, by any run, composed at
-    this run's δ (pipeline/privacy/budget.py)."""
+    """Every DP release charged to the budget of the run's training records (made on them or on
+    records overlapping them, by any run), composed at this run's δ (pipeline/privacy/budget.py)."""
     from pipeline.privacy.budget import format_budget, read_budget, stored_total
 
     info = read_run_info(run_dir)
-    if not (info.get("dataset_sha256") and info.get("run_root")):
+    budget_id = info.get("records_id") or info.get("dataset_sha256")  # keyed by the file's bytes before issue 21
+    if not (budget_id and info.get("run_root")):
         return  # a run from before the dataset budget was kept
-    budget = read_budget(Path(info["run_root"]), info["dataset_sha256"])
+    budget = read_budget(Path(info["run_root"]), budget_id)
     delta = ledger.total.delta if ledger.total else None
     total = None
     if delta and budget.releases:
@@ -308,7 +330,8 @@ def print_dataset_budget(run_dir: Path, ledger) -> None:
             from pipeline.privacy.budget import dataset_total
 
             total = dataset_total(budget, ledger.total.accountant, delta)
-    print(f"\nAll releases on this dataset (sha256 {info['dataset_sha256'][:12]}…, every run):")
+    print(f"\nAll releases on this dataset (on these training records or records overlapping them, every run "
+          f"under {info['run_root']}; budget {budget_id[:12]}…):")
     print(format_budget(budget, total))
 
 
@@ -455,6 +478,7 @@ def run_pipeline(args) -> int:
             plan = make_plan(cfg, timing=True, say=lambda line: print(
                 f"{line} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True))
             print(format_plan(plan))
+            print(planned_budget(cfg, plan))  # refused past privacy.max_epsilon: a user error, exit code 2
             for warning in plan.warnings:
                 print(f"dpdistill: warning: {warning}", file=sys.stderr)
             return 0

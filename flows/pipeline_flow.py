@@ -38,12 +38,15 @@ from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.stages.adherence import declared_values
 from pipeline.privacy.control_codes import CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
-from pipeline.stages.data import DataResult, delete_private_copies, format_public_split, prepare_data
+from pipeline.stages.data import DataResult, delete_private_copies, format_public_split, prepare_data, read_split
 from pipeline.devices import Runtime
 from pipeline.stages.distill import DistillResult, distill
 from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
 from pipeline.stages.generate import PLACEMENT_FIELDS, GenerateResult
-from pipeline.privacy.budget import dataset_total, read_budget, record_release, store_total
+from pipeline.privacy.budget import (
+    budget_of, check_max_epsilon, dataset_total, read_budget, record_digests, record_release, records_key,
+    register_records, store_total,
+)
 from pipeline.locks import file_lock, unlock
 from pipeline.privacy.ledger import (
     LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing, with_pld_epsilons, write_ledger,
@@ -100,6 +103,7 @@ def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path) -> Da
 })
 def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesResult:
     """Release the code distribution that prompts generation (exact, or a DP histogram)."""
+    _within_max_epsilon(cfg, data, "control_codes")
     return release_control_codes(
         cfg.control_codes,
         cfg.data,
@@ -119,6 +123,7 @@ def _dp_train(
     if done is not None:
         get_run_logger().info("%s: already finished in this run directory, reusing it (no new budget spent)", stage)
         return done
+    _within_max_epsilon(cfg, data, stage)
     monitor_path = None
     if cfg.teacher.monitor == "public":  # formatted as the private splits are, so the loss is comparable
         monitor_path = format_public_split(cfg.data, cfg.teacher.monitor_path,
@@ -148,6 +153,22 @@ def _monitor_key(cfg: PipelineConfig) -> dict:
     """monitor=public: the public file's bytes are an input of the DP-SGD stages (their cache key)."""
     path = cfg.teacher.monitor_path
     return {"monitor_sha256": sha256_file(Path(path))} if cfg.teacher.monitor == "public" else {}
+
+
+def _within_max_epsilon(cfg: PipelineConfig, data: DataResult, stage: str) -> None:
+    """Refuse (BudgetExceeded) a DP stage about to compute when it and the run's later DP releases
+    would take its records' budget past privacy.max_epsilon. Called in the task's body: a
+    cached stage spends nothing and never gets here. Before the teacher: the control codes come first."""
+    if cfg.privacy.max_epsilon is None:
+        return
+    plan = make_plan(cfg, timing=False)  # the releases as they will be: σ, q, steps, δ
+    stages = [e.stage for e in plan.entries]
+    planned = plan.entries[stages.index(stage):]
+    total = check_max_epsilon(budget_of(Path(cfg.run_root).resolve(), *read_split(data.train)), planned,
+                              cfg.privacy.max_epsilon, cfg.teacher.accountant, plan.total.delta)
+    if total is not None:
+        get_run_logger().info("%s: with this run, the training records' budget comes to ε = %.4f of "
+                              "privacy.max_epsilon=%g", stage, total.epsilon, cfg.privacy.max_epsilon)
 
 
 def _teacher_epsilon(cfg: PipelineConfig) -> float:
@@ -279,12 +300,12 @@ def evaluation_task(
 class StageRunner:
     """Runs stage tasks: cache hits verified against their manifests, forced stages rerun,
     and every stage's status, duration and output directory recorded in `stages.json`.
-    With `dataset_sha256`, each DP release is also added to the dataset's budget across runs
-    (pipeline/privacy/budget.py)."""
+    Once `use_records` has named the training records, each DP release is also charged to their
+    budget across runs (pipeline/privacy/budget.py)."""
 
-    def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str], dataset_sha256: str | None = None):
+    def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str]):
         self.cfg, self.run_dir, self.rerun = cfg, run_dir, set(rerun)
-        self.dataset_sha256 = dataset_sha256
+        self.budget_id: str | None = None
         self.run_delta: float | None = None  # δ of this run's first Gaussian release
         self.releases: set[str] = set()  # this run's releases (manifest digests)
         # JSON of our result types only, never a pickle (flows/results.py)
@@ -292,6 +313,14 @@ class StageRunner:
         info_path = run_dir / STAGES_INFO
         self.stages: dict[str, dict] = json.loads(info_path.read_text()) if info_path.is_file() else {}
         self.log = get_run_logger()
+
+    def use_records(self, data: DataResult) -> str:
+        """Name the budget of the training split's records (keyed digests, pipeline/privacy/budget.py)
+        and note it in run.json, where `dpdistill ledger show` finds it."""
+        root = Path(self.cfg.run_root).resolve()
+        self.budget_id = register_records(root, record_digests(*read_split(data.train), records_key(root)))
+        atomic_write_json(self.run_dir / RUN_INFO, read_run_info(self.run_dir) | {"records_id": self.budget_id})
+        return self.budget_id
 
     def _delta(self, budget) -> float | None:
         """The δ the dataset total is composed at: this run's, else the newest release's."""
@@ -302,7 +331,7 @@ class StageRunner:
         """Add this DP release to the dataset's budget; warn when it raises the total that
         earlier runs had spent on the same data. `part` names a second release of the same
         stage run (its validation loss, teacher.monitor=dp), identified by its manifest too."""
-        root, sha = Path(self.cfg.run_root).resolve(), self.dataset_sha256
+        root, sha = Path(self.cfg.run_root).resolve(), self.budget_id
         if self.run_delta is None and entry.history:
             self.run_delta = entry.delta
         release_id = manifest_digest(stage_dir_of(result)) + part
@@ -315,8 +344,8 @@ class StageRunner:
         accountant = self.cfg.teacher.accountant
         was, now = dataset_total(before, accountant, delta), dataset_total(budget, accountant, delta)
         self.log.warning(
-            "%s: a new DP release on data already used by earlier runs: the privacy spent on this dataset "
-            "(sha256 %s…) over every run rises from ε = %.4f to ε = %.4f at δ = %.3g (replace-one: from %.4f "
+            "%s: a new DP release on records already used by earlier runs: the privacy spent on these records "
+            "(budget %s…) over every run rises from ε = %.4f to ε = %.4f at δ = %.3g (replace-one: from %.4f "
             "to %.4f; %d releases); see `dpdistill ledger show %s`", stage, sha[:12], was.epsilon, now.epsilon,
             delta, was.epsilon_replace_one, now.epsilon_replace_one, len(budget.releases), self.run_dir,
         )
@@ -385,10 +414,10 @@ class StageRunner:
             where = f"outputs in {out}" if out else "its result"
             self.log.info("%s: cached (same config, inputs, version and seed): reusing %s", stage, where)
         ledger = getattr(result, "ledger", None)
-        if self.dataset_sha256 and isinstance(ledger, LedgerEntry) and ledger.private and ledger.epsilon:
+        if self.budget_id and isinstance(ledger, LedgerEntry) and ledger.private and ledger.epsilon:
             self._record_release(stage, result, ledger)
         monitor = getattr(result, "monitor_ledger", None)  # the validation loss released with DP
-        if self.dataset_sha256 and isinstance(monitor, LedgerEntry) and monitor.epsilon:
+        if self.budget_id and isinstance(monitor, LedgerEntry) and monitor.epsilon:
             self._record_release(monitor.stage, result, monitor, part=":validation")
         self._record(
             stage,
@@ -445,8 +474,9 @@ def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger) -> 
         "pid": os.getpid(),
         "config_sha256": config_sha(cfg), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rerun": rerun or [],
-        # Where the budget spent on this dataset over every run is kept (pipeline/privacy/budget.py).
-        "run_root": str(Path(cfg.run_root).resolve()), "dataset_sha256": sources.get("path"),
+        # Where the budget spent on the training records over every run is kept (pipeline/privacy/budget.py);
+        # its "records_id" is added once the data stage has made the split.
+        "run_root": str(Path(cfg.run_root).resolve()),
     }
     atomic_write_json(out / RUN_INFO, run_info)
     with run_log(out):  # every log line from here on also in out/run.log, tracebacks only there
@@ -458,20 +488,21 @@ def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger) -> 
             mark_stopped(out, status, reason)  # first: an interrupted run may be killed soon after
             write_report(out)  # what the finished stages show, to help find what went wrong
             raise
-        _finish(cfg, out, run_info, final, metrics, sources)
+        _finish(cfg, out, run_info, final, metrics)
     return str(out)
 
 
-def _finish(cfg: PipelineConfig, out: Path, run_info: dict, final: PrivacyLedger, metrics: dict,
-            sources: dict[str, str]) -> None:
+def _finish(cfg: PipelineConfig, out: Path, run_info: dict, final: PrivacyLedger, metrics: dict) -> None:
     """Report, artifacts, and run.json's "completed", once every stage is done."""
     logger = get_run_logger()
     report = write_report(out)
     publish_report(report, out)
-    budget = read_budget(Path(cfg.run_root).resolve(), sources["path"]) if sources.get("path") else None
+    run_info = run_info | read_run_info(out)  # with the records' budget id, added after the data stage
+    budget_id = run_info.get("records_id")
+    budget = read_budget(Path(cfg.run_root).resolve(), budget_id) if budget_id else None
     dataset = _dataset_total(budget, final.total, cfg.teacher.accountant)
     if dataset is not None:  # kept for `dpdistill ledger show`, which then needs no accountant
-        store_total(Path(cfg.run_root).resolve(), sources["path"], cfg.teacher.accountant, final.total.delta, dataset)
+        store_total(Path(cfg.run_root).resolve(), budget_id, cfg.teacher.accountant, final.total.delta, dataset)
     publish_ledger(final, budget, dataset)
     publish_metrics(metrics)
     if "generation" in metrics:
@@ -493,10 +524,11 @@ def _dp_sgd_entries(result: TeacherResult) -> list[LedgerEntry]:
 def _run_stages(
     cfg: PipelineConfig, out: Path, rerun: list[str], sources: dict[str, str]
 ) -> tuple[PrivacyLedger, dict]:
-    stage = StageRunner(cfg, out, rerun, dataset_sha256=sources.get("path"))
+    stage = StageRunner(cfg, out, rerun)
     method = cfg.distill.method
     base = stage("base-models", base_models_task, cfg)
     data = stage("data", data_task, cfg, sources, out)
+    stage.use_records(data)
     ledger: list[LedgerEntry] = []
     teacher = codes = synthetic = None
 

@@ -567,6 +567,19 @@ class EvalConfig(_Section):
     )
 
 
+class PrivacyConfig(_Section):
+    """Limits on what the training records may spend over every run under `run_root`
+    (pipeline/privacy/budget.py keeps that budget, keyed by the records themselves)."""
+
+    max_epsilon: float | None = Field(
+        None, gt=0,
+        description="The most ε (add/remove, the unit of teacher.target_epsilon) that every DP release on the "
+        "training records, or on records overlapping them, by any run under run_root, may spend composed "
+        "together. A run that would pass it is refused before its first DP stage computes, and `dpdistill "
+        "plan` says so. None: no limit (the total is still reported).",
+    )
+
+
 class PipelineConfig(_Section):
     """The whole run. `seed` is set at the start of every stage."""
 
@@ -604,6 +617,7 @@ class PipelineConfig(_Section):
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
     evaluate: EvalConfig = Field(default_factory=EvalConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "PipelineConfig":

@@ -1,33 +1,52 @@
-"""The privacy budget spent on one private dataset across every run, not just one run's.
+"""The privacy budget spent on one dataset's records across every run, not just one run's.
 
 Each run's ledger shows what that run released. But every `--force teacher`, and every run
 with a changed config, trains a new DP model on the same records: the guarantee for a
 person in the data is the composition of *all* those releases. This module keeps one
-ledger per dataset, keyed by the sha256 of the private training file, under
-`run_root/.privacy/<sha256>.json` (0600), and composes it the way a run's total is composed
-(`pipeline.privacy.ledger.compose`: Gaussian histories jointly through the accountant, pure ε added).
+ledger per set of training records under `run_root/.privacy/` (0600, in a 0700 directory) and
+composes it the way a run's total is composed (`pipeline.privacy.ledger.compose`: Gaussian
+histories jointly through the accountant, pure ε added).
+
+Keyed by the records, not the file's bytes (issue 21 item 4): a copy of the data with one
+byte changed past the rows used trains on the same records and lands in the same budget.
+Each training record (control code and text) is hashed with HMAC-SHA256 under a secret key
+made once per run_root (`records.key`, 0600), so the stored digests tell nothing about the
+records to someone without the key (no dictionary of guessed reviews can be tested against
+them). A budget is named by the keyed digest of its record set; its digests are kept beside
+it (`<id>.records`). A release is charged to every budget whose records overlap the ones it
+trained on, and a new budget starts with every earlier release on records it shares: a
+subset, a superset or an overlapping sample of the same data is never a fresh budget.
 
 A release is identified by its stage's manifest digest (the sha256 of its outputs): a
 cached or reused stage is the same release and is recorded once; a retrained teacher (new
-DP noise) is a new one.
+DP noise) is a new one. `privacy.max_epsilon` (`check_max_epsilon`) refuses a run whose
+releases would take a budget past it.
 
-    budget = record_release(run_root, sha, release_id=digest, stage="teacher", run_dir=run, entry=entry)
+    budget_id = register_records(run_root, record_digests(codes, texts, records_key(run_root)))
+    budget, new = record_release(run_root, budget_id, release_id=digest, stage="teacher", run_dir=run, entry=entry)
     total = dataset_total(budget, accountant="prv", delta=1e-5)
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import secrets
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from pipeline.config import ConfigError
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, fmt_value
 from pipeline.locks import file_lock
-from pipeline.manifest import atomic_write_json, private_dir
+from pipeline.manifest import atomic_write_json, atomic_write_text, private_dir
 
 BUDGET_DIR = ".privacy"
+KEY_FILE = "records.key"
+LOCK_FILE = "budgets.lock"
+"""One lock for every budget of a run_root: a release may be charged to several at once."""
 
 
 class Release(BaseModel):
@@ -35,6 +54,8 @@ class Release(BaseModel):
 
     release_id: str
     """The releasing stage's manifest digest: the same outputs are the same release."""
+    records_id: str | None = None
+    """The budget of the records it trained on (a release charged to an overlapping budget keeps it)."""
     stage: str
     run_dir: str
     recorded_at: str
@@ -57,54 +78,140 @@ class StoredTotal(BaseModel):
 class DatasetBudget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    dataset_sha256: str
+    records_id: str = Field(validation_alias=AliasChoices("records_id", "dataset_sha256"))
+    """Keyed digest of the record set (budgets written before issue 21: the training file's sha256)."""
+    n_records: int | None = None
     releases: list[Release] = []
     totals: list[StoredTotal] = []
 
 
-def budget_path(run_root: Path, dataset_sha256: str) -> Path:
-    if len(dataset_sha256) != 64 or any(c not in "0123456789abcdef" for c in dataset_sha256):
-        raise ValueError(f"not a sha256: {dataset_sha256!r}")
-    return Path(run_root) / BUDGET_DIR / f"{dataset_sha256}.json"
+def budget_path(run_root: Path, budget_id: str) -> Path:
+    if len(budget_id) != 64 or any(c not in "0123456789abcdef" for c in budget_id):
+        raise ValueError(f"not a budget id (64 hex digits): {budget_id!r}")
+    return Path(run_root) / BUDGET_DIR / f"{budget_id}.json"
 
 
-def read_budget(run_root: Path, dataset_sha256: str) -> DatasetBudget:
-    """Every release recorded on this dataset (none yet: an empty budget)."""
-    path = budget_path(run_root, dataset_sha256)
+def records_key(run_root: Path) -> bytes:
+    """The run_root's secret key for record digests, made on first use (0600). Without it the
+    digests in `.privacy/` cannot be tested against guessed records."""
+    folder = private_dir(Path(run_root) / BUDGET_DIR)
+    path = folder / KEY_FILE
+    with file_lock(folder / LOCK_FILE):
+        if not path.is_file():
+            atomic_write_text(path, secrets.token_hex(32))  # mkstemp: 0600 whatever the umask
+    return bytes.fromhex(path.read_text().strip())
+
+
+def existing_records_key(run_root: Path) -> bytes | None:
+    """The key if the run_root has one (nothing recorded yet otherwise); creates nothing (`plan`)."""
+    path = Path(run_root) / BUDGET_DIR / KEY_FILE
+    return bytes.fromhex(path.read_text().strip()) if path.is_file() else None
+
+
+def record_digests(codes: list[str], texts: list[str], key: bytes) -> set[str]:
+    """Keyed digests (HMAC-SHA256, 128 bits) of the training records, each its control code and
+    text: the same record gives the same digest under one run_root, whatever file it came from."""
+    return {hmac.new(key, json.dumps([c, t]).encode(), hashlib.sha256).hexdigest()[:32]
+            for c, t in zip(codes, texts, strict=True)}
+
+
+def _records_path(run_root: Path, budget_id: str) -> Path:
+    return budget_path(run_root, budget_id).with_suffix(".records")
+
+
+def _record_sets(run_root: Path) -> dict[str, set[str]]:
+    """Every budget's record digests under run_root, by budget id."""
+    folder = Path(run_root) / BUDGET_DIR
+    return {p.stem: set(p.read_text().split()) for p in sorted(folder.glob("*.records"))}
+
+
+def _overlapping(run_root: Path, digests: set[str]) -> list[str]:
+    return [bid for bid, other in _record_sets(run_root).items() if other & digests]
+
+
+def _releases_on(run_root: Path, digests: set[str]) -> list[Release]:
+    """Every release made on records that overlap `digests`, oldest first, each once."""
+    found: dict[str, Release] = {}
+    for other in _overlapping(run_root, digests):
+        for r in read_budget(run_root, other).releases:
+            if r.records_id == other:  # made on that set; the ones charged to it come from their own
+                found.setdefault(r.release_id, r)
+    return sorted(found.values(), key=lambda r: r.recorded_at)
+
+
+def _budget_id(key: bytes, digests: set[str]) -> str:
+    return hmac.new(key, "\n".join(sorted(digests)).encode(), hashlib.sha256).hexdigest()
+
+
+def budget_of(run_root: Path, codes: list[str], texts: list[str]) -> DatasetBudget:
+    """The budget these records would have, as it stands, writing nothing (`dpdistill plan`)."""
+    key = existing_records_key(run_root)
+    if key is None:  # no release was ever recorded under this run_root
+        return DatasetBudget(records_id="0" * 64, n_records=len(codes))
+    digests = record_digests(codes, texts, key)
+    return DatasetBudget(records_id=_budget_id(key, digests), n_records=len(digests),
+                         releases=_releases_on(run_root, digests))
+
+
+def register_records(run_root: Path, digests: set[str]) -> str:
+    """The id of the budget of exactly these records, made if new with every earlier release on
+    records they share (a subset, superset or overlap of an earlier run's training split)."""
+    budget_id = _budget_id(records_key(run_root), digests)
+    path = budget_path(run_root, budget_id)
+    with file_lock(path.parent / LOCK_FILE):
+        if _records_path(run_root, budget_id).is_file():
+            return budget_id
+        budget = DatasetBudget(records_id=budget_id, n_records=len(digests), releases=_releases_on(run_root, digests))
+        atomic_write_json(path, budget.model_dump(mode="json"))
+        atomic_write_text(_records_path(run_root, budget_id), "\n".join(sorted(digests)) + "\n")
+    return budget_id
+
+
+def read_budget(run_root: Path, budget_id: str) -> DatasetBudget:
+    """Every release charged to this budget (none yet: an empty budget)."""
+    path = budget_path(run_root, budget_id)
     if not path.is_file():
-        return DatasetBudget(dataset_sha256=dataset_sha256)
+        return DatasetBudget(records_id=budget_id)
     return DatasetBudget.model_validate(json.loads(path.read_text()))
 
 
 def record_release(
-    run_root: Path, dataset_sha256: str, *, release_id: str, stage: str, run_dir: Path, entry: LedgerEntry
+    run_root: Path, budget_id: str, *, release_id: str, stage: str, run_dir: Path, entry: LedgerEntry
 ) -> tuple[DatasetBudget, bool]:
-    """Add one DP release to the dataset's budget, unless it is there already (same
-    `release_id`). Returns the budget after the call and whether the release was new."""
+    """Charge one DP release on the records of `budget_id` to that budget and to every budget whose
+    records overlap them, unless it is there already (same `release_id`). Returns this budget
+    after the call and whether the release was new to it."""
     if not (entry.private and entry.epsilon):
         raise ValueError(f"{stage}: only a DP release with ε > 0 spends budget (got ε = {entry.epsilon})")
-    path = budget_path(run_root, dataset_sha256)
+    path = budget_path(run_root, budget_id)
     private_dir(path.parent)
-    # One writer at a time (pipeline/locks.py): read-modify-write; the write itself is atomic (0600).
-    with file_lock(path.with_suffix(".lock")):
-        budget = read_budget(run_root, dataset_sha256)
-        if any(r.release_id == release_id for r in budget.releases):
-            return budget, False
-        budget.releases.append(Release(
-            release_id=release_id, stage=stage, run_dir=str(run_dir),
-            recorded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), entry=entry,
-        ))
-        atomic_write_json(path, budget.model_dump(mode="json"))
-    return budget, True
+    release = Release(release_id=release_id, records_id=budget_id, stage=stage, run_dir=str(run_dir),
+                      recorded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), entry=entry)
+    # One writer at a time (pipeline/locks.py): read-modify-write; each write is atomic (0600).
+    with file_lock(path.parent / LOCK_FILE):
+        records = _records_path(run_root, budget_id)
+        charged = _overlapping(run_root, set(records.read_text().split())) if records.is_file() else []
+        new = False
+        for bid in dict.fromkeys([budget_id, *charged]):
+            budget = read_budget(run_root, bid)
+            if any(r.release_id == release_id for r in budget.releases):
+                continue
+            new |= bid == budget_id
+            budget.releases.append(release)
+            atomic_write_json(budget_path(run_root, bid), budget.model_dump(mode="json"))
+    return read_budget(run_root, budget_id), new
 
 
-def dataset_total(budget: DatasetBudget, accountant: str, delta: float) -> LedgerTotal | None:
-    """All releases on the dataset composed at `delta` (the current run's δ), as a run's
-    ledger total is. None when nothing was released."""
-    if not budget.releases:
-        return None
+def dataset_total(
+    budget: DatasetBudget, accountant: str, delta: float, planned: list[LedgerEntry] = ()
+) -> LedgerTotal | None:
+    """All releases charged to the budget, and the `planned` ones not made yet, composed at
+    `delta` (the current run's δ), as a run's ledger total is. None when there is none."""
     # Named by run, so that the composition names which runs' releases it composes.
     entries = [r.entry.model_copy(update={"stage": f"{r.stage} ({Path(r.run_dir).name})"}) for r in budget.releases]
+    entries += [e.model_copy(update={"stage": f"{e.stage} (planned)"}) for e in planned if e.private and e.epsilon]
+    if not entries:
+        return None
     note = ""
     if len({e.privacy_unit for e in entries}) > 1:
         # A user-level guarantee implies the same record-level one (a record is part of a
@@ -114,8 +221,39 @@ def dataset_total(budget: DatasetBudget, accountant: str, delta: float) -> Ledge
     total = compose(entries, accountant, delta)
     n = len(budget.releases)
     return total.model_copy(update={
-        "note": f"{n} DP release{'s' * (n != 1)} on this dataset, every run together{note}",
+        "note": f"{n} DP release{'s' * (n != 1)} on these records or records overlapping them, every run "
+        f"together{' and this run planned' if planned else ''}{note}",
     })
+
+
+class BudgetExceeded(ConfigError):
+    """A run whose DP releases would take its records' budget past `privacy.max_epsilon`."""
+
+
+def check_max_epsilon(
+    budget: DatasetBudget, planned: list[LedgerEntry], max_epsilon: float | None, accountant: str, delta: float
+) -> LedgerTotal | None:
+    """The budget's total with the `planned` releases added; BudgetExceeded past `max_epsilon`
+    (add/remove ε, the unit of teacher.target_epsilon)."""
+    total = dataset_total(budget, accountant, delta, planned)
+    if max_epsilon is None or total is None or total.epsilon <= max_epsilon:
+        return total
+    spent = dataset_total(budget, accountant, delta)
+    now = "nothing yet" if spent is None else (
+        f"ε = {spent.epsilon:.4f} (replace-one {fmt_value(spent.epsilon_replace_one)}) over "
+        f"{len(budget.releases)} DP release(s) by earlier runs")
+    this_run = ", ".join(f"{e.stage} ε = {e.epsilon:.4f}" for e in planned if e.private and e.epsilon)
+    fix = ("lower teacher.target_epsilon (or control_codes.epsilon) so that the total stays within it, reuse a "
+           "finished run's outputs instead of training again, or raise privacy.max_epsilon if spending more on "
+           "these records is intended")
+    if spent is not None and spent.epsilon >= max_epsilon:
+        fix = ("this budget is spent: train on other records, or raise privacy.max_epsilon if spending more on "
+               "these records is intended")
+    raise BudgetExceeded(
+        f"privacy.max_epsilon={max_epsilon}: the training records of this run have spent {now} under this "
+        f"run_root, and this run ({this_run}) would bring the total to ε = {total.epsilon:.4f} at δ = "
+        f"{delta:.3g}; refused before training. Fix: {fix} (`dpdistill ledger show RUN_DIR` lists the releases)"
+    )
 
 
 def format_budget(budget: DatasetBudget, total: LedgerTotal | None) -> str:
@@ -143,11 +281,11 @@ def stored_total(budget: DatasetBudget, accountant: str, delta: float) -> Ledger
                  and t.release_ids == ids and t.total.epsilon_replace_one is not None), None)
 
 
-def store_total(run_root: Path, dataset_sha256: str, accountant: str, delta: float, total: LedgerTotal) -> None:
+def store_total(run_root: Path, budget_id: str, accountant: str, delta: float, total: LedgerTotal) -> None:
     """Keep the accountant's total of the dataset's current releases (one per accountant and δ)."""
-    path = budget_path(run_root, dataset_sha256)
-    with file_lock(path.with_suffix(".lock")):
-        budget = read_budget(run_root, dataset_sha256)
+    path = budget_path(run_root, budget_id)
+    with file_lock(path.parent / LOCK_FILE):
+        budget = read_budget(run_root, budget_id)
         kept = [t for t in budget.totals if (t.accountant, t.delta) != (accountant, delta)]
         ids = [r.release_id for r in budget.releases]
         budget.totals = [*kept, StoredTotal(accountant=accountant, delta=delta, release_ids=ids, total=total)]

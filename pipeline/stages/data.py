@@ -418,6 +418,15 @@ def planned_split(cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] 
                         test_texts=split.test[1])
 
 
+def training_records(
+    cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None = None
+) -> tuple[list[str], list[str]]:
+    """(control codes, texts) of the training split as the data stage will write it, writing
+    nothing: what `dpdistill plan` finds the privacy budget of (pipeline/privacy/budget.py)."""
+    split = _split(cfg, seed, code_domain)
+    return [split.codes[i] for i in split.train_idx], [split.texts[i] for i in split.train_idx]
+
+
 def prepare_data(
     cfg: DataConfig, out_dir: Path, seed: int, code_domain: dict[str, list[str]] | None = None
 ) -> DataResult:

@@ -16,7 +16,7 @@ from conftest import tiny_pipeline_dict
 
 from flows.caching import stages_to_rerun
 from flows.cli import main, make_deployment
-from flows.pipeline_flow import dp_distill, source_hashes
+from flows.pipeline_flow import dp_distill
 from pipeline.privacy.budget import dataset_total, read_budget
 from pipeline.config import config_from_dict
 from pipeline.privacy.ledger import read_ledger
@@ -44,7 +44,8 @@ def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsy
     assert set(_stages(first).values()) == {"ran"}
     assert not list((first / "data").glob("*.parquet")) and (first / "data" / "manifest.json").is_file()
     assert (first.stat().st_mode & 0o777) == 0o700
-    root, sha = Path(tree["run_root"]).resolve(), source_hashes(cfg)["path"]
+    # The budget of the training records (pipeline/privacy/budget.py), named in run.json.
+    root, sha = Path(tree["run_root"]).resolve(), json.loads((first / "run.json").read_text())["records_id"]
     assert [r.stage for r in read_budget(root, sha).releases] == ["control-codes", "teacher"]
     spent = dataset_total(read_budget(root, sha), "prv", read_ledger(first / "ledger.json").total.delta)
 
@@ -53,6 +54,7 @@ def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsy
     second = Path(dp_distill(cfg))
     assert _stages(second).pop("evaluation") == "ran"
     assert second != first and _stages(second).pop("data") == "ran"  # its splits were deleted: rewritten
+    assert json.loads((second / "run.json").read_text())["records_id"] == sha  # the same records, the same budget
     assert set(_stages(second).values()) - {"ran"} == {"cached"} and _stages(second)["teacher"] == "cached"
     assert _entries(second) == _entries(first)  # the ledger is unchanged: no budget spent again
     assert len(read_budget(root, sha).releases) == 2  # the cached teacher is the same release

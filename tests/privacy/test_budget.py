@@ -62,7 +62,7 @@ def test_other_datasets_and_non_dp_releases_do_not_count(tmp_path):
     exact = LedgerEntry(stage="control_codes", private=False, epsilon=None, note="exact counts")
     with pytest.raises(ValueError, match="only a DP release"):
         record_release(tmp_path, SHA, release_id="c" * 64, stage="control-codes", run_dir=tmp_path, entry=exact)
-    with pytest.raises(ValueError, match="not a sha256"):
+    with pytest.raises(ValueError, match="not a budget id"):
         budget_path(tmp_path, "../../etc/passwd")
 
 
@@ -139,3 +139,96 @@ def test_ledger_show_reads_the_stored_total_without_the_accountant(tmp_path):
     assert stored_total(budget, "prv", DELTA) is None  # other releases now: composed again
     rc, out, err, heavy = _cli("ledger", "show", str(run))
     assert rc == 0 and f"TOTAL: ε = {dataset_total(budget, 'prv', DELTA).epsilon:.4f}" in out and "opacus" in heavy
+
+
+# --- keyed by the records (issue 21 item 4) ----------------------------------------------
+
+def _records(n: int, start: int = 0) -> tuple[list[str], list[str]]:
+    return [f"code {i % 3}" for i in range(start, start + n)], [f"review number {i}" for i in range(start, start + n)]
+
+
+def _digests(root, records):
+    from pipeline.privacy.budget import record_digests, records_key
+
+    return record_digests(*records, records_key(root))
+
+
+def test_a_copy_with_one_byte_changed_past_the_rows_used_lands_in_the_same_budget(tmp_path):
+    """The file's sha256 differs, the training records do not: one budget, and its key is 0600."""
+    from conftest import YELP_DOMAIN, YELP_TRAIN
+    from pipeline.config import DataConfig
+    from pipeline.manifest import sha256_file
+    from pipeline.privacy.budget import KEY_FILE, BUDGET_DIR, register_records
+    from pipeline.stages.data import training_records
+
+    copy = tmp_path / "copy.csv"
+    data = bytearray(YELP_TRAIN.read_bytes())
+    data[-2] = ord("X") if data[-2] != ord("X") else ord("Y")  # in the last row, far past the 120 used
+    copy.write_bytes(bytes(data))
+    assert sha256_file(copy) != sha256_file(YELP_TRAIN)
+    root = tmp_path / "runs"
+    ids = [register_records(root, _digests(root, training_records(DataConfig(path=p, max_records=120), 0, YELP_DOMAIN)))
+           for p in (YELP_TRAIN, copy)]
+    assert ids[0] == ids[1]
+    assert (root / BUDGET_DIR / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    # The stored digests are keyed: the plain sha256 of a record is nowhere in them.
+    codes, texts = training_records(DataConfig(path=YELP_TRAIN, max_records=120), 0, YELP_DOMAIN)
+    stored = (root / BUDGET_DIR / f"{ids[0]}.records").read_text()
+    assert hashlib.sha256(json.dumps([codes[0], texts[0]]).encode()).hexdigest()[:32] not in stored
+
+
+def test_an_overlapping_subset_is_charged_and_inherits_earlier_releases(tmp_path):
+    from pipeline.privacy.budget import register_records
+
+    root = tmp_path / "runs"
+    first = register_records(root, _digests(root, _records(100)))
+    record_release(root, first, release_id="a" * 64, stage="teacher", run_dir=root / "r1", entry=_teacher(1.0, 30))
+    # Records 50..149: half of them were in the first run's training split.
+    overlap = register_records(root, _digests(root, _records(100, start=50)))
+    apart = register_records(root, _digests(root, _records(10, start=1000)))
+    assert [r.release_id for r in read_budget(root, overlap).releases] == ["a" * 64]
+    assert read_budget(root, apart).releases == []
+
+    budget, new = record_release(root, overlap, release_id="b" * 64, stage="teacher", run_dir=root / "r2",
+                                 entry=_teacher(1.2, 40))
+    assert new and [r.release_id for r in budget.releases] == ["a" * 64, "b" * 64]
+    assert [r.release_id for r in read_budget(root, first).releases] == ["a" * 64, "b" * 64]  # charged too
+    assert read_budget(root, apart).releases == []
+    # A later subset of the first split starts with both releases, each once.
+    subset = register_records(root, _digests(root, _records(20, start=60)))
+    assert sorted(r.release_id for r in read_budget(root, subset).releases) == ["a" * 64, "b" * 64]
+
+
+def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path, tiny_model_dir):
+    """privacy.max_epsilon: the teacher stage refuses before it trains (its directory never
+    appears), naming the field, the current total and the fix; `plan` refuses the same run."""
+    from conftest import tiny_pipeline_dict
+    from flows.cli import planned_budget
+    from flows.pipeline_flow import _dp_train
+    from pipeline.config import config_from_dict
+    from pipeline.plan import make_plan
+    from pipeline.privacy.budget import BudgetExceeded, record_digests, records_key, register_records
+    from pipeline.stages.data import prepare_data, read_split
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["teacher"].update(model=str(tiny_model_dir), max_length=64)
+    tree["privacy"] = {"max_epsilon": 10.0}
+    cfg = config_from_dict(tree)
+    data = prepare_data(cfg.data, tmp_path / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
+    root = cfg.run_root.resolve()
+    plan = make_plan(cfg, timing=False)
+    assert "within privacy.max_epsilon=10" in planned_budget(cfg, plan)  # nothing spent yet: 8 + 1 fits
+
+    budget_id = register_records(root, record_digests(*read_split(data.train), records_key(root)))
+    earlier = next(e for e in plan.entries if e.stage == "teacher")
+    record_release(root, budget_id, release_id="e" * 64, stage="teacher", run_dir=root / "earlier", entry=earlier)
+    spent = dataset_total(read_budget(root, budget_id), "prv", plan.total.delta)
+
+    with pytest.raises(BudgetExceeded) as refused:
+        _dp_train(cfg, data, tmp_path / "run", stage="teacher", model=str(tiny_model_dir), epsilon=8.0)
+    message = str(refused.value)
+    assert "privacy.max_epsilon=10.0" in message and f"ε = {spent.epsilon:.4f}" in message
+    assert "Fix: lower teacher.target_epsilon" in message and "raise privacy.max_epsilon" in message
+    assert not (tmp_path / "run" / "teacher").exists()
+    with pytest.raises(BudgetExceeded, match="privacy.max_epsilon=10.0"):
+        planned_budget(cfg, plan)
