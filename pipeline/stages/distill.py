@@ -22,6 +22,7 @@ The recipe: `_setup` (tokenizers, teacher or its logit cache, synthetic ids) →
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 from transformers import AutoConfig
 
@@ -38,7 +40,7 @@ from pipeline.models.scoring import mean_token_nll
 from pipeline.stages.selection import choose, log_selection, score_students, selection_set
 from pipeline.config import DistillConfig
 from pipeline.devices import CPU_FP32, Runtime
-from pipeline.stages.generate import synthetic_ids
+from pipeline.stages.generate import synthetic_files, synthetic_ids
 from pipeline.stages.logit_cache import CachedTopK, build_teacher_cache
 from pipeline.models.losses import TopKLogits, distillation_loss, prompt_mask
 from pipeline.manifest import atomic_write_json, write_manifest
@@ -325,12 +327,6 @@ def _select(cfg: DistillConfig, setup: _Setup, logs: dict[str, dict], ckpts: dic
 
 def _generated_max_length(synthetic_path: Path) -> int:
     """generate.max_length of the synthetic data (the selection texts are capped alike)."""
-    import json
-
-    import pyarrow.parquet as pq
-
-    from pipeline.stages.generate import synthetic_files
-
     meta = pq.read_schema(synthetic_files(synthetic_path)[0]).metadata or {}
     return json.loads(meta.get(b"dpdistill.generate_config", b"{}")).get("max_length", 10**9)
 
