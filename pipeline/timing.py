@@ -191,7 +191,10 @@ class StepTimer:
 
     def distill_step(self, student: str, teacher: str | None, batch: int, length: int, prompt: int) -> float:
         """Seconds of one distillation step: student forward+backward under autocast, the frozen
-        teacher's forward (None: no teacher logits), the losses, clipping and AdamW."""
+        teacher's forward (None: no teacher logits), the losses, clipping and AdamW. The models
+        run the batch in `distill.length_groups` passes, as the stage does (each at the full
+        length here, where the stage's are shorter: an upper bound); on tiny models a pass's
+        fixed cost is most of the step, and one pass was timed ~2.6x under the stage's four."""
         d = self.cfg.distill
         s_model = self.model(student)
         t_model = self.model(teacher, inference=True) if teacher else None
@@ -202,12 +205,17 @@ class StepTimer:
             batch, labels = self._batch(s_model, b, length)
             kl_mask = prompt_mask(labels.shape[1], torch.full((b,), prompt)).to(labels.device)  # (B, L-1)
 
+            groups = [{k: v[g] for k, v in batch.items()} for g in torch.arange(b).chunk(d.length_groups)]
+
+            def logits(model) -> torch.Tensor:  # the stage's passes: one per length group
+                return torch.cat([model(**group).logits[:, :-1, :vocab] for group in groups]).float()  # (B, L-1, V)
+
             def step():
                 if t_model is not None:
                     with torch.no_grad(), self.runtime.autocast():
-                        t_logits = t_model(**batch).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+                        t_logits = logits(t_model)
                 with self.runtime.autocast():
-                    s_logits = s_model(**batch).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+                    s_logits = logits(s_model)
                 parts = distillation_loss(s_logits, t_logits if t_model is not None else s_logits.detach(), labels,
                                           kl_mask, alpha=d.alpha if t_model is not None else 0.0,
                                           temperature=d.temperature, beta=0.0)
