@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.stages.generate import synthetic_head
 from pipeline.privacy.budget import DatasetBudget
-from pipeline.privacy.ledger import ADJACENCY_NOTE as _ADJACENCY, LedgerTotal, PrivacyLedger
+from pipeline.privacy.ledger import ADJACENCY_NOTE as _ADJACENCY, LedgerTotal, PrivacyLedger, guarantee, total_guarantee
 
 LEDGER_KEY = "privacy-ledger"
 SUMMARY_KEY = "privacy-summary"
@@ -94,18 +94,18 @@ def ledger_summary(
 def publish_ledger(
     ledger: PrivacyLedger, budget: DatasetBudget | None = None, dataset_total: LedgerTotal | None = None
 ) -> None:
-    keep = ("stage", "private", "epsilon", "epsilon_replace_one", "delta", "accountant", "mechanism",
+    keep = ("stage", "guarantee", "epsilon", "epsilon_replace_one", "delta", "accountant", "mechanism",
             "noise_multiplier", "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "epsilon_pld",
             "noise_source", "note")
-    rows = [{k: _fmt(getattr(e, k)) for k in keep} for e in ledger.entries]
+    rows = [{k: _fmt((e.model_dump() | {"guarantee": guarantee(e)})[k]) for k in keep} for e in ledger.entries]
     if ledger.total:
         t = ledger.total
         rows.append({k: "" for k in keep} | {
-            "stage": "TOTAL", "private": _fmt(t.complete), "epsilon": _fmt(t.epsilon),
+            "stage": "TOTAL", "guarantee": total_guarantee(t), "epsilon": _fmt(t.epsilon),
             "epsilon_replace_one": _fmt(t.epsilon_replace_one), "epsilon_pld": _fmt(t.epsilon_pld),
             "delta": _fmt(t.delta), "accountant": t.accountant, "note": f"{t.composition}. {t.note}",
         })
-    short = ["stage", "private", "epsilon", "epsilon_replace_one", "delta", "noise_multiplier", "sample_rate",
+    short = ["stage", "guarantee", "epsilon", "epsilon_replace_one", "delta", "noise_multiplier", "sample_rate",
              "steps", "accountant"]
     description = ("Privacy ledger: one row per stage\n\n" + markdown_table(rows, short)
                    + "\n\nEvery column (mechanism, clipping norm, noise source, notes): the artifact below.")

@@ -24,6 +24,8 @@ from pipeline.manifest import atomic_write_json
 
 LEDGER = "ledger.json"
 ADJACENCY_NOTE = (
+    "guarantee: 'DP release' (computed from private records through an accounted mechanism), "
+    "'post-processing' (reads DP outputs only, ε 0) or 'NOT DP'. "
     "epsilon: add/remove-one (neighbouring datasets differ by one unit present or absent); "
     "epsilon_replace_one: one unit replaced by another, N unchanged. N is published, so replace-one is "
     "the guarantee against an attacker who knows it (dp-accounting PLD; docs/privacy.md). "
@@ -201,6 +203,21 @@ def read_ledger(path: Path) -> PrivacyLedger:
     return PrivacyLedger.model_validate(json.loads(Path(path).read_text()))
 
 
+def guarantee(entry: "LedgerEntry") -> str:
+    """The `private` flag in words, as tables show it: "DP release" (the stage released
+    something computed from private records through an accounted mechanism), "post-processing"
+    (it read only DP outputs: ε 0) or "NOT DP". A bare "private: yes" on generation read as
+    "reads private data" (issue 24)."""
+    if not entry.private:
+        return "NOT DP"
+    return "DP release" if entry.epsilon else "post-processing"
+
+
+def total_guarantee(total: "LedgerTotal") -> str:
+    """The total's `complete` flag in words: every release of the run is DP, or not."""
+    return "all DP" if total.complete else "INCOMPLETE"
+
+
 def fmt_value(x) -> str:
     """A ledger value as shown in tables: 4 significant digits, yes/NO, '-' for none."""
     if x is None:
@@ -214,11 +231,11 @@ def fmt_value(x) -> str:
 
 def format_table(ledger: PrivacyLedger) -> str:
     """The ledger as a fixed-width text table plus its total and notes."""
-    cols = ["stage", "private", "epsilon", "epsilon_replace_one", "delta", "accountant", "noise_multiplier",
+    cols = ["stage", "guarantee", "epsilon", "epsilon_replace_one", "delta", "accountant", "noise_multiplier",
             "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "epsilon_pld"]
-    rows = [[fmt_value(getattr(e, c)) for c in cols] for e in ledger.entries]
+    rows = [[fmt_value((e.model_dump() | {"guarantee": guarantee(e)})[c]) for c in cols] for e in ledger.entries]
     if ledger.total:
-        t = ledger.total.model_dump() | {"stage": "TOTAL", "private": ledger.total.complete}
+        t = ledger.total.model_dump() | {"stage": "TOTAL", "guarantee": total_guarantee(ledger.total)}
         rows.append([fmt_value(t.get(c)) for c in cols])
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths))  # noqa: E731

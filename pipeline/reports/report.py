@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import yaml
 from matplotlib.figure import Figure
 
-from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, read_ledger
+from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, guarantee, read_ledger, total_guarantee
 from pipeline.manifest import MANIFEST, atomic_write_text
 from pipeline.reports import STAGE_WORDS
 
@@ -159,13 +159,13 @@ def _privacy(run_dir: Path) -> str:
     if not (run_dir / LEDGER).exists():
         return _note("No ledger.json yet (it is written once the first DP stage finishes).")
     ledger = read_ledger(run_dir / LEDGER)
-    cols = ["stage", "private", "epsilon", "epsilon_replace_one", "delta", "accountant", "mechanism",
+    cols = ["stage", "guarantee", "epsilon", "epsilon_replace_one", "delta", "accountant", "mechanism",
             "noise_multiplier", "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "epsilon_pld"]
-    rows = [[getattr(e, c) for c in cols] for e in ledger.entries]
+    rows = [[(e.model_dump() | {"guarantee": guarantee(e)})[c] for c in cols] for e in ledger.entries]
     out = ""
     t = ledger.total
     if t is not None:
-        total = t.model_dump() | {"stage": "TOTAL", "private": t.complete}
+        total = t.model_dump() | {"stage": "TOTAL", "guarantee": total_guarantee(t)}
         rows.append([total.get(c) for c in cols])
         replace_one = "" if t.epsilon_replace_one is None else f"; replace-one ε = {t.epsilon_replace_one:.4f}"
         out += f"<p><b>Total: ε = {t.epsilon:.4f}, δ = {t.delta:.3g}{replace_one}</b> ({_esc(t.composition)}).</p>"

@@ -128,6 +128,22 @@ def test_ledger_table_and_summary_name_the_noise_source():
     assert "noise from csprng: ChaCha20" in ledger_summary(ledger)
 
 
+def test_the_tables_say_what_each_stage_s_guarantee_is_in_words():
+    """Issue 24: "private: yes" on generation read as "reads private data". The ledger table,
+    the report and the artifact say DP release, post-processing or NOT DP instead."""
+    from pipeline.privacy.ledger import PrivacyLedger, format_table, post_processing
+
+    teacher = _gaussian("teacher", 1.0, 0.05, 200)
+    not_dp = LedgerEntry(stage="control_codes", private=False, epsilon=None, note="released without noise")
+    entries = [not_dp, teacher, post_processing("generation", "samples from the DP teacher")]
+    table = format_table(PrivacyLedger(entries=entries, total=compose(entries, "prv", 1e-4))).splitlines()
+    assert table[0].split()[:2] == ["stage", "guarantee"]
+    words = {line.split()[0]: " ".join(line.split()[1:3]) for line in table[2:6]}
+    assert words["control_codes"].startswith("NOT DP") and words["teacher"].startswith("DP release")
+    assert words["generation"].startswith("post-processing") and words["TOTAL"].startswith("INCOMPLETE")
+    assert "yes" not in " ".join(table[:6]).split()
+
+
 @pytest.mark.parametrize("accountant,epsilon,q,steps", [("prv", 2.0, 1 / 12, 36), ("rdp", 0.5, 1.0, 1)])
 def test_calibration_finds_opacus_sigma(accountant, epsilon, q, steps):
     """The deadline-bounded search gives exactly the σ of Opacus' get_noise_multiplier."""
