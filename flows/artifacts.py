@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.stages.generate import synthetic_head
 from pipeline.privacy.budget import DatasetBudget
-from pipeline.privacy.ledger import ADJACENCY_NOTE as _ADJACENCY, LedgerTotal, PrivacyLedger, guarantee, total_guarantee
+from pipeline.privacy.ledger import ADJACENCY_NOTE as _ADJACENCY, LedgerTotal, PrivacyLedger, table_rows, total_guarantee
 
 LEDGER_KEY = "privacy-ledger"
 SUMMARY_KEY = "privacy-summary"
@@ -97,7 +97,7 @@ def publish_ledger(
     keep = ("stage", "guarantee", "epsilon", "epsilon_replace_one", "delta", "accountant", "mechanism",
             "noise_multiplier", "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "epsilon_pld",
             "noise_source", "note")
-    rows = [{k: _fmt((e.model_dump() | {"guarantee": guarantee(e)})[k]) for k in keep} for e in ledger.entries]
+    rows = [{k: _fmt(row[k]) for k in keep} for row in table_rows(ledger)[: len(ledger.entries)]]  # the total: below
     if ledger.total:
         t = ledger.total
         rows.append({k: "" for k in keep} | {

@@ -218,6 +218,15 @@ def total_guarantee(total: "LedgerTotal") -> str:
     return "all DP" if total.complete else "INCOMPLETE"
 
 
+def table_rows(ledger: "PrivacyLedger") -> list[dict]:
+    """One dict per entry, then the total's (stage "TOTAL"), with the `guarantee` words: what
+    `ledger show`, the report and the Prefect artifact each pick their columns from."""
+    rows = [e.model_dump() | {"guarantee": guarantee(e)} for e in ledger.entries]
+    if ledger.total:
+        rows.append(ledger.total.model_dump() | {"stage": "TOTAL", "guarantee": total_guarantee(ledger.total)})
+    return rows
+
+
 def fmt_value(x) -> str:
     """A ledger value as shown in tables: 4 significant digits, yes/NO, '-' for none."""
     if x is None:
@@ -233,10 +242,7 @@ def format_table(ledger: PrivacyLedger) -> str:
     """The ledger as a fixed-width text table plus its total and notes."""
     cols = ["stage", "guarantee", "epsilon", "epsilon_replace_one", "delta", "accountant", "noise_multiplier",
             "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "epsilon_pld"]
-    rows = [[fmt_value((e.model_dump() | {"guarantee": guarantee(e)})[c]) for c in cols] for e in ledger.entries]
-    if ledger.total:
-        t = ledger.total.model_dump() | {"stage": "TOTAL", "guarantee": total_guarantee(ledger.total)}
-        rows.append([fmt_value(t.get(c)) for c in cols])
+    rows = [[fmt_value(row.get(c)) for c in cols] for row in table_rows(ledger)]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths))  # noqa: E731
     out = [line(cols), line(["-" * w for w in widths]), *map(line, rows), ""]

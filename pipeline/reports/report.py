@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import yaml
 from matplotlib.figure import Figure
 
-from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, guarantee, read_ledger, total_guarantee
+from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, read_ledger, table_rows
 from pipeline.manifest import MANIFEST, atomic_write_text
 from pipeline.reports import STAGE_WORDS
 
@@ -161,12 +161,10 @@ def _privacy(run_dir: Path) -> str:
     ledger = read_ledger(run_dir / LEDGER)
     cols = ["stage", "guarantee", "epsilon", "epsilon_replace_one", "delta", "accountant", "mechanism",
             "noise_multiplier", "sample_rate", "steps", "max_grad_norm", "privacy_unit", "epsilon_rdp", "epsilon_pld"]
-    rows = [[(e.model_dump() | {"guarantee": guarantee(e)})[c] for c in cols] for e in ledger.entries]
+    rows = [[row.get(c) for c in cols] for row in table_rows(ledger)]
     out = ""
     t = ledger.total
     if t is not None:
-        total = t.model_dump() | {"stage": "TOTAL", "guarantee": total_guarantee(t)}
-        rows.append([total.get(c) for c in cols])
         replace_one = "" if t.epsilon_replace_one is None else f"; replace-one ε = {t.epsilon_replace_one:.4f}"
         out += f"<p><b>Total: ε = {t.epsilon:.4f}, δ = {t.delta:.3g}{replace_one}</b> ({_esc(t.composition)}).</p>"
         out += _note(t.note, "note" if t.complete else "warn")
