@@ -16,6 +16,7 @@ import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.stages.generate import synthetic_head
+from pipeline.stages.selection import privacy_sentence, table_keys
 from pipeline.privacy.budget import DatasetBudget
 from pipeline.privacy.ledger import ADJACENCY_NOTE as _ADJACENCY, LedgerTotal, PrivacyLedger, table_rows, total_guarantee
 
@@ -142,13 +143,13 @@ def publish_metrics(metrics: dict) -> None:
 
 def publish_selection(selection: dict) -> None:
     """Every distillation candidate, its criterion values and the chosen one (pipeline/stages/selection.py)."""
-    keys = ["teacher_kl", "untruncated_ce", "synthetic_validation_ce", "test_perplexity"]
+    keys = table_keys(selection)
     rows = [{"candidate": r["candidate"], "chosen": "yes" if r["candidate"] == selection["chosen"] else "",
              **{k: _fmt(r.get(k)) for k in keys}} for r in selection["candidates"]]
     description = (
-        f"Candidates for the student, kept: {selection['chosen']} (lowest {selection['select_by']}, on "
-        f"{selection['selection_samples']} texts the DP teacher sampled without truncation: no private record is "
-        "read, the choice costs no privacy). test_perplexity, where shown, was computed after the choice.\n\n"
+        f"Candidates for the student, kept: {selection['chosen']} (lowest {selection['select_by']}; teacher_kl and "
+        f"untruncated_ce on {selection['selection_samples']} texts the DP teacher sampled without truncation). "
+        f"{privacy_sentence(selection)} test_perplexity, where shown, was computed after the choice.\n\n"
         + markdown_table(rows, ["candidate", "chosen", *keys])
     )
     create_table_artifact(key=SELECTION_KEY, table=rows, description=description)

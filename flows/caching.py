@@ -119,12 +119,16 @@ def stage_key(stage: str, config: dict, inputs: dict[str, Any], seed: int) -> st
 @dataclass
 class StageCache(CachePolicy):
     """Prefect cache policy of one stage: `config_of(cfg)` names the config the stage reads;
-    every task argument but `cfg` and `run_dir` is an input (results count by manifest)."""
+    every task argument but `cfg` and `run_dir` is an input (results count by manifest).
+    `optional` inputs count only when not None: an input added after results were cached
+    leaves their keys unchanged where it is unused."""
 
     stage: str = ""
     config_of: Callable[[PipelineConfig], dict] | None = None
+    optional: tuple[str, ...] = ()
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str:
         cfg: PipelineConfig = inputs["cfg"]
-        others = {k: v for k, v in inputs.items() if k not in ("cfg", "run_dir")}
+        others = {k: v for k, v in inputs.items()
+                  if k not in ("cfg", "run_dir") and not (k in self.optional and v is None)}
         return stage_key(self.stage, self.config_of(cfg) if self.config_of else {}, others, cfg.seed)

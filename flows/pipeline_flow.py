@@ -53,7 +53,9 @@ from pipeline.privacy.ledger import (
 )
 from pipeline.manifest import atomic_write_json, atomic_write_text, manifest_digest, private_dir, sha256_file
 from pipeline.reports.model_card import write_model_card
-from pipeline.plan import dp_sgd_budgets, format_plan, make_plan
+from pipeline.plan import dp_sgd_budgets, format_plan, make_plan, private_selection_used
+from pipeline.privacy import private_selection
+from pipeline.privacy.private_selection import PrivateValidation
 from pipeline.preflight import require_inputs
 from pipeline.models.base import BaseModels, build_base_models, resolve_model
 from pipeline.reports.report import write_report
@@ -67,10 +69,11 @@ def _uses_builtin(cfg: PipelineConfig) -> bool:
     return any(m.startswith("builtin:") for m in (cfg.teacher.model, cfg.distill.student_model))
 
 
-def stage_task(stage: str, config_of: Callable[[PipelineConfig], dict]):
-    """A stage's Prefect task, cached under a key of the config it reads and its inputs."""
-    return task(name=stage, cache_policy=StageCache(stage=stage, config_of=config_of), persist_result=True,
-                result_serializer=StageResultSerializer())
+def stage_task(stage: str, config_of: Callable[[PipelineConfig], dict], optional: tuple[str, ...] = ()):
+    """A stage's Prefect task, cached under a key of the config it reads and its inputs
+    (`optional` inputs only when given: flows/caching.py)."""
+    return task(name=stage, cache_policy=StageCache(stage=stage, config_of=config_of, optional=optional),
+                persist_result=True, result_serializer=StageResultSerializer())
 
 
 @stage_task("base-models", lambda cfg: {"base_models": cfg.base_models, "builtin": _uses_builtin(cfg)})
@@ -192,13 +195,26 @@ def teacher_task(
                      epsilon=epsilon)
 
 
+PRIVATE_SELECTION_FIELDS = {"selection_epsilon", "selection_clip", "selection_records"}
+
+
 def _distill_key(cfg: PipelineConfig, *, reads_synthetic: bool = True) -> dict:
     """The distill section as a key. `num_synthetic` counts only where synthetic data is read,
     and only when set: results cached before the setting existed stay hits, and one generation
-    serves every size (its key never holds the distill section)."""
-    if reads_synthetic and cfg.distill.num_synthetic is not None:
-        return cfg.distill.model_dump(mode="json")
-    return cfg.distill.model_dump(mode="json", exclude={"num_synthetic"})
+    serves every size (its key never holds the distill section). The private selection's
+    settings count only when it is used (select_by=private_validation), for the same reason."""
+    exclude = set() if cfg.distill.select_by == "private_validation" else set(PRIVATE_SELECTION_FIELDS)
+    if not (reads_synthetic and cfg.distill.num_synthetic is not None):
+        exclude.add("num_synthetic")
+    return cfg.distill.model_dump(mode="json", exclude=exclude)
+
+
+def _private_validation(cfg: PipelineConfig, data: DataResult, teacher: TeacherResult) -> PrivateValidation:
+    """select_by=private_validation: the private validation split and the teacher's δ and
+    accountant, for the distillation's accounted release (pipeline/privacy/private_selection.py)."""
+    return PrivateValidation(path=Path(data.validation), delta=teacher.ledger.delta,
+                             accountant=cfg.teacher.accountant, secure_mode=cfg.teacher.secure_mode,
+                             max_length=cfg.teacher.max_length)
 
 
 @stage_task("dp-student", lambda cfg: {"teacher": cfg.teacher, "distill": _distill_key(cfg, reads_synthetic=False),
@@ -239,10 +255,14 @@ def generation_task(
         )
 
 
-@stage_task("distillation", lambda cfg: {"distill": _distill_key(cfg), **_precision(cfg)})
+@stage_task("distillation", lambda cfg: {"distill": _distill_key(cfg), **_precision(cfg)}, optional=("data",))
 def distillation_task(
-    cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, run_dir: Path
+    cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, run_dir: Path,
+    data: DataResult | None = None,
 ) -> DistillResult:
+    """`data`: only with select_by=private_validation, whose release reads the validation split."""
+    if data is not None:
+        _within_max_epsilon(cfg, data, private_selection.STAGE)
     distill_cfg = cfg.distill
     if distill_cfg.method == "dp_syn":  # the synthetic data alone, no teacher logits
         distill_cfg = distill_cfg.model_copy(update={"alpha": 0.0, "beta": 0.0, "teacher_top_k": None,
@@ -258,6 +278,7 @@ def distillation_task(
             on_progress=progress,
             progress_every=cfg.progress_seconds,
             runtime=Runtime.from_config(cfg),
+            private_validation=_private_validation(cfg, data, teacher) if data is not None else None,
         )
 
 
@@ -419,6 +440,9 @@ class StageRunner:
         monitor = getattr(result, "monitor_ledger", None)  # the validation loss released with DP
         if self.budget_id and isinstance(monitor, LedgerEntry) and monitor.epsilon:
             self._record_release(monitor.stage, result, monitor, part=":validation")
+        chosen = getattr(result, "selection_ledger", None)  # the student chosen on the validation split
+        if self.budget_id and isinstance(chosen, LedgerEntry) and chosen.epsilon:
+            self._record_release(chosen.stage, result, chosen, part=":selection")
         self._record(
             stage,
             status="cached" if cached else ("forced" if forced else "ran"),
@@ -548,8 +572,11 @@ def _run_stages(
     if method in ("distil", "dp_syn"):
         synthetic = stage("generation", generation_task, cfg, teacher, codes, ledger, out)
         ledger.append(post_processing("generation", "samples of the DP teacher, prompted by control codes"))
-        student = stage("distillation", distillation_task, cfg, synthetic, teacher, base, out)
+        private = (data,) if private_selection_used(cfg) else ()  # its only private read
+        student = stage("distillation", distillation_task, cfg, synthetic, teacher, base, out, *private)
         ledger.append(post_processing("distillation", "trains on synthetic samples and the DP teacher only"))
+        if student.selection_ledger is not None:
+            ledger.append(student.selection_ledger)
     else:  # dp_sgd, dpkd: the student itself trains on the private data with DP-SGD
         student_epsilon = dp_sgd_budgets(cfg)["student"]
         student = stage("dp-student", dp_student_task, cfg, data, base, teacher, student_epsilon, out)

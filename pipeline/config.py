@@ -479,14 +479,33 @@ class DistillConfig(_Section):
         "costs no privacy. [] or one candidate: no selection, this section's settings train the "
         "student. Default: the paper's alpha=0.4 and the KL alone (alpha=1).",
     )
-    select_by: Literal["teacher_kl", "untruncated_ce", "synthetic_validation_ce"] = Field(
+    select_by: Literal["teacher_kl", "untruncated_ce", "synthetic_validation_ce", "private_validation"] = Field(
         "teacher_kl",
         description="How candidates are compared, on `selection_samples` texts the DP teacher samples "
         "WITHOUT top-k/top-p truncation (its whole distribution, which the student should match): "
         "'teacher_kl' the mean per-token KL(teacher || student), 'untruncated_ce' the student's "
         "cross-entropy on them (the same ranking in expectation, noisier); "
         "'synthetic_validation_ce' the student's best CE on the truncated synthetic validation split "
-        "(ranked alpha the wrong way on Yelp, docs/reference.md; kept for comparison).",
+        "(ranked alpha the wrong way on Yelp, docs/reference.md; kept for comparison). These cost no "
+        "privacy. 'private_validation': each student's loss on the PRIVATE validation split, clipped and "
+        "released with Gaussian noise at `selection_epsilon` (pipeline/privacy/private_selection.py), a "
+        "DP release of its own in the ledger, composed into the run's total.",
+    )
+    selection_epsilon: float = Field(
+        0.2, gt=0,
+        description="select_by=private_validation: ε of the release of every candidate's noisy validation "
+        "score together (at the run's δ), added to the run's total.",
+    )
+    selection_clip: float = Field(
+        10.0, gt=0,
+        description="select_by=private_validation: each privacy unit's mean per-token loss is clipped to "
+        "[0, this] nats, so one unit moves a candidate's score by at most selection_clip / n; the noise "
+        "scales with it.",
+    )
+    selection_records: int | None = Field(
+        None, ge=1,
+        description="select_by=private_validation: score the first this many validation units (None: all; "
+        "more units, less noise on each score).",
     )
     selection_samples: int = Field(
         256, ge=8, description="Untruncated samples the DP teacher writes for the selection criterion."

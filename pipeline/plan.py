@@ -29,6 +29,7 @@ from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, ModelError, base_model
 from pipeline.privacy.accountant import epsilon_of, resolve_delta
 from pipeline.privacy.control_codes import gaussian_sigma
 from pipeline.privacy import monitor as dp_monitor
+from pipeline.privacy import private_selection
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, with_pld_epsilons
 from pipeline.stages.adherence import declared_values
 from pipeline.stages.data import CODE_JOINER, PlannedSplit, planned_split, prompt_for
@@ -104,6 +105,24 @@ def _monitor_entry(trained: LedgerEntry, cfg: TeacherConfig, n_validation: int) 
                                    unit=trained.privacy_unit, secure=cfg.secure_mode)
 
 
+def private_selection_used(cfg: PipelineConfig) -> bool:
+    """Whether the distillation chooses its student on the private validation split (a DP release)."""
+    d = cfg.distill
+    return d.method == "distil" and d.select_by == "private_validation" and len(d.candidates) > 1
+
+
+def _selection_entry(cfg: PipelineConfig, delta: float, n_validation: int, unit: str) -> LedgerEntry | None:
+    """select_by=private_validation: the planned entry of the candidates' noisy scores, as the stage makes it."""
+    if not private_selection_used(cfg):
+        return None
+    d = cfg.distill
+    z, accountant = private_selection.calibrate(d.selection_epsilon, delta, len(d.candidates), cfg.teacher.accountant)
+    return private_selection.ledger_entry(
+        z=z, candidates=len(d.candidates), n=min(d.selection_records or n_validation, n_validation),
+        clip=d.selection_clip, target_epsilon=d.selection_epsilon, delta=delta, accountant=accountant, unit=unit,
+        secure=cfg.teacher.secure_mode)
+
+
 def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
     codes = cfg.control_codes
     if cfg.distill.method not in ("distil", "dp_syn"):
@@ -146,6 +165,8 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
         if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation):
             entries.append(with_pld_epsilons(monitored))
     delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
+    if selected := _selection_entry(cfg, delta, split.n_validation, unit):
+        entries.append(with_pld_epsilons(selected))
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
                 total=compose(entries, cfg.teacher.accountant, delta), sampling_probability=probability,
                 batch_size=cfg.teacher.batch_size, n_validation=split.n_validation, accounting_seconds=accounting,

@@ -46,18 +46,32 @@ class MonitorError(ValueError):
     """The validation-loss release cannot be made as configured; the message says what to change."""
 
 
-def calibrate(epsilon: float, delta: float, releases: int, accountant: str) -> tuple[float, str]:
+def calibrate(epsilon: float, delta: float, releases: int, accountant: str, *,
+              setting: str = "teacher.monitor_epsilon",
+              fewer: str = "teacher.log_every (fewer releases)") -> tuple[float, str]:
     """(noise multiplier z for `releases` Gaussian releases at (ε, δ), the accountant that
-    calibrated it). gdp cannot account q = 1 mechanisms composed with others: rdp does."""
+    calibrated it). gdp cannot account q = 1 mechanisms composed with others: rdp does.
+    `setting` and `fewer` name, in the error, the settings that fix it."""
     used = "rdp" if accountant == "gdp" else accountant
     try:
         return calibrate_sigma(used, epsilon, delta, sample_rate=1.0, steps=releases), used
     except (CalibrationTimeout, ValueError) as e:
         raise MonitorError(
-            f"teacher.monitor_epsilon={epsilon}: the {used} accountant found no noise multiplier for {releases} "
-            f"validation-loss releases at δ={delta:.3g} ({e}); raise teacher.monitor_epsilon or "
-            "teacher.log_every (fewer releases)"
+            f"{setting}={epsilon}: the {used} accountant found no noise multiplier for {releases} "
+            f"validation-loss releases at δ={delta:.3g} ({e}); raise {setting} or {fewer}"
         ) from e
+
+
+def first_units(column, users: list[str] | None, limit: int | None):
+    """(records, each record's unit index or None, n) of the first `limit` units (all: None)
+    of a split, in its order. At user level a unit is every record of one user."""
+    if users is None:
+        n = len(column) if limit is None else min(limit, len(column))
+        return column.slice(0, n), None, n
+    first = list(dict.fromkeys(users))[:limit]
+    index = {u: i for i, u in enumerate(first)}
+    rows = [r for r, u in enumerate(users) if u in index]
+    return column.take(rows), torch.tensor([index[users[r]] for r in rows]), len(first)
 
 
 def unit_means(per_record: torch.Tensor, units: torch.Tensor | None) -> torch.Tensor:

@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, read_ledger, table_rows
 from pipeline.manifest import MANIFEST, atomic_write_text
 from pipeline.reports import STAGE_WORDS
+from pipeline.stages.selection import privacy_sentence, table_keys
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ def _selection(metrics: dict | None) -> str:
     sel = (metrics or {}).get("selection")
     if not sel:
         return ""
-    keys = ["teacher_kl", "untruncated_ce", "synthetic_validation_ce", "test_perplexity"]
+    keys = table_keys(sel)
     rows = [[("→ " if r["candidate"] == sel["chosen"] else "") + r["candidate"]] + [r.get(k) for k in keys]
             for r in sel["candidates"]]
     out = "<h3>Choosing the student</h3>" + _table(["candidate"] + keys, rows)
@@ -269,8 +270,8 @@ def _selection(metrics: dict | None) -> str:
         f"Kept: {sel['chosen']}, the lowest {sel['select_by']}. Each candidate's student was scored on "
         f"{sel['selection_samples']} texts the DP teacher sampled without top-k/top-p truncation (its whole "
         "distribution): teacher_kl is the mean per-token KL(teacher ‖ student) there, untruncated_ce the student's "
-        "cross-entropy there; synthetic_validation_ce is the CE on the truncated synthetic validation split. None "
-        "reads a private record: the choice costs no privacy. test_perplexity (where shown) was computed after "
+        "cross-entropy there; synthetic_validation_ce is the CE on the truncated synthetic validation split. "
+        f"{privacy_sentence(sel)} test_perplexity (where shown) was computed after "
         "the choice, for the study below, and never used to choose.")
     study = sel.get("criterion_study") or {}
     if study:

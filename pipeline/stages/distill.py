@@ -13,7 +13,10 @@ same vocabulary, and the synthetic token ids are fed to both.
 
 With several `candidates` (α, T, β, ...), one student is trained per candidate and the one
 closest to the DP teacher on texts it samples without truncation is kept
-(`pipeline.stages.selection`): post-processing too.
+(`pipeline.stages.selection`): post-processing too. With select_by=private_validation the
+choice is made instead on the private validation split, through an accounted Gaussian release
+(`pipeline.privacy.private_selection`): the one way this stage reads a private record, and a
+ledger entry of its own.
 
 The recipe: `_setup` (tokenizers, teacher or its logit cache, synthetic ids) →
 `_train` per candidate (`_step` per batch, `_Validation` keeps the best) → `_select` →
@@ -37,6 +40,9 @@ from transformers import AutoConfig
 
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.models.scoring import mean_token_nll
+from pipeline.privacy import private_selection
+from pipeline.privacy.ledger import LedgerEntry
+from pipeline.privacy.monitor import MonitorError
 from pipeline.stages.selection import choose, log_selection, score_students, selection_set
 from pipeline.config import DistillConfig
 from pipeline.devices import CPU_FP32, Runtime
@@ -73,6 +79,8 @@ class DistillResult:
     """The candidates, their criterion values and the chosen one (None: one setting, no selection)."""
     candidates: dict[str, Path] | None = None
     """Each candidate's student checkpoint, when `keep_candidates` (evaluated on the test split too)."""
+    selection_ledger: LedgerEntry | None = None
+    """select_by=private_validation: the noisy validation scores' release, composed into the run's total."""
 
 
 def _n_positions(config) -> int:
@@ -299,10 +307,28 @@ def _train(cfg: DistillConfig, setup: _Setup, *, name: str, student_model: str, 
             "best_validation_loss": validate.best if validate.evals else None}
 
 
+def _private_scorer(cfg: DistillConfig, setup: _Setup, candidates: int,
+                    spec: private_selection.PrivateValidation | None) -> private_selection.Scorer | None:
+    """select_by=private_validation with candidates to choose from: the validation units and the
+    calibrated release, set up before any training (an impossible ε fails now, not after hours)."""
+    if cfg.select_by != "private_validation" or candidates < 2:
+        return None
+    if spec is None:
+        raise DistillError("distill.select_by=private_validation needs the private validation split: pass "
+                           "distill(private_validation=...) (the flow does), or use distill.select_by=teacher_kl")
+    try:
+        return private_selection.setup(spec, setup.tok, candidates=candidates, epsilon=cfg.selection_epsilon,
+                                       clip=cfg.selection_clip, limit=cfg.selection_records)
+    except MonitorError as e:
+        raise DistillError(str(e)) from e
+
+
 def _select(cfg: DistillConfig, setup: _Setup, logs: dict[str, dict], ckpts: dict[str, Path], *,
-            teacher_dir: Path, synthetic_path: Path, seed: int, runtime: Runtime) -> dict:
-    """Score every candidate's student on texts the DP teacher samples without truncation and
-    choose one by `cfg.select_by` (pipeline/stages/selection.py)."""
+            teacher_dir: Path, synthetic_path: Path, seed: int, runtime: Runtime,
+            scorer: private_selection.Scorer | None) -> dict:
+    """Score every candidate's student on texts the DP teacher samples without truncation (and,
+    with `scorer`, release their noisy private validation scores) and choose one by
+    `cfg.select_by` (pipeline/stages/selection.py)."""
     teacher = setup.teacher
     if teacher is None:  # logits came from the top-k cache: load the teacher for the criterion
         teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(runtime.device)
@@ -311,6 +337,9 @@ def _select(cfg: DistillConfig, setup: _Setup, logs: dict[str, dict], ckpts: dic
     selection = selection_set(teacher, setup.tok, synthetic_path, cfg.selection_samples, max_length, seed)
     students = {name: load_causal_lm(str(path), dtype=runtime.dtype).to(runtime.device) for name, path in ckpts.items()}
     scores = score_students(teacher, students, selection, len(setup.tok), cfg.batch_size, runtime.autocast)
+    if scorer is not None:  # the only private read of this stage: noisy scores leave it, nothing else
+        for name, value in scorer.release(students, cfg.batch_size, runtime.autocast).items():
+            scores[name]["private_validation"] = value
     settings = dict(cfg.candidate_configs())
     rows = [{"candidate": name, "settings": cfg.candidates[i],
              "alpha": settings[name].alpha, "temperature": settings[name].temperature, "beta": settings[name].beta,
@@ -320,9 +349,14 @@ def _select(cfg: DistillConfig, setup: _Setup, logs: dict[str, dict], ckpts: dic
             for i, name in enumerate(ckpts)]
     chosen = choose(rows, cfg.select_by)
     log_selection(rows, chosen, cfg.select_by)
-    return {"select_by": cfg.select_by, "chosen": chosen, "selection_samples": len(selection),
-            "selection_tokens": int(sum(len(s) - 1 for s in selection.sequences)),
-            "seconds": time.time() - t0, "candidates": rows}
+    out = {"select_by": cfg.select_by, "chosen": chosen, "selection_samples": len(selection),
+           "selection_tokens": int(sum(len(s) - 1 for s in selection.sequences)),
+           "seconds": time.time() - t0, "candidates": rows}
+    if scorer is not None:
+        out["private_validation"] = {"units": scorer.n, "clip": scorer.clip, "noise_multiplier": scorer.z,
+                                     "noise_sd": scorer.z * scorer.clip / scorer.n, "epsilon": scorer.entry.epsilon,
+                                     "delta": scorer.entry.delta}
+    return out
 
 
 def _generated_max_length(synthetic_path: Path) -> int:
@@ -343,6 +377,7 @@ def distill(
     teacher_cache_dir: Path | None = None,
     progress_every: float = DEFAULT_EVERY,
     runtime: Runtime = CPU_FP32,
+    private_validation: private_selection.PrivateValidation | None = None,
 ) -> DistillResult:
     """Train `student_model` on the synthetic data against the teacher; the best student is saved.
 
@@ -355,6 +390,9 @@ def distill(
 
     `runtime`: device and precision. The student keeps fp32 master weights and its forward
     runs under autocast; the frozen teacher is loaded in the run's precision; losses in fp32.
+
+    `private_validation`: the private validation split and the run's δ, read only with
+    select_by=private_validation (the result's `selection_ledger` is then the release's entry).
     """
     runtime.apply_threads()
     torch.manual_seed(seed)
@@ -366,6 +404,7 @@ def distill(
     if setup.cache is not None:
         log.info("distillation: teacher top-%d logits from %s", setup.cache.k, setup.cache.path)
     try:
+        scorer = _private_scorer(cfg, setup, len(candidates), private_validation)
         totals = {name: _n_steps(c, len(_train_rows(c, setup, synthetic_path))) for name, c in candidates}
         progress = _Progress(sum(totals.values()), on_progress, progress_every)
         ckpts = {name: (out_dir / "candidates" / name / "model" if name else out_dir / "model") for name, _ in candidates}
@@ -376,11 +415,12 @@ def distill(
         selection = None
         if len(candidates) > 1:
             selection = _select(cfg, setup, logs, ckpts, teacher_dir=teacher_dir, synthetic_path=synthetic_path,
-                                seed=seed, runtime=runtime)
+                                seed=seed, runtime=runtime, scorer=scorer)
     finally:
         shutil.rmtree(setup.scratch, ignore_errors=True)
     return _save(cfg, out_dir, logs, ckpts, selection, setup, synthetic_path=synthetic_path,
-                 teacher_dir=teacher_dir, student_model=student_model)
+                 teacher_dir=teacher_dir, student_model=student_model,
+                 selection_ledger=scorer.entry if scorer is not None else None)
 
 
 def _single(cfg: DistillConfig) -> DistillConfig:
@@ -405,7 +445,8 @@ class _Progress:
 
 
 def _save(cfg: DistillConfig, out_dir: Path, logs: dict[str, dict], ckpts: dict[str, Path], selection: dict | None,
-          setup: _Setup, *, synthetic_path: Path, teacher_dir: Path, student_model: str) -> DistillResult:
+          setup: _Setup, *, synthetic_path: Path, teacher_dir: Path, student_model: str,
+          selection_ledger: LedgerEntry | None) -> DistillResult:
     """The chosen student to out_dir/model, the training log and the selection, manifest last."""
     ckpt = out_dir / "model"
     chosen = selection["chosen"] if selection else next(iter(ckpts))
@@ -437,8 +478,10 @@ def _save(cfg: DistillConfig, out_dir: Path, logs: dict[str, dict], ckpts: dict[
                "teacher_cache_fingerprint": cache.fingerprint if cache else None,
                "teacher_cache_reused": cache.reused if cache else None,
                "train_samples": run["train_samples"], "available_samples": setup.available,
-               "chosen": chosen or None},
+               "chosen": chosen or None,
+               "selection_ledger": selection_ledger.model_dump(mode="json") if selection_ledger else None},
     )
     return DistillResult(checkpoint=ckpt, train_loss=[h["loss"] for h in run["history"]], seconds=seconds,
                          teacher_cache=cache.path if cache else None, train_samples=run["train_samples"],
-                         available_samples=setup.available, selection=selection, candidates=kept)
+                         available_samples=setup.available, selection=selection, candidates=kept,
+                         selection_ledger=selection_ledger)

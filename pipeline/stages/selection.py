@@ -37,7 +37,7 @@ from pipeline.tokenized import ListIds
 
 log = logging.getLogger(__name__)
 
-CRITERIA = ("teacher_kl", "untruncated_ce", "synthetic_validation_ce")
+CRITERIA = ("teacher_kl", "untruncated_ce", "synthetic_validation_ce", "private_validation")
 CODE_SAMPLE = 10_000  # synthetic samples whose control codes give the prompts' frequencies
 
 
@@ -138,11 +138,30 @@ def criterion_study(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def table_keys(selection: dict) -> list[str]:
+    """The columns of a selection table (report, artifact): the criteria computed, then test_perplexity."""
+    rows = selection["candidates"]
+    return [k for k in CRITERIA if any(r.get(k) is not None for r in rows)] + ["test_perplexity"]
+
+
+def privacy_sentence(selection: dict) -> str:
+    """What the choice cost, in words, for the report and the artifact."""
+    private = selection.get("private_validation")
+    if not private:
+        return "No criterion reads a private record: the choice costs no privacy."
+    return (f"private_validation is each student's mean per-token loss on the first {private['units']} units of the "
+            f"PRIVATE validation split, clipped to [0, {private['clip']:g}] nats, plus Gaussian noise of sd "
+            f"{private['noise_sd']:.3g} (only these noisy values are published): a DP release of ε = "
+            f"{private['epsilon']:.3g} at δ = {private['delta']:.3g}, in the ledger as {'distillation-selection'!r} "
+            "and composed into the total. The other criteria read DP outputs only.")
+
+
 def log_selection(rows: list[dict], chosen: str, select_by: str) -> None:
     for r in rows:
-        log.info("distillation: candidate %s: teacher_kl %s, untruncated_ce %s, synthetic validation CE %s%s",
+        private = f", private validation (noisy) {_fmt(r['private_validation'])}" if "private_validation" in r else ""
+        log.info("distillation: candidate %s: teacher_kl %s, untruncated_ce %s, synthetic validation CE %s%s%s",
                  r["candidate"], _fmt(r.get("teacher_kl")), _fmt(r.get("untruncated_ce")),
-                 _fmt(r.get("synthetic_validation_ce")), "  <- chosen" if r["candidate"] == chosen else "")
+                 _fmt(r.get("synthetic_validation_ce")), private, "  <- chosen" if r["candidate"] == chosen else "")
     log.info("distillation: kept candidate %s (lowest %s)", chosen, select_by)
 
 

@@ -336,18 +336,6 @@ class _Monitor:
     entry: LedgerEntry | None = None  # dp: the release's ledger entry
 
 
-def _first_units(column, users: list[str] | None, limit: int | None):
-    """(records, each record's unit index or None, n) of the first `limit` units (all: None)
-    of a split, in its order. At user level a unit is every record of one user."""
-    if users is None:
-        n = len(column) if limit is None else min(limit, len(column))
-        return column.slice(0, n), None, n
-    first = list(dict.fromkeys(users))[:limit]
-    index = {u: i for i, u in enumerate(first)}
-    rows = [r for r, u in enumerate(users) if u in index]
-    return column.take(rows), torch.tensor([index[users[r]] for r in rows]), len(first)
-
-
 def _setup_monitor(cfg: TeacherConfig, tok, *, validation_path: Path, monitor_path: Path | None, stage: str,
                    steps_allowed: int, delta: float) -> _Monitor | None:
     """The records the validation loss is computed on, and with dp its calibrated mechanism."""
@@ -357,13 +345,13 @@ def _setup_monitor(cfg: TeacherConfig, tok, *, validation_path: Path, monitor_pa
         if monitor_path is None:
             raise TeacherError("teacher.monitor=public: pass train_teacher(monitor_path=...), the public "
                                "records formatted as a split (the flow makes it from teacher.monitor_path)")
-        records, _, n = _first_units(token_column(tokenized_split(monitor_path, tok)), None, cfg.monitor_records)
+        records, _, n = dp_monitor.first_units(token_column(tokenized_split(monitor_path, tok)), None, cfg.monitor_records)
         if n == 0:
             raise TeacherError(f"teacher.monitor_path {str(cfg.monitor_path)!r} holds no records; "
                                "point it at a file of public records, or set teacher.monitor=none")
         return _Monitor("public", TokenIds(records, cfg.max_length, tok.pad_token_id), n)
     users = read_users(validation_path)
-    records, units, n = _first_units(token_column(tokenized_split(validation_path, tok)), users,
+    records, units, n = dp_monitor.first_units(token_column(tokenized_split(validation_path, tok)), users,
                                      cfg.monitor_records)
     if n == 0:
         raise TeacherError("teacher.monitor=dp: the validation split is empty; raise data.validation_fraction "

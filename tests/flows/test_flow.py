@@ -90,6 +90,37 @@ def test_flow_end_to_end(prefect_server, tiny_config):
             piece = text.strip()[:40]
             assert len(piece) < 20 or piece not in published
 
+    _private_selection_run(tiny_config)
+
+
+def _private_selection_run(cfg):
+    """distill.select_by=private_validation through the flow, on the same run root (data, codes,
+    teacher and synthetic data come from the cache): the candidates' noisy validation scores are a
+    ledger entry after the distillation, composed by the accountant with the codes' and the
+    teacher's releases, charged to the dataset's budget and explained in the report."""
+    from pipeline.privacy.accountant import epsilon_of
+    from pipeline.privacy.budget import read_budget
+    from pipeline.privacy.private_selection import STAGE
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.distill.select_by, cfg.distill.selection_epsilon = "private_validation", 0.5
+    run = Path(dp_distill(cfg))
+    ledger = read_ledger(run / "ledger.json")
+    assert [e.stage for e in ledger.entries] == ["control_codes", "teacher", "generation", "distillation", STAGE,
+                                                 "evaluation"]
+    released = ledger.entry(STAGE)
+    assert released.private and released.history[0][1:] == (1.0, 2) and 0 < released.epsilon <= 0.5 + 1e-6
+    joint = [h for e in ledger.entries if e.history for h in e.history]
+    assert ledger.total.epsilon == pytest.approx(epsilon_of("prv", joint, released.delta))
+    assert ledger.total.epsilon > max(e.epsilon or 0 for e in ledger.entries)
+    selection = json.loads((run / "metrics.json").read_text())["selection"]
+    assert selection["select_by"] == "private_validation"
+    assert selection["chosen"] == min(selection["candidates"], key=lambda r: r["private_validation"])["candidate"]
+    records_id = json.loads((run / "run.json").read_text())["records_id"]
+    budget = read_budget(Path(cfg.run_root).resolve(), records_id)
+    assert sorted(r.stage for r in budget.releases) == ["control-codes", STAGE, "teacher"]  # once each
+    assert "PRIVATE validation split" in (run / "report.html").read_text()
+
 
 def test_cli_ledger_show_prints_the_table(tmp_path, capsys):
     """`dpdistill ledger show RUN_DIR` prints every stage and the total."""

@@ -1,0 +1,116 @@
+"""Choosing the distilled student on the private validation split, as an accounted DP release
+(distill.select_by=private_validation; issue 20's second route).
+
+The default criterion (pipeline/stages/selection.py) reads DP outputs only and costs nothing.
+This one asks the records themselves: each candidate student's loss on the private validation
+split, which is what the test perplexity measures on other records of the same distribution.
+Those scores leave the stage only as one Gaussian release:
+
+    score(candidate) = mean over n units of clip(unit's mean per-token loss, 0, C) + N(0, (z·C/n)²)
+
+and the student with the lowest noisy score is kept (post-processing of the release).
+
+Sensitivity. Replacing one validation unit (a record, or at user level all of one user's
+records) moves each candidate's clipped mean by at most C/n, so the k scores together are k
+Gaussian releases of sensitivity C/n at noise sd z·C/n: the ledger entry's history is
+[(z, 1, k)], calibrated by the accountant for (selection_epsilon, δ) and composed with the
+run's other releases by it (ledger.compose) and across runs (budget.py). n (the number of
+units scored) follows from the split sizes the data stage publishes, as N does: treated as
+public, like N in δ = 1/(10N). The validation and training splits are disjoint; we compose
+sequentially anyway, which holds whatever the split does.
+
+The noise comes from a secret generator (pipeline/privacy/noise.py), never from the config's
+seed or torch's global generator. Only the noisy scores are published; the exact ones are
+never written. The validation split was, before this, only read by teacher.monitor=dp, under
+its own accounted release: this route is the only other reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.models.scoring import nll_by_owner
+from pipeline.privacy import monitor, noise
+from pipeline.privacy.accountant import epsilon_of
+from pipeline.privacy.ledger import LedgerEntry
+from pipeline.stages.data import read_users
+from pipeline.tokenized import TokenIds, token_column, tokenized_split
+
+STAGE = "distillation-selection"
+"""The ledger stage of the release."""
+
+
+@dataclass(frozen=True)
+class PrivateValidation:
+    """What select_by=private_validation needs from the run: the data stage's private
+    validation split and the DP settings of its other releases."""
+
+    path: Path
+    delta: float
+    accountant: str
+    secure_mode: bool = False
+    max_length: int = 512
+
+
+@dataclass
+class Scorer:
+    """The scored units of the validation split and the calibrated mechanism."""
+
+    records: TokenIds
+    owners: list[int]  # each record's unit index
+    n: int  # units
+    clip: float
+    z: float
+    entry: LedgerEntry
+    secure: bool
+
+    def release(self, students: dict[str, torch.nn.Module], batch_size: int, autocast) -> dict[str, float]:
+        """Every student's noisy score, from one secret generator. The exact means stay here."""
+        generator = noise.generator("selection", secure=self.secure)
+        out = {}
+        for name, student in students.items():
+            with autocast():
+                nll, count = nll_by_owner(student, self.records, self.owners, self.n, batch_size)
+            per_unit = torch.from_numpy(nll / count.clip(min=1))  # (n,) each unit's mean per-token loss
+            out[name] = monitor.noisy_mean(per_unit, self.clip, self.z, generator)
+        return out
+
+
+def setup(spec: PrivateValidation, tok, *, candidates: int, epsilon: float, clip: float, limit: int | None) -> Scorer:
+    """Read the validation split's first `limit` units and calibrate z for `candidates` scores."""
+    users = read_users(spec.path)
+    records, units, n = monitor.first_units(token_column(tokenized_split(spec.path, tok)), users, limit)
+    if n == 0:
+        raise monitor.MonitorError("distill.select_by=private_validation: the validation split is empty; raise "
+                                   "data.validation_fraction or use distill.select_by=teacher_kl (no private data)")
+    z, accountant = calibrate(epsilon, spec.delta, candidates, spec.accountant)
+    unit = "record" if users is None else "user"
+    owners = list(range(len(records))) if units is None else units.tolist()
+    entry = ledger_entry(z=z, candidates=candidates, n=n, clip=clip, target_epsilon=epsilon, delta=spec.delta,
+                         accountant=accountant, unit=unit, secure=spec.secure_mode)
+    return Scorer(TokenIds(records, spec.max_length, tok.pad_token_id), owners, n, clip, z, entry, spec.secure_mode)
+
+
+def calibrate(epsilon: float, delta: float, candidates: int, accountant: str) -> tuple[float, str]:
+    return monitor.calibrate(epsilon, delta, candidates, accountant, setting="distill.selection_epsilon",
+                             fewer="list fewer distill.candidates")
+
+
+def ledger_entry(*, z: float, candidates: int, n: int, clip: float, target_epsilon: float, delta: float,
+                 accountant: str, unit: str, secure: bool) -> LedgerEntry:
+    """The release's ledger entry: one Gaussian step per candidate at q = 1."""
+    history = [(z, 1.0, candidates)]
+    return LedgerEntry(
+        stage=STAGE, private=True, epsilon=epsilon_of(accountant, history, delta), delta=delta,
+        accountant=accountant, mechanism="gaussian", noise_multiplier=z, sample_rate=1.0, steps=candidates,
+        privacy_unit=unit, epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
+        noise_source=noise.source(secure),
+        note=f"the distilled student chosen on the private validation split (distill.select_by="
+        f"private_validation): each of the {candidates} candidates' mean over the first {n} validation {unit}s "
+        f"of each {unit}'s mean per-token loss clipped to [0, {clip:g}] nats, plus Gaussian noise of sd "
+        f"z·{clip:g}/{n} = {z * clip / max(n, 1):.4g} (z={z:.4g} calibrated for ε={target_epsilon} over the "
+        f"{candidates} scores); only the noisy scores are published",
+    )
