@@ -557,7 +557,9 @@ def _run_stages(
     teacher = codes = synthetic = None
 
     def typed(entries: list[LedgerEntry]) -> PrivacyLedger:
-        delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
+        # The teacher's δ; before it (the control codes alone) the codes' own (the same rule and N).
+        delta = next((e.delta for e in entries if e.mechanism == "subsampled_gaussian"),
+                     next((e.delta for e in entries if e.history), 0.0))
         # A stage cached by an older version has no replace-one ε yet: computed here, once.
         entries = [e if e.epsilon_replace_one is not None else with_pld_epsilons(e) for e in entries]
         return PrivacyLedger(entries=entries, total=compose(entries, cfg.teacher.accountant, delta))
@@ -565,6 +567,7 @@ def _run_stages(
     if method in ("distil", "dp_syn"):
         codes = stage("control-codes", codes_task, cfg, data, out)
         ledger.append(codes.ledger)
+        write_ledger(out / LEDGER, typed(ledger))  # the first release: an interrupted run shows what it spent
     if method in ("distil", "dp_syn", "dpkd"):
         teacher = stage("teacher", teacher_task, cfg, data, base, _teacher_epsilon(cfg), out)
         ledger += _dp_sgd_entries(teacher)
