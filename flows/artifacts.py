@@ -16,7 +16,7 @@ import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.stages.generate import synthetic_head
-from pipeline.stages.selection import privacy_sentence, table_keys
+from pipeline.reports import privacy_sentence, table_keys
 from pipeline.privacy.budget import DatasetBudget
 from pipeline.privacy.ledger import ADJACENCY_NOTE as _ADJACENCY, LedgerTotal, PrivacyLedger, table_rows, total_guarantee
 

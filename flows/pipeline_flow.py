@@ -36,7 +36,7 @@ from flows.run_dirs import claim_run_dir, config_sha, prepare_run_root
 from flows.run_log import run_log
 from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.stages.adherence import declared_values
-from pipeline.privacy.control_codes import CodesResult, release_control_codes
+from pipeline.privacy.control_codes import STAGE as CODES_STAGE, CodesResult, release_control_codes
 from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.stages.data import DataResult, delete_private_copies, format_public_split, prepare_data, read_split
 from pipeline.devices import Runtime
@@ -106,7 +106,7 @@ def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path) -> Da
 })
 def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesResult:
     """Release the code distribution that prompts generation (exact, or a DP histogram)."""
-    _within_max_epsilon(cfg, data, "control_codes")
+    _within_max_epsilon(cfg, data, CODES_STAGE)
     return release_control_codes(
         cfg.control_codes,
         cfg.data,
@@ -565,8 +565,9 @@ def _run_stages(
         return PrivacyLedger(entries=entries, total=compose(entries, cfg.teacher.accountant, delta))
 
     if method in ("distil", "dp_syn"):
-        codes = stage("control-codes", codes_task, cfg, data, out)
-        ledger.append(codes.ledger)
+        codes = stage(CODES_STAGE, codes_task, cfg, data, out)
+        # Releases cached before the ledger took the stage's name say "control_codes": the same release.
+        ledger.append(codes.ledger.model_copy(update={"stage": CODES_STAGE}))
         write_ledger(out / LEDGER, typed(ledger))  # the first release: an interrupted run shows what it spent
     if method in ("distil", "dp_syn", "dpkd"):
         teacher = stage("teacher", teacher_task, cfg, data, base, _teacher_epsilon(cfg), out)

@@ -30,6 +30,7 @@ from pipeline.privacy.accountant import epsilon_of, resolve_delta
 from pipeline.privacy.control_codes import gaussian_sigma
 from pipeline.privacy import monitor as dp_monitor
 from pipeline.privacy import private_selection
+from pipeline.privacy.control_codes import STAGE as CODES_STAGE
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, with_pld_epsilons
 from pipeline.stages.adherence import declared_values
 from pipeline.stages.data import CODE_JOINER, PlannedSplit, planned_split, prompt_for
@@ -128,15 +129,15 @@ def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
     if cfg.distill.method not in ("distil", "dp_syn"):
         return None  # the baselines prompt nothing
     if codes.mechanism == "exact":
-        return LedgerEntry(stage="control_codes", private=False, epsilon=None, mechanism="exact",
+        return LedgerEntry(stage=CODES_STAGE, private=False, epsilon=None, mechanism="exact",
                            note="NOT differentially private: the exact control-code counts")
     delta = resolve_delta(cfg.teacher.target_delta, n)
     if codes.mechanism == "geometric":
-        return LedgerEntry(stage="control_codes", private=True, epsilon=codes.epsilon, delta=0.0,
+        return LedgerEntry(stage=CODES_STAGE, private=True, epsilon=codes.epsilon, delta=0.0,
                            mechanism="geometric", privacy_unit=unit, note="planned")
     sigma, accountant = gaussian_sigma(codes.epsilon, delta, cfg.teacher.accountant)
     history = [(sigma, 1.0, 1)]
-    return LedgerEntry(stage="control_codes", private=True, epsilon=epsilon_of(accountant, history, delta),
+    return LedgerEntry(stage=CODES_STAGE, private=True, epsilon=epsilon_of(accountant, history, delta),
                        delta=delta, accountant=accountant, mechanism="gaussian", noise_multiplier=sigma,
                        sample_rate=1.0, steps=1, privacy_unit=unit, history=history, note="planned")
 

@@ -61,7 +61,7 @@ def test_plan_gives_the_numbers_a_real_teacher_run_records(tmp_path, tiny_model_
     assert p.epsilon == pytest.approx(teacher.epsilon, rel=1e-9)
     assert p.epsilon_replace_one == pytest.approx(teacher.epsilon_replace_one, rel=1e-9)
     assert teacher.epsilon_replace_one > teacher.epsilon
-    assert planned["control_codes"].epsilon == pytest.approx(codes.ledger.epsilon, rel=1e-9)
+    assert planned["control-codes"].epsilon == pytest.approx(codes.ledger.epsilon, rel=1e-9)
     total = compose([codes.ledger, teacher], cfg.teacher.accountant, teacher.delta)
     assert plan.total.epsilon == pytest.approx(total.epsilon, rel=1e-9)
     assert plan.total.epsilon_replace_one == pytest.approx(total.epsilon_replace_one, rel=1e-9)

@@ -42,6 +42,8 @@ from pipeline.privacy.accountant import (
 
 log = logging.getLogger(__name__)
 
+STAGE = "control-codes"
+"""The release's name in the ledger, stages.json and the dataset budget (its directory: control_codes/)."""
 RELEASED = "control_codes.json"
 MAX_BINS = 1_000_000
 
@@ -113,7 +115,7 @@ def release_control_codes(
     if cfg.mechanism == "exact":
         counts = {c: float(n) for c, n in Counter(codes).items()}
         entry = LedgerEntry(
-            stage="control_codes",
+            stage=STAGE,
             private=False,
             epsilon=None,
             mechanism="exact",
@@ -126,7 +128,7 @@ def release_control_codes(
         contributions = codes if users is None else _one_per_user(codes, users, rng)
         n_units = len(contributions)
         delta = resolve_delta(delta, n_units)
-        if weak := weak_delta_warning(delta, n_units, unit, "control_codes"):
+        if weak := weak_delta_warning(delta, n_units, unit, STAGE):
             log.warning("%s", weak)
         bins = domain_codes(data, cfg.domain)
         true = Counter(contributions)
@@ -138,7 +140,7 @@ def release_control_codes(
             history = [(sigma, 1.0, 1)]
             epsilon = epsilon_of(calibrate, history, delta)
             entry = LedgerEntry(
-                stage="control_codes", private=True, epsilon=epsilon, delta=delta, accountant=calibrate,
+                stage=STAGE, private=True, epsilon=epsilon, delta=delta, accountant=calibrate,
                 mechanism="gaussian", noise_multiplier=sigma, sample_rate=1.0, steps=1, privacy_unit=unit,
                 epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
                 noise_source=noise.source(secure_mode),
@@ -150,7 +152,7 @@ def release_control_codes(
         else:
             noisy = exact + _two_sided_geometric(cfg.epsilon, len(bins), rng)
             entry = LedgerEntry(
-                stage="control_codes", private=True, epsilon=cfg.epsilon, delta=0.0, mechanism="geometric",
+                stage=STAGE, private=True, epsilon=cfg.epsilon, delta=0.0, mechanism="geometric",
                 privacy_unit=unit, noise_source=noise.source(secure_mode),
                 note=f"two-sided geometric noise (pure ε={cfg.epsilon}) on the histogram of {len(bins)} "
                 f"declared code combinations over {n_units} {unit}s; negative counts floored at 0",
@@ -174,6 +176,6 @@ def release_control_codes(
             "counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
         },
     )
-    write_manifest(out_dir, stage="control_codes", inputs={"train": train_path}, outputs={"released": path},
+    write_manifest(out_dir, stage=STAGE, inputs={"train": train_path}, outputs={"released": path},
                    extra={"ledger": entry.model_dump()})
     return CodesResult(path=path, ledger=entry)

@@ -4,3 +4,25 @@
 # in the report and in `dpdistill status` alike (issue 24: one said "finished", the other "ran").
 STAGE_WORDS = {"ran": "finished", "forced": "finished (forced rerun)", "cached": "cached", "failed": "failed",
                "running": "running"}
+
+# The criteria a distillation candidate is scored by (pipeline/stages/selection.py), in the
+# order the report and the artifact show them.
+SELECTION_CRITERIA = ("teacher_kl", "untruncated_ce", "synthetic_validation_ce", "private_validation")
+
+
+def table_keys(selection: dict) -> list[str]:
+    """The columns of a selection table (report, artifact): the criteria computed, then test_perplexity."""
+    rows = selection["candidates"]
+    return [k for k in SELECTION_CRITERIA if any(r.get(k) is not None for r in rows)] + ["test_perplexity"]
+
+
+def privacy_sentence(selection: dict) -> str:
+    """What the choice cost, in words, for the report and the artifact."""
+    private = selection.get("private_validation")
+    if not private:
+        return "No criterion reads a private record: the choice costs no privacy."
+    return (f"private_validation is each student's mean per-token loss on the first {private['units']} units of the "
+            f"PRIVATE validation split, clipped to [0, {private['clip']:g}] nats, plus Gaussian noise of sd "
+            f"{private['noise_sd']:.3g} (only these noisy values are published): a DP release of ε = "
+            f"{private['epsilon']:.3g} at δ = {private['delta']:.3g}, in the ledger as 'distillation-selection' "
+            "and composed into the total. The other criteria read DP outputs only.")

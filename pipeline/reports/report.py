@@ -29,8 +29,7 @@ from matplotlib.figure import Figure
 
 from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, read_ledger, table_rows
 from pipeline.manifest import MANIFEST, atomic_write_text
-from pipeline.reports import STAGE_WORDS
-from pipeline.stages.selection import privacy_sentence, table_keys
+from pipeline.reports import STAGE_WORDS, privacy_sentence, table_keys
 
 log = logging.getLogger(__name__)
 

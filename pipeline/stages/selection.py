@@ -32,12 +32,12 @@ import torch
 
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.models.losses import kl_teacher_student
+from pipeline.reports import SELECTION_CRITERIA as CRITERIA
 from pipeline.stages.generate import sample_untruncated, synthetic_head
 from pipeline.tokenized import ListIds
 
 log = logging.getLogger(__name__)
 
-CRITERIA = ("teacher_kl", "untruncated_ce", "synthetic_validation_ce", "private_validation")
 CODE_SAMPLE = 10_000  # synthetic samples whose control codes give the prompts' frequencies
 
 
@@ -136,24 +136,6 @@ def criterion_study(rows: list[dict]) -> dict[str, dict]:
             "regret": chosen["test_perplexity"] - best,
         }
     return out
-
-
-def table_keys(selection: dict) -> list[str]:
-    """The columns of a selection table (report, artifact): the criteria computed, then test_perplexity."""
-    rows = selection["candidates"]
-    return [k for k in CRITERIA if any(r.get(k) is not None for r in rows)] + ["test_perplexity"]
-
-
-def privacy_sentence(selection: dict) -> str:
-    """What the choice cost, in words, for the report and the artifact."""
-    private = selection.get("private_validation")
-    if not private:
-        return "No criterion reads a private record: the choice costs no privacy."
-    return (f"private_validation is each student's mean per-token loss on the first {private['units']} units of the "
-            f"PRIVATE validation split, clipped to [0, {private['clip']:g}] nats, plus Gaussian noise of sd "
-            f"{private['noise_sd']:.3g} (only these noisy values are published): a DP release of ε = "
-            f"{private['epsilon']:.3g} at δ = {private['delta']:.3g}, in the ledger as {'distillation-selection'!r} "
-            "and composed into the total. The other criteria read DP outputs only.")
 
 
 def log_selection(rows: list[dict], chosen: str, select_by: str) -> None:

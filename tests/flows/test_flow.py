@@ -33,11 +33,11 @@ def test_flow_end_to_end(prefect_server, tiny_config):
 
     typed = read_ledger(run / "ledger.json")
     ledger = {e.stage: e for e in typed.entries}
-    assert list(ledger) == ["control_codes", "teacher", "generation", "distillation", "evaluation"]
+    assert list(ledger) == ["control-codes", "teacher", "generation", "distillation", "evaluation"]
     teacher = ledger["teacher"]
     assert 0 < teacher.epsilon <= tiny_config.teacher.target_epsilon
     assert teacher.accountant == "prv" and teacher.steps > 0 and teacher.noise_multiplier > 0
-    codes = ledger["control_codes"]
+    codes = ledger["control-codes"]
     assert codes.private and codes.mechanism == "gaussian" and 0 < codes.epsilon <= 1.0
     assert all(ledger[s].epsilon == 0 for s in ("generation", "distillation", "evaluation"))
     # The total composes both Gaussian mechanisms through the accountant (not by adding ε's).
@@ -106,7 +106,7 @@ def _private_selection_run(cfg):
     cfg.distill.select_by, cfg.distill.selection_epsilon = "private_validation", 0.5
     run = Path(dp_distill(cfg))
     ledger = read_ledger(run / "ledger.json")
-    assert [e.stage for e in ledger.entries] == ["control_codes", "teacher", "generation", "distillation", STAGE,
+    assert [e.stage for e in ledger.entries] == ["control-codes", "teacher", "generation", "distillation", STAGE,
                                                  "evaluation"]
     released = ledger.entry(STAGE)
     assert released.private and released.history[0][1:] == (1.0, 2) and 0 < released.epsilon <= 0.5 + 1e-6
@@ -165,7 +165,7 @@ def test_baselines_run_through_the_same_flow(prefect_server, tmp_path, method):
     metrics = json.loads((run / "metrics.json").read_text())
     assert f"student_{method}" in metrics["perplexity"] and "base_student" in metrics["perplexity"]
     if method == "dp_syn":
-        assert stages == ["control_codes", "teacher", "generation", "distillation", "evaluation"]
+        assert stages == ["control-codes", "teacher", "generation", "distillation", "evaluation"]
         log = json.loads((run / "student" / "training_log.json").read_text())
         assert all(h["kl"] == 0 or h["loss"] == pytest.approx(h["ce"]) for h in log["history"])
     elif method == "dp_sgd":

@@ -136,10 +136,10 @@ def test_killed_run_continues_at_the_interrupted_stage(prefect_server, tmp_path,
     assert main(["status", str(run)]) == 0
     assert "interrupted" in capsys.readouterr().out
     # What the run already spent shows before the teacher finishes (issue 24): the codes' release.
-    assert [e["stage"] for e in _entries(run)] == ["control_codes"]
+    assert [e["stage"] for e in _entries(run)] == ["control-codes"]
     assert main(["ledger", "show", str(run)]) == 0
     shown = capsys.readouterr().out
-    assert "control_codes" in shown and "DP release" in shown and "teacher " not in shown
+    assert "control-codes" in shown and "DP release" in shown and "teacher " not in shown
 
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

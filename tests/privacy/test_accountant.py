@@ -56,11 +56,11 @@ def test_total_adds_pure_epsilon_and_flags_non_private_releases():
     makes the total incomplete."""
     a = _gaussian("teacher", 1.0, 0.05, 200)
     geo = LedgerEntry(stage="codes", private=True, epsilon=0.5, mechanism="geometric", privacy_unit="record", note="")
-    exact = LedgerEntry(stage="control_codes", private=False, epsilon=None, note="exact counts")
+    exact = LedgerEntry(stage="control-codes", private=False, epsilon=None, note="exact counts")
     total = compose([a, geo], "prv", 1e-4)
     assert total.epsilon == pytest.approx(a.epsilon + 0.5) and "basic composition" in total.composition
     incomplete = compose([exact, a], "prv", 1e-4)
-    assert not incomplete.complete and "control_codes" in incomplete.note
+    assert not incomplete.complete and "control-codes" in incomplete.note
     assert incomplete.epsilon == pytest.approx(a.epsilon)
 
 
@@ -134,12 +134,12 @@ def test_the_tables_say_what_each_stage_s_guarantee_is_in_words():
     from pipeline.privacy.ledger import PrivacyLedger, format_table, post_processing
 
     teacher = _gaussian("teacher", 1.0, 0.05, 200)
-    not_dp = LedgerEntry(stage="control_codes", private=False, epsilon=None, note="released without noise")
+    not_dp = LedgerEntry(stage="control-codes", private=False, epsilon=None, note="released without noise")
     entries = [not_dp, teacher, post_processing("generation", "samples from the DP teacher")]
     table = format_table(PrivacyLedger(entries=entries, total=compose(entries, "prv", 1e-4))).splitlines()
     assert table[0].split()[:2] == ["stage", "guarantee"]
     words = {line.split()[0]: " ".join(line.split()[1:3]) for line in table[2:6]}
-    assert words["control_codes"].startswith("NOT DP") and words["teacher"].startswith("DP release")
+    assert words["control-codes"].startswith("NOT DP") and words["teacher"].startswith("DP release")
     assert words["generation"].startswith("post-processing") and words["TOTAL"].startswith("INCOMPLETE")
     assert "yes" not in " ".join(table[:6]).split()
 

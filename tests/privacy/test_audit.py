@@ -305,7 +305,7 @@ def _ledger(codes_private: bool) -> PrivacyLedger:
         noise_multiplier=1.234, sample_rate=0.0853, steps=36, max_grad_norm=1.0, privacy_unit="record",
         epsilon_rdp=2.1, history=[(1.234, 0.0853, 36)], note="record-level DP-SGD",
     )
-    codes = LedgerEntry(stage="control_codes", private=codes_private, epsilon=None if not codes_private else 0.0,
+    codes = LedgerEntry(stage="control-codes", private=codes_private, epsilon=None if not codes_private else 0.0,
                         note="exact counts of the training split's control codes")
     entries = [codes, teacher, post_processing("generation", "samples"), post_processing("distillation", "synthetic")]
     return PrivacyLedger(entries=entries, total=compose(entries, "prv", 6.9e-4))
@@ -317,7 +317,7 @@ def test_model_card_states_the_ledger_and_what_is_not_protected():
     for value in ("1.875", "0.00069", "1.234", "0.0853", "36", "prv", "record", fmt_value(ledger.total.epsilon)):
         assert value in card, value
     assert "post-processing" in card and "INCOMPLETE" in card
-    assert "`control_codes` is released without DP" in card
+    assert "`control-codes` is released without DP" in card
     assert "held-out splits" in card and "group-privacy" in card and "Hyperparameter" in card
     clean = model_card(_ledger(codes_private=True), "teacher")
     assert "released without DP" not in clean and "complete" in clean

@@ -59,7 +59,7 @@ def test_two_teacher_releases_compose_and_a_repeat_is_not_counted(tmp_path):
 def test_other_datasets_and_non_dp_releases_do_not_count(tmp_path):
     record_release(tmp_path, SHA, release_id="a" * 64, stage="teacher", run_dir=tmp_path, entry=_teacher(1.0, 30))
     assert read_budget(tmp_path, hashlib.sha256(b"other").hexdigest()).releases == []
-    exact = LedgerEntry(stage="control_codes", private=False, epsilon=None, note="exact counts")
+    exact = LedgerEntry(stage="control-codes", private=False, epsilon=None, note="exact counts")
     with pytest.raises(ValueError, match="only a DP release"):
         record_release(tmp_path, SHA, release_id="c" * 64, stage="control-codes", run_dir=tmp_path, entry=exact)
     with pytest.raises(ValueError, match="not a budget id"):

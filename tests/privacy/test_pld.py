@@ -28,7 +28,7 @@ def _entry(stage: str, mechanism: str, history, delta: float = DEMO_DELTA, accou
 
 
 def _demo_entries() -> list[LedgerEntry]:
-    return [with_pld_epsilons(_entry("control_codes", "gaussian", HISTOGRAM)),
+    return [with_pld_epsilons(_entry("control-codes", "gaussian", HISTOGRAM)),
             with_pld_epsilons(_entry("teacher", "subsampled_gaussian", TEACHER))]
 
 
@@ -104,7 +104,7 @@ def test_the_gaussian_histogram_under_replace_one_has_sensitivity_root_two():
 def test_the_geometric_histogram_adds_epsilon_and_twice_epsilon_under_replace_one():
     """Pure ε-DP with L1 sensitivity 1 (add/remove) moves two bins under replace-one: 2ε, added
     by basic composition on top of the accountant's Gaussian figure."""
-    geometric = LedgerEntry(stage="control_codes", private=True, epsilon=0.5, delta=0.0, mechanism="geometric",
+    geometric = LedgerEntry(stage="control-codes", private=True, epsilon=0.5, delta=0.0, mechanism="geometric",
                             privacy_unit="record", note="")
     teacher = _entry("teacher", "subsampled_gaussian", TEACHER)
     assert with_pld_epsilons(geometric).epsilon_replace_one == 1.0
@@ -119,7 +119,7 @@ def test_post_processing_and_non_dp_entries():
     from pipeline.privacy.ledger import post_processing
 
     assert post_processing("generation", "x").epsilon_replace_one == 0.0
-    exact = LedgerEntry(stage="control_codes", private=False, epsilon=None, mechanism="exact", note="")
+    exact = LedgerEntry(stage="control-codes", private=False, epsilon=None, mechanism="exact", note="")
     assert with_pld_epsilons(exact).epsilon_replace_one is None
     with pytest.raises(ValueError, match="relation"):
         pld.epsilon([], 1e-5, "replace_two")

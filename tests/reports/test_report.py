@@ -64,7 +64,7 @@ def make_run(root: Path, method: str = "distil", monitor: str = "none") -> Path:
                            mechanism="subsampled_gaussian", noise_multiplier=1.4, sample_rate=0.1, steps=12,
                            max_grad_norm=1.0, privacy_unit="record", history=[(1.4, 0.1, 12)], note="DP-SGD")]
     if not dp:
-        entries.insert(0, LedgerEntry(stage="control_codes", private=False, epsilon=None, note="exact counts"))
+        entries.insert(0, LedgerEntry(stage="control-codes", private=False, epsilon=None, note="exact counts"))
         entries += [post_processing("generation", "g"), post_processing("distillation", "d")]
     entries.append(post_processing("evaluation", "e"))
     total = LedgerTotal(epsilon=2.0, delta=1e-3, accountant="prv", composition="prv accountant",
