@@ -100,6 +100,8 @@ def release_control_codes(
 ) -> CodesResult:
     """Write `out_dir/control_codes.json` (the counts generation samples from) and its ledger entry.
 
+    The recipe: read the split → `_exact` (NOT private, opted into) or the DP histogram
+    (`_contributions` → `_gaussian` or `_geometric` noise → `_floored`) → `_save`, manifest last.
     The run's public seed drives nothing here: the mechanism's only randomness is its noise
     and per-user picks, which come from secret entropy (see the module doc).
     """
@@ -108,63 +110,80 @@ def release_control_codes(
             "control_codes.mechanism is unset and no control_codes.domain is declared: declare the domain "
             "(DP release) or set control_codes.mechanism=exact (NOT private)"
         )
-    rng = noise.generator("control_codes", secure=secure_mode)
     codes, _ = read_split(train_path)
     users = read_users(train_path)
-    unit = "record" if users is None else "user"
     if cfg.mechanism == "exact":
-        counts = {c: float(n) for c, n in Counter(codes).items()}
-        entry = LedgerEntry(
-            stage=STAGE,
-            private=False,
-            epsilon=None,
-            mechanism="exact",
-            note="NOT differentially private: generation prompts are drawn from the exact "
-            f"control-code counts of the private training split ({len(codes)} records). Who wrote "
-            "which text stays protected by the teacher's DP-SGD, but the counts per code "
-            "combination are released as they are (set control_codes.mechanism to release them with DP)",
-        )
+        counts, entry = _exact(codes)
+        return _save(cfg, data, Path(out_dir), counts, entry, train_path)
+    rng = noise.generator("control_codes", secure=secure_mode)
+    contributions = codes if users is None else _one_per_user(codes, users, rng)
+    unit, n_units = "record" if users is None else "user", len(contributions)
+    delta = resolve_delta(delta, n_units)
+    if weak := weak_delta_warning(delta, n_units, unit, STAGE):
+        log.warning("%s", weak)
+    bins = domain_codes(data, cfg.domain)
+    true = Counter(contributions)
+    assert set(true) <= set(bins), "prepare_data checks every code against the domain"
+    exact = np.array([true.get(b, 0) for b in bins], dtype=float)
+    where = (f"histogram of {len(bins)} declared code combinations over {n_units} {unit}s"
+             + ("" if users is None else ", one random record per user"))
+    if cfg.mechanism == "gaussian":
+        noisy, entry = _gaussian(exact, cfg.epsilon, delta, accountant, rng, unit, secure_mode, where)
     else:
-        contributions = codes if users is None else _one_per_user(codes, users, rng)
-        n_units = len(contributions)
-        delta = resolve_delta(delta, n_units)
-        if weak := weak_delta_warning(delta, n_units, unit, STAGE):
-            log.warning("%s", weak)
-        bins = domain_codes(data, cfg.domain)
-        true = Counter(contributions)
-        assert set(true) <= set(bins), "prepare_data checks every code against the domain"
-        exact = np.array([true.get(b, 0) for b in bins], dtype=float)
-        if cfg.mechanism == "gaussian":
-            sigma, calibrate = gaussian_sigma(cfg.epsilon, delta, accountant)
-            noisy = exact + noise.normal(rng, sigma, len(bins)).numpy()
-            history = [(sigma, 1.0, 1)]
-            epsilon = epsilon_of(calibrate, history, delta)
-            entry = LedgerEntry(
-                stage=STAGE, private=True, epsilon=epsilon, delta=delta, accountant=calibrate,
-                mechanism="gaussian", noise_multiplier=sigma, sample_rate=1.0, steps=1, privacy_unit=unit,
-                epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
-                noise_source=noise.source(secure_mode),
-                note=f"Gaussian noise (σ={sigma:.4g}) on the histogram of {len(bins)} declared code "
-                f"combinations over {n_units} {unit}s"
-                + ("" if users is None else ", one random record per user")
-                + "; negative counts floored at 0",
-            )
-        else:
-            noisy = exact + _two_sided_geometric(cfg.epsilon, len(bins), rng)
-            entry = LedgerEntry(
-                stage=STAGE, private=True, epsilon=cfg.epsilon, delta=0.0, mechanism="geometric",
-                privacy_unit=unit, noise_source=noise.source(secure_mode),
-                note=f"two-sided geometric noise (pure ε={cfg.epsilon}) on the histogram of {len(bins)} "
-                f"declared code combinations over {n_units} {unit}s; negative counts floored at 0",
-            )
-        floored = np.maximum(noisy, 0.0)
-        if floored.sum() == 0:
-            floored[:] = 1.0  # all noise: fall back to uniform over the domain (still DP)
-            entry.note += "; every noisy count was ≤ 0, so prompts are uniform over the domain"
-        counts = {b: float(v) for b, v in zip(bins, floored) if v > 0}
-        entry = with_pld_epsilons(entry)  # its replace-one ε: one record moves between two bins
+        noisy, entry = _geometric(exact, cfg.epsilon, rng, unit, secure_mode, where)
+    counts = _floored(noisy, bins, entry)
+    return _save(cfg, data, Path(out_dir), counts, with_pld_epsilons(entry), train_path)  # replace-one ε too
 
-    out_dir = Path(out_dir)
+
+def _exact(codes: list[str]) -> tuple[dict[str, float], LedgerEntry]:
+    """control_codes.mechanism=exact: the counts as they are, and a ledger entry that says so."""
+    entry = LedgerEntry(
+        stage=STAGE, private=False, epsilon=None, mechanism="exact",
+        note="NOT differentially private: generation prompts are drawn from the exact "
+        f"control-code counts of the private training split ({len(codes)} records). Who wrote "
+        "which text stays protected by the teacher's DP-SGD, but the counts per code "
+        "combination are released as they are (set control_codes.mechanism to release them with DP)",
+    )
+    return {c: float(n) for c, n in Counter(codes).items()}, entry
+
+
+def _gaussian(exact: np.ndarray, epsilon: float, delta: float, accountant: str, rng, unit: str, secure: bool,
+              where: str) -> tuple[np.ndarray, LedgerEntry]:
+    """The Gaussian histogram: σ calibrated by the accountant for (ε, δ), one step at q = 1."""
+    sigma, calibrate = gaussian_sigma(epsilon, delta, accountant)
+    noisy = exact + noise.normal(rng, sigma, len(exact)).numpy()
+    history = [(sigma, 1.0, 1)]
+    return noisy, LedgerEntry(
+        stage=STAGE, private=True, epsilon=epsilon_of(calibrate, history, delta), delta=delta, accountant=calibrate,
+        mechanism="gaussian", noise_multiplier=sigma, sample_rate=1.0, steps=1, privacy_unit=unit,
+        epsilon_rdp=epsilon_of("rdp", history, delta), history=history, noise_source=noise.source(secure),
+        note=f"Gaussian noise (σ={sigma:.4g}) on the {where}; negative counts floored at 0",
+    )
+
+
+def _geometric(exact: np.ndarray, epsilon: float, rng, unit: str, secure: bool,
+               where: str) -> tuple[np.ndarray, LedgerEntry]:
+    """The two-sided geometric histogram: pure ε."""
+    noisy = exact + _two_sided_geometric(epsilon, len(exact), rng)
+    return noisy, LedgerEntry(
+        stage=STAGE, private=True, epsilon=epsilon, delta=0.0, mechanism="geometric", privacy_unit=unit,
+        noise_source=noise.source(secure),
+        note=f"two-sided geometric noise (pure ε={epsilon}) on the {where}; negative counts floored at 0",
+    )
+
+
+def _floored(noisy: np.ndarray, bins: list[str], entry: LedgerEntry) -> dict[str, float]:
+    """The noisy counts floored at 0 (post-processing); all noise: uniform over the domain."""
+    floored = np.maximum(noisy, 0.0)
+    if floored.sum() == 0:
+        floored[:] = 1.0  # all noise: fall back to uniform over the domain (still DP)
+        entry.note += "; every noisy count was ≤ 0, so prompts are uniform over the domain"
+    return {b: float(v) for b, v in zip(bins, floored) if v > 0}
+
+
+def _save(cfg: CodesConfig, data: DataConfig, out_dir: Path, counts: dict[str, float], entry: LedgerEntry,
+          train_path: Path) -> CodesResult:
+    """control_codes.json (the counts, most frequent first), then the manifest."""
     path = out_dir / RELEASED
     atomic_write_json(
         path,
