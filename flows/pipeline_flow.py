@@ -611,6 +611,9 @@ def _run_stages(
     metrics = {**evaluation, "method": method,
                "seconds": {name: s.get("seconds") for name, s in stage.stages.items()},
                "cached": sorted(name for name, s in stage.stages.items() if s.get("status") == "cached")}
+    for name in ("teacher", "dp-student"):  # a DP-SGD stage's time per training record (sizes and timings: published)
+        if (s := stage.stages.get(name, {})).get("status") in ("ran", "forced") and data.n_train:
+            metrics.setdefault("seconds_per_training_record", {})[name] = round(s["seconds"] / data.n_train, 4)
     if teacher is not None and teacher.validation_loss is not None:  # teacher.monitor=none: nothing
         metrics["teacher_validation_loss"] = teacher.validation_loss
     if isinstance(student, DistillResult):  # how many synthetic samples the student saw (Figure 3's x)

@@ -447,7 +447,10 @@ def _timings(metrics: dict | None) -> str:
     if not seconds:
         return _note("No stage timings (metrics.json has no seconds yet).")
     rows = [[stage, s] for stage, s in seconds.items()] + [["total", round(sum(seconds.values()), 2)]]
-    return _table(["stage", "seconds"], rows)
+    per_record = (metrics or {}).get("seconds_per_training_record") or {}
+    note = "".join(_note(f"{stage}: {s:g} s per training record (the stage's wall time over the training split's "
+                         "size, this run; a cached stage has none).") for stage, s in per_record.items())
+    return _table(["stage", "seconds"], rows) + note
 
 
 def _config(run_dir: Path) -> str:

@@ -48,6 +48,8 @@ def test_flow_end_to_end(prefect_server, tiny_config):
     metrics = json.loads((run / "metrics.json").read_text())
     assert set(metrics["perplexity"]) == {"base_student", "base_teacher", "dp_teacher", "student_distil"}
     assert all(m["windowed"] > 1 for m in metrics["perplexity"].values())
+    per_record = metrics["seconds_per_training_record"]["teacher"]  # issue 22: the teacher's time per record
+    assert per_record == pytest.approx(metrics["seconds"]["teacher"] / tiny_config.data.max_records, rel=0.2)
     # aggregates only: per control code (small codes pooled), and text properties
     assert all(v > 1 for m in metrics["perplexity"].values() for v in m["per_code"].values())
     props = metrics["text_properties"]
