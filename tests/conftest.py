@@ -6,6 +6,7 @@ Nothing here downloads anything. The "private" records are the shipped Yelp samp
 from __future__ import annotations
 
 import copy
+import json
 import random
 import warnings
 from pathlib import Path
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import BaseModelsConfig, DataConfig, TinyModelSpec, config_from_dict
+from pipeline.config import BaseModelsConfig, DataConfig, GenerateConfig, TinyModelSpec, config_from_dict
 from pipeline.stages.data import prepare_data
+from pipeline.stages.generate import generate_synthetic
 from pipeline.models.base import read_public_corpus, tiny_gpt2, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,6 +155,17 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="module")
+def synthetic(tiny_model_dir, tmp_path_factory):
+    """40 samples of the tiny teacher (two control codes), for the distillation and selection tests."""
+    out = tmp_path_factory.mktemp("syn")
+    codes = out / "codes.json"
+    codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))
+    cfg = GenerateConfig(num_samples=40, batch_size=20, max_length=32, validation_fraction=0.2)
+    return generate_synthetic(cfg, teacher_dir=tiny_model_dir, control_codes_path=codes, ledger=[],
+                              out_dir=out / "synthetic", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -94,15 +94,24 @@ def noisy_mean(per_unit: torch.Tensor, clip: float, z: float, generator: noise.G
     return exact + noise.normal(generator, z * clip / n, 1).item()
 
 
+def gaussian_entry(stage: str, *, z: float, releases: int, delta: float, accountant: str, unit: str,
+                   secure: bool, note: str) -> LedgerEntry:
+    """The ledger entry of `releases` clipped-mean Gaussian releases at q = 1 (noise multiplier z):
+    the validation-loss monitor's, and the private selection's (private_selection.py)."""
+    history = [(z, 1.0, releases)]
+    return LedgerEntry(
+        stage=stage, private=True, epsilon=epsilon_of(accountant, history, delta), delta=delta,
+        accountant=accountant, mechanism="gaussian", noise_multiplier=z, sample_rate=1.0, steps=releases,
+        privacy_unit=unit, epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
+        noise_source=noise.source(secure), note=note,
+    )
+
+
 def ledger_entry(stage: str, *, z: float, releases: int, n: int, clip: float, target_epsilon: float,
                  delta: float, accountant: str, unit: str, secure: bool) -> LedgerEntry:
     """The ledger entry of a stage's validation-loss releases: k Gaussian steps at q = 1."""
-    history = [(z, 1.0, releases)]
-    return LedgerEntry(
-        stage=f"{stage}{STAGE_SUFFIX}", private=True, epsilon=epsilon_of(accountant, history, delta), delta=delta,
-        accountant=accountant, mechanism="gaussian", noise_multiplier=z, sample_rate=1.0, steps=releases,
-        privacy_unit=unit, epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
-        noise_source=noise.source(secure),
+    return gaussian_entry(
+        f"{stage}{STAGE_SUFFIX}", z=z, releases=releases, delta=delta, accountant=accountant, unit=unit, secure=secure,
         note=f"the {stage}'s validation loss (teacher.monitor=dp): {releases} releases of the mean over the "
         f"first {n} validation {unit}s of each {unit}'s mean per-token loss clipped to [0, {clip:g}] nats, plus "
         f"Gaussian noise of sd z·{clip:g}/{n} = {z * clip / n:.4g} (z={z:.4g} calibrated by Opacus for "

@@ -34,7 +34,6 @@ import torch
 
 from pipeline.models.scoring import nll_by_owner
 from pipeline.privacy import monitor, noise
-from pipeline.privacy.accountant import epsilon_of
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.stages.data import read_users
 from pipeline.tokenized import TokenIds, token_column, tokenized_split
@@ -102,12 +101,8 @@ def calibrate(epsilon: float, delta: float, candidates: int, accountant: str) ->
 def ledger_entry(*, z: float, candidates: int, n: int, clip: float, target_epsilon: float, delta: float,
                  accountant: str, unit: str, secure: bool) -> LedgerEntry:
     """The release's ledger entry: one Gaussian step per candidate at q = 1."""
-    history = [(z, 1.0, candidates)]
-    return LedgerEntry(
-        stage=STAGE, private=True, epsilon=epsilon_of(accountant, history, delta), delta=delta,
-        accountant=accountant, mechanism="gaussian", noise_multiplier=z, sample_rate=1.0, steps=candidates,
-        privacy_unit=unit, epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
-        noise_source=noise.source(secure),
+    return monitor.gaussian_entry(
+        STAGE, z=z, releases=candidates, delta=delta, accountant=accountant, unit=unit, secure=secure,
         note=f"the distilled student chosen on the private validation split (distill.select_by="
         f"private_validation): each of the {candidates} candidates' mean over the first {n} validation {unit}s "
         f"of each {unit}'s mean per-token loss clipped to [0, {clip:g}] nats, plus Gaussian noise of sd "

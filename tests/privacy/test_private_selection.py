@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import DistillConfig, GenerateConfig, config_from_dict
-from pipeline.models.base import load_causal_lm
+from pipeline.config import DistillConfig, config_from_dict
+from pipeline.models.base import load_causal_lm, load_tokenizer
 from pipeline.models.scoring import nll_by_owner
 from pipeline.plan import make_plan
 from pipeline.privacy import private_selection
@@ -20,19 +20,8 @@ from pipeline.privacy.accountant import epsilon_of
 from pipeline.privacy.ledger import compose
 from pipeline.privacy.private_selection import PrivateValidation
 from pipeline.stages.distill import DistillError, distill
-from pipeline.stages.generate import generate_synthetic
 from pipeline.tokenized import TokenIds, token_column, tokenized_split
 from conftest import tiny_pipeline_dict
-
-
-@pytest.fixture(scope="module")
-def synthetic(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("syn")
-    codes = out / "codes.json"
-    codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))
-    cfg = GenerateConfig(num_samples=40, batch_size=20, max_length=32, validation_fraction=0.2)
-    return generate_synthetic(cfg, teacher_dir=tiny_model_dir, control_codes_path=codes, ledger=[],
-                              out_dir=out / "synthetic", seed=0)
 
 
 def _validation_split(synthetic, path: Path) -> Path:
@@ -40,8 +29,7 @@ def _validation_split(synthetic, path: Path) -> Path:
     a student that stays the teacher scores far better on it than one driven away from it."""
     table = pq.read_table(synthetic.shards[0])
     codes = table["control_code"].to_pylist()
-    texts = [t for t in table["text"].to_pylist()]
-    pq.write_table(pa.table({"control_code": codes, "text": texts}), path)
+    pq.write_table(pa.table({"control_code": codes, "text": table["text"].to_pylist()}), path)
     return path
 
 
@@ -65,7 +53,7 @@ def test_the_planted_best_candidate_is_chosen_from_noisy_private_scores(syntheti
     assert noisy["epochs=3,learning_rate=5.0"] - noisy["learning_rate=1e-09"] > 5 * sd > 0
 
     # The published score is the exact clipped mean plus noise, never the exact mean itself.
-    tok = load_tokenizer_of(tiny_model_dir)
+    tok = load_tokenizer(str(tiny_model_dir))
     records = TokenIds(token_column(tokenized_split(validation, tok)), 64, tok.pad_token_id)
     nll, count = nll_by_owner(load_causal_lm(str(result.checkpoint)), records, list(range(len(records))),
                               len(records), 8)
@@ -79,11 +67,6 @@ def test_the_planted_best_candidate_is_chosen_from_noisy_private_scores(syntheti
     assert sd == pytest.approx(entry.noise_multiplier * cfg.selection_clip / len(records))
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["selection_ledger"]["stage"] == private_selection.STAGE
-
-
-def load_tokenizer_of(path):
-    from pipeline.models.base import load_tokenizer
-    return load_tokenizer(str(path))
 
 
 def test_the_private_route_needs_the_split_and_refuses_before_training(synthetic, tiny_model_dir, tmp_path):

@@ -9,23 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, DistillConfig, GenerateConfig, config_from_dict
+from pipeline.config import ConfigError, DistillConfig, config_from_dict
 from pipeline.models.base import load_causal_lm
 from pipeline.stages.distill import distill
-from pipeline.stages.generate import generate_synthetic, sample_untruncated
+from pipeline.stages.generate import sample_untruncated
 from pipeline.stages.selection import choose, criterion_study, score_students, spearman
 from pipeline.tokenized import ListIds
 from conftest import make_tiny_model, tiny_pipeline_dict
-
-
-@pytest.fixture(scope="module")
-def synthetic(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("syn")
-    codes = out / "codes.json"
-    codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))
-    cfg = GenerateConfig(num_samples=40, batch_size=20, max_length=32, validation_fraction=0.2)
-    return generate_synthetic(cfg, teacher_dir=tiny_model_dir, control_codes_path=codes, ledger=[],
-                              out_dir=out / "synthetic", seed=0)
 
 
 def test_untruncated_samples_follow_the_whole_distribution(tiny_model_dir, tiny_tokenizer):
