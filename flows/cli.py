@@ -124,6 +124,8 @@ def _parser() -> argparse.ArgumentParser:
         ("build-base", "build the offline tokenizer and base models from public text (base_models.corpus)"),
         ("plan", "print N, batch size, q, σ, steps, ε (each stage and total) and a time estimate; "
                  "trains and writes nothing"),
+        ("join-teacher", "on node 1..nnodes-1: run this node's ranks of the data-parallel teacher that "
+                         "node 0's flow starts (teacher.nnodes > 1; set teacher.node_rank)"),
     ):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True, help="YAML config, e.g. configs/demo.yaml")
@@ -450,6 +452,22 @@ def run_flow(args, cfg) -> int:
         return code
 
 
+def join_teacher(cfg) -> int:
+    """This node's ranks of a teacher across nodes, until node 0's job ends: torchrun's exit code."""
+    t = cfg.teacher
+    if t.nnodes < 2 or t.node_rank == 0:
+        print(f"dpdistill: error: join-teacher runs on nodes 1..nnodes-1 of a teacher across nodes (the config has "
+              f"teacher.nnodes={t.nnodes}, teacher.node_rank={t.node_rank}); node 0 runs `dpdistill run`",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    from pipeline.devices import Runtime
+    from pipeline.stages import teacher, teacher_ddp
+
+    return teacher_ddp.join(processes=t.processes, backend=t.ddp_backend, nodes=teacher.nodes(t),
+                            threads=Runtime.from_config(cfg).threads_for(t.processes))
+
+
 def run_pipeline(args) -> int:
     """`run`, `serve`, `plan` and `build-base`: the commands that import torch (and but for
     `plan`, Prefect)."""
@@ -482,6 +500,8 @@ def run_pipeline(args) -> int:
             for warning in plan.warnings:
                 print(f"dpdistill: warning: {warning}", file=sys.stderr)
             return 0
+        if args.command == "join-teacher":
+            return join_teacher(cfg)
         if args.command == "build-base":
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
             from pipeline.models.base import build_base_models, export_base_models

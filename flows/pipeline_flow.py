@@ -37,7 +37,7 @@ from flows.run_log import run_log
 from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.stages.adherence import declared_values
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE, CodesResult, release_control_codes
-from pipeline.config import PipelineConfig, dump_config, load_config
+from pipeline.config import NODE_FIELDS, PipelineConfig, dump_config, load_config
 from pipeline.stages.data import DataResult, delete_private_copies, format_public_split, prepare_data, read_split
 from pipeline.devices import Runtime
 from pipeline.stages.distill import DistillResult, distill
@@ -178,6 +178,10 @@ def _teacher_epsilon(cfg: PipelineConfig) -> float:
     return dp_sgd_budgets(cfg)["teacher"]  # DPKD: ε/2 (pipeline/plan.py)
 
 
+def _teacher_key(cfg: PipelineConfig) -> dict:
+    return cfg.teacher.model_dump(mode="json", exclude=set(NODE_FIELDS))
+
+
 def _precision(cfg: PipelineConfig) -> dict:
     """The precision is in the keys of every stage that runs a model (bf16 gives other weights,
     samples and perplexities); the device and threads are not: they change rounding, not results.
@@ -186,7 +190,7 @@ def _precision(cfg: PipelineConfig) -> dict:
     return {} if cfg.precision == "fp32" else {"precision": cfg.precision}
 
 
-@stage_task("teacher", lambda cfg: {"teacher": cfg.teacher, "model": cfg.teacher.model, **_precision(cfg),
+@stage_task("teacher", lambda cfg: {"teacher": _teacher_key(cfg), "model": cfg.teacher.model, **_precision(cfg),
                                     **_monitor_key(cfg)})
 def teacher_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, epsilon: float, run_dir: Path
@@ -217,7 +221,7 @@ def _private_validation(cfg: PipelineConfig, data: DataResult, teacher: TeacherR
                              max_length=cfg.teacher.max_length)
 
 
-@stage_task("dp-student", lambda cfg: {"teacher": cfg.teacher, "distill": _distill_key(cfg, reads_synthetic=False),
+@stage_task("dp-student", lambda cfg: {"teacher": _teacher_key(cfg), "distill": _distill_key(cfg, reads_synthetic=False),
                                        **_precision(cfg), **_monitor_key(cfg)})
 def dp_student_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, teacher: TeacherResult | None,

@@ -344,6 +344,35 @@ class TeacherConfig(_Section):
         description="torch.distributed backend when processes > 1: 'gloo' on CPU; 'nccl' puts "
         "each process on its own CUDA device (one GPU per process).",
     )
+    nnodes: int = Field(
+        1, ge=1,
+        description="Machines the data-parallel teacher spans, `processes` ranks on each. >1: the node "
+        "running the flow (node_rank 0) starts torchrun with a c10d rendezvous at rdzv_endpoint and every "
+        "other node runs `dpdistill join-teacher` with this config and its node_rank; the run directory "
+        "and the data must be on storage all nodes mount at the same path. q, σ and ε stay those of one process.",
+    )
+    node_rank: int = Field(
+        0, ge=0, description="This machine's place among nnodes: 0 runs the flow, 1..nnodes-1 join it."
+    )
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port on node 0 where the nodes meet (torchrun's c10d rendezvous store; "
+        "unauthenticated: keep it on a private network). Needed when nnodes > 1.",
+    )
+    rdzv_timeout: int = Field(900, ge=1, description="Seconds the nodes wait for one another at the rendezvous.")
+
+    @model_validator(mode="after")
+    def _nodes_are_consistent(self) -> "TeacherConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"teacher.nnodes={self.nnodes} needs teacher.rdzv_endpoint (host:port on node 0, "
+                             "reachable from every node)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"teacher.node_rank={self.node_rank} must be below teacher.nnodes={self.nnodes}")
+        return self
+
+
+# Where a data-parallel teacher's ranks run, never what it learns: in neither the stage's cache key
+# nor a checkpoint's fingerprint (which holds the world size: resuming needs the same rank count).
+NODE_FIELDS = frozenset({"nnodes", "node_rank", "rdzv_endpoint", "rdzv_timeout"})
 
 
 class GenerateConfig(_Section):

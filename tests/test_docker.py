@@ -48,3 +48,13 @@ def test_images_copy_no_private_data():
     assert "data/*" in rules and "data" not in rules
     assert {r[1:] for r in rules if r.startswith("!data/")} == allowed  # the last match wins
     assert rules.index("data/*") < min(rules.index("!" + a) for a in allowed)
+
+
+def test_the_optional_dask_cluster_sees_the_flow_s_run_directory():
+    """Dask workers load the teacher and write shards by the flow's paths: they mount the run
+    directory where the Prefect worker does, and start only with the dask profile."""
+    services = _compose()["services"]
+    for name in ("dask-scheduler", "dask-worker"):
+        assert services[name]["profiles"] == ["dask"]
+    assert services["dask-worker"]["volumes"] == services["worker"]["volumes"]
+    assert "tcp://dask-scheduler:8786" in services["dask-worker"]["command"]

@@ -77,7 +77,7 @@ from pipeline.privacy import monitor as dp_monitor
 from pipeline.stages import teacher_ddp
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.batching import IGNORE, lm_batch
-from pipeline.config import TeacherConfig
+from pipeline.config import NODE_FIELDS, TeacherConfig
 from pipeline.stages.data import read_users
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
@@ -419,7 +419,7 @@ def _fingerprint(
     """What a checkpoint must match to be resumed: same config, data, base model, seed, σ, KD,
     number of data-parallel processes (a DPDDP checkpoint holds wrapped weights and
     per-rank RNG states) and checkpoint layout (2: per-rank secret generator states)."""
-    spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend"})
+    spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend", *NODE_FIELDS})
     if world_size > 1:
         spec["world_size"] = world_size
     if precision != "fp32":  # not the device: a run may resume on another one
@@ -778,12 +778,12 @@ def train_teacher(
     """
     paths = dict(train_path=Path(train_path), validation_path=Path(validation_path), base_model=base_model,
                  monitor_path=None if monitor_path is None else Path(monitor_path))
-    if cfg.processes > 1 and _world()[1] == 1:
+    if (cfg.processes > 1 or cfg.nnodes > 1) and _world()[1] == 1:
         return _train_data_parallel(cfg, out_dir=Path(out_dir), seed=seed, on_progress=on_progress, stage=stage,
                                     kd=kd, progress_every=progress_every, runtime=runtime, **paths)
     runtime.apply_threads()
     run = _setup(cfg, out_dir=out_dir, seed=seed, stage=stage, kd=kd, runtime=runtime, **paths)
-    if run.world > 1 and run.world != cfg.processes:
+    if run.world > 1 and cfg.nnodes == 1 and run.world != cfg.processes:
         log.warning("%s: teacher.processes=%d but the process group has %d ranks; training on %d",
                     stage, cfg.processes, run.world, run.world)
     _resume(run)
@@ -826,6 +826,9 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
     """`cfg.processes` ranks under torchrun, each running `ddp_worker`; the result is read
     back from the finished stage, the same TeacherResult as one process returns. Ranks on
     nccl get one GPU each (cuda:local_rank), on gloo the CPU; each its share of the cores."""
+    if cfg.node_rank != 0:
+        raise TeacherError(f"{stage}: teacher.node_rank={cfg.node_rank}: the flow runs on node 0 only; on this "
+                           "node run `dpdistill join-teacher` with the same config and node_rank")
     threads = runtime.threads_for(cfg.processes)
     rank_runtime = Runtime(runtime.for_ddp(cfg.ddp_backend).device, runtime.precision, threads)
     args = {"runtime": rank_runtime.to_json(),
@@ -837,12 +840,17 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
                                            "temperature": kd.temperature}}
     teacher_ddp.launch(args, target="pipeline.stages.teacher:ddp_worker", processes=cfg.processes,
                        backend=cfg.ddp_backend, threads=threads, work=out_dir / teacher_ddp.WORKDIR, stage=stage,
-                       on_progress=on_progress, error=TeacherError)
+                       on_progress=on_progress, error=TeacherError, nodes=nodes(cfg))
     result = finished_teacher(out_dir)
     if result is None:
         raise TeacherError(f"{stage}: torchrun exited cleanly but {out_dir} holds no finished teacher; "
                            f"see {out_dir / teacher_ddp.WORKDIR}")
     return result
+
+
+def nodes(cfg: TeacherConfig, job_id: str = "dpdistill") -> teacher_ddp.Nodes:
+    """The machines of a data-parallel teacher (one unless `cfg.nnodes` > 1)."""
+    return teacher_ddp.Nodes(cfg.nnodes, cfg.rdzv_endpoint, job_id, cfg.rdzv_timeout)
 
 
 def ddp_worker(args: dict, on_progress: Callable[[dict], None] | None) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +19,8 @@ from pipeline.config import TeacherConfig
 from pipeline.privacy.noise import TEST_SEED_ENV
 from pipeline.stages import teacher_ddp
 from pipeline.stages.teacher import TeacherError, train_teacher
+
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(**overrides) -> TeacherConfig:
@@ -58,6 +63,58 @@ def test_two_gloo_processes_account_and_train_like_one(splits, tiny_model_dir, t
     assert max((w2[k] - base[k]).abs().max().item() for k in base) > 1e-3  # it trained
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5)
+
+    # Two machines (issue 23): two torchrun agents on 127.0.0.1, one rank each, meeting at a c10d
+    # rendezvous; node 1 joins through the CLI with its own copy of the config. Same ledger, same weights.
+    nodes = _two_nodes(tmp_path, splits)
+    with open(tmp_path / "node1.log", "w+") as out:
+        joiner = subprocess.Popen([sys.executable, "-m", "flows.cli", "join-teacher", "--config", str(nodes["joiner"])],
+                                  cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            across = _run(_cfg(**nodes["launcher"]), splits, tiny_model_dir, tmp_path / "nodes")
+            joiner.wait(timeout=120)
+        finally:
+            teacher_ddp.stop_group(joiner, timeout=5)
+            out.seek(0)
+            print("node 1:", out.read())  # shown when the test fails
+    assert joiner.returncode == 0
+    c = across.ledger
+    assert (c.sample_rate, c.noise_multiplier, c.steps, c.epsilon, c.delta) == (
+        a.sample_rate, a.noise_multiplier, a.steps, a.epsilon, a.delta)
+    assert "data-parallel over 2 processes" in c.note
+    assert {p.name for p in (tmp_path / "nodes" / "ddp").glob("rank*.log")} == {"rank0.log", "rank1.log"}
+    w3 = load_file(across.checkpoint / "model.safetensors")
+    for k in w1:
+        torch.testing.assert_close(w3[k], w1[k], rtol=0, atol=1e-5)
+
+
+def _two_nodes(tmp_path: Path, splits) -> dict:
+    """Teacher settings of node 0 (runs the stage) and a pipeline config file for node 1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = {"processes": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_timeout": 120}
+    joiner = tmp_path / "node1.yaml"
+    joiner.write_text(json.dumps({  # YAML is a superset of JSON
+        "name": "node1", "threads": 1, "data": {"path": str(splits.train)}, "control_codes": {"mechanism": "exact"},
+        "teacher": {**_cfg().model_dump(mode="json", exclude_defaults=True), **launcher, "node_rank": 1}}))
+    return {"launcher": launcher, "joiner": joiner}
+
+
+def test_a_node_that_cannot_join_is_told_why(tmp_path, capsys):
+    """join-teacher on node 0, or without nodes, is refused with the command node 0 runs instead."""
+    from flows.cli import main
+
+    (tmp_path / "c.yaml").write_text(json.dumps({"data": {"path": "x.csv"}, "control_codes": {"mechanism": "exact"}, "teacher": {"processes": 2}}))
+    assert main(["join-teacher", "--config", str(tmp_path / "c.yaml")]) == 2
+    assert "teacher.nnodes=1, teacher.node_rank=0); node 0 runs `dpdistill run`" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="teacher.nnodes=2 needs teacher.rdzv_endpoint"):
+        TeacherConfig(nnodes=2)
+    with pytest.raises(ValueError, match="node_rank=2 must be below"):
+        TeacherConfig(nnodes=2, node_rank=2, rdzv_endpoint="h:1")
+    with pytest.raises(TeacherError, match="the flow runs on node 0 only"):
+        train_teacher(TeacherConfig(nnodes=2, node_rank=1, rdzv_endpoint="h:1"), train_path=tmp_path / "t",
+                      validation_path=tmp_path / "v", base_model="x", out_dir=tmp_path / "o", seed=0)
 
 
 def test_a_failing_rank_raises_with_rank0_log(splits, tiny_model_dir, tmp_path):
@@ -102,3 +159,20 @@ def test_teacher_ddp_does_not_import_the_teacher():
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "pipeline.stages.teacher" not in imported and not any(m.startswith("pipeline.stages.teacher.") for m in imported)
     assert imported & {"pipeline.manifest"}  # the parse saw the module's own imports
+
+
+def test_a_node_without_the_shared_storage_fails_naming_what_it_misses(tmp_path):
+    """Across nodes every rank checks it sees the job's work directory and data (one rank's
+    group here) before training, and the error names the rank, host and path."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        job = {"work": str(tmp_path), "args": {"train_path": str(tmp_path / "elsewhere.parquet"), "monitor_path": None}}
+        with pytest.raises(FileNotFoundError, match=r"rank 0 on .* cannot see .*elsewhere\.parquet: .*same path"):
+            teacher_ddp._check_shared_storage(job)
+        (tmp_path / "elsewhere.parquet").touch()
+        teacher_ddp._check_shared_storage(job)
+    finally:
+        dist.destroy_process_group()
