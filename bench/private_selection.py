@@ -31,7 +31,7 @@ from pipeline.models.scoring import nll_by_owner
 from pipeline.privacy import private_selection
 from pipeline.privacy.private_selection import PrivateValidation
 from pipeline.privacy.ledger import read_ledger
-from pipeline.stages.data import prepare_data
+from pipeline.stages.data import SPLIT_KEY, prepare_data, split_key
 
 
 def _phi(x: float) -> float:
@@ -45,7 +45,10 @@ def study(run: Path, epsilons: list[float], clip: float) -> dict:
     test = {r["candidate"]: r["test_perplexity"] for r in selection["candidates"]}
     delta = read_ledger(run / "ledger.json").entry("teacher").delta
     with tempfile.TemporaryDirectory() as tmp:
-        data = prepare_data(cfg.data, Path(tmp), seed=cfg.seed, code_domain=cfg.control_codes.domain)
+        key = split_key(run.parent, create=False)
+        if key is None:  # runs made before the keyed split (2026-11-23) split by the seed: not rebuilt here
+            raise SystemExit(f"{run.parent / SPLIT_KEY} not found: this run's validation split cannot be rebuilt")
+        data = prepare_data(cfg.data, Path(tmp), cfg.control_codes.domain, key)
         tok = load_tokenizer(str(run / "student" / "model"))
         spec = PrivateValidation(path=Path(data.validation), delta=delta, accountant=cfg.teacher.accountant,
                                  max_length=cfg.teacher.max_length)

@@ -89,7 +89,7 @@ def main() -> None:
         tok.save_pretrained(model_dir)
         splits = prepare_data(DataConfig(path=data / "yelp_sample" / "train.csv",
                                          test_path=data / "yelp_sample" / "test.csv", max_records=a.records,
-                                         max_test_records=50, validation_fraction=0.05), tmp / "data", seed=0)
+                                         max_test_records=50, validation_fraction=0.05), tmp / "data")
         cfg = TeacherConfig(target_epsilon=3.0, epochs=a.epochs, batch_size=a.batch_size,
                             physical_batch_size=a.physical_batch_size, max_length=a.max_length,
                             learning_rate=1e-3, accountant="rdp", grad_sample_mode=a.grad_sample_mode)

@@ -297,7 +297,7 @@ def planned_budget(cfg, plan) -> str:
     from pipeline.privacy.budget import budget_of, check_max_epsilon, dataset_total
     from pipeline.stages.data import training_records
 
-    records = training_records(cfg.data, cfg.seed, cfg.control_codes.domain)
+    records = training_records(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
     budget = budget_of(Path(cfg.run_root).resolve(), *records)
     delta, accountant, limit = plan.total.delta, cfg.teacher.accountant, cfg.privacy.max_epsilon
     spent = dataset_total(budget, accountant, delta)

@@ -38,7 +38,8 @@ from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.stages.adherence import declared_values
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE, CodesResult, release_control_codes
 from pipeline.config import NODE_FIELDS, PipelineConfig, dump_config, load_config
-from pipeline.stages.data import DataResult, delete_private_copies, format_public_split, prepare_data, read_split
+from pipeline.stages.data import (DataResult, delete_private_copies, format_public_split, prepare_data, read_split,
+                                  split_key)
 from pipeline.devices import Runtime
 from pipeline.stages.distill import DistillResult, distill
 from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
@@ -97,7 +98,8 @@ def _data_key(cfg: PipelineConfig) -> dict:
 
 @stage_task("data", lambda cfg: {"data": _data_key(cfg), "domain": cfg.control_codes.domain})
 def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path) -> DataResult:
-    return prepare_data(cfg.data, run_dir / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
+    return prepare_data(cfg.data, run_dir / "data", cfg.control_codes.domain,
+                        split_key(Path(cfg.run_root).resolve()))
 
 
 @stage_task("control-codes", lambda cfg: {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -154,7 +155,7 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
     `say` receives a line as each part starts (the CLI prints them: the plan takes seconds)."""
     say = say or (lambda line: None)
     say("plan: reading the data and calibrating σ")
-    split = planned_split(cfg.data, cfg.seed, cfg.control_codes.domain)
+    split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
     n, unit = split.n, split.unit
     entries, probability, accounting = [], {}, {}
     if codes := _codes_entry(cfg, n, unit):

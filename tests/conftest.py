@@ -175,4 +175,4 @@ def splits(tmp_path_factory):
     cfg = DataConfig(
         path=YELP_TRAIN, test_path=YELP_TEST, max_records=110, max_test_records=10, validation_fraction=0.1
     )
-    return prepare_data(cfg, out, seed=0)
+    return prepare_data(cfg, out)

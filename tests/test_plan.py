@@ -48,7 +48,7 @@ def test_plan_gives_the_numbers_a_real_teacher_run_records(tmp_path, tiny_model_
     plan = make_plan(cfg, timing=False)
     assert _files(tmp_path) == before and not cfg.run_root.exists()  # nothing written
 
-    data = prepare_data(cfg.data, tmp_path / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
+    data = prepare_data(cfg.data, tmp_path / "data", code_domain=cfg.control_codes.domain)
     codes = release_control_codes(cfg.control_codes, cfg.data, train_path=data.train, out_dir=tmp_path / "codes",
                                   delta=cfg.teacher.target_delta, accountant=cfg.teacher.accountant)
     teacher = train_teacher(cfg.teacher, train_path=data.train, validation_path=data.validation,
@@ -117,7 +117,7 @@ def test_the_plan_times_the_steps_the_stages_take(tmp_path, tiny_model_dir):
     planned_distill = timer.distill_step(cfg.distill.student_model, cfg.teacher.model, cfg.distill.batch_size,
                                          cfg.generate.max_length, prompt=4)
 
-    data = prepare_data(cfg.data, tmp_path / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
+    data = prepare_data(cfg.data, tmp_path / "data", code_domain=cfg.control_codes.domain)
     codes = release_control_codes(cfg.control_codes, cfg.data, train_path=data.train, out_dir=tmp_path / "codes",
                                   delta=cfg.teacher.target_delta, accountant=cfg.teacher.accountant)
     teacher_steps: list[float] = []

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, PipelineConfig, load_config
-from pipeline.stages.data import prepare_data, read_split
+from pipeline.stages.data import SPLIT_KEY, prepare_data, read_split, split_key
 from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file
 
 AUDIT = "audit.json"
@@ -155,9 +155,19 @@ def private_records(run_dir: Path, files: dict[str, Path] | None = None) -> tupl
         return {split: read_split(files[split])[1] for split in SPLITS}, "data/{train,validation,test}.parquet"
     cfg, data = _run_data_config(run_dir)
     with tempfile.TemporaryDirectory(prefix="dpdistill-audit-") as tmp:
-        result = prepare_data(data, Path(tmp), seed=cfg.seed, code_domain=cfg.control_codes.domain)
+        result = prepare_data(data, Path(tmp), cfg.control_codes.domain, _split_key(run_dir))
         records = {split: read_split(getattr(result, split))[1] for split in SPLITS}
     return records, f"data.path {str(cfg.data.path)!r} (splits rebuilt as the data stage made them)"
+
+
+def _split_key(run_dir: Path) -> bytes:
+    """The key that split the run's records: its run root's (the run directory's parent)."""
+    key = split_key(run_dir.parent, create=False)
+    if key is None:
+        raise AuditError(f"{run_dir.parent / SPLIT_KEY} not found: the splits cannot be rebuilt as the run made "
+                         "them (the key that chose its held-out records is gone); audit a run whose data/ "
+                         "splits are still present")
+    return key
 
 
 def training_texts(run_dir: Path) -> tuple[list[str], str]:

@@ -4,17 +4,29 @@ A record is `"\t".join(codes) + "\n\n" + text + eos`. The prefix and the text ar
 tokenized separately (`encode_record`) so that training, generation prompts and
 evaluation all see the same token boundary after the control codes.
 
+The stage streams its input (Arrow batches of 64k rows; never every text in Python lists) in
+two passes: the first validates and formats each batch into a temporary 0600 file, with each
+record's unit (its user, or its row) hashed under the run root's secret split key; the second
+routes every record to its split by its unit's rank among those hashes. The split is a uniformly
+random one, as a permutation would give, with today's exact sizes; it is the same on every run
+under one run root (one key) and is not told by anything a run publishes (the seed is not used).
+
 This module reads private data. Errors name the row and the column, never the content.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +43,10 @@ log = logging.getLogger(__name__)
 
 SEPARATOR = "\n\n"
 CODE_JOINER = "\t"
-ROW_GROUP = 65_536  # records per Parquet row group of a split
+ROW_GROUP = 16_384  # records per Parquet row group of a split, and per batch read from the input
+SPLIT_KEY = ".split-key"  # under run_root: the secret that decides which units are held out (0600)
+MAX_PROBLEMS = 20  # unusable records named in one error
+FORMAT_ROWS = 8_192  # rows validated at a time: their texts are Python strings while they are
 TOKENIZED_DIR = "tokenized"  # the splits' token ids, next to them (pipeline/tokenized.py): private too
 
 
@@ -65,39 +80,88 @@ def encode_record(tokenizer, control_code: str, text: str, max_length: int | Non
     return ids[:max_length] if max_length else ids
 
 
-def read_table(path: Path) -> pa.Table:
+def _source(path: Path) -> tuple[Path, str]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} not found; set data.path to an existing file")
     suffix = path.suffix.lower()
+    if suffix not in (".csv", ".jsonl", ".json", ".parquet"):
+        raise DataError(f"data file {str(path)!r} has unsupported type {suffix!r}; use .csv, .jsonl or .parquet")
+    return path, suffix
+
+
+def _csv_options(path: Path) -> dict:
+    # Every column as a string: control codes like "4.0" must not become floats.
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return {"parse_options": pacsv.ParseOptions(newlines_in_values=True),
+            "convert_options": pacsv.ConvertOptions(column_types={n: pa.string() for n in header},
+                                                    strings_can_be_null=True)}
+
+
+def _unreadable(path: Path, suffix: str, e: Exception) -> DataError:
+    if suffix in (".jsonl", ".json") and (problems := jsonl_problems(path)):
+        # Arrow's own message names a row of its block, not of the file, and often the wrong one.
+        return DataError(f"{str(path)!r}: {'; '.join(problems)}")
+    # Arrow's message can quote a line of the file: keep only the kind of failure.
+    return DataError(f"could not parse {str(path)!r} as {suffix[1:]} ({type(e).__name__}); "
+                     "check the file's format and encoding")
+
+
+def read_table(path: Path) -> pa.Table:
+    """The whole file as one table (small files: public monitor records, benchmarks)."""
+    path, suffix = _source(path)
     try:
         if suffix == ".csv":
-            # Every column as a string: control codes like "4.0" must not become floats.
-            with open(path, newline="", encoding="utf-8") as f:
-                header = next(csv.reader(f), [])
-            return pacsv.read_csv(
-                path,
-                parse_options=pacsv.ParseOptions(newlines_in_values=True),
-                convert_options=pacsv.ConvertOptions(
-                    column_types={n: pa.string() for n in header}, strings_can_be_null=True
-                ),
-            )
+            return pacsv.read_csv(path, **_csv_options(path))
         if suffix in (".jsonl", ".json"):
             return pajson.read_json(path)
-        if suffix == ".parquet":
-            return pq.read_table(path)
+        return pq.read_table(path)
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
-        if suffix in (".jsonl", ".json") and (problems := jsonl_problems(path)):
-            # Arrow's own message names a row of its block, not of the file, and often the wrong one.
-            raise DataError(f"{str(path)!r}: {'; '.join(problems)}") from None
-        # Arrow's message can quote a line of the file: keep only the kind of failure.
-        raise DataError(
-            f"could not parse {str(path)!r} as {suffix[1:]} ({type(e).__name__}); "
-            "check the file's format and encoding"
-        ) from None
-    raise DataError(
-        f"data file {str(path)!r} has unsupported type {suffix!r}; use .csv, .jsonl or .parquet"
-    )
+        raise _unreadable(path, suffix, e) from None
+
+
+@dataclass
+class _Batches:
+    """A file's schema and its rows streamed in batches (the first `max_records` only)."""
+
+    path: Path
+    suffix: str
+    schema: pa.Schema
+    reader: object
+    max_records: int | None
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        left = self.max_records
+        try:
+            for batch in self.reader:
+                if left is not None:
+                    batch = batch.slice(0, left)
+                    left -= batch.num_rows
+                if batch.num_rows:
+                    yield batch
+                if left == 0:
+                    return
+        except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+            raise _unreadable(self.path, self.suffix, e) from None
+
+
+def read_batches(path: Path, max_records: int | None = None) -> _Batches:
+    """Stream a .csv, .jsonl or .parquet file in batches of about ROW_GROUP rows."""
+    path, suffix = _source(path)
+    try:
+        if suffix == ".csv":
+            reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=4 << 20), **_csv_options(path))
+            schema = reader.schema
+        elif suffix in (".jsonl", ".json"):
+            reader = pajson.open_json(path, read_options=pajson.ReadOptions(block_size=4 << 20))
+            schema = reader.schema
+        else:
+            parquet = pq.ParquetFile(path)
+            schema, reader = parquet.schema_arrow, parquet.iter_batches(batch_size=ROW_GROUP)
+    except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+        raise _unreadable(path, suffix, e) from None
+    return _Batches(path, suffix, schema, reader, max_records)
 
 
 def _kind(value) -> str:
@@ -179,31 +243,73 @@ def _joined_texts(table: pa.Table, cfg: DataConfig) -> tuple[list[str | None], l
     return texts, nul
 
 
-def _format_codes(
-    table: pa.Table, cfg: DataConfig, where: str, domain: dict[str, list[str]] | None = None
-) -> tuple[list[str], list[str], list[str] | None, list[int]]:
-    """Validate columns and rows; return (control_codes, texts, users or None, dropped rows)."""
+def _check_columns(schema: pa.Schema, cfg: DataConfig, where: str) -> None:
     wanted = [*cfg.text_columns, *cfg.code_columns] + ([cfg.user_column] if cfg.user_column else [])
-    missing = [c for c in wanted if c not in table.column_names]
+    missing = [c for c in wanted if c not in schema.names]
     if missing:
         raise DataError(
-            f"{where}: column(s) {missing} not found; the file has {table.column_names}. "
+            f"{where}: column(s) {missing} not found; the file has {schema.names}. "
             "Set data.text_column / data.code_columns / data.user_column to existing columns."
         )
-    if table.num_rows == 0:
-        raise DataError(f"{where}: the file has no records (a header or schema only); point it at a file with rows")
-    if problems := [p for c in wanted if (p := column_type_problem(c, table.schema.field(c).type, where))]:
+    if problems := [p for c in wanted if (p := column_type_problem(c, schema.field(c).type, where))]:
         raise DataError("; ".join(problems))
+
+
+@dataclass
+class _Records:
+    """One batch's usable records, formatted, and the 1-based data rows they came from."""
+
+    codes: list[str]
+    texts: list[str]
+    users: list[str] | None
+    rows: list[int]
+
+
+@dataclass
+class _Findings:
+    """What validating an input found, over all its batches: one error names every problem."""
+
+    where: str
+    rows: int = 0
+    kept: int = 0
+    problems: list[str] = field(default_factory=list)
+    n_problems: int = 0
+    dropped: list[int] = field(default_factory=list)
+    dropped_for_text: int = 0
+
+    def raise_if_unusable(self, cfg: DataConfig) -> None:
+        if self.rows == 0:
+            raise DataError(f"{self.where}: the file has no records (a header or schema only); point it at a file "
+                            "with rows")
+        if self.n_problems:
+            shown = "\n  - ".join(self.problems)
+            more = f"\n  ... and {self.n_problems - len(self.problems)} more" if self.n_problems > len(self.problems) else ""
+            raise DataError(
+                f"{self.where}: {self.n_problems} unusable record(s):\n  - {shown}{more}\n"
+                "Fix or remove these rows, or set data.drop_empty=true to drop empty ones "
+                "(they are counted in the data manifest)."
+            )
+        if not self.kept:  # every row dropped (data.drop_empty): say so, not "only 0 training records"
+            what = (f"empty text in column {cfg.text_column!r}" if self.dropped_for_text == len(self.dropped)
+                    else "an empty text, control code or user")
+            raise DataError(
+                f"{self.where}: all {len(self.dropped)} rows have {what}, so data.drop_empty=true left no record; "
+                "check that data.text_column / data.code_columns / data.user_column name the right columns"
+            )
+
+
+def _format_batch(table, cfg: DataConfig, allowed: dict[str, set[str]], first_row: int,
+                  findings: _Findings) -> _Records:
+    """Validate one batch of rows (data rows `first_row`...); return its usable records and
+    add what is wrong with the others to `findings`."""
     texts, nul_columns = _joined_texts(table, cfg)
     one = len(cfg.text_columns) == 1
     text_name = f"column {cfg.text_columns[0]!r}" if one else f"columns {cfg.text_columns}"  # for messages
     columns = {c: pc.cast(table[c], pa.string()).to_pylist() for c in cfg.code_columns}
     users = pc.cast(table[cfg.user_column], pa.string()).to_pylist() if cfg.user_column else None
-    allowed = {c: set(v) for c, v in (domain or {}).items()}
-    codes_out, texts_out, users_out, dropped, problems = [], [], [], [], []
-    dropped_for_text = 0
+    out = _Records([], [], [] if users is not None else None, [])
     for i, text in enumerate(texts):
-        row = i + 1  # 1-based data row, header excluded
+        row = first_row + i
         empty, invalid = [], []  # empty fields may be dropped on request; invalid ones never
         if text is None:
             empty.append(f"row {row}, {text_name}: empty text")
@@ -227,64 +333,84 @@ def _format_codes(
         if users is not None and (users[i] is None or not users[i].strip()):
             empty.append(f"row {row}, column {cfg.user_column!r}: empty user")
         if empty and not invalid and cfg.drop_empty:
-            dropped.append(row)
-            dropped_for_text += text is None or not text.strip()
+            findings.dropped.append(row)
+            findings.dropped_for_text += text is None or not text.strip()
             continue
         if empty or invalid:
-            problems.extend(empty + invalid)
+            findings.n_problems += len(empty) + len(invalid)
+            findings.problems.extend((empty + invalid)[: MAX_PROBLEMS - len(findings.problems)])
             continue
-        codes_out.append(CODE_JOINER.join(parts))
-        texts_out.append(text)
+        out.codes.append(CODE_JOINER.join(parts))
+        out.texts.append(text)
+        out.rows.append(row)
         if users is not None:
-            users_out.append(users[i].strip())
-    if problems:
-        shown = "\n  - ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise DataError(
-            f"{where}: {len(problems)} unusable record(s):\n  - {shown}{more}\n"
-            "Fix or remove these rows, or set data.drop_empty=true to drop empty ones "
-            "(they are counted in the data manifest)."
-        )
-    if not texts_out:  # every row dropped (data.drop_empty): say so, not "only 0 training records"
-        what = (f"empty text in column {cfg.text_column!r}" if dropped_for_text == len(dropped)
-                else "an empty text, control code or user")
-        raise DataError(
-            f"{where}: all {len(dropped)} rows have {what}, so data.drop_empty=true left no record; "
-            "check that data.text_column / data.code_columns / data.user_column name the right columns"
-        )
-    _warn_copies(where, codes_out, texts_out, users_out if users is not None else None)
-    return codes_out, texts_out, (users_out if users is not None else None), dropped
+            out.users.append(users[i].strip())
+    findings.rows += len(texts)
+    findings.kept += len(out.texts)
+    return out
 
 
-def _warn_copies(where: str, codes: list[str], texts: list[str], users: list[str] | None) -> None:
+def _allowed(domain: dict[str, list[str]] | None) -> dict[str, set[str]]:
+    return {c: set(v) for c, v in (domain or {}).items()}
+
+
+def _format_codes(
+    table: pa.Table, cfg: DataConfig, where: str, domain: dict[str, list[str]] | None = None
+) -> tuple[list[str], list[str], list[str] | None, list[int]]:
+    """Validate a whole (small) table's columns and rows; return (control_codes, texts, users or
+    None, dropped rows)."""
+    _check_columns(table.schema, cfg, where)
+    findings = _Findings(where)
+    records = _format_batch(table, cfg, _allowed(domain), 1, findings)
+    findings.raise_if_unusable(cfg)
+    hashes = _copy_hashes(records)
+    _warn_copies(where, lambda name: hashes[name], records.users is not None)
+    return records.codes, records.texts, records.users, findings.dropped
+
+
+def _digest(*parts: str, key: bytes = b"") -> int:
+    h = hashlib.blake2b(digest_size=8, key=key)
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return int.from_bytes(h.digest(), "little")
+
+
+def _copy_hashes(records: _Records) -> dict[str, np.ndarray]:
+    """Each record's 8-byte hash of (codes, text), and by user of (user, codes, text): what
+    counting exact copies needs, 8 bytes a record instead of its text."""
+    n = len(records.texts)
+    out = {"copy": np.fromiter((_digest(c, t) for c, t in zip(records.codes, records.texts)), np.uint64, n)}
+    if records.users is not None:
+        out["user_copy"] = np.fromiter(
+            (_digest(u, c, t) for u, c, t in zip(records.users, records.codes, records.texts)), np.uint64, n)
+    return out
+
+
+def _distinct(a: np.ndarray) -> int:
+    """Distinct values of `a`, sorting it in place (no second copy of 8 bytes a record)."""
+    a.sort()
+    return int(len(a) > 0) + int(np.count_nonzero(a[1:] != a[:-1]))
+
+
+def _warn_copies(where: str, column, by_user: bool) -> None:
     """Say how many records repeat another unit's record exactly: DP protects each unit (record,
-    or user with data.user_column), so a text that n units hold is protected only as a group of n.
-    Counts only, never which records."""
-    if users is None:
-        n_copies = len(texts) - len(set(zip(codes, texts)))
+    or user with data.user_column), so a text that n units hold is protected only as a group of
+    n. Counts only, never which records. `column(name)`: a fresh array of the hashes
+    `_copy_hashes` makes, one at a time."""
+    copies = column("copy")
+    n, distinct = len(copies), _distinct(copies)
+    del copies
+    if not by_user:
+        n_copies = n - distinct
         unit, fix = "at record level each copy is a separate unit", "deduplicate the file, or set data.user_column"
     else:  # one user's repeats are one unit already: count the copies held by other users
-        n_copies = len(set(zip(users, codes, texts))) - len(set(zip(codes, texts)))
+        n_copies = _distinct(column("user_copy")) - distinct
         unit, fix = "each user is a unit", "deduplicate the file across users (e.g. drop retweets)"
     if n_copies > 0:
         log.warning("%s: %d record(s) repeat %s record exactly (same codes and text); %s, so a repeated "
                     "text is protected only as a group of its copies: %s", where, n_copies,
-                    "an earlier" if users is None else "another user's", unit, fix)
-
-
-def _write_split(path: Path, codes: list[str], texts: list[str], users: list[str] | None) -> None:
-    """Write one private split, readable by its owner only (0600) whatever the umask."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)  # O_EXCL below: never write through a file someone left there
-    columns = {"control_code": codes, "text": texts} | ({"user": users} if users is not None else {})
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), 0o600)
-        # Row groups of 64k records: a reader streaming the split (pipeline/tokenized.py)
-        # decodes one group at a time, not the whole text column (pyarrow's default is 1M rows).
-        pq.write_table(pa.table(columns), f, row_group_size=ROW_GROUP)
-    tmp.replace(path)
+                    "an earlier" if not by_user else "another user's", unit, fix)
 
 
 def format_public_split(cfg: DataConfig, source: Path, out: Path) -> Path:
@@ -300,8 +426,8 @@ def format_public_split(cfg: DataConfig, source: Path, out: Path) -> Path:
 def delete_private_copies(result: DataResult) -> list[Path]:
     """Delete the private splits and their tokenized copies once nothing reads them any more
     (after evaluation). The splits' sha256 stay in the data manifest; a later run with the
-    same data rewrites identical files (the split depends on the seed alone), so the stages
-    after it stay cached."""
+    same data under the same run root rewrites identical files (the split depends on the run
+    root's key alone), so the stages after it stay cached."""
     deleted = []
     for path in (result.train, result.validation, result.test):
         if Path(path).is_file():
@@ -329,69 +455,276 @@ def read_control_codes(path: Path) -> dict[str, float]:
     return json.loads(Path(path).read_text())["counts"]
 
 
-def _split_units(units: list[str], n_out: int, rng: np.random.Generator) -> tuple[set[str], set[str]]:
-    """Randomly split the distinct units (users, or records) into n_out held out and the rest."""
-    distinct = sorted(set(units))
-    order = rng.permutation(len(distinct))
-    out = {distinct[i] for i in order[:n_out]}
-    return out, set(distinct) - out
+def split_key(run_root: Path, create: bool = True) -> bytes | None:
+    """The secret that decides which units are held out for validation and test: 32 random bytes
+    in `<run_root>/.split-key` (0600), made by the first run under `run_root` and read by every
+    later one, so that their splits agree (and their cached stages stay valid). Never published:
+    the seed a run publishes no longer tells which records are held out. None when absent and
+    not `create`d."""
+    path = Path(run_root) / SPLIT_KEY
+    if not path.exists():
+        if not create:
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".split-key-")  # 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # atomic and never replaces: two first runs agree on one key
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    key = path.read_bytes()
+    if len(key) != 32:
+        raise DataError(f"{path} is damaged ({len(key)} bytes, not 32); delete it and every run under "
+                        f"{path.parent} that you want to resume (a new key gives another split)")
+    return key
+
+
+class _SplitWriter:
+    """One private split written in row groups of ROW_GROUP records as they come, readable by its
+    owner only (0600) whatever the umask, and in place only when complete."""
+
+    def __init__(self, path: Path, schema: pa.Schema):
+        self.path, self.schema = Path(path), schema
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self.tmp.unlink(missing_ok=True)  # O_EXCL below: never write through a file someone left there
+        self.file = os.fdopen(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+        os.fchmod(self.file.fileno(), 0o600)
+        self.writer = pq.ParquetWriter(self.file, schema)
+        self.pending: list[pa.Table] = []
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        self.pending.append(table)
+        if sum(t.num_rows for t in self.pending) >= ROW_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            table = pa.concat_tables(self.pending)
+            self.writer.write_table(table, row_group_size=ROW_GROUP)
+            self.rows += table.num_rows
+            self.pending = []
+
+    def close(self) -> None:
+        self._flush()
+        if self.rows == 0:  # a schema-only file still reads as an empty split
+            self.writer.write_table(self.schema.empty_table())
+        self.writer.close()
+        self.file.close()
+        self.tmp.replace(self.path)
+
+    def discard(self) -> None:
+        self.writer.close()
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _split_schema(users: bool, hashes: bool = False) -> pa.Schema:
+    """A split's columns; `hashes`: and the formatted file's (unit, copy, and by user user_copy)."""
+    fields = [("control_code", pa.string()), ("text", pa.string())] + ([("user", pa.string())] if users else [])
+    if hashes:
+        fields += [("unit", pa.uint64()), ("copy", pa.uint64())] + ([("user_copy", pa.uint64())] if users else [])
+    return pa.schema(fields)
+
+
+HASH_COLUMNS = ["unit", "copy", "user_copy"]
+
+
+def _records_table(records: _Records, hashes: dict[str, np.ndarray] | None = None) -> pa.Table:
+    columns = {"control_code": records.codes, "text": records.texts}
+    if records.users is not None:
+        columns["user"] = records.users
+    return pa.table(columns | (hashes or {}), schema=_split_schema(records.users is not None, hashes is not None))
+
+
+def _read_column(path: Path, name: str, n: int) -> np.ndarray:
+    """One uint64 column of a formatted file, read batch by batch into one array (no second copy)."""
+    out, i = np.empty(n, np.uint64), 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=ROW_GROUP, columns=[name]):
+        out[i:i + batch.num_rows] = batch.column(0).to_numpy()
+        i += batch.num_rows
+    return out
+
+
+def _write_split(path: Path, codes: list[str], texts: list[str], users: list[str] | None) -> None:
+    """Write one private split (a small one, whole), readable by its owner only (0600)."""
+    writer = _SplitWriter(path, _split_schema(users is not None))
+    writer.write(_records_table(_Records(codes, texts, users, [])))
+    writer.close()
+
+
+def _format_file(cfg: DataConfig, path: Path, max_records: int | None, where: str,
+                 domain: dict[str, list[str]] | None, out: Path, key: bytes) -> _Findings:
+    """Pass 1: stream one input through validation into the temporary 0600 file `out`, each
+    record with its unit's keyed hash (column `unit`: the unit is the user, or the record's data
+    row) and the hashes that count exact copies (warned about here)."""
+    batches = read_batches(path, max_records)
+    _check_columns(batches.schema, cfg, where)
+    findings, allowed = _Findings(where), _allowed(domain)
+    writer = _SplitWriter(out, _split_schema(cfg.user_column is not None, hashes=True))
+    try:
+        for batch in (b.slice(i, FORMAT_ROWS) for b in batches for i in range(0, b.num_rows, FORMAT_ROWS)):
+            records = _format_batch(batch, cfg, allowed, findings.rows + 1, findings)
+            ids = records.users if records.users is not None else map(str, records.rows)
+            unit = np.fromiter((_digest(u, key=key) for u in ids), np.uint64, len(records.texts))
+            writer.write(_records_table(records, {"unit": unit, **_copy_hashes(records)}))
+        findings.raise_if_unusable(cfg)
+    except BaseException:
+        writer.discard()
+        raise
+    writer.close()
+    _warn_copies(where, lambda name: _read_column(out, name, findings.kept), cfg.user_column is not None)
+    return findings
 
 
 @dataclass(frozen=True)
-class _Split:
-    """The records and which of them go to each split (indices into codes/texts/users)."""
+class _Sizes:
+    """Held-out units: the `n_test` units of lowest keyed hash, then the next `n_validation`."""
 
-    codes: list[str]
-    texts: list[str]
-    users: list[str] | None
-    train_idx: list[int]
-    val_idx: list[int]
-    test: tuple[list[str], list[str], list[str] | None]  # codes, texts, users of the test split
-    dropped: list[int]
-    test_dropped: list[int]
-    train_units: set[str]
+    ranked: np.ndarray  # the distinct units' hashes, ascending
+    n_test: int
+    n_validation: int
+
+    def side(self, units: np.ndarray) -> np.ndarray:
+        """0 test, 1 validation, 2 train for each record's unit hash."""
+        rank = np.searchsorted(self.ranked, units)
+        return np.where(rank < self.n_test, 0, np.where(rank < self.n_test + self.n_validation, 1, 2))
+
+    @property
+    def n_train(self) -> int:
+        return len(self.ranked) - self.n_test - self.n_validation
 
 
-def _split(cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None) -> _Split:
-    """Read, validate and split, writing nothing (prepare_data writes; planned_split counts)."""
-    table = read_table(cfg.path)
-    if cfg.max_records:
-        table = table.slice(0, cfg.max_records)
-    codes, texts, users, dropped = _format_codes(table, cfg, f"data.path {str(cfg.path)!r}", code_domain)
-    units = users if users is not None else [str(i) for i in range(len(texts))]
-
-    rng = np.random.default_rng(seed)
-    test_dropped: list[int] = []
-    if cfg.test_path is None:
-        n_test = max(1, int(round(cfg.test_fraction * len(set(units)))))
-        test_units, rest = _split_units(units, n_test, rng)
-        test_idx = [i for i, u in enumerate(units) if u in test_units]
-        test_codes, test_texts = [codes[i] for i in test_idx], [texts[i] for i in test_idx]
-        test_users = [users[i] for i in test_idx] if users is not None else None
-    else:
-        test_table = read_table(cfg.test_path)
-        if cfg.max_test_records:
-            test_table = test_table.slice(0, cfg.max_test_records)
-        test_codes, test_texts, test_users, test_dropped = _format_codes(
-            test_table, cfg, f"data.test_path {str(cfg.test_path)!r}", code_domain
-        )
-        rest = set(units)
-    rest_units = [u for u in units if u in rest]
-    n_val = int(round(cfg.validation_fraction * len(set(rest_units))))
-    val_units, train_units = _split_units(rest_units, n_val, rng)
-    if len(set(train_units)) < 2:
+def _sizes(cfg: DataConfig, units: np.ndarray, users: bool) -> _Sizes:
+    """The split's sizes over the distinct units (`units` is sorted in place: no copy of 8 bytes a
+    record when every record is its own unit)."""
+    units.sort()
+    ranked = np.unique(units) if users else units
+    n_test = max(1, int(round(cfg.test_fraction * len(ranked)))) if cfg.test_path is None else 0
+    n_val = int(round(cfg.validation_fraction * (len(ranked) - n_test)))
+    sizes = _Sizes(ranked, n_test, n_val)
+    if sizes.n_train < 2:
         raise DataError(
-            f"only {len(set(train_units))} training {'user' if users is not None else 'record'}(s) "
+            f"only {max(0, sizes.n_train)} training {'user' if users else 'record'}(s) "
             "after the split; DP-SGD needs many: use a larger data.path or lower "
             "data.validation_fraction / data.test_fraction"
         )
-    return _Split(
-        codes=codes, texts=texts, users=users,
-        train_idx=[i for i, u in enumerate(units) if u in train_units],
-        val_idx=[i for i, u in enumerate(units) if u in val_units],
-        test=(test_codes, test_texts, test_users), dropped=dropped, test_dropped=test_dropped,
-        train_units=train_units,
+    return sizes
+
+
+@contextmanager
+def _returning_arrow_memory():
+    """Arrow's default pool (mimalloc) keeps what the Parquet reader frees: streaming a file of
+    64k-record row groups held ~110 MB more RSS than with jemalloc, which gives it back."""
+    try:
+        pool = pa.jemalloc_memory_pool()
+    except NotImplementedError:  # a pyarrow built without jemalloc
+        pool = pa.system_memory_pool()
+    previous = pa.default_memory_pool()
+    pa.set_memory_pool(pool)
+    try:
+        yield
+    finally:
+        pa.set_memory_pool(previous)
+
+
+def prepare_data(
+    cfg: DataConfig, out_dir: Path, code_domain: dict[str, list[str]] | None = None, key: bytes | None = None
+) -> DataResult:
+    """Read, validate, split and write the private splits (train / validation / test), streaming.
+
+    With `data.user_column`, splits are made by user, so that no author has records on both
+    sides of a split (the test perplexity would otherwise flatter the models). `key`: the run
+    root's split key (`split_key`); None draws a fresh one, a new random split.
+    """
+    out_dir = Path(out_dir)
+    key = secrets.token_bytes(32) if key is None else key
+    users = cfg.user_column is not None
+    paths = {"test": out_dir / "test.parquet", "validation": out_dir / "validation.parquet",
+             "train": out_dir / "train.parquet"}
+    formatted, formatted_test = out_dir / ".formatted.parquet", out_dir / ".formatted-test.parquet"
+    with _returning_arrow_memory():
+        findings, test_findings, sizes, counts = _split_files(cfg, code_domain, key, formatted, formatted_test, paths)
+    test_dropped = test_findings.dropped if test_findings else []
+    result = DataResult(train=paths["train"], validation=paths["validation"], test=paths["test"],
+                        n_train=counts["train"], n_validation=counts["validation"], n_test=counts["test"],
+                        n_dropped=len(findings.dropped) + len(test_dropped))
+    inputs = {"data": cfg.path} | ({"test_data": cfg.test_path} if cfg.test_path else {})
+    write_manifest(
+        out_dir,
+        stage="data",
+        inputs=inputs,
+        outputs={"train": result.train, "validation": result.validation, "test": result.test},
+        extra={
+            "n_train": result.n_train,
+            "n_validation": result.n_validation,
+            "n_test": result.n_test,
+            "n_dropped": result.n_dropped,
+            "n_train_users": sizes.n_train if users else None,
+            "dropped_rows": {"data.path": findings.dropped, "data.test_path": test_dropped},
+        },
     )
+    log.info(
+        "data: %d train, %d validation, %d test records, %d dropped",
+        result.n_train, result.n_validation, result.n_test, result.n_dropped,
+    )
+    return result
+
+
+def _split_files(cfg: DataConfig, code_domain, key: bytes, formatted: Path, formatted_test: Path,
+                 paths: dict[str, Path]):
+    """Both passes: the inputs validated into temporary files (deleted here), then the splits."""
+    users = cfg.user_column is not None
+    try:
+        findings = _format_file(cfg, cfg.path, cfg.max_records, f"data.path {str(cfg.path)!r}", code_domain,
+                                formatted, key)
+        sizes = _sizes(cfg, _read_column(formatted, "unit", findings.kept), users)
+        test_findings = None
+        if cfg.test_path is not None:
+            test_findings = _format_file(cfg, cfg.test_path, cfg.max_test_records,
+                                         f"data.test_path {str(cfg.test_path)!r}", code_domain, formatted_test, key)
+        counts = _write_splits(formatted, formatted_test if test_findings else None, sizes, paths, users)
+    finally:
+        formatted.unlink(missing_ok=True)
+        formatted_test.unlink(missing_ok=True)
+    return findings, test_findings, sizes, counts
+
+
+def _write_splits(formatted: Path, formatted_test: Path | None, sizes: _Sizes, paths: dict[str, Path],
+                  users: bool) -> dict[str, int]:
+    """Pass 2: every record of `formatted` to its unit's side (all of `formatted_test` to test),
+    in file order; the splits written whole or not at all. Returns each split's record count."""
+    writers = {name: _SplitWriter(path, _split_schema(users)) for name, path in paths.items()}
+    sides = ["test", "validation", "train"]  # _Sizes.side's 0, 1, 2
+    counts = dict.fromkeys(paths, 0)
+    try:
+        for batch in pq.ParquetFile(formatted).iter_batches(batch_size=ROW_GROUP):
+            table = pa.Table.from_batches([batch])
+            side = sizes.side(table["unit"].to_numpy())
+            table = table.drop_columns([c for c in HASH_COLUMNS if c in table.column_names])
+            for i, name in enumerate(sides):
+                if (mask := side == i).any():
+                    writers[name].write(table.filter(pa.array(mask)))
+                    counts[name] += int(mask.sum())
+        if formatted_test is not None:
+            for batch in pq.ParquetFile(formatted_test).iter_batches(batch_size=ROW_GROUP):
+                table = pa.Table.from_batches([batch])
+                writers["test"].write(table.drop_columns([c for c in HASH_COLUMNS if c in table.column_names]))
+                counts["test"] += table.num_rows
+    except BaseException:
+        for w in writers.values():
+            w.discard()
+        raise
+    for w in writers.values():
+        w.close()
+    return counts
 
 
 @dataclass(frozen=True)
@@ -409,73 +742,30 @@ class PlannedSplit:
     figure the run publishes anyway (metrics.json's perplexity `tokens`)."""
 
 
-def planned_split(cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None = None) -> PlannedSplit:
-    """The split the data stage will make, read and validated the same way, writing nothing."""
-    split = _split(cfg, seed, code_domain)
-    unit = "record" if split.users is None else "user"
-    n = len(split.train_units) if split.users is not None else len(split.train_idx)
-    return PlannedSplit(n=n, unit=unit, n_validation=len(split.val_idx), test_codes=split.test[0],
-                        test_texts=split.test[1])
+def _planned(cfg: DataConfig, code_domain, run_root: Path, read) -> object:
+    """`read(result)` of the split the data stage will make under `run_root` (its key; a
+    throwaway one before the first run: the sizes are the same, but not which users), made in a
+    temporary 0600 directory deleted at once."""
+    key = split_key(run_root, create=False)
+    with tempfile.TemporaryDirectory(prefix="dpdistill-plan-") as tmp:
+        return read(prepare_data(cfg, Path(tmp), code_domain, key))
+
+
+def planned_split(cfg: DataConfig, run_root: Path, code_domain: dict[str, list[str]] | None = None) -> PlannedSplit:
+    """The split the data stage will make, read and validated the same way, kept nowhere."""
+    def read(result: DataResult) -> PlannedSplit:
+        manifest = json.loads((Path(result.train).parent / "manifest.json").read_text())
+        users = manifest["n_train_users"]
+        codes, texts = read_split(result.test)
+        return PlannedSplit(n=result.n_train if users is None else users, unit="record" if users is None else "user",
+                            n_validation=result.n_validation, test_codes=codes, test_texts=texts)
+    return _planned(cfg, code_domain, run_root, read)
 
 
 def training_records(
-    cfg: DataConfig, seed: int, code_domain: dict[str, list[str]] | None = None
+    cfg: DataConfig, run_root: Path, code_domain: dict[str, list[str]] | None = None
 ) -> tuple[list[str], list[str]]:
-    """(control codes, texts) of the training split as the data stage will write it, writing
-    nothing: what `dpdistill plan` finds the privacy budget of (pipeline/privacy/budget.py)."""
-    split = _split(cfg, seed, code_domain)
-    return [split.codes[i] for i in split.train_idx], [split.texts[i] for i in split.train_idx]
-
-
-def prepare_data(
-    cfg: DataConfig, out_dir: Path, seed: int, code_domain: dict[str, list[str]] | None = None
-) -> DataResult:
-    """Read, validate, split and write the private splits (train / validation / test).
-
-    With `data.user_column`, splits are made by user, so that no author has records on both
-    sides of a split (the test perplexity would otherwise flatter the models).
-    """
-    out_dir = Path(out_dir)
-    split = _split(cfg, seed, code_domain)
-    codes, texts, users = split.codes, split.texts, split.users
-    train_idx, val_idx, dropped, test_dropped = split.train_idx, split.val_idx, split.dropped, split.test_dropped
-    test_codes, test_texts, test_users = split.test
-    train_units = split.train_units
-    train_codes = [codes[i] for i in train_idx]
-    result = DataResult(
-        train=out_dir / "train.parquet",
-        validation=out_dir / "validation.parquet",
-        test=out_dir / "test.parquet",
-        n_train=len(train_idx),
-        n_validation=len(val_idx),
-        n_test=len(test_texts),
-        n_dropped=len(dropped) + len(test_dropped),
-    )
-    pick = lambda idx: [users[i] for i in idx] if users is not None else None  # noqa: E731
-    _write_split(result.train, train_codes, [texts[i] for i in train_idx], pick(train_idx))
-    _write_split(result.validation, [codes[i] for i in val_idx], [texts[i] for i in val_idx], pick(val_idx))
-    _write_split(result.test, test_codes, test_texts, test_users)
-    inputs = {"data": cfg.path} | ({"test_data": cfg.test_path} if cfg.test_path else {})
-    write_manifest(
-        out_dir,
-        stage="data",
-        inputs=inputs,
-        outputs={
-            "train": result.train,
-            "validation": result.validation,
-            "test": result.test,
-        },
-        extra={
-            "n_train": result.n_train,
-            "n_validation": result.n_validation,
-            "n_test": result.n_test,
-            "n_dropped": result.n_dropped,
-            "n_train_users": len(set(train_units)) if users is not None else None,
-            "dropped_rows": {"data.path": dropped, "data.test_path": test_dropped},
-        },
-    )
-    log.info(
-        "data: %d train, %d validation, %d test records, %d dropped",
-        result.n_train, result.n_validation, result.n_test, result.n_dropped,
-    )
-    return result
+    """(control codes, texts) of the training split as the data stage will write it under
+    `run_root`, kept nowhere: what `dpdistill plan` finds the privacy budget of
+    (pipeline/privacy/budget.py)."""
+    return _planned(cfg, code_domain, run_root, lambda result: read_split(result.train))

@@ -30,6 +30,11 @@ def test_flow_end_to_end(prefect_server, tiny_config):
         assert (run / stage / "manifest.json").is_file(), stage
     assert (run / "teacher" / "model" / "model.safetensors").is_file()
     assert (run / "student" / "model" / "model.safetensors").is_file()
+    # The split key (issue 23) stays in the run root, 0600; no file of the run holds it.
+    key_file = Path(tiny_config.run_root) / ".split-key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = key_file.read_bytes()
+    assert not [f for f in run.rglob("*") if f.is_file() and (key in (b := f.read_bytes()) or key.hex().encode() in b)]
 
     typed = read_ledger(run / "ledger.json")
     ledger = {e.stage: e for e in typed.entries}

@@ -14,7 +14,7 @@ from flows.cli import main
 from flows.run_dirs import checked_run_dir, new_run_dir, prepare_run_root
 from flows.run_info import RUN_INFO, TOOL, RunDirError
 from pipeline.config import DataConfig, config_from_dict
-from pipeline.stages.data import DataResult, delete_private_copies, prepare_data
+from pipeline.stages.data import DataResult, delete_private_copies, prepare_data, split_key
 from pipeline.manifest import atomic_write_json, manifest_problems
 
 
@@ -49,7 +49,8 @@ def test_a_shared_run_root_is_refused(tmp_path):
 
 def test_private_splits_are_0600_and_can_be_deleted(tmp_path, open_umask):
     cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=60, max_test_records=10)
-    result = prepare_data(cfg, tmp_path / "data", seed=0)
+    key = split_key(tmp_path)  # the run root's: a rerun rewrites the same split
+    result = prepare_data(cfg, tmp_path / "data", key=key)
     splits = (result.train, result.validation, result.test)
     assert [_mode(p) for p in splits] == [0o600] * 3
     assert not list((tmp_path / "data").glob(".*.tmp"))
@@ -58,7 +59,7 @@ def test_private_splits_are_0600_and_can_be_deleted(tmp_path, open_umask):
     assert not any(p.exists() for p in splits)
     assert (tmp_path / "data" / "manifest.json").is_file()  # their hashes stay
     assert len(manifest_problems(tmp_path / "data")) == 3  # a cache hit on it is stale: the stage reruns
-    again = prepare_data(cfg, tmp_path / "data", seed=0)
+    again = prepare_data(cfg, tmp_path / "data", key=key)
     assert manifest_problems(tmp_path / "data") == [] and isinstance(again, DataResult)
 
 

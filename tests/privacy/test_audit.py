@@ -29,7 +29,7 @@ from pipeline.privacy.audit import AUDIT, training_texts, words
 from pipeline.batching import lm_batch
 from pipeline.privacy.canaries import Canary, canary_exposures, make_canaries, write_canary_data
 from pipeline.config import DataConfig, config_from_dict, dump_config
-from pipeline.stages.data import encode_record, prepare_data, read_split
+from pipeline.stages.data import encode_record, prepare_data, read_split, split_key
 from pipeline.privacy.ledger import LedgerEntry, PrivacyLedger, compose, fmt_value, post_processing, read_ledger
 from pipeline.reports.model_card import CARD, model_card
 
@@ -47,7 +47,7 @@ def run_dir(tmp_path, tiny_tokenizer) -> Path:
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(dump_config(cfg))
     (run / "run.json").write_text(json.dumps({"status": "completed"}))  # no flow run: no Prefect to read
-    prepare_data(cfg.data, run / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
+    prepare_data(cfg.data, run / "data", cfg.control_codes.domain, split_key(run.parent))
     train = read_split(run / "data" / "train.parquet")[1]
     public = _public_sentences(30)
     (run / "report.html").write_text("<html><body>" + "".join(f"<p>{html.escape(t)}</p>" for t in public[:10]))
@@ -423,7 +423,7 @@ def test_canaries_in_several_text_columns_with_named_codes_are_the_records_the_d
                      validation_fraction=0.0, test_fraction=0.2)
     [canary] = make_canaries(1, source, cfg, repetitions=(3,))
     assert write_canary_data(source, [canary], cfg, cfg.path) == 3
-    res = prepare_data(cfg, tmp_path / "data", seed=0)
+    res = prepare_data(cfg, tmp_path / "data")
     records = list(zip(*read_split(res.train))) + list(zip(*read_split(res.test)))
     assert records.count((canary.control_code(cfg), canary.text)) == 3
     assert canary.control_code(cfg) in ("Topic: World", "Topic: Sports")

@@ -159,7 +159,7 @@ def test_a_copy_with_one_byte_changed_past_the_rows_used_lands_in_the_same_budge
     from pipeline.config import DataConfig
     from pipeline.manifest import sha256_file
     from pipeline.privacy.budget import KEY_FILE, BUDGET_DIR, register_records
-    from pipeline.stages.data import training_records
+    from pipeline.stages.data import split_key, training_records
 
     copy = tmp_path / "copy.csv"
     data = bytearray(YELP_TRAIN.read_bytes())
@@ -167,12 +167,13 @@ def test_a_copy_with_one_byte_changed_past_the_rows_used_lands_in_the_same_budge
     copy.write_bytes(bytes(data))
     assert sha256_file(copy) != sha256_file(YELP_TRAIN)
     root = tmp_path / "runs"
-    ids = [register_records(root, _digests(root, training_records(DataConfig(path=p, max_records=120), 0, YELP_DOMAIN)))
+    split_key(root)  # made by the first run under root; the plan reads it
+    ids = [register_records(root, _digests(root, training_records(DataConfig(path=p, max_records=120), root, YELP_DOMAIN)))
            for p in (YELP_TRAIN, copy)]
     assert ids[0] == ids[1]
     assert (root / BUDGET_DIR / KEY_FILE).stat().st_mode & 0o777 == 0o600
     # The stored digests are keyed: the plain sha256 of a record is nowhere in them.
-    codes, texts = training_records(DataConfig(path=YELP_TRAIN, max_records=120), 0, YELP_DOMAIN)
+    codes, texts = training_records(DataConfig(path=YELP_TRAIN, max_records=120), root, YELP_DOMAIN)
     stored = (root / BUDGET_DIR / f"{ids[0]}.records").read_text()
     assert hashlib.sha256(json.dumps([codes[0], texts[0]]).encode()).hexdigest()[:32] not in stored
 
@@ -214,7 +215,7 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     tree["teacher"].update(model=str(tiny_model_dir), max_length=64)
     tree["privacy"] = {"max_epsilon": 10.0}
     cfg = config_from_dict(tree)
-    data = prepare_data(cfg.data, tmp_path / "data", seed=cfg.seed, code_domain=cfg.control_codes.domain)
+    data = prepare_data(cfg.data, tmp_path / "data", code_domain=cfg.control_codes.domain)
     root = cfg.run_root.resolve()
     plan = make_plan(cfg, timing=False)
     assert "within privacy.max_epsilon=10" in planned_budget(cfg, plan)  # nothing spent yet: 8 + 1 fits

@@ -21,7 +21,7 @@ from pipeline.stages.teacher import train_teacher
 @pytest.fixture(scope="module")
 def yelp(tmp_path_factory):
     cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=400, max_test_records=20)
-    return cfg, prepare_data(cfg, tmp_path_factory.mktemp("d"), seed=0, code_domain=DOMAIN)
+    return cfg, prepare_data(cfg, tmp_path_factory.mktemp("d"), code_domain=DOMAIN)
 
 
 def _release(yelp, tmp_path, secure_mode=False, **kw):
@@ -93,7 +93,7 @@ def test_code_outside_the_declared_domain_is_refused(tmp_path):
     """A code value not in control_codes.domain stops the data stage, naming row and column."""
     small = {"label1": DOMAIN["label1"], "label2": DOMAIN["label2"][:4]}  # no 5-star
     with pytest.raises(DataError, match=r"column 'label2': value not in control_codes.domain"):
-        prepare_data(DataConfig(path=YELP_TRAIN, max_records=50), tmp_path, seed=0, code_domain=small)
+        prepare_data(DataConfig(path=YELP_TRAIN, max_records=50), tmp_path, code_domain=small)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def with_users(tmp_path_factory):
         w.writerow(["text", "label1", "label2", "author"])
         w.writerows(r + [f"user{i % 30}"] for i, r in enumerate(rows))
     cfg = DataConfig(path=path, user_column="author", validation_fraction=0.1, test_fraction=0.1)
-    return cfg, prepare_data(cfg, out / "data", seed=0)
+    return cfg, prepare_data(cfg, out / "data")
 
 
 def test_splits_are_made_by_user(with_users):

@@ -28,7 +28,7 @@ def _files(root: Path) -> set[Path]:
 @pytest.fixture
 def data(tmp_path):
     cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=60, max_test_records=8)
-    return prepare_data(cfg, tmp_path / "run" / "data", seed=0)
+    return prepare_data(cfg, tmp_path / "run" / "data")
 
 
 def test_split_is_tokenized_once_to_private_int32_arrow_in_the_run_dir(data, tiny_tokenizer):

@@ -13,7 +13,9 @@ import pytest
 from conftest import YELP_TEST, YELP_TRAIN
 from pipeline.privacy.control_codes import domain_codes
 from pipeline.config import ConfigError, DataConfig, config_from_dict
-from pipeline.stages.data import DataError, encode_record, prepare_data, prompt_for, read_split, read_table
+from pipeline.stages import data as data_stage
+from pipeline.stages.data import (SPLIT_KEY, DataError, encode_record, prepare_data, prompt_for, read_split, read_table,
+                                  read_users, split_key)
 
 CODE_RE = re.compile(r"^Business Category: [^\t\n]+\tReview Stars: [^\t\n]+$")
 
@@ -36,7 +38,7 @@ def test_prepare_data_on_yelp_sample(tmp_path):
     """prepare_data writes the splits and the manifest; counts add up."""
     cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=200, max_test_records=50)
     out = tmp_path / "data"
-    res = prepare_data(cfg, out, seed=0)
+    res = prepare_data(cfg, out)
 
     for name in ("train.parquet", "validation.parquet", "test.parquet", "manifest.json"):
         assert (out / name).is_file(), name
@@ -81,7 +83,7 @@ def test_empty_text_and_missing_code_are_reported_without_content(tmp_path):
     path = _write_csv(tmp_path / "bad.csv", rows)
     cfg = DataConfig(path=path)
     with pytest.raises(DataError) as err:
-        prepare_data(cfg, tmp_path / "out", seed=0)
+        prepare_data(cfg, tmp_path / "out")
     msg = str(err.value)
     assert "row 3" in msg and "'text'" in msg
     assert "row 5" in msg and "'label2'" in msg
@@ -98,7 +100,7 @@ def test_drop_empty_drops_and_counts_rows(tmp_path):
     rows[2][0] = "   "  # row 3: whitespace-only text
     rows[4][2] = ""  # row 5: missing control code
     path = _write_csv(tmp_path / "bad.csv", rows)
-    res = prepare_data(DataConfig(path=path, drop_empty=True), tmp_path / "out", seed=0)
+    res = prepare_data(DataConfig(path=path, drop_empty=True), tmp_path / "out")
     assert res.n_dropped == 2
     assert res.n_train + res.n_validation + res.n_test == len(rows) - 2
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
@@ -118,14 +120,14 @@ def test_drop_empty_never_drops_an_invalid_code(tmp_path):
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows([["text", "nonempty_tag"], *rows])
     with pytest.raises(DataError, match="row 3, column 'nonempty_tag': control code contains a tab"):
-        prepare_data(DataConfig(path=path, code_columns=["nonempty_tag"], drop_empty=True), tmp_path / "o", seed=0)
+        prepare_data(DataConfig(path=path, code_columns=["nonempty_tag"], drop_empty=True), tmp_path / "o")
 
 
 def test_missing_column_is_named_with_available_ones(tmp_path):
     """A missing code column raises DataError naming it and listing the file's columns."""
     path = _write_csv(tmp_path / "d.csv", _sentinel_rows())
     with pytest.raises(DataError) as err:
-        prepare_data(DataConfig(path=path, code_columns=["label1", "stars"]), tmp_path / "out", seed=0)
+        prepare_data(DataConfig(path=path, code_columns=["label1", "stars"]), tmp_path / "out")
     msg = str(err.value)
     assert "'stars'" in msg
     for col in ("text", "label1", "label2"):
@@ -140,7 +142,7 @@ def test_unsupported_extension_is_refused(tmp_path):
     with pytest.raises(DataError, match=r"\.txt"):
         read_table(path)
     with pytest.raises(DataError, match=r"\.txt"):
-        prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)
+        prepare_data(DataConfig(path=path), tmp_path / "out")
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
@@ -158,7 +160,7 @@ def test_jsonl_and_parquet_inputs(tmp_path, fmt):
     assert table["text"].to_pylist() == [r[0] for r in rows]
 
     cfg = DataConfig(path=path, code_template="{column}={value}")
-    res = prepare_data(cfg, tmp_path / "out", seed=0)
+    res = prepare_data(cfg, tmp_path / "out")
     assert res.n_train + res.n_validation + res.n_test == len(rows)
     codes, _ = read_split(res.train)
     assert all(re.fullmatch(r"label1=cat[01]\tlabel2=stars[012]", c) for c in codes), codes
@@ -172,7 +174,7 @@ def test_csv_codes_stay_strings(tmp_path):
     assert table.schema.field("label2").type == pa.string()
     assert table["label2"].to_pylist()[:2] == ["05", "4.0"]
 
-    res = prepare_data(DataConfig(path=path, code_template="{column}: {value}"), tmp_path / "out", seed=0)
+    res = prepare_data(DataConfig(path=path, code_template="{column}: {value}"), tmp_path / "out")
     codes = read_split(res.train)[0] + read_split(res.validation)[0] + read_split(res.test)[0]
     assert set(codes) == {"label1: Bars\tlabel2: 4.0", "label1: Bars\tlabel2: 05"}
 
@@ -183,13 +185,13 @@ def test_nul_bytes_are_refused_and_duplicates_counted_without_content(tmp_path, 
     rows = _sentinel_rows()
     rows[3][0] = "SECRET-RECORD-NUL\0here"  # row 4
     with pytest.raises(DataError) as err:
-        prepare_data(DataConfig(path=_write_csv(tmp_path / "nul.csv", rows)), tmp_path / "a", seed=0)
+        prepare_data(DataConfig(path=_write_csv(tmp_path / "nul.csv", rows)), tmp_path / "a")
     assert "row 4, column 'text': text contains a NUL byte" in str(err.value)
     assert "SECRET-RECORD" not in str(err.value)
 
     rows = _sentinel_rows() + [_sentinel_rows()[1]] * 3  # three more copies of row 2
     with caplog.at_level("WARNING", logger="pipeline.stages.data"):
-        prepare_data(DataConfig(path=_write_csv(tmp_path / "dup.csv", rows)), tmp_path / "b", seed=0)
+        prepare_data(DataConfig(path=_write_csv(tmp_path / "dup.csv", rows)), tmp_path / "b")
     warned = [r.getMessage() for r in caplog.records if "repeat an earlier record" in r.getMessage()]
     assert len(warned) == 1 and ": 3 record(s) repeat" in warned[0] and "SECRET-RECORD" not in warned[0]
 
@@ -203,7 +205,7 @@ def test_at_user_level_only_copies_held_by_other_users_are_counted(tmp_path, cap
     cfg = DataConfig(path=_write_csv(tmp_path / "users.csv", rows, ("text", "label1", "label2", "user")),
                      user_column="user")
     with caplog.at_level("WARNING", logger="pipeline.stages.data"):
-        prepare_data(cfg, tmp_path / "out", seed=0)
+        prepare_data(cfg, tmp_path / "out")
     warned = [r.getMessage() for r in caplog.records if "repeat" in r.getMessage()]
     assert len(warned) == 1 and ": 2 record(s) repeat another user's record" in warned[0]
     assert "set data.user_column" not in warned[0] and "SECRET-RECORD" not in warned[0]
@@ -218,7 +220,7 @@ def test_jsonl_value_of_another_kind_is_named_by_row_and_column(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError) as err:
-        prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)
+        prepare_data(DataConfig(path=path), tmp_path / "out")
     msg = str(err.value)
     assert "row 1, column 'text': a number where the other rows have a string" in msg
     assert "row 6, column 'text': a list" in msg
@@ -229,7 +231,7 @@ def test_drop_empty_dropping_every_row_says_so(tmp_path):
     """data.drop_empty=true on a file whose texts are all empty: 'all N rows', not 'only 0 records'."""
     path = _write_csv(tmp_path / "d.csv", [["", f"cat{i}", "stars"] for i in range(7)])
     with pytest.raises(DataError, match=r"all 7 rows have empty text in column 'text'"):
-        prepare_data(DataConfig(path=path, drop_empty=True), tmp_path / "out", seed=0)
+        prepare_data(DataConfig(path=path, drop_empty=True), tmp_path / "out")
 
 
 def test_list_typed_parquet_column_is_named(tmp_path):
@@ -237,7 +239,7 @@ def test_list_typed_parquet_column_is_named(tmp_path):
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": [f"r{i}" for i in range(5)], "label1": [["a"]] * 5, "label2": ["b"] * 5}), path)
     with pytest.raises(DataError, match=r"column 'label1' holds list"):
-        prepare_data(DataConfig(path=path), tmp_path / "out", seed=0)
+        prepare_data(DataConfig(path=path), tmp_path / "out")
 
 
 # ---------------------------------------------------------------- shaping records in the config
@@ -255,7 +257,7 @@ def test_several_text_columns_are_joined_with_the_separator(tmp_path):
     path = _news(tmp_path)
     cfg = DataConfig(path=path, text_column=["title", "description"], text_separator=" // ",
                      code_columns=["label"], validation_fraction=0.0)
-    res = prepare_data(cfg, tmp_path / "out", seed=0)
+    res = prepare_data(cfg, tmp_path / "out")
     texts = read_split(res.train)[1] + read_split(res.test)[1]
     assert sorted(texts) == sorted(f"SECRET-TITLE-{i} // SECRET-BODY-{i} happened" for i in range(20))
     assert DataConfig(path=path).text_separator == "\n" and DataConfig(path=path).text_columns == ["text"]
@@ -268,10 +270,10 @@ def test_an_empty_text_part_is_left_out_and_all_parts_empty_is_an_empty_text(tmp
     path = _write_csv(tmp_path / "news.csv", rows, header=("title", "description", "label"))
     cfg = DataConfig(path=path, text_column=["title", "description"], code_columns=["label"])
     with pytest.raises(DataError) as err:
-        prepare_data(cfg, tmp_path / "out", seed=0)
+        prepare_data(cfg, tmp_path / "out")
     assert "row 8, columns ['title', 'description']: empty text" in str(err.value)
     assert "1 unusable record" in str(err.value) and "SECRET" not in str(err.value)
-    res = prepare_data(cfg.model_copy(update={"drop_empty": True, "validation_fraction": 0.0}), tmp_path / "o2", seed=0)
+    res = prepare_data(cfg.model_copy(update={"drop_empty": True, "validation_fraction": 0.0}), tmp_path / "o2")
     texts = read_split(res.train)[1] + read_split(res.test)[1]
     assert "SECRET-BODY-3" in texts and res.n_dropped == 1
 
@@ -283,7 +285,7 @@ def test_code_values_name_the_codes_and_the_domain_holds_the_names(tmp_path):
                      "code_template": "Topic: {value}", "code_values": {"label": yaml_names}},
             "control_codes": {"domain": {"label": list(NEWS_NAMES.values())}}}
     cfg = config_from_dict(tree)
-    res = prepare_data(cfg.data, tmp_path / "out", seed=0, code_domain=cfg.control_codes.domain)
+    res = prepare_data(cfg.data, tmp_path / "out", code_domain=cfg.control_codes.domain)
     codes = read_split(res.train)[0] + read_split(res.test)[0]
     assert set(codes) == {f"Topic: {name}" for name in NEWS_NAMES.values()}
     assert domain_codes(cfg.data, cfg.control_codes.domain) == [f"Topic: {n}" for n in NEWS_NAMES.values()]
@@ -294,11 +296,11 @@ def test_a_value_missing_from_code_values_names_row_column_and_fix(tmp_path):
     cfg = DataConfig(path=path, text_column=["title", "description"], code_columns=["label"],
                      code_values={"label": NEWS_NAMES})
     with pytest.raises(DataError) as err:
-        prepare_data(cfg, tmp_path / "out", seed=0)
+        prepare_data(cfg, tmp_path / "out")
     msg = str(err.value)
     assert "row 7, column 'label': value not in data.code_values['label']" in msg
     assert "data.unmapped_code_values=keep" in msg and "SECRET" not in msg and "'5'" not in msg
-    kept = prepare_data(cfg.model_copy(update={"unmapped_code_values": "keep"}), tmp_path / "o2", seed=0)
+    kept = prepare_data(cfg.model_copy(update={"unmapped_code_values": "keep"}), tmp_path / "o2")
     assert "5" in read_split(kept.train)[0] + read_split(kept.test)[0] + read_split(kept.validation)[0]
 
 
@@ -314,3 +316,47 @@ def test_config_refuses_code_values_that_cannot_agree_with_the_domain(tmp_path):
     with pytest.raises(ConfigError, match=r"names \['Sci\\tTech'\] that are empty or hold a tab"):
         config_from_dict({"data": data | {"code_values": {"label": {"4": "Sci\tTech"}}},
                           "control_codes": {"mechanism": "exact"}})
+
+
+def test_the_split_is_the_run_root_s_not_the_seed_s(tmp_path):
+    """The keyed-hash split (issue 23): the same file under one run root gives the same split on
+    every run; under another run root (same config, same published seed) another one, so the seed
+    does not tell which records are held out. The key is 0600; the sizes are a permutation's."""
+    cfg = DataConfig(path=YELP_TRAIN, max_records=200, validation_fraction=0.1, test_fraction=0.1)
+    key = split_key(tmp_path / "root")
+    one, again = prepare_data(cfg, tmp_path / "1", key=key), prepare_data(cfg, tmp_path / "2", key=split_key(tmp_path / "root"))
+    other = prepare_data(cfg, tmp_path / "3", key=split_key(tmp_path / "other_root"))
+    for split in ("train", "validation", "test"):
+        assert read_split(getattr(one, split)) == read_split(getattr(again, split))
+    assert read_split(one.test) != read_split(other.test)
+    assert (one.n_train, one.n_validation, one.n_test) == (other.n_train, other.n_validation, other.n_test) == (162, 18, 20)
+    assert (tmp_path / "root" / SPLIT_KEY).stat().st_mode & 0o777 == 0o600
+    assert split_key(tmp_path / "nowhere", create=False) is None and not (tmp_path / "nowhere").exists()
+
+
+def test_a_file_streamed_in_many_batches_keeps_rows_users_and_order(tmp_path, monkeypatch):
+    """Batches of 50 rows: an error names its row of the file, a user's records all land on one
+    side however far apart, and every split keeps the file's order."""
+    monkeypatch.setattr(data_stage, "ROW_GROUP", 50)
+    n = 230
+    rows = {"text": [f"review {i}" for i in range(n)], "label1": [f"c{i % 3}" for i in range(n)],
+            "user": [f"u{i % 40}" for i in range(n)]}
+    path = tmp_path / "records.parquet"
+    pq.write_table(pa.table(rows), path)
+    cfg = DataConfig(path=path, code_columns=["label1"], user_column="user", validation_fraction=0.2, test_fraction=0.2)
+    res = prepare_data(cfg, tmp_path / "out", key=split_key(tmp_path))
+    assert res.n_train + res.n_validation + res.n_test == n
+    sides = {}
+    for split in ("train", "validation", "test"):
+        path_ = getattr(res, split)
+        for user in set(read_users(path_)):
+            assert sides.setdefault(user, split) == split, f"user {user} on two sides"
+        texts = read_split(path_)[1]
+        assert texts == sorted(texts, key=lambda t: int(t.split()[1]))  # the file's order
+    assert sorted(sides.values()).count("test") == 8 and sorted(sides.values()).count("validation") == 6
+
+    rows["text"][172] = ""
+    pq.write_table(pa.table(rows), path)
+    with pytest.raises(DataError, match=r"1 unusable record\(s\):\n  - row 173, column 'text': empty text"):
+        prepare_data(cfg, tmp_path / "bad", key=split_key(tmp_path))
+    assert not list((tmp_path / "bad").glob("*.parquet")) and not list((tmp_path / "bad").glob(".*"))
