@@ -35,7 +35,7 @@ demo: install
 	$(BIN)/dpdistill run --config configs/demo.yaml
 
 test: install
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 clean:
 	rm -rf runs .cache
