@@ -619,20 +619,28 @@ def _sizes(cfg: DataConfig, units: np.ndarray, users: bool) -> _Sizes:
     return sizes
 
 
+ARROW_JEMALLOC_DECAY_MS = 1000  # Arrow's own setting, restored after the stage
+
+
 @contextmanager
 def _returning_arrow_memory():
     """Arrow's default pool (mimalloc) keeps what the Parquet reader frees: streaming a file of
-    64k-record row groups held ~110 MB more RSS than with jemalloc, which gives it back."""
+    64k-record row groups held ~110 MB more RSS than with jemalloc, which gives it back; with
+    its decay at 0 (at once) another ~50 MB less at 1 M records, for ~20 % more time."""
+    jemalloc = True
     try:
         pool = pa.jemalloc_memory_pool()
+        pa.jemalloc_set_decay_ms(0)
     except NotImplementedError:  # a pyarrow built without jemalloc
-        pool = pa.system_memory_pool()
+        pool, jemalloc = pa.system_memory_pool(), False
     previous = pa.default_memory_pool()
     pa.set_memory_pool(pool)
     try:
         yield
     finally:
         pa.set_memory_pool(previous)
+        if jemalloc:
+            pa.jemalloc_set_decay_ms(ARROW_JEMALLOC_DECAY_MS)
 
 
 def prepare_data(
