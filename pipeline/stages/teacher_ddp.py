@@ -227,12 +227,26 @@ def _job(argv: list[str]) -> dict | None:
     return {"work": str(Path(argv[0]).parent), **json.loads(Path(argv[0]).read_text())}
 
 
+JOINABLE = {"pipeline.stages.teacher:ddp_worker"}  # the only targets a joining node runs
+
+
 def _shared_job(job: dict | None) -> dict:
     """Across nodes, every rank gets the job from the launching node's ranks (all-gather: the
-    launching node need not hold global rank 0)."""
+    launching node need not hold global rank 0). A launching rank keeps its own; a joining rank
+    runs only a JOINABLE target (whoever reaches the rendezvous could offer another)."""
     jobs: list[dict | None] = [None] * dist.get_world_size()
     dist.all_gather_object(jobs, job)
-    return next(j for j in jobs if j is not None)
+    return _adopt(job, jobs)
+
+
+def _adopt(own: dict | None, gathered: list[dict | None]) -> dict:
+    if own is not None:
+        return own
+    job = next(j for j in gathered if j is not None)
+    if job.get("target") not in JOINABLE:
+        raise ValueError(f"refusing to join a job whose target is {job.get('target')!r}: a joining node runs "
+                         f"only {sorted(JOINABLE)}")
+    return job
 
 
 def _check_shared_storage(job: dict) -> None:

@@ -176,3 +176,14 @@ def test_a_node_without_the_shared_storage_fails_naming_what_it_misses(tmp_path)
         teacher_ddp._check_shared_storage(job)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_joining_node_runs_only_the_teacher_and_node_0_keeps_its_own_job():
+    """The rendezvous has no authentication: a job offered by another rank is run only if its
+    target is the teacher's worker, and a launching rank never takes another's job."""
+    teacher = {"target": "pipeline.stages.teacher:ddp_worker", "args": {}}
+    planted = {"target": "shutil:rmtree", "args": "/"}
+    assert teacher_ddp._adopt(None, [None, teacher]) is teacher
+    assert teacher_ddp._adopt(teacher, [planted, teacher]) is teacher
+    with pytest.raises(ValueError, match="refusing to join a job whose target is 'shutil:rmtree'"):
+        teacher_ddp._adopt(None, [planted, teacher])
