@@ -157,15 +157,19 @@ def prefect_server():
         yield PREFECT_API_URL.value()
 
 
+def make_synthetic(teacher_dir: Path, out: Path, num_samples: int):
+    """`num_samples` samples of a tiny teacher prompted by two control codes (3:1), in `out`."""
+    codes = out / "codes.json"
+    codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))
+    cfg = GenerateConfig(num_samples=num_samples, batch_size=num_samples // 2, max_length=32, validation_fraction=0.2)
+    return generate_synthetic(cfg, teacher_dir=teacher_dir, control_codes_path=codes, ledger=[],
+                              out_dir=out / "synthetic", seed=0)
+
+
 @pytest.fixture(scope="module")
 def synthetic(tiny_model_dir, tmp_path_factory):
     """40 samples of the tiny teacher (two control codes), for the distillation and selection tests."""
-    out = tmp_path_factory.mktemp("syn")
-    codes = out / "codes.json"
-    codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))
-    cfg = GenerateConfig(num_samples=40, batch_size=20, max_length=32, validation_fraction=0.2)
-    return generate_synthetic(cfg, teacher_dir=tiny_model_dir, control_codes_path=codes, ledger=[],
-                              out_dir=out / "synthetic", seed=0)
+    return make_synthetic(tiny_model_dir, tmp_path_factory.mktemp("syn"), 40)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ A record is `"\t".join(codes) + "\n\n" + text + eos`. The prefix and the text ar
 tokenized separately (`encode_record`) so that training, generation prompts and
 evaluation all see the same token boundary after the control codes.
 
-The stage streams its input (Arrow batches of 64k rows; never every text in Python lists) in
+The stage streams its input (Arrow batches of 16k rows; never every text in Python lists) in
 two passes: the first validates and formats each batch into a temporary 0600 file, with each
 record's unit (its user, or its row) hashed under the run root's secret split key; the second
 routes every record to its split by its unit's rank among those hashes. The split is a uniformly

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import make_tiny_model
+from conftest import make_synthetic, make_tiny_model
 from pipeline.config import DistillConfig, GenerateConfig
 from pipeline.stages.distill import DistillError, distill
 from pipeline.stages.generate import generate_synthetic
@@ -15,12 +15,8 @@ from pipeline.models.base import train_tokenizer
 
 @pytest.fixture(scope="module")
 def synthetic(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("syn")
-    codes = out / "codes.json"
-    codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))
-    cfg = GenerateConfig(num_samples=60, batch_size=30, max_length=32, validation_fraction=0.2)
-    return generate_synthetic(cfg, teacher_dir=tiny_model_dir, control_codes_path=codes, ledger=[],
-                              out_dir=out / "synthetic", seed=0)
+    """60 samples here, as these tests were written for (the shared fixture has 40)."""
+    return make_synthetic(tiny_model_dir, tmp_path_factory.mktemp("syn"), 60)
 
 
 @pytest.fixture(scope="module")
