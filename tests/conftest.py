@@ -15,6 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+import flows  # noqa: F401  (sets PREFECT_LOGGING_EXTRA_LOGGERS before Prefect configures logging)
+import prefect.main  # noqa: F401  Prefect configures logging when this loads, binding its console
+# handler to the sys.stderr of that moment: loaded first inside a test that captures output
+# (capsys), it would keep that test's stream, closed after it, and fail every later log record.
 from pipeline.config import BaseModelsConfig, DataConfig, GenerateConfig, TinyModelSpec, config_from_dict
 from pipeline.stages.data import prepare_data
 from pipeline.stages.generate import generate_synthetic
