@@ -34,11 +34,10 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
-from pipeline.stages.data import TOKENIZED_DIR, prompt_for
+from pipeline.stages.data import TOKENIZED_DIR, parquet_batches, prompt_for
 from pipeline.manifest import sha256_file
 
 COLUMN = "input_ids"
@@ -89,7 +88,7 @@ def _write_ids(split_path: Path, tokenizer, out_file: Path) -> None:
     encode, schema = _encoder(tokenizer), FEATURES.arrow_schema  # with the features `datasets` reads back
     fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f, pa.ipc.new_stream(f, schema) as writer:
-        for batch in pq.ParquetFile(split_path).iter_batches(batch_size=BATCH, columns=["control_code", "text"]):
+        for batch in parquet_batches(split_path, columns=["control_code", "text"], batch_size=BATCH):
             ids = encode(batch.to_pydict())[COLUMN]
             writer.write_batch(pa.record_batch([pa.array(ids, schema.field(COLUMN).type)], schema=schema))
 

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, PipelineConfig, load_config
-from pipeline.stages.data import SPLIT_KEY, prepare_data, read_split, split_key
+from pipeline.stages.data import SPLIT_KEY, parquet_batches, prepare_data, read_split, split_key
 from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file
 
 AUDIT = "audit.json"
@@ -270,10 +270,9 @@ def _is_token_ids(type_: pa.DataType) -> bool:
 
 def _parquet_documents(path: Path, decode: Callable[[list[list[int]]], list[str]]) -> Iterator[str]:
     """Each string cell, each integer-list cell decoded as token ids, and the metadata."""
-    pf = pq.ParquetFile(path)
-    for k, v in (pf.schema_arrow.metadata or {}).items():
+    for k, v in (pq.read_schema(path).metadata or {}).items():
         yield k.decode("utf-8", "replace") + "\n" + v.decode("utf-8", "replace")
-    for batch in pf.iter_batches():
+    for batch in parquet_batches(path, batch_size=65_536):
         for col in batch.columns:
             if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
                 yield from (s for s in col.to_pylist() if s)
