@@ -295,10 +295,10 @@ def planned_budget(cfg, plan) -> str:
     """`plan`'s lines on the training records' budget under run_root: spent by earlier runs, and
     with this run; BudgetExceeded past privacy.max_epsilon. Writes nothing."""
     from pipeline.privacy.budget import budget_of, check_max_epsilon, dataset_total
-    from pipeline.stages.data import training_records
+    from pipeline.stages.data import with_training_split
 
-    records = training_records(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
-    budget = budget_of(Path(cfg.run_root).resolve(), *records)
+    root = Path(cfg.run_root).resolve()
+    budget = with_training_split(cfg.data, root, cfg.control_codes.domain, lambda train: budget_of(root, train))
     delta, accountant, limit = plan.total.delta, cfg.teacher.accountant, cfg.privacy.max_epsilon
     spent = dataset_total(budget, accountant, delta)
     total = check_max_epsilon(budget, plan.entries, limit, accountant, delta)

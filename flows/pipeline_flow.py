@@ -38,15 +38,14 @@ from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.stages.adherence import declared_values
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE, CodesResult, release_control_codes
 from pipeline.config import NODE_FIELDS, PipelineConfig, dump_config, load_config
-from pipeline.stages.data import (DataResult, delete_private_copies, format_public_split, prepare_data, read_split,
-                                  split_key)
+from pipeline.stages.data import DataResult, delete_private_copies, format_public_split, prepare_data, split_key
 from pipeline.devices import Runtime
 from pipeline.stages.distill import DistillResult, distill
 from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
 from pipeline.stages.generate import PLACEMENT_FIELDS, GenerateResult
 from pipeline.privacy.budget import (
-    budget_of, check_max_epsilon, dataset_total, read_budget, record_digests, record_release, records_key,
-    register_records, store_total,
+    budget_of, check_max_epsilon, dataset_total, read_budget, record_release, records_key, register_records,
+    split_digests, store_total,
 )
 from pipeline.locks import file_lock, unlock
 from pipeline.privacy.ledger import (
@@ -169,7 +168,7 @@ def _within_max_epsilon(cfg: PipelineConfig, data: DataResult, stage: str) -> No
     plan = make_plan(cfg, timing=False)  # the releases as they will be: σ, q, steps, δ
     stages = [e.stage for e in plan.entries]
     planned = plan.entries[stages.index(stage):]
-    total = check_max_epsilon(budget_of(Path(cfg.run_root).resolve(), *read_split(data.train)), planned,
+    total = check_max_epsilon(budget_of(Path(cfg.run_root).resolve(), data.train), planned,
                               cfg.privacy.max_epsilon, cfg.teacher.accountant, plan.total.delta)
     if total is not None:
         get_run_logger().info("%s: with this run, the training records' budget comes to ε = %.4f of "
@@ -345,7 +344,7 @@ class StageRunner:
         """Name the budget of the training split's records (keyed digests, pipeline/privacy/budget.py)
         and note it in run.json, where `dpdistill ledger show` finds it."""
         root = Path(self.cfg.run_root).resolve()
-        self.budget_id = register_records(root, record_digests(*read_split(data.train), records_key(root)))
+        self.budget_id = register_records(root, split_digests(data.train, records_key(root)))
         atomic_write_json(self.run_dir / RUN_INFO, read_run_info(self.run_dir) | {"records_id": self.budget_id})
         return self.budget_id
 

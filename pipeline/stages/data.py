@@ -776,10 +776,7 @@ def planned_split(cfg: DataConfig, run_root: Path, code_domain: dict[str, list[s
     return _planned(cfg, code_domain, run_root, read)
 
 
-def training_records(
-    cfg: DataConfig, run_root: Path, code_domain: dict[str, list[str]] | None = None
-) -> tuple[list[str], list[str]]:
-    """(control codes, texts) of the training split as the data stage will write it under
-    `run_root`, kept nowhere: what `dpdistill plan` finds the privacy budget of
-    (pipeline/privacy/budget.py)."""
-    return _planned(cfg, code_domain, run_root, lambda result: read_split(result.train))
+def with_training_split(cfg: DataConfig, run_root: Path, code_domain: dict[str, list[str]] | None, read):
+    """`read(path)` of the training split file as the data stage will write it under `run_root`,
+    kept nowhere: how `dpdistill plan` finds its records' privacy budget (pipeline/privacy/budget.py)."""
+    return _planned(cfg, code_domain, run_root, lambda result: read(result.train))

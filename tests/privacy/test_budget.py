@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 
@@ -159,7 +160,7 @@ def test_a_copy_with_one_byte_changed_past_the_rows_used_lands_in_the_same_budge
     from pipeline.config import DataConfig
     from pipeline.manifest import sha256_file
     from pipeline.privacy.budget import KEY_FILE, BUDGET_DIR, register_records
-    from pipeline.stages.data import split_key, training_records
+    from pipeline.stages.data import read_split, split_key, with_training_split
 
     copy = tmp_path / "copy.csv"
     data = bytearray(YELP_TRAIN.read_bytes())
@@ -168,12 +169,13 @@ def test_a_copy_with_one_byte_changed_past_the_rows_used_lands_in_the_same_budge
     assert sha256_file(copy) != sha256_file(YELP_TRAIN)
     root = tmp_path / "runs"
     split_key(root)  # made by the first run under root; the plan reads it
-    ids = [register_records(root, _digests(root, training_records(DataConfig(path=p, max_records=120), root, YELP_DOMAIN)))
+    ids = [register_records(root, _digests(root, with_training_split(DataConfig(path=p, max_records=120), root, YELP_DOMAIN,
+                                                                      read_split)))
            for p in (YELP_TRAIN, copy)]
     assert ids[0] == ids[1]
     assert (root / BUDGET_DIR / KEY_FILE).stat().st_mode & 0o777 == 0o600
     # The stored digests are keyed: the plain sha256 of a record is nowhere in them.
-    codes, texts = training_records(DataConfig(path=YELP_TRAIN, max_records=120), root, YELP_DOMAIN)
+    codes, texts = with_training_split(DataConfig(path=YELP_TRAIN, max_records=120), root, YELP_DOMAIN, read_split)
     stored = (root / BUDGET_DIR / f"{ids[0]}.records").read_text()
     assert hashlib.sha256(json.dumps([codes[0], texts[0]]).encode()).hexdigest()[:32] not in stored
 
@@ -233,3 +235,32 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     assert not (tmp_path / "run" / "teacher").exists()
     with pytest.raises(BudgetExceeded, match="privacy.max_epsilon=10.0"):
         planned_budget(cfg, plan)
+
+
+def test_digests_streamed_from_a_split_file_match_and_read_budgets_written_before(tmp_path):
+    """`split_digests` streams a split file to the digests of its records (sorted, each once);
+    a budget written by the set-based code before it (hex lines, named by the HMAC of the
+    joined hex) has the same id and its records are found again, digests ending in zero bytes
+    included (numpy drops those from a bytes item)."""
+    from pipeline.privacy.budget import BUDGET_DIR, record_digests, records_key, register_records, split_digests
+    from pipeline.stages.data import _write_split
+
+    codes, texts = _records(3000)
+    codes, texts = codes + codes[:5], texts + texts[:5]  # exact copies: one digest each
+    split = tmp_path / "train.parquet"
+    _write_split(split, codes, texts, None)
+    root = tmp_path / "runs"
+    key = records_key(root)
+    digests = split_digests(split, key)
+    assert (digests == record_digests(codes, texts, key)).all() and len(digests) == 3000
+
+    old = {hmac.new(key, json.dumps([c, t]).encode(), hashlib.sha256).hexdigest()[:32] for c, t in zip(codes, texts)}
+    old_id = hmac.new(key, "\n".join(sorted(old)).encode(), hashlib.sha256).hexdigest()
+    assert any(d.endswith("00") for d in old)  # ~12 of 3,000 expected
+    assert register_records(root, digests) == old_id
+    assert (root / BUDGET_DIR / f"{old_id}.records").read_text() == "\n".join(sorted(old)) + "\n"
+    record_release(root, old_id, release_id="c" * 64, stage="teacher", run_dir=root / "r1", entry=_teacher(1.0, 30))
+    ending_in_zero = [i for i, (c, t) in enumerate(zip(codes, texts))
+                      if hmac.new(key, json.dumps([c, t]).encode(), hashlib.sha256).digest()[15] == 0]
+    one = register_records(root, record_digests([codes[ending_in_zero[0]]], [texts[ending_in_zero[0]]], key))
+    assert [r.release_id for r in read_budget(root, one).releases] == ["c" * 64]
