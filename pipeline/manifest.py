@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +28,25 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_chunks(path: Path, chunks: Iterable[bytes]) -> None:
+    """Write `path` whole or not at all (a temporary file renamed over it), 0600 (mkstemp)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_chunks(path, [text.encode()])
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

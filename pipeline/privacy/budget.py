@@ -32,9 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -45,7 +43,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pipeline.config import ConfigError
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, fmt_value
 from pipeline.locks import file_lock
-from pipeline.manifest import atomic_write_json, atomic_write_text, private_dir
+from pipeline.manifest import atomic_write_chunks, atomic_write_json, atomic_write_text, private_dir
 from pipeline.stages.data import parquet_batches
 
 BUDGET_DIR = ".privacy"
@@ -179,21 +177,6 @@ def _hex_lines(digests: np.ndarray) -> Iterator[bytes]:
         yield "".join(h[j:j + 32] + "\n" for j in range(0, len(h), 32)).encode()
 
 
-def _write_stored(path: Path, digests: np.ndarray) -> None:
-    """`digests` as sorted hex lines, atomically, 0600 (mkstemp), a chunk at a time."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for block in _hex_lines(digests):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _shares(chunks: Iterable[np.ndarray], digests: np.ndarray) -> bool:
     """Whether any digest of `chunks` is in the sorted `digests`."""
     if len(digests) == 0:
@@ -254,7 +237,7 @@ def register_records(run_root: Path, digests: np.ndarray) -> str:
             return budget_id
         budget = DatasetBudget(records_id=budget_id, n_records=len(digests), releases=_releases_on(run_root, digests))
         atomic_write_json(path, budget.model_dump(mode="json"))
-        _write_stored(_records_path(run_root, budget_id), digests)
+        atomic_write_chunks(_records_path(run_root, budget_id), _hex_lines(digests))  # 0600
     return budget_id
 
 
