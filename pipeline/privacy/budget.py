@@ -44,7 +44,6 @@ from pipeline.config import ConfigError
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, fmt_value
 from pipeline.locks import file_lock
 from pipeline.manifest import atomic_write_chunks, atomic_write_json, atomic_write_text, private_dir
-from pipeline.stages.data import parquet_batches
 
 BUDGET_DIR = ".privacy"
 KEY_FILE = "records.key"
@@ -141,6 +140,8 @@ def record_digests(codes: list[str], texts: list[str], key: bytes) -> np.ndarray
 
 def split_digests(path: Path, key: bytes) -> np.ndarray:
     """`record_digests` of a split file, streamed: its texts are never all in memory."""
+    from pipeline.stages.data import parquet_batches  # pyarrow: not for `ledger show`, which only reads
+
     out, n = np.empty(_num_rows(path), DIGEST), 0
     for batch in parquet_batches(path, columns=["control_code", "text"], batch_size=CHUNK):
         codes, texts = batch.column(0).to_pylist(), batch.column(1).to_pylist()
