@@ -76,12 +76,21 @@ def epsilon_of(accountant: str, history: History, delta: float) -> float:
     Opacus' GDP accountant reads only the last history entry, so it cannot compose
     mechanisms with different (σ, q): refused here rather than silently under-counted.
     """
-    from opacus.accountants import create_accountant
-
     if accountant == "gdp" and len({(s, q) for s, q, _ in history}) > 1:
         raise ValueError("the gdp accountant cannot compose mechanisms with different σ or q; use prv or rdp")
+    return _epsilon(accountant, tuple((float(s), float(q), int(n)) for s, q, n in history), float(delta))
+
+
+# A run asks the accountant the same questions several times: the plan before the server
+# starts, the plan inside the flow, the teacher stage (σ and its ε), the ledger's total and
+# the dataset budget's. Each answer is a pure function of public numbers, so it is kept for
+# the process: 5.6 s for the tiny test config's first plan, 1.1 s for the second (issue 22).
+@functools.lru_cache(maxsize=1024)
+def _epsilon(accountant: str, history: tuple, delta: float) -> float:
+    from opacus.accountants import create_accountant
+
     acc = create_accountant(mechanism=accountant)
-    acc.history = [(float(s), float(q), int(n)) for s, q, n in history]
+    acc.history = list(history)
     return float(acc.get_epsilon(delta=delta))
 
 
@@ -108,6 +117,17 @@ def calibrate_sigma(
     call may run past it), and a search that has narrowed to nothing stops too.
     Every ε comes from the accountant; only the choice of the next σ is ours (Opacus').
     """
+    key = (accountant, float(target_epsilon), float(delta), float(sample_rate), int(steps))
+    if key not in _calibrated:  # the same search again in this process (see `_epsilon`)
+        _calibrated[key] = _search_sigma(*key, deadline_s)
+    return _calibrated[key]
+
+
+_calibrated: dict[tuple, float] = {}
+
+
+def _search_sigma(accountant: str, target_epsilon: float, delta: float, sample_rate: float, steps: int,
+                  deadline_s: float | None) -> float:
     from opacus.accountants import create_accountant
     from opacus.accountants.utils import MAX_SIGMA
 

@@ -74,6 +74,19 @@ def epsilon(mechanisms: list[Mechanism], delta: float, relation: str, pure: Sequ
     return _epsilon(frozen, float(delta), relation, tuple(pure))
 
 
+def _remember_gaussian_plds() -> None:
+    """dp-accounting builds each Gaussian's privacy-loss distribution from scratch for every ε
+    (0.2-0.5 s each on the 1e-3 grid, most of an ε), and a run composes the same (σ, q) again
+    and again: its plan's total, the ledger's, and the dataset budget's after each release,
+    which holds the run's earlier releases. The library's own constructor, remembered: a pure
+    function of its numbers returning an object that composition never changes (it builds new
+    ones), so every ε is the one the accountant computes without it (tests/privacy/test_pld.py)."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_module
+
+    if not hasattr(pld_module.from_gaussian_mechanism, "cache_info"):  # once per process
+        pld_module.from_gaussian_mechanism = functools.lru_cache(maxsize=64)(pld_module.from_gaussian_mechanism)
+
+
 @functools.lru_cache(maxsize=256)
 def _epsilon(mechanisms: tuple, delta: float, relation: str, pure: tuple[float, ...]) -> float:
     """`epsilon`, computed once per process for each history (the plan, the ledger and the
@@ -84,6 +97,8 @@ def _epsilon(mechanisms: tuple, delta: float, relation: str, pure: tuple[float, 
         return eps
     import dp_accounting as dpa
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+
+    _remember_gaussian_plds()
 
     neighbours = (dpa.NeighboringRelation.REPLACE_ONE if relation == REPLACE_ONE
                   else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)

@@ -141,3 +141,28 @@ def test_the_coarser_grid_is_an_upper_bound_close_to_the_default_one(history, de
     reference = fine.get_epsilon(delta)
     ours = pld.epsilon([("subsampled_gaussian", history)], delta, relation)
     assert reference <= ours <= reference * (1 + 1e-3), (ours, reference)
+
+
+def test_remembered_gaussian_plds_give_the_accountants_epsilon_exactly(monkeypatch):
+    """pld.epsilon remembers dp-accounting's Gaussian PLDs across histories (a run's budget
+    composes the same (σ, q) again after every release). Each ε equals, bit for bit, a fresh
+    PLD accountant's with the library's constructor as it ships, also when histories that
+    share mechanisms are asked one after another (a cached PLD is never changed by composing it)."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_module
+
+    # Histories sharing mechanisms, as the dataset budget composes them after each release.
+    histories = [[("subsampled_gaussian", TEACHER)],
+                 [("gaussian", HISTOGRAM), ("subsampled_gaussian", TEACHER)],
+                 [("gaussian", HISTOGRAM), ("subsampled_gaussian", TEACHER), ("subsampled_gaussian", TEACHER)],
+                 [("subsampled_gaussian", TEACHER), ("gaussian", HISTOGRAM), ("subsampled_gaussian", [(0.9, 0.1, 7)])]]
+    ours = {(i, r): pld.epsilon(h, DEMO_DELTA, r) for i, h in enumerate(histories) for r in pld.RELATIONS}
+    assert pld_module.from_gaussian_mechanism.cache_info().hits > 0  # the memo was used
+
+    monkeypatch.setattr(pld_module, "from_gaussian_mechanism", pld_module.from_gaussian_mechanism.__wrapped__)
+    for (i, relation), eps in ours.items():
+        neighbours = (dpa.NeighboringRelation.REPLACE_ONE if relation == pld.REPLACE_ONE
+                      else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        fresh = dpa.pld.PLDAccountant(neighboring_relation=neighbours,
+                                      value_discretization_interval=pld.VALUE_DISCRETIZATION_INTERVAL)
+        fresh.compose(dpa.ComposedDpEvent([ev for m, h in histories[i] for ev in pld._events(m, h, relation)]))
+        assert eps == fresh.get_epsilon(DEMO_DELTA), (i, relation)
