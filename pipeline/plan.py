@@ -150,12 +150,14 @@ def _warnings(cfg: PipelineConfig) -> list[str]:
     return [warning] if warning else []
 
 
-def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], None] | None = None) -> Plan:
+def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], None] | None = None,
+              split: PlannedSplit | None = None) -> Plan:
     """The run's privacy numbers (and with `timing`, a time estimate per stage); writes nothing.
-    `say` receives a line as each part starts (the CLI prints them: the plan takes seconds)."""
+    `say` receives a line as each part starts (the CLI prints them: the plan takes seconds).
+    `split`: the config's `planned_split`, where the caller has read it already."""
     say = say or (lambda line: None)
     say("plan: reading the data and calibrating σ")
-    split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
+    split = split or planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
     n, unit = split.n, split.unit
     entries, probability, accounting = [], {}, {}
     if codes := _codes_entry(cfg, n, unit):

@@ -146,19 +146,34 @@ def test_ephemeral_server_timeout_is_one_line(monkeypatch, capsys):
     assert cli.prefect_server_error(RuntimeError("something else")) is None
     assert cli.prefect_server_error(ValueError("ephemeral Prefect API server")) is None
 
-    # `run` catches it around the flow: a stand-in flow raises it, without importing the real one.
-    def dp_distill(cfg, run_dir=None, rerun=None):
-        raise timeout
+    # `run` catches it where the temporary server's start is awaited, before the flow: a
+    # stand-in server raises it (no real one started), a stand-in flow is never reached.
+    class TimedOutServer:
+        def start(self):
+            pass
 
+        def wait(self):
+            raise timeout
+
+    def dp_distill(cfg, run_dir=None, rerun=None):
+        raise AssertionError("the flow ran without a server")
+
+    monkeypatch.setattr(cli, "EarlyServer", TimedOutServer)
     monkeypatch.setitem(sys.modules, "flows.pipeline_flow", types.SimpleNamespace(dp_distill=dp_distill))
     monkeypatch.setattr(cli, "quiet_libraries", lambda: None)
     monkeypatch.setattr(cli, "user_errors", lambda: (cli.ConfigError,))
     assert cli.main(["run", "--config", str(ROOT / "configs" / "demo.yaml")]) == 2
     err = capsys.readouterr().err
-    assert err == f"dpdistill: error: {message}\n"
+    assert err.splitlines()[-1] == f"dpdistill: error: {message}" and "Traceback" not in err
 
     def other(cfg, run_dir=None, rerun=None):
         raise RuntimeError("a real bug")
+
+    class Server(TimedOutServer):
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(cli, "EarlyServer", Server)
 
     monkeypatch.setitem(sys.modules, "flows.pipeline_flow", types.SimpleNamespace(dp_distill=other))
     assert cli.main(["run", "--config", str(ROOT / "configs" / "demo.yaml")]) == 1
