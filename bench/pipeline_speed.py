@@ -16,12 +16,21 @@ similar length and the heads and losses on the real targets only. Compared: trai
 samples per second, and the synthetic-validation loss each reaches (the same batches and
 the same loss: equal up to float rounding).
 
+Teacher: the demo teacher's shape (4 layers × 256, vocabulary 8192, 32 × 128 tokens) stepped
+by bench/teacher_modes.py, non-private AdamW against the book-keeping DP step, each in its own
+process, alternating: `teacher_ratio` is the DP step's median time over the non-private one's.
+
+Plan and demo: `dpdistill plan --config configs/demo.yaml` (`plan_s`) and, with `--parts ...
+demo`, `dpdistill run --config configs/demo.yaml` in a temporary run_root (`demo_s`, 10-15 min
+on 2 idle cores), each a fresh process timed from start to exit, as a user waits for it.
+
 Run from the repository root (`OMP_NUM_THREADS=1`: one core each, the ratio is per core):
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/pipeline_speed.py            # ~6 min on 2 busy cores
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pipeline_speed.py            # ~8 min on 2 busy cores
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pipeline_speed.py --parts generation distillation teacher plan demo
 
-The last line reads `generation_x=G distillation_x=D teacher_ratio=nan plan_s=nan demo_s=nan`
-(the plan and teacher figures are measured elsewhere).
+The last line reads `generation_x=G distillation_x=D teacher_ratio=T plan_s=P demo_s=S`
+(nan for a part not run).
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -151,18 +162,68 @@ def bench_distillation(samples: int, epochs: int, rounds: int, tmp: Path) -> flo
     return rate["grouped"] / rate["reference"]
 
 
+def bench_teacher() -> float:
+    """bk's median step time over the non-private step's at the demo teacher's shape and physical batch."""
+    shape = ["--layers", "4", "--width", "256", "--heads", "8", "--vocab", "8192", "--seq", "128", "--batch", "32"]
+    command = [sys.executable, str(ROOT / "bench" / "teacher_modes.py"), *shape, "--steps", "6",
+               "--modes", "nonprivate", "full-bk"]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    print("\n".join(line for line in out.splitlines() if line.startswith("|")))
+    return float(re.search(r"mode=bk time_ratio=([0-9.]+)", out).group(1))
+
+
+def _timed_cli(*args: str) -> tuple[float, str]:
+    """Wall seconds and stdout of `dpdistill ARGS` in a fresh process, from start to exit."""
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"dpdistill {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return seconds, done.stdout
+
+
+def _estimates(plan_text: str) -> dict[str, float]:
+    """Seconds per stage from the plan's time lines (`    teacher: ~11 min (...)`)."""
+    unit = {"s": 1, "min": 60, "h": 3600}
+    return {m[1]: float(m[2]) * unit[m[3]] for m in re.finditer(r"^    ([a-z-]+): ~([0-9.]+) (s|min|h) ", plan_text, re.M)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gen-samples", type=int, default=512)
     ap.add_argument("--distill-samples", type=int, default=400)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    parts = ("generation", "distillation", "teacher", "plan", "demo")
+    ap.add_argument("--parts", nargs="+", choices=parts, default=list(parts[:4]),
+                    help="what to measure (default: all but the demo run)")
     args = ap.parse_args()
     print(f"torch threads {torch.get_num_threads()}, load {_load()}")
-    generation_x = bench_generation(args.gen_samples, args.rounds)
-    with tempfile.TemporaryDirectory() as tmp:
-        distillation_x = bench_distillation(args.distill_samples, args.epochs, args.rounds, Path(tmp))
-    print(f"generation_x={generation_x:.2f} distillation_x={distillation_x:.2f} teacher_ratio=nan plan_s=nan demo_s=nan")
+    got = dict.fromkeys(parts, float("nan"))
+    if "generation" in args.parts:
+        got["generation"] = bench_generation(args.gen_samples, args.rounds)
+    if "distillation" in args.parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            got["distillation"] = bench_distillation(args.distill_samples, args.epochs, args.rounds, Path(tmp))
+    if "teacher" in args.parts:
+        got["teacher"] = bench_teacher()
+        print(f"teacher: bk step / non-private step {got['teacher']:.2f} (load {_load()})")
+    estimate = {}
+    if "plan" in args.parts:
+        got["plan"], text = _timed_cli("plan", "--config", "configs/demo.yaml")
+        estimate = _estimates(text)
+        print(f"plan: {got['plan']:.1f} s (load {_load()}); its estimate: {estimate}")
+    if "demo" in args.parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            got["demo"], _ = _timed_cli("run", "--config", "configs/demo.yaml", f"run_root={tmp}")
+            (stages,) = Path(tmp).glob("demo-*/stages.json")
+            ran = {k: v["seconds"] for k, v in json.loads(stages.read_text()).items() if v.get("seconds")}
+        print(f"demo: {got['demo']:.0f} s (load {_load()})\n| stage | run, s | plan, s | plan / run |\n|---|---:|---:|---:|")
+        for stage, seconds in ran.items():
+            planned = estimate.get(stage, float("nan"))
+            print(f"| {stage} | {seconds:.1f} | {planned:.0f} | {planned / seconds:.2f} |")
+    print(f"generation_x={got['generation']:.2f} distillation_x={got['distillation']:.2f} "
+          f"teacher_ratio={got['teacher']:.2f} plan_s={got['plan']:.1f} demo_s={got['demo']:.0f}")
 
 
 if __name__ == "__main__":
