@@ -157,7 +157,8 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
     `split`: the config's `planned_split`, where the caller has read it already."""
     say = say or (lambda line: None)
     say("plan: reading the data and calibrating σ")
-    split = split or planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
+    if split is None:
+        split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
     n, unit = split.n, split.unit
     entries, probability, accounting = [], {}, {}
     if codes := _codes_entry(cfg, n, unit):

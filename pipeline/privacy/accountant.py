@@ -84,7 +84,7 @@ def epsilon_of(accountant: str, history: History, delta: float) -> float:
 # A run asks the accountant the same questions several times: the plan before the server
 # starts, the plan inside the flow, the teacher stage (σ and its ε), the ledger's total and
 # the dataset budget's. Each answer is a pure function of public numbers, so it is kept for
-# the process: 5.6 s for the tiny test config's first plan, 1.1 s for the second (issue 22).
+# the process (issue 22): a second plan of the tiny test config took 1.1 s before, 0.04 s now.
 @functools.lru_cache(maxsize=1024)
 def _epsilon(accountant: str, history: tuple, delta: float) -> float:
     from opacus.accountants import create_accountant
