@@ -11,8 +11,10 @@ from the ledger's `compose`. The same text, without the timing, is the first log
 The time is an estimate, made in seconds: each stage's own step (the teacher's Opacus DP step,
 a distillation step, a sampled `generate` call, an evaluation batch) timed on each configured
 model shape, randomly initialised in the run's precision, on random token ids (public; never a
-private record), scaled by the step counts (pipeline/timing.py). Evaluation's batches follow
-the test records' token counts. No Prefect here.
+private record), scaled by the step counts (pipeline/timing.py). The test records' token counts
+stand in for every length the run will see: the teacher's padded batches, the synthetic samples'
+expected lengths (generation, distillation) and evaluation's batches; a timing and a test-split
+statistic, both published anyway (README, "Not protected"). No Prefect here.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pipeline.privacy.control_codes import STAGE as CODES_STAGE
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, with_pld_epsilons
 from pipeline.stages.adherence import declared_values
 from pipeline.stages.data import CODE_JOINER, PlannedSplit, planned_split, prompt_for
+from pipeline.stages.downstream import MAUVE_TEXTS
 from pipeline.stages.teacher import calibrate_noise, monitor_points, poisson_schedule
 from pipeline.timing import StepTimer
 
@@ -229,16 +232,31 @@ def _window_batches(lengths: list[int], window: int, batch: int) -> list[tuple[i
             for i in range(0, len(part), batch)]
 
 
-def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer) -> dict[str, tuple[float, str]]:
+def _typical_lengths(lengths: list[int], batch: int, cap: int) -> list[int]:
+    """`batch` token lengths spread evenly over the quantiles of `lengths`, each capped at `cap`:
+    a batch as the run's will typically be, its longest the padding (the (2b-1)/2b quantile, near
+    the expected longest of b draws). Without lengths (an empty test split), all `cap`."""
+    if not lengths:
+        return [cap] * batch
+    ordered = sorted(min(n, cap) for n in lengths)
+    return [max(2, ordered[(2 * i + 1) * len(ordered) // (2 * batch)]) for i in range(batch)]
+
+
+def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
+                    lengths: list[int]) -> dict[str, tuple[float, str]]:
     """Each DP-SGD stage: its logical steps (the stages' Opacus step on random ids), the validation
-    loss at each monitor point (teacher.monitor dp or public; none scores nothing) and σ's calibration."""
+    loss at each monitor point (teacher.monitor dp or public; none scores nothing) and σ's calibration.
+    A step's records are q·N in expectation, in physical batches padded to a typical batch's longest
+    of `lengths` (the records' token counts, the test split's standing in for the training split's)."""
     t, out = cfg.teacher, {}
     for entry in plan.entries:
         if entry.mechanism != "subsampled_gaussian":
             continue
         name = t.model if entry.stage == "teacher" else cfg.distill.student_model
         timer.say(f"plan: timing the {entry.stage}'s DP-SGD step ({name}, {t.grad_sample_mode} clipping)")
-        step = timer.teacher_step(name, t.batch_size, t.max_length)
+        records = plan.sampling_probability[entry.stage] * plan.n
+        padded = max(_typical_lengths(lengths, min(t.physical_batch_size, max(1, round(records))), t.max_length))
+        step = timer.teacher_step(name, records, padded)
         if entry.stage == "student" and cfg.distill.method == "dpkd":
             step += t.batch_size / t.physical_batch_size * timer.forward(t.model, t.physical_batch_size, t.max_length)
         checks = len(monitor_points(entry.steps, t.log_every))
@@ -247,32 +265,52 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer) -> dict[s
         calibration, one_epsilon = plan.accounting_seconds[entry.stage]
         accounting = calibration + checks * one_epsilon  # the stage calibrates σ again, and reports ε
         out[entry.stage] = (entry.steps * step + monitor + accounting,
-                            f"{entry.steps} steps of {t.batch_size} (expected) × {t.max_length} tokens at {step:.3g} s "
+                            f"{entry.steps} steps of {records:.0f} (expected) × ≤ {padded} tokens at {step:.3g} s "
                             f"with {t.grad_sample_mode} clipping, validation and σ calibration "
                             f"{monitor + accounting:.0f} s")
     return out
 
 
-def _generation_seconds(cfg: PipelineConfig, timer: StepTimer, prompts: list[int]) -> tuple[float, str]:
-    """Full batches of the most common prompt length, one part-filled batch per other length
-    (generation batches equal-length prompts), each run to its token budget."""
+def _new_tokens(cfg: PipelineConfig, prompt: int, lengths: list[int]) -> tuple[int, float]:
+    """A sample's token budget after a `prompt`, and the new tokens it takes in expectation: as
+    many as a record of `lengths` has after its prompt (the teacher writes records like the
+    training split's; the test split's stand in for them), within the budget."""
+    g = cfg.generate
+    budget = max(1, min(g.max_length - prompt, g.max_new_tokens or g.max_length))
+    if not lengths:
+        return budget, float(budget)
+    return budget, sum(min(budget, max(1, n - prompt)) for n in lengths) / len(lengths)
+
+
+def _generation_seconds(cfg: PipelineConfig, timer: StepTimer, prompts: list[int],
+                        lengths: list[int]) -> tuple[float, str]:
+    """The fast engine decodes `batch_size` rows at a time and refills a row with the next prompt,
+    of any length, as its sample ends: the samples' expected new tokens, `batch_size` at a time.
+    Transformers' `generate` (engine hf) runs batches of equal-length prompts, each to its budget:
+    full batches of the middle prompt length, and one part-filled batch per other length."""
     g = cfg.generate
     timer.say(f"plan: timing generation ({cfg.teacher.model}, batches of {g.batch_size})")
-    budget = lambda prompt: min(g.max_length - prompt, g.max_new_tokens or g.max_length)  # noqa: E731
-    batches = math.ceil(g.num_samples / g.batch_size) + len(prompts) - 1
+    hf = g.engine == "hf"
+    batches = math.ceil(g.num_samples / g.batch_size) + (len(prompts) - 1 if hf else 0)
     mid = prompts[len(prompts) // 2]
-    seconds = timer.generate_batch(cfg.teacher.model, g.batch_size, mid, budget(mid))
-    return (batches * seconds, f"{batches} batches of up to {g.batch_size} × {budget(mid)} new tokens at "
-            f"{seconds:.3g} s (no sample stopping early; prompts of {len(prompts)} token lengths), one worker")
+    budget, expected = _new_tokens(cfg, mid, lengths)
+    new = budget if hf else max(1, round(expected))
+    seconds = timer.generate_batch(cfg.teacher.model, g.batch_size, mid, new)
+    return (batches * seconds, f"{batches} batches of up to {g.batch_size} × {new} new tokens at {seconds:.3g} s "
+            f"({'each sample to its budget' if hf else f'the budget {budget}, {new} expected'}; "
+            f"prompts of {len(prompts)} token lengths), one worker")
 
 
-def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int) -> tuple[float, str]:
+def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, lengths: list[int]) -> tuple[float, str]:
     """Every candidate's training (distill.candidates), then the selection: the DP teacher
-    samples `selection_samples` untruncated texts and scores them with each candidate."""
+    samples `selection_samples` untruncated texts and scores them with each candidate. The
+    synthetic samples are `prompt` and their expected new tokens (`_new_tokens`) long."""
     d, method = cfg.distill, cfg.distill.method
     candidates = [c for _, c in d.candidate_configs()] if method == "distil" and len(d.candidates) > 1 else \
         [d.candidate_configs()[0][1] if method == "distil" and d.candidates else d]
-    parts = [_candidate_seconds(cfg, c, timer, prompt) for c in candidates]
+    budget, _ = _new_tokens(cfg, prompt, [])
+    samples = [prompt + min(budget, max(1, n - prompt)) for n in lengths] or [prompt + budget]
+    parts = [_candidate_seconds(cfg, c, timer, prompt, samples) for c in candidates]
     total = sum(seconds for seconds, _ in parts)
     what = parts[0][1] if len(parts) == 1 else f"{len(parts)} candidates: " + "; ".join(w for _, w in parts)
     if len(candidates) > 1:
@@ -286,7 +324,7 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int) ->
     return total, what
 
 
-def _candidate_seconds(cfg: PipelineConfig, d, timer: StepTimer, prompt: int) -> tuple[float, str]:
+def _candidate_seconds(cfg: PipelineConfig, d, timer: StepTimer, prompt: int, samples: list[int]) -> tuple[float, str]:
     g, method = cfg.generate, cfg.distill.method
     n_validation = round(g.num_samples * g.validation_fraction)
     n_synthetic = g.num_samples - n_validation
@@ -295,14 +333,14 @@ def _candidate_seconds(cfg: PipelineConfig, d, timer: StepTimer, prompt: int) ->
     steps = d.epochs * math.ceil(n_synthetic / d.batch_size)
     on_the_fly = method == "distil" and (d.alpha > 0 or d.beta > 0) and d.teacher_top_k is None
     timer.say(f"plan: timing a distillation step ({d.student_model}" + (f" and {cfg.teacher.model})" if on_the_fly else ")"))
-    step = timer.distill_step(d.student_model, cfg.teacher.model if on_the_fly else None, d.batch_size, g.max_length,
-                              prompt)
+    batch = _typical_lengths(samples, d.batch_size, g.max_length)
+    step = timer.distill_step(d.student_model, cfg.teacher.model if on_the_fly else None, batch, prompt)
     evals = math.ceil(steps / d.eval_every) * timer.forward(d.student_model, n_validation, g.max_length)
     cache = 0.0
     if method == "distil" and d.teacher_top_k is not None:
         cache = timer.forward(cfg.teacher.model, n_synthetic, g.max_length)  # once per synthetic set
     return (steps * step + evals + cache,
-            f"{steps} steps of {d.batch_size}×{g.max_length} tokens at {step:.3g} s"
+            f"{steps} steps of {d.batch_size} samples of ~{sum(batch) / len(batch):.0f} tokens at {step:.3g} s"
             + (" (student forward+backward, teacher forward)" if on_the_fly else "")
             + f", validation {evals:.0f} s" + (f", teacher top-k cache {cache:.0f} s" if cache else ""))
 
@@ -325,6 +363,11 @@ def _evaluation_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer, tok,
         adherence = math.ceil(sequences / e.batch_size) * timer.forward(t.model, e.batch_size, cfg.generate.max_length)
         seconds += adherence
         how += f", code adherence {sequences} sequences {adherence:.0f} s"
+    texts = min(e.mauve_texts, MAUVE_TEXTS, plan.n_test, cfg.generate.num_samples)
+    if d.method in ("distil", "dp_syn") and texts >= 50:  # downstream.mauve_score: the DP teacher's features
+        mauve = 2 * math.ceil(texts / e.batch_size) * timer.forward(t.model, e.batch_size, e.window)
+        seconds += mauve
+        how += f", MAUVE's features of {texts} texts a side {mauve:.0f} s"
     return seconds, how
 
 
@@ -342,18 +385,18 @@ def estimate_seconds(cfg: PipelineConfig, plan: Plan, split: PlannedSplit,
         out["base-models"] = (0.0, "cached")
     elif builtin:
         timer.say("plan: timing the builtin models' pretraining steps")
-        out["base-models"] = (sum(spec.steps * timer.distill_step(f"{BUILTIN_PREFIX}{which}", None, spec.batch_size,
-                                                                  b.context_length, 0)
+        out["base-models"] = (sum(spec.steps * timer.distill_step(f"{BUILTIN_PREFIX}{which}", None,
+                                                                  [b.context_length] * spec.batch_size, 0)
                                   for which, spec in (("teacher", b.teacher), ("student", b.student))),
                               "pretraining steps of both builtin models (plus their tokenizer)")
-    out.update(_dp_sgd_seconds(cfg, plan, timer))
     tok = _tokenizer(cfg)
+    test_tokens = _token_counts(tok, split.test_codes, split.test_texts)
+    out.update(_dp_sgd_seconds(cfg, plan, timer, test_tokens))
     if cfg.distill.method in ("distil", "dp_syn"):
         prompts = _prompt_lengths(cfg, tok)
-        out["generation"] = _generation_seconds(cfg, timer, prompts)
-        out["distillation"] = _distillation_seconds(cfg, timer, prompts[len(prompts) // 2])
-    out["evaluation"] = _evaluation_seconds(cfg, plan, timer, tok,
-                                            _token_counts(tok, split.test_codes, split.test_texts))
+        out["generation"] = _generation_seconds(cfg, timer, prompts, test_tokens)
+        out["distillation"] = _distillation_seconds(cfg, timer, prompts[len(prompts) // 2], test_tokens)
+    out["evaluation"] = _evaluation_seconds(cfg, plan, timer, tok, test_tokens)
     plan.cpu_share = timer.cpu_share()
     return out
 
@@ -363,6 +406,8 @@ def estimate_seconds(cfg: PipelineConfig, plan: Plan, split: PlannedSplit,
 def _duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
+    if seconds < 600:
+        return f"{seconds / 60:.1f} min"
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"

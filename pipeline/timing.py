@@ -31,13 +31,15 @@ from pipeline.config import PipelineConfig
 from pipeline.devices import Runtime
 from pipeline.models import decoding
 from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, causal_lm_from_config, tiny_gpt2, untie_lm_head
-from pipeline.models.losses import distillation_loss, prompt_mask
+from pipeline.models.losses import TopKLogits
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
+from pipeline.stages.distill import step_loss
 from pipeline.stages.teacher import CLIPPING, per_sequence_loss, prepare_trainable
 
 PROBE_SEQUENCES = 4  # sequences of a first, cheap timing of each shape on a CPU
 FULL_BATCH_SECONDS = 0.25  # a shape predicted to run faster than this is timed at its real batch too
-REPEATS = 2  # calls per shape; the fastest counts (the first also pays one-off costs: allocation, lazy imports)
+REPEATS = 3  # calls per shape; the fastest counts (the first also pays one-off costs: allocation, lazy imports)
+NEW_TOKENS_TIMED = 16  # generation: new tokens whose time, less one token's, gives the cost of a new token
 
 
 def _n_positions(model) -> int:
@@ -190,54 +192,53 @@ class StepTimer:
         self._models[key] = (made[0], made[1], CLIPPING[t.grad_sample_mode])
         return self._models[key]
 
-    def distill_step(self, student: str, teacher: str | None, batch: int, length: int, prompt: int) -> float:
-        """Seconds of one distillation step: student forward+backward under autocast, the frozen
-        teacher's forward (None: no teacher logits), the losses, clipping and AdamW. The models
-        run the batch in `distill.length_groups` passes, as the stage does (each at the full
-        length here, where the stage's are shorter: an upper bound); on tiny models a pass's
-        fixed cost is most of the step, and one pass was timed ~2.6x under the stage's four."""
+    def distill_step(self, student: str, teacher: str | None, lengths: list[int], prompt: int) -> float:
+        """Seconds of one distillation step over a batch of samples of `lengths` tokens: the
+        stage's own `step_loss` (the models in `distill.length_groups` passes, the heads and
+        losses on the real tokens only), the backward, clipping and AdamW. `teacher` None: no
+        teacher forward (a top-k cache's logits, read from memory, or no KL). A probe of a few
+        of the lengths runs in proportionally fewer groups, so that scaling it keeps the
+        batch's number of passes (on tiny models a pass's fixed cost is most of the step)."""
         d = self.cfg.distill
         s_model = self.model(student)
         t_model = self.model(teacher, inference=True) if teacher else None
         optimizer = torch.optim.AdamW(s_model.parameters(), lr=d.learning_rate)
-        vocab = s_model.config.vocab_size
+        vocab, batch = s_model.config.vocab_size, len(lengths)
+        ordered = sorted(lengths)
 
         def seconds(b: int) -> float:
-            batch, labels = self._batch(s_model, b, length)
-            kl_mask = prompt_mask(labels.shape[1], torch.full((b,), prompt)).to(labels.device)  # (B, L-1)
-
-            groups = [{k: v[g] for k, v in batch.items()} for g in torch.arange(b).chunk(d.length_groups)]
-
-            def logits(model) -> torch.Tensor:  # the stage's passes: one per length group
-                return torch.cat([model(**group).logits[:, :-1, :vocab] for group in groups]).float()  # (B, L-1, V)
+            part = [ordered[(2 * i + 1) * batch // (2 * b)] for i in range(b)]  # b of them, evenly spread
+            cfg = d.model_copy(update={"length_groups": max(1, round(d.length_groups * b / batch)),
+                                       **({} if teacher else {"alpha": 0.0, "beta": 0.0})})
+            ids = self._ids(s_model, b, max(part))
+            lens, skip = torch.tensor(part).clamp(max=ids.shape[1]), torch.full((b,), prompt)  # the models' positions
+            k = d.teacher_top_k or 1
+            cached = None if teacher else TopKLogits(  # as the stage reads them from a top-k cache
+                torch.zeros(b, ids.shape[1] - 1, k, dtype=torch.long, device=ids.device),
+                torch.zeros(b, ids.shape[1] - 1, k, device=ids.device))
 
             def step():
-                if t_model is not None:
-                    with torch.no_grad(), self.runtime.autocast():
-                        t_logits = logits(t_model)
-                with self.runtime.autocast():
-                    s_logits = logits(s_model)
-                parts = distillation_loss(s_logits, t_logits if t_model is not None else s_logits.detach(), labels,
-                                          kl_mask, alpha=d.alpha if t_model is not None else 0.0,
-                                          temperature=d.temperature, beta=0.0)
+                parts = step_loss(cfg, t_model, vocab, s_model, None, cached, ids, lens, skip, self.runtime)
                 parts.loss.backward()
                 torch.nn.utils.clip_grad_norm_(s_model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # Candidates that differ only in α or the KL's tokens step alike: timed once.
-            return self._once(("distill", student, teacher, b, length, prompt), lambda: self._fastest(step))
+            return self._once(("distill", student, teacher, tuple(part), prompt, cfg.length_groups),
+                              lambda: self._fastest(step))
         return self._scaled(seconds, batch)
 
     def generate_batch(self, name: str, batch: int, prompt: int, new_tokens: int) -> float:
         """Seconds of one sampled batch of `batch` prompts × new tokens with the run's engine
         (`generate.engine`: our KV-cache loop, or transformers' `generate`) and sampling
-        settings: the prompt pass plus a few new tokens, timed, with the cost of a new token
-        taken from the difference and scaled to `new_tokens`. (The plan timed `generate` for
-        both engines until 2026-11-23, ~3x over the fast engine's runs.)"""
+        settings: the prompt pass plus one new token, and plus `NEW_TOKENS_TIMED` more, timed, with
+        the cost of a new token taken from the difference and scaled to `new_tokens`. (The plan
+        timed `generate` for both engines until 2026-11-23, ~3x over the fast engine's runs; a
+        difference over 2 new tokens gave 0.5-20 ms a token where 16 give 19-21 ms.)"""
         g = self.cfg.generate
         model = self.model(name, inference=True)
         ids = self._ids(model, batch, prompt)
-        few = min(new_tokens, 3)
+        few = min(new_tokens, 1 + NEW_TOKENS_TIMED)
         engine_fast = g.engine == "fast" and decoding.fast_decode_problem(model) is None
 
         def call(n: int):
@@ -252,9 +253,11 @@ class StepTimer:
                                top_p=g.top_p, temperature=g.temperature, max_new_tokens=n, min_new_tokens=n,
                                no_repeat_ngram_size=g.no_repeat_ngram_size or None, use_cache=True,
                                pad_token_id=0)
-        first = self._fastest(lambda: call(1))
+        def timed(n: int) -> float:  # the selection's samples share generation's shape
+            return self._once(("generate", name, batch, prompt, n), lambda: self._fastest(lambda: call(n)))
+        first = timed(1)
         if new_tokens == 1:
             return first
-        per_token = max(self._fastest(lambda: call(few)) - first, 0.0) / max(few - 1, 1)
+        per_token = max(timed(few) - first, 0.0) / max(few - 1, 1)
         return first + (new_tokens - 1) * per_token
 

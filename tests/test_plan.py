@@ -21,12 +21,12 @@ from cli_probe import child_pythonpath
 from pipeline.config import config_from_dict
 from pipeline.devices import CPU_FP32, Runtime, cpu_has_native_bf16, slow_bf16_warning
 from pipeline.models.base import SHIPPED, causal_lm_from_config
-from pipeline.plan import make_plan
+from pipeline.plan import _typical_lengths, make_plan
 from pipeline.privacy.control_codes import release_control_codes
 from pipeline.privacy.ledger import compose
 from pipeline.stages.data import prepare_data
 from pipeline.stages.distill import distill
-from pipeline.stages.generate import generate_synthetic
+from pipeline.stages.generate import generate_synthetic, read_synthetic
 from pipeline.stages.teacher import train_teacher
 from pipeline.timing import StepTimer
 
@@ -114,8 +114,6 @@ def test_the_plan_times_the_steps_the_stages_take(tmp_path, tiny_model_dir):
     one_thread = Runtime(torch.device("cpu"), "fp32", threads=1)
     timer = StepTimer(cfg, one_thread, clock="cpu", repeats=5)  # steps of milliseconds: more repeats than a plan's
     planned_teacher = timer.teacher_step(cfg.teacher.model, cfg.teacher.batch_size, cfg.teacher.max_length)
-    planned_distill = timer.distill_step(cfg.distill.student_model, cfg.teacher.model, cfg.distill.batch_size,
-                                         cfg.generate.max_length, prompt=4)
 
     data = prepare_data(cfg.data, tmp_path / "data", code_domain=cfg.control_codes.domain)
     codes = release_control_codes(cfg.control_codes, cfg.data, train_path=data.train, out_dir=tmp_path / "codes",
@@ -126,6 +124,11 @@ def test_the_plan_times_the_steps_the_stages_take(tmp_path, tiny_model_dir):
                             on_progress=lambda record: teacher_steps.append(time.process_time()))
     synthetic = generate_synthetic(cfg.generate, teacher_dir=teacher.checkpoint, control_codes_path=codes.path,
                                    ledger=[], out_dir=tmp_path / "synthetic", seed=cfg.seed)
+    # The stage's step on a batch of the synthetic samples' lengths (the plan's expected lengths
+    # are its own approximation; this checks the step it times).
+    lengths = [len(ids) for ids in read_synthetic(synthetic.path, "train").column("token_ids").to_pylist()]
+    batch = _typical_lengths(lengths, cfg.distill.batch_size, cfg.generate.max_length)
+    planned_distill = timer.distill_step(cfg.distill.student_model, cfg.teacher.model, batch, prompt=4)
     distill_steps: list[float] = []
     distill(cfg.distill, synthetic_path=synthetic.path, teacher_dir=teacher.checkpoint,
             student_model=str(tiny_model_dir), out_dir=tmp_path / "student", seed=cfg.seed, runtime=one_thread,

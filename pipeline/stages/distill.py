@@ -191,15 +191,18 @@ def _save_model(student, tok, ckpt: Path) -> None:
     tok.save_pretrained(ckpt)
 
 
-def _step(cfg: DistillConfig, setup: _Setup, student, projection, cached, ids, lengths, skip, runtime: Runtime):
-    """One batch's loss parts (the caller steps the optimiser). ids (B, L), lengths (B,), skip (B,).
+def step_loss(cfg: DistillConfig, teacher, vocab: int, student, projection, cached, ids, lengths, skip,
+              runtime: Runtime):
+    """One batch's loss parts (the caller steps the optimiser). ids (B, L), lengths (B,), skip (B,);
+    `teacher`: the frozen teacher, None with `cached` top-k logits; `vocab`: the tokenizer's size.
+    `dpdistill plan` times this function (pipeline/timing.py).
 
     The models run the batch in `cfg.length_groups` groups of samples of similar length, each
     padded to its own longest; the vocabulary projections and the losses then run once, on the
     batch's N real targets only, as one (1, N) row. The same per-token losses, means over the
     same tokens and gradient as on the padded (B, L-1, V) logits (issue 22: a shuffled batch
     of synthetic samples was ~30% padding, and the (B, L-1, V) tensors the largest of the step)."""
-    device, vocab, want_hidden = runtime.device, len(setup.tok), cfg.beta > 0
+    device, want_hidden = runtime.device, cfg.beta > 0
     groups = [g for g in torch.argsort(lengths).chunk(cfg.length_groups) if len(g)]  # similar lengths together
     batches, labels, kl_mask = [], [], []
     for g in groups:
@@ -216,8 +219,8 @@ def _step(cfg: DistillConfig, setup: _Setup, student, projection, cached, ids, l
                                       for t in cached))  # (1, N, k)
     else:
         with torch.no_grad(), runtime.autocast():
-            t_last = _real_hidden(setup.teacher, batches)  # (N, H_t)
-            teacher_logits = _vocab_logits(setup.teacher, t_last, vocab).float()[None]  # (1, N, V)
+            t_last = _real_hidden(teacher, batches)  # (N, H_t)
+            teacher_logits = _vocab_logits(teacher, t_last, vocab).float()[None]  # (1, N, V)
         teacher_hidden = t_last.float()[None] if want_hidden else None
     with runtime.autocast():  # forward only; the losses below run in fp32
         s_last = _real_hidden(student, batches)  # (N, H_s)
@@ -280,7 +283,7 @@ def _train(cfg: DistillConfig, setup: _Setup, *, name: str, student_model: str, 
             if cached is not None:
                 top = cached.batch(idx, lengths)  # (B, L-1, k)
                 top = type(top)(*(t.to(runtime.device) for t in top))
-            parts = _step(cfg, setup, student, projection, top, ids, lengths, skip, runtime)
+            parts = step_loss(cfg, setup.teacher, len(setup.tok), student, projection, top, ids, lengths, skip, runtime)
             parts.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()

@@ -290,7 +290,7 @@ def test_the_step_in_length_groups_is_the_padded_loss(tiny_tokenizer, tiny_model
     from pipeline.devices import CPU_FP32
     from pipeline.models.base import load_causal_lm
     from pipeline.models.losses import distillation_loss, prompt_mask
-    from pipeline.stages.distill import _Setup, _step
+    from pipeline.stages.distill import step_loss
 
     torch.manual_seed(0)
     teacher, student = load_causal_lm(str(tiny_model_dir)).eval(), load_causal_lm(str(wide_student))
@@ -298,9 +298,7 @@ def test_the_step_in_length_groups_is_the_padded_loss(tiny_tokenizer, tiny_model
     ids = torch.randint(1, 300, (5, 20)) * (torch.arange(20) < lengths.unsqueeze(1))  # (B, L), padded with 0
     skip = torch.tensor([3, 2, 5, 0, 4])
     cfg = DistillConfig(candidates=[], alpha=0.6, temperature=2.0, length_groups=groups)
-    setup = _Setup(tok=tiny_tokenizer, teacher=teacher, cache=None, max_len=64, train_table=None, validation=None,
-                   available=3, scratch=None)
-    ours = _step(cfg, setup, student, None, None, ids, lengths, skip, CPU_FP32)
+    ours = step_loss(cfg, teacher, len(tiny_tokenizer), student, None, None, ids, lengths, skip, CPU_FP32)
     ours.loss.backward()
     grad = [p.grad.clone() for p in student.parameters()]
     student.zero_grad()
