@@ -22,12 +22,16 @@ process, alternating: `teacher_ratio` is the DP step's median time over the non-
 
 Plan and demo: `dpdistill plan --config configs/demo.yaml` (`plan_s`) and, with `--parts ...
 demo`, `dpdistill run --config configs/demo.yaml` in a temporary run_root (`demo_s`, 10-15 min
-on 2 idle cores), each a fresh process timed from start to exit, as a user waits for it.
+on 2 idle cores), each a fresh process timed from start to exit, as a user waits for it; then
+the plan's estimate of each stage beside the run's stages.json. `--config` and `--set` plan and
+run another config instead (the plan's accuracy on a second one).
 
 Run from the repository root (`OMP_NUM_THREADS=1`: one core each, the ratio is per core):
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/pipeline_speed.py            # ~8 min on 2 busy cores
     OMP_NUM_THREADS=1 .venv/bin/python bench/pipeline_speed.py --parts generation distillation teacher plan demo
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pipeline_speed.py --parts plan demo --config configs/airline.yaml \
+        --set teacher.epochs=1 generate.num_samples=2000                  # tweets, user-level DP: ~15 min
 
 The last line reads `generation_x=G distillation_x=D teacher_ratio=T plan_s=P demo_s=S`
 (nan for a part not run).
@@ -197,6 +201,8 @@ def main() -> None:
     parts = ("generation", "distillation", "teacher", "plan", "demo")
     ap.add_argument("--parts", nargs="+", choices=parts, default=list(parts[:4]),
                     help="what to measure (default: all but the demo run)")
+    ap.add_argument("--config", default="configs/demo.yaml", help="the plan's and the run's config")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for both (e.g. teacher.epochs=1)")
     args = ap.parse_args()
     print(f"torch threads {torch.get_num_threads()}, load {_load()}")
     got = dict.fromkeys(parts, float("nan"))
@@ -210,13 +216,13 @@ def main() -> None:
         print(f"teacher: bk step / non-private step {got['teacher']:.2f} (load {_load()})")
     estimate = {}
     if "plan" in args.parts:
-        got["plan"], text = _timed_cli("plan", "--config", "configs/demo.yaml")
+        got["plan"], text = _timed_cli("plan", "--config", args.config, *args.set)
         estimate = _estimates(text)
         print(f"plan: {got['plan']:.1f} s (load {_load()}); its estimate: {estimate}")
     if "demo" in args.parts:
         with tempfile.TemporaryDirectory() as tmp:
-            got["demo"], _ = _timed_cli("run", "--config", "configs/demo.yaml", f"run_root={tmp}")
-            (stages,) = Path(tmp).glob("demo-*/stages.json")
+            got["demo"], _ = _timed_cli("run", "--config", args.config, *args.set, f"run_root={tmp}")
+            (stages,) = Path(tmp).glob("*/stages.json")
             ran = {k: v["seconds"] for k, v in json.loads(stages.read_text()).items() if v.get("seconds")}
         print(f"demo: {got['demo']:.0f} s (load {_load()})\n| stage | run, s | plan, s | plan / run |\n|---|---:|---:|---:|")
         for stage, seconds in ran.items():

@@ -125,10 +125,10 @@ class StepTimer:
             self._timed[key] = measure()
         return self._timed[key]
 
-    def _scaled(self, seconds_of: Callable[[int], float], batch: int) -> float:
+    def _scaled(self, seconds_of: Callable[[int], float], batch: int, probe: int = PROBE_SEQUENCES) -> float:
         """Seconds of `seconds_of(batch)`, timed at the real batch when that is cheap (always on
-        a GPU, whose time is flat in small batches), else scaled from a few sequences."""
-        probe = batch if self.runtime.device.type == "cuda" else min(batch, PROBE_SEQUENCES)
+        a GPU, whose time is flat in small batches), else scaled from `probe` sequences."""
+        probe = batch if self.runtime.device.type == "cuda" else min(batch, probe)
         seconds = seconds_of(probe)
         if probe == batch:
             return seconds
@@ -169,6 +169,9 @@ class StepTimer:
         physical = self.cfg.teacher.physical_batch_size
         # Every pass timed with a real (noisy) optimizer step, where the run skips all but the
         # last of a logical batch's: a few percent high for large models, whose passes dominate.
+        # On the demo teacher the two errors nearly cancel: 4 sequences scaled ×8 price the
+        # pass itself at ~0.8x a 32-sequence pass (larger tensors, out of cache), and the 8
+        # optimizer steps add ~0.15x (measured 2026-11-24: 0.34 s x 8 against 3.1-3.4 s; 0.065 s).
         return records / physical * self._scaled(one_pass, min(physical, max(1, round(records))))
 
     def _dp_model(self, name: str):
@@ -196,19 +199,23 @@ class StepTimer:
         """Seconds of one distillation step over a batch of samples of `lengths` tokens: the
         stage's own `step_loss` (the models in `distill.length_groups` passes, the heads and
         losses on the real tokens only), the backward, clipping and AdamW. `teacher` None: no
-        teacher forward (a top-k cache's logits, read from memory, or no KL). A probe of a few
-        of the lengths runs in proportionally fewer groups, so that scaling it keeps the
-        batch's number of passes (on tiny models a pass's fixed cost is most of the step)."""
+        teacher forward (a top-k cache's logits, read from memory, or no KL). The probe is the
+        batch's middle length group alone, scaled by the number of groups: the stage's passes,
+        each padded to its own group's longest. (Against the whole batch timed in one process:
+        1.40 and 1.08 s against 1.18 and 1.15 for the demo's, 0.95 and 1.14 against 1.08 and
+        1.10 for the airline config's; a 4-sample probe is as noisy as that, not biased.)"""
         d = self.cfg.distill
         s_model = self.model(student)
         t_model = self.model(teacher, inference=True) if teacher else None
         optimizer = torch.optim.AdamW(s_model.parameters(), lr=d.learning_rate)
         vocab, batch = s_model.config.vocab_size, len(lengths)
         ordered = sorted(lengths)
+        groups = [ordered[int(g[0]):int(g[-1]) + 1] for g in torch.arange(batch).chunk(d.length_groups)]  # as the stage's
+        middle = groups[len(groups) // 2]
 
         def seconds(b: int) -> float:
-            part = [ordered[(2 * i + 1) * batch // (2 * b)] for i in range(b)]  # b of them, evenly spread
-            cfg = d.model_copy(update={"length_groups": max(1, round(d.length_groups * b / batch)),
+            part = ordered if b == batch else middle  # the batch, or its middle length group alone
+            cfg = d.model_copy(update={"length_groups": d.length_groups if b == batch else 1,
                                        **({} if teacher else {"alpha": 0.0, "beta": 0.0})})
             ids = self._ids(s_model, b, max(part))
             lens, skip = torch.tensor(part).clamp(max=ids.shape[1]), torch.full((b,), prompt)  # the models' positions
@@ -226,7 +233,7 @@ class StepTimer:
             # Candidates that differ only in α or the KL's tokens step alike: timed once.
             return self._once(("distill", student, teacher, tuple(part), prompt, cfg.length_groups),
                               lambda: self._fastest(step))
-        return self._scaled(seconds, batch)
+        return self._scaled(seconds, batch, probe=len(middle))
 
     def generate_batch(self, name: str, batch: int, prompt: int, new_tokens: int) -> float:
         """Seconds of one sampled batch of `batch` prompts × new tokens with the run's engine

@@ -21,7 +21,7 @@ from cli_probe import child_pythonpath
 from pipeline.config import config_from_dict
 from pipeline.devices import CPU_FP32, Runtime, cpu_has_native_bf16, slow_bf16_warning
 from pipeline.models.base import SHIPPED, causal_lm_from_config
-from pipeline.plan import _typical_lengths, make_plan
+from pipeline.plan import _new_tokens, _typical_lengths, make_plan
 from pipeline.privacy.control_codes import release_control_codes
 from pipeline.privacy.ledger import compose
 from pipeline.stages.data import prepare_data
@@ -96,6 +96,24 @@ def _cpu_per_step(times: list[float]) -> float:
     caches flushed by other processes) is slower in CPU seconds too."""
     gaps = sorted(b - a for a, b in zip(times, times[1:]))
     return gaps[len(gaps) // 4]
+
+
+def test_the_plan_prices_the_lengths_records_have_not_the_longest_allowed(tmp_path):
+    """A batch as the run's will typically be: its lengths spread over the records' quantiles,
+    capped at the stage's max_length, its longest near the expected longest of b draws (the
+    padding of a teacher batch). Distillation was priced at the full 128 tokens a sample, 1.83x
+    the demo's run (docs/operations.md)."""
+    tweets = list(range(10, 60))  # 50 records of 10..59 tokens
+    assert _typical_lengths(tweets, 5, cap=128) == [15, 25, 35, 45, 55]
+    assert _typical_lengths(tweets, 1, cap=128) == [35]  # the median
+    assert max(_typical_lengths(tweets, 32, cap=128)) == 59  # 32 draws: nearly always the longest
+    assert _typical_lengths(tweets, 5, cap=30) == [15, 25, 30, 30, 30]
+    assert _typical_lengths([], 3, cap=64) == [64, 64, 64]  # no test records: the longest allowed
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["generate"].update(max_length=64, max_new_tokens=None)
+    cfg = config_from_dict(tree)
+    budget, expected = _new_tokens(cfg, prompt=4, lengths=[10, 30, 200])
+    assert budget == 60 and expected == (6 + 26 + 60) / 3  # new tokens after the prompt, within the budget
 
 
 def test_the_plan_times_the_steps_the_stages_take(tmp_path, tiny_model_dir):
