@@ -125,10 +125,10 @@ class StepTimer:
             self._timed[key] = measure()
         return self._timed[key]
 
-    def _scaled(self, seconds_of: Callable[[int], float], batch: int, probe: int = PROBE_SEQUENCES) -> float:
+    def _scaled(self, seconds_of: Callable[[int], float], batch: int) -> float:
         """Seconds of `seconds_of(batch)`, timed at the real batch when that is cheap (always on
-        a GPU, whose time is flat in small batches), else scaled from `probe` sequences."""
-        probe = batch if self.runtime.device.type == "cuda" else min(batch, probe)
+        a GPU, whose time is flat in small batches), else scaled from a few sequences."""
+        probe = batch if self.runtime.device.type == "cuda" else min(batch, PROBE_SEQUENCES)
         seconds = seconds_of(probe)
         if probe == batch:
             return seconds
@@ -199,23 +199,22 @@ class StepTimer:
         """Seconds of one distillation step over a batch of samples of `lengths` tokens: the
         stage's own `step_loss` (the models in `distill.length_groups` passes, the heads and
         losses on the real tokens only), the backward, clipping and AdamW. `teacher` None: no
-        teacher forward (a top-k cache's logits, read from memory, or no KL). The probe is the
-        batch's middle length group alone, scaled by the number of groups: the stage's passes,
-        each padded to its own group's longest. (Against the whole batch timed in one process:
-        1.40 and 1.08 s against 1.18 and 1.15 for the demo's, 0.95 and 1.14 against 1.08 and
-        1.10 for the airline config's; a 4-sample probe is as noisy as that, not biased.)"""
+        teacher forward (a top-k cache's logits, read from memory, or no KL). A probe of a few
+        of the lengths, spread over them, runs in proportionally fewer groups (one, padded to
+        its longest), so that scaling it keeps the batch's number of passes. (Tried and
+        reverted, 2026-11-24: the batch's middle length group as the probe. Where most samples
+        reach max_length, as the demo's, that group is all full-length, and the demo's
+        distillation was planned ~1.6x its run, against 1.25x with this probe.)"""
         d = self.cfg.distill
         s_model = self.model(student)
         t_model = self.model(teacher, inference=True) if teacher else None
         optimizer = torch.optim.AdamW(s_model.parameters(), lr=d.learning_rate)
         vocab, batch = s_model.config.vocab_size, len(lengths)
         ordered = sorted(lengths)
-        groups = [ordered[int(g[0]):int(g[-1]) + 1] for g in torch.arange(batch).chunk(d.length_groups)]  # as the stage's
-        middle = groups[len(groups) // 2]
 
         def seconds(b: int) -> float:
-            part = ordered if b == batch else middle  # the batch, or its middle length group alone
-            cfg = d.model_copy(update={"length_groups": d.length_groups if b == batch else 1,
+            part = [ordered[(2 * i + 1) * batch // (2 * b)] for i in range(b)]  # b of them, evenly spread
+            cfg = d.model_copy(update={"length_groups": max(1, round(d.length_groups * b / batch)),
                                        **({} if teacher else {"alpha": 0.0, "beta": 0.0})})
             ids = self._ids(s_model, b, max(part))
             lens, skip = torch.tensor(part).clamp(max=ids.shape[1]), torch.full((b,), prompt)  # the models' positions
@@ -233,7 +232,7 @@ class StepTimer:
             # Candidates that differ only in α or the KL's tokens step alike: timed once.
             return self._once(("distill", student, teacher, tuple(part), prompt, cfg.length_groups),
                               lambda: self._fastest(step))
-        return self._scaled(seconds, batch, probe=len(middle))
+        return self._scaled(seconds, batch)
 
     def generate_batch(self, name: str, batch: int, prompt: int, new_tokens: int) -> float:
         """Seconds of one sampled batch of `batch` prompts × new tokens with the run's engine
