@@ -189,7 +189,8 @@ def _timed_cli(*args: str) -> tuple[float, str]:
 def _estimates(plan_text: str) -> dict[str, float]:
     """Seconds per stage from the plan's time lines (`    teacher: ~11 min (...)`)."""
     unit = {"s": 1, "min": 60, "h": 3600}
-    return {m[1]: float(m[2]) * unit[m[3]] for m in re.finditer(r"^    ([a-z-]+): ~([0-9.]+) (s|min|h) ", plan_text, re.M)}
+    return {m[1]: round(float(m[2]) * unit[m[3]], 1)
+            for m in re.finditer(r"^    ([a-z-]+): ~([0-9.]+) (s|min|h) ", plan_text, re.M)}
 
 
 def main() -> None:

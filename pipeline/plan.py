@@ -271,15 +271,13 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
     return out
 
 
-def _new_tokens(cfg: PipelineConfig, prompt: int, lengths: list[int]) -> tuple[int, float]:
-    """A sample's token budget after a `prompt`, and the new tokens it takes in expectation: as
-    many as a record of `lengths` has after its prompt (the teacher writes records like the
+def _new_tokens(cfg: PipelineConfig, prompt: int, lengths: list[int]) -> tuple[int, list[int]]:
+    """A sample's token budget after a `prompt`, and the new tokens of the samples to expect: as
+    many as each record of `lengths` has after its prompt (the teacher writes records like the
     training split's; the test split's stand in for them), within the budget."""
     g = cfg.generate
     budget = max(1, min(g.max_length - prompt, g.max_new_tokens or g.max_length))
-    if not lengths:
-        return budget, float(budget)
-    return budget, sum(min(budget, max(1, n - prompt)) for n in lengths) / len(lengths)
+    return budget, [min(budget, max(1, n - prompt)) for n in lengths] or [budget]
 
 
 def _generation_seconds(cfg: PipelineConfig, timer: StepTimer, prompts: list[int],
@@ -293,8 +291,8 @@ def _generation_seconds(cfg: PipelineConfig, timer: StepTimer, prompts: list[int
     hf = g.engine == "hf"
     batches = math.ceil(g.num_samples / g.batch_size) + (len(prompts) - 1 if hf else 0)
     mid = prompts[len(prompts) // 2]
-    budget, expected = _new_tokens(cfg, mid, lengths)
-    new = budget if hf else max(1, round(expected))
+    budget, samples = _new_tokens(cfg, mid, lengths)
+    new = budget if hf else max(1, round(sum(samples) / len(samples)))
     seconds = timer.generate_batch(cfg.teacher.model, g.batch_size, mid, new)
     return (batches * seconds, f"{batches} batches of up to {g.batch_size} × {new} new tokens at {seconds:.3g} s "
             f"({'each sample to its budget' if hf else f'the budget {budget}, {new} expected'}; "
@@ -308,8 +306,7 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, le
     d, method = cfg.distill, cfg.distill.method
     candidates = [c for _, c in d.candidate_configs()] if method == "distil" and len(d.candidates) > 1 else \
         [d.candidate_configs()[0][1] if method == "distil" and d.candidates else d]
-    budget, _ = _new_tokens(cfg, prompt, [])
-    samples = [prompt + min(budget, max(1, n - prompt)) for n in lengths] or [prompt + budget]
+    samples = [prompt + n for n in _new_tokens(cfg, prompt, lengths)[1]]
     parts = [_candidate_seconds(cfg, c, timer, prompt, samples) for c in candidates]
     total = sum(seconds for seconds, _ in parts)
     what = parts[0][1] if len(parts) == 1 else f"{len(parts)} candidates: " + "; ".join(w for _, w in parts)
