@@ -21,8 +21,8 @@ by bench/teacher_modes.py, non-private AdamW against the book-keeping DP step, e
 process, alternating: `teacher_ratio` is the DP step's median time over the non-private one's.
 
 Plan and demo: `dpdistill plan --config configs/demo.yaml` (`plan_s`) and, with `--parts ...
-demo`, `dpdistill run --config configs/demo.yaml` in a temporary run_root (`demo_s`, 10-15 min
-on 2 idle cores), each a fresh process timed from start to exit, as a user waits for it; then
+demo`, `dpdistill run --config configs/demo.yaml` in a temporary run_root (`demo_s`, ~16 min
+at one thread on 2 idle cores), each a fresh process timed from start to exit, as a user waits for it; then
 the plan's estimate of each stage beside the run's stages.json. `--config` and `--set` plan and
 run another config instead (the plan's accuracy on a second one).
 
