@@ -258,7 +258,7 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
         padded = max(_typical_lengths(lengths, min(t.physical_batch_size, max(1, round(records))), t.max_length))
         step = timer.teacher_step(name, records, padded)
         if entry.stage == "student" and cfg.distill.method == "dpkd":
-            step += t.batch_size / t.physical_batch_size * timer.forward(t.model, t.physical_batch_size, t.max_length)
+            step += records / t.physical_batch_size * timer.forward(t.model, t.physical_batch_size, padded)
         checks = len(monitor_points(entry.steps, t.log_every))
         scored = min(t.monitor_records or plan.n_validation, plan.n_validation)  # monitor=public: timed at the validation split's size
         monitor = 0.0 if t.monitor == "none" else checks * timer.forward(name, scored, t.max_length)
