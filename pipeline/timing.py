@@ -106,6 +106,9 @@ class StepTimer:
     # --- timing -------------------------------------------------------------------------
 
     def _fastest(self, fn: Callable[[], object]) -> float:
+        # The run's threads again: a stage run in this process since (a test's, or a caller's)
+        # may have set others, and a step on two threads costs ~1.5-3x the CPU seconds of one.
+        self.runtime.apply_threads()
         sync = torch.cuda.synchronize if self.runtime.device.type == "cuda" else (lambda: None)
         best = (float("inf"), float("inf"))
         for _ in range(self.repeats):
