@@ -33,7 +33,7 @@ from flows.run_info import (  # noqa: F401 (RunDirError re-exported)
     RUN_INFO, STAGES_INFO, TOOL, RunDirError, mark_stopped, read_run_info, stop_reason,
 )
 from flows.run_dirs import claim_run_dir, config_sha, prepare_run_root
-from flows.run_log import run_log
+from flows.run_log import route_server_output, run_log
 from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.stages.adherence import declared_values
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE, CodesResult, release_control_codes
@@ -63,6 +63,7 @@ from pipeline.stages.teacher import (
     TIMING_WINDOW_STEPS, KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher,
 )
 
+route_server_output()  # the temporary server's lines through logging (flows/run_log.py)
 
 
 def _uses_builtin(cfg: PipelineConfig) -> bool:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -175,6 +177,67 @@ def quiet_expected_errors(expected: tuple[type[BaseException], ...]) -> None:
     for h in _console_handlers():
         if not any(isinstance(f, QuietExpectedErrors) for f in h.filters):
             h.addFilter(QuietExpectedErrors(expected, h))
+
+
+SERVER_LOGGER = "dpdistill.server"
+
+
+def route_server_output() -> None:
+    """The temporary Prefect server's own output (uvicorn's and its services' errors) through
+    logging, line by line, at WARNING: on the terminal and in run.log like every other line,
+    and off the terminal with them after an interrupt. Left to inherit the terminal, the
+    server, which a process group's SIGTERM stops too, printed a shutdown traceback there past
+    `mute_terminal` (once in a suite run under load: tests/flows/test_signals.py).
+
+    Prefect 3.8.8's `SubprocessASGIServer._run_uvicorn_command` starts it with no stdout or
+    stderr arguments; this replaces it with the same command, its output piped to a thread."""
+    from prefect.server.api import server
+
+    if getattr(server.SubprocessASGIServer, "_dpdistill_routed", False):
+        return
+    launch = server.SubprocessASGIServer._run_uvicorn_command
+    popen = server.subprocess.Popen
+
+    def piped(*args, **kwargs):
+        proc = popen(*args, **kwargs, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        threading.Thread(target=_log_lines, args=(proc.stdout,), name="prefect-server-output", daemon=True).start()
+        return proc
+
+    def run_uvicorn_command(self):
+        server.subprocess = _WithPopen(piped)  # this module's Popen only, for this call
+        try:
+            return launch(self)
+        finally:
+            server.subprocess = subprocess
+
+    server.SubprocessASGIServer._run_uvicorn_command = run_uvicorn_command
+    server.SubprocessASGIServer._dpdistill_routed = True
+
+
+class _WithPopen:
+    """The subprocess module, with another Popen."""
+
+    def __init__(self, popen):
+        self.Popen = popen
+
+    def __getattr__(self, name):
+        return getattr(subprocess, name)
+
+
+# A line of the server's own log ("04:31:02.830 | INFO    | uvicorn.error - ..."); others
+# (a traceback's) keep the level of the line before them.
+_SERVER_LINE = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| (\w+) *\| (.*)$")
+
+
+def _log_lines(stream) -> None:
+    log, level = logging.getLogger(SERVER_LOGGER), logging.WARNING
+    for line in stream:
+        text = line.rstrip()
+        if m := _SERVER_LINE.match(text):
+            level = logging.getLevelName(m[1])
+            level, text = (level if isinstance(level, int) else logging.WARNING), m[2]
+        if text.strip():
+            log.log(level, "Prefect server: %s", text)
 
 
 def mute_terminal() -> None:

@@ -9,8 +9,10 @@ what used to leave the run retrying to reach it for minutes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,7 +91,8 @@ def test_sigterm_stops_the_run_and_the_same_command_continues_it(tmp_path):
     info = json.loads((run / "run.json").read_text())
     assert info["status"] == "interrupted" and info["reason"] == "stopped by SIGTERM"
     assert json.loads((run / "stages.json").read_text())["teacher"]["status"] == "interrupted"
-    assert "Traceback" in (run / "run.log").read_text()  # what the terminal was spared
+    # (run.log has the tracebacks the terminal was spared when the flow unwound within the
+    # grace seconds; under load it may not, and the watcher ends the run with none logged.)
 
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -114,3 +117,29 @@ def test_the_signal_not_the_error_it_caused_is_why_a_run_stopped(tmp_path):
     info, stages = (json.loads((tmp_path / f).read_text()) for f in (RUN_INFO, STAGES_INFO))
     assert (info["status"], info["reason"]) == ("interrupted", "stopped by SIGTERM")
     assert stages == {"data": {"status": "ran"}, "teacher": {"status": "interrupted"}}
+
+
+def test_the_temporary_servers_own_lines_go_through_logging(tmp_path, monkeypatch, caplog):
+    """The temporary Prefect server's output reaches the terminal and run.log as log records,
+    which `mute_terminal` silences after an interrupt; inherited, it printed a SIGTERM'd
+    server's traceback on the terminal (the test above, once, under load)."""
+    import flows.pipeline_flow  # noqa: F401 (routes the server's output)
+    from prefect.server.api.server import SubprocessASGIServer
+    from flows.run_log import SERVER_LOGGER
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.setenv("PREFECT_SERVER_LOGGING_LEVEL", "INFO")  # lines at every start and stop
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = SubprocessASGIServer(port=port)
+    with caplog.at_level(logging.INFO, logger=SERVER_LOGGER):
+        server.start(timeout=120)
+        process = server.server_process
+        server.stop()
+        last = (logging.INFO, "Prefect server: uvicorn.error - Finished server process [%d]" % process.pid)
+        deadline = time.time() + 30  # the thread reading the closed pipe logs its last lines
+        while last not in (lines := [(r.levelno, r.getMessage()) for r in caplog.records if r.name == SERVER_LOGGER]):
+            assert time.time() < deadline, lines
+            time.sleep(0.1)
+    assert process.returncode is not None
