@@ -146,8 +146,9 @@ def test_the_plan_times_the_steps_the_stages_take(tmp_path, tiny_model_dir):
     # are its own approximation; this checks the step it times).
     lengths = [len(ids) for ids in read_synthetic(synthetic.path, "train").column("token_ids").to_pylist()]
     batch = _typical_lengths(lengths, cfg.distill.batch_size, cfg.generate.max_length)
-    # Generation ran on the default threads (two where OMP_NUM_THREADS is unset, as in CI's make
-    # test); the timer times on the run's one: on two, CI planned 3.2x this step (0.0825 s).
+    # A stage run since may have set other threads (generation's default is two where
+    # OMP_NUM_THREADS is unset); the timer times on the run's one: on two, CI planned 3.2x
+    # this step (0.0825 CPU s).
     torch.set_num_threads(2)
     planned_distill = timer.distill_step(cfg.distill.student_model, cfg.teacher.model, batch, prompt=4)
     assert torch.get_num_threads() == 1
