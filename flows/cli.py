@@ -533,6 +533,11 @@ def run_pipeline(args) -> int:
         return run_flow(args, cfg)
     try:
         if args.command == "plan":
+            # The plan prints its own lines: a stage's INFO lines (the data split's, read for the
+            # budget) in Opacus's basicConfig format ("11/24/2026 04:44:31:INFO:data: ...") were
+            # noise after it. Warnings still show, in our format (set before Opacus's, a no-op then).
+            logging.basicConfig(format="dpdistill: %(levelname)s: %(message)s")
+            logging.getLogger("pipeline").setLevel(logging.WARNING)
             from pipeline.plan import format_plan, make_plan  # torch, Opacus; no Prefect
 
             # Progress on stderr while it works (seconds of timing), the plan itself on stdout.

@@ -87,6 +87,7 @@ def test_plan_command_prints_them_with_a_time_estimate_and_writes_nothing(tmp_pa
     for stage in ("teacher", "generation", "distillation", "evaluation"):
         assert f"    {stage}: ~" in p.stdout, p.stdout
     assert "estimated" in p.stdout
+    assert "INFO" not in p.stderr, p.stderr  # progress lines ("plan: ..."), not the stages' log lines
     assert _files(tmp_path) == before  # run_root never made, no cache, no model built
 
 
