@@ -433,8 +433,11 @@ class EarlyServer:
         from prefect.server.api.server import SubprocessASGIServer
         from prefect.settings import PREFECT_API_URL
 
+        from flows.run_log import route_server_output
+
         if PREFECT_API_URL.value():
             return
+        route_server_output()  # its lines through logging, muted after an interrupt
 
         def start():
             try:

@@ -211,6 +211,8 @@ def route_server_output() -> None:
             server.subprocess = subprocess
 
     server.SubprocessASGIServer._run_uvicorn_command = run_uvicorn_command
+    # What it prints, its own PREFECT_SERVER_LOGGING_LEVEL chose (WARNING unless set): pass it all.
+    logging.getLogger(SERVER_LOGGER).setLevel(logging.DEBUG)
     server.SubprocessASGIServer._dpdistill_routed = True
 
 

@@ -9,10 +9,9 @@ what used to leave the run retrying to reach it for minutes.
 from __future__ import annotations
 
 import json
-import logging
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -119,27 +118,31 @@ def test_the_signal_not_the_error_it_caused_is_why_a_run_stopped(tmp_path):
     assert stages == {"data": {"status": "ran"}, "teacher": {"status": "interrupted"}}
 
 
-def test_the_temporary_servers_own_lines_go_through_logging(tmp_path, monkeypatch, caplog):
-    """The temporary Prefect server's output reaches the terminal and run.log as log records,
-    which `mute_terminal` silences after an interrupt; inherited, it printed a SIGTERM'd
-    server's traceback on the terminal (the test above, once, under load)."""
-    import flows.pipeline_flow  # noqa: F401 (routes the server's output)
-    from prefect.server.api.server import SubprocessASGIServer
-    from flows.run_log import SERVER_LOGGER
-
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
-    monkeypatch.setenv("PREFECT_SERVER_LOGGING_LEVEL", "INFO")  # lines at every start and stop
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = SubprocessASGIServer(port=port)
-    with caplog.at_level(logging.INFO, logger=SERVER_LOGGER):
-        server.start(timeout=120)
-        process = server.server_process
+def test_the_temporary_servers_own_lines_go_through_logging(tmp_path):
+    """The temporary Prefect server that `dpdistill run` starts (`EarlyServer`) has its output
+    logged, line by line at the line's level: on the terminal and in run.log, and silenced by
+    `mute_terminal` after an interrupt. Inherited, it printed a SIGTERM'd server's traceback on
+    the terminal (the test above, once, under load)."""
+    probe = """if True:
+        import threading
+        import prefect.main
+        from prefect.server.api.server import SubprocessASGIServer
+        from flows.cli import EarlyServer
+        early = EarlyServer()
+        early.start()
+        early.wait()
+        server = SubprocessASGIServer()
+        pid = server.server_process.pid
         server.stop()
-        last = (logging.INFO, "Prefect server: uvicorn.error - Finished server process [%d]" % process.pid)
-        deadline = time.time() + 30  # the thread reading the closed pipe logs its last lines
-        while last not in (lines := [(r.levelno, r.getMessage()) for r in caplog.records if r.name == SERVER_LOGGER]):
-            assert time.time() < deadline, lines
-            time.sleep(0.1)
-    assert process.returncode is not None
+        for t in threading.enumerate():
+            if t.name == "prefect-server-output":
+                t.join(30)  # the pipe's last lines, after the server exited
+        print("PID", pid)
+    """
+    env = cli_env(tmp_path) | {"PREFECT_SERVER_LOGGING_LEVEL": "INFO"}  # lines at every start and stop
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pid = int(p.stdout.split("PID")[-1])
+    assert re.search(r"\| INFO +\| dpdistill\.server - Prefect server: uvicorn\.error - Finished server process "
+                     rf"\[{pid}\]", p.stderr), p.stderr[-3000:]
+    assert not re.search(r"^\d\d:\d\d:\d\d\.\d+ \| INFO +\| uvicorn", p.stderr, re.MULTILINE)  # none printed by the server itself
