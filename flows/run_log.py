@@ -12,7 +12,8 @@ to the file only. Log lines never quote a private record (house rule), so the fi
 what the terminal showed; it is 0600 inside the 0700 run directory, and `dpdistill audit`
 scans it with the run's other files.
 
-No torch, transformers or Opacus here; Prefect only through the handlers it installed.
+No torch, transformers or Opacus here; Prefect only through the handlers it installed, and
+in `route_server_output`, which wraps how Prefect starts its temporary server.
 """
 
 from __future__ import annotations
@@ -184,10 +185,12 @@ SERVER_LOGGER = "dpdistill.server"
 
 def route_server_output() -> None:
     """The temporary Prefect server's own output (uvicorn's and its services' errors) through
-    logging, line by line, at WARNING: on the terminal and in run.log like every other line,
-    and off the terminal with them after an interrupt. Left to inherit the terminal, the
-    server, which a process group's SIGTERM stops too, printed a shutdown traceback there past
-    `mute_terminal` (once in a suite run under load: tests/flows/test_signals.py).
+    logging, line by line at the line's own level (logger `dpdistill.server`; lines it cannot
+    parse, a traceback's, at the level before them): on the terminal and in run.log like
+    every other line, and off the terminal with them after an interrupt. Left to inherit the
+    terminal, the server, which a process group's SIGTERM stops too, printed a shutdown
+    traceback there past `mute_terminal` (once in a suite run under load:
+    tests/flows/test_signals.py).
 
     Prefect 3.8.8's `SubprocessASGIServer._run_uvicorn_command` starts it with no stdout or
     stderr arguments; this replaces it with the same command, its output piped to a thread."""
