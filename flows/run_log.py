@@ -204,6 +204,9 @@ def route_server_output() -> None:
     def piped(*args, **kwargs):
         proc = popen(*args, **kwargs, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         threading.Thread(target=_log_lines, args=(proc.stdout,), name="prefect-server-output", daemon=True).start()
+        # The thread's alone: Prefect reads `stdout` to EOF when the server does not answer
+        # in time, which blocked for as long as the server lived (a run that hung).
+        proc.stdout = None
         return proc
 
     def run_uvicorn_command(self):

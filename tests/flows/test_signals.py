@@ -125,6 +125,7 @@ def test_the_temporary_servers_own_lines_go_through_logging(tmp_path):
     the terminal (the test above, once, under load)."""
     probe = """if True:
         import threading
+        import flows  # as the CLI: Prefect's environment first
         import prefect.main
         from prefect.server.api.server import SubprocessASGIServer
         from flows.cli import EarlyServer
@@ -146,3 +147,19 @@ def test_the_temporary_servers_own_lines_go_through_logging(tmp_path):
     assert re.search(r"\| INFO +\| dpdistill\.server - Prefect server: uvicorn\.error - Finished server process "
                      rf"\[{pid}\]", p.stderr), p.stderr[-3000:]
     assert not re.search(r"^\d\d:\d\d:\d\d\.\d+ \| INFO +\| uvicorn", p.stderr, re.MULTILINE)  # none printed by the server itself
+
+
+def test_a_server_that_does_not_answer_in_time_is_an_error_not_a_hang(tmp_path):
+    """With its output piped, Prefect's start-up timeout read the pipe to its end, which comes
+    only when the server exits: a run hung (the test above, once, at load 4)."""
+    probe = """if True:
+        import flows
+        import prefect.main
+        from flows.cli import EarlyServer
+        early = EarlyServer()
+        early.start()
+        early.wait()
+    """
+    env = cli_env(tmp_path) | {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}  # never in time
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "Timed out while attempting to connect to ephemeral Prefect API server" in p.stderr, p.stderr
