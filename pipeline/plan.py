@@ -39,7 +39,7 @@ from pipeline.stages.adherence import declared_values
 from pipeline.stages.data import CODE_JOINER, PlannedSplit, planned_split, prompt_for
 from pipeline.stages.downstream import MAUVE_TEXTS
 from pipeline.stages.teacher import calibrate_noise, monitor_points, poisson_schedule
-from pipeline.timing import StepTimer
+from pipeline.timing import StepTimer, spread
 
 PROMPT_TOKENS = 16  # a control-code prompt, about ("Business Category: Bars\tReview Stars: 4.0\n\n")
 BUSY_SHARE = 0.7  # below this share of the CPU, the plan says the machine is busy
@@ -238,8 +238,7 @@ def _typical_lengths(lengths: list[int], batch: int, cap: int) -> list[int]:
     the expected longest of b draws). Without lengths (an empty test split), all `cap`."""
     if not lengths:
         return [cap] * batch
-    ordered = sorted(min(n, cap) for n in lengths)
-    return [max(2, ordered[(2 * i + 1) * len(ordered) // (2 * batch)]) for i in range(batch)]
+    return [max(2, n) for n in spread([min(n, cap) for n in lengths], batch)]
 
 
 def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,

@@ -42,6 +42,13 @@ REPEATS = 3  # calls per shape; the fastest counts (the first also pays one-off 
 NEW_TOKENS_TIMED = 16  # generation: new tokens whose time, less one token's, gives the cost of a new token
 
 
+def spread(values: list[int], b: int) -> list[int]:
+    """`b` of `values`, sorted, at evenly spread quantiles (the (2i+1)/2b-th): a batch of b as a
+    run's will typically be, its longest near the expected longest of b draws."""
+    ordered = sorted(values)
+    return [ordered[(2 * i + 1) * len(ordered) // (2 * b)] for i in range(b)]
+
+
 def _n_positions(model) -> int:
     return getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
 
@@ -213,10 +220,9 @@ class StepTimer:
         t_model = self.model(teacher, inference=True) if teacher else None
         optimizer = torch.optim.AdamW(s_model.parameters(), lr=d.learning_rate)
         vocab, batch = s_model.config.vocab_size, len(lengths)
-        ordered = sorted(lengths)
 
         def seconds(b: int) -> float:
-            part = [ordered[(2 * i + 1) * batch // (2 * b)] for i in range(b)]  # b of them, evenly spread
+            part = spread(lengths, b)
             cfg = d.model_copy(update={"length_groups": max(1, round(d.length_groups * b / batch)),
                                        **({} if teacher else {"alpha": 0.0, "beta": 0.0})})
             ids = self._ids(s_model, b, max(part))
