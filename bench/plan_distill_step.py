@@ -9,7 +9,8 @@ thread, alternating so that the machine's drift hits both alike:
   stage   `distill()` itself on the run's shards (one candidate, α of the config's first),
           the seconds between its progress records, `--steps` steps
 
-Run from the repository root, on a run of the demo config:
+Run from the repository root, on a finished run whose config uses the shipped models (the
+demo's, airline's):
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/plan_distill_step.py RUN_DIR    # ~3 min
 
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 
 from pipeline.config import load_config  # noqa: E402
 from pipeline.devices import Runtime  # noqa: E402
+from pipeline.models.base import shipped_path  # noqa: E402
 from pipeline.plan import _typical_lengths  # noqa: E402
 from pipeline.stages.distill import distill  # noqa: E402
 from pipeline.stages.generate import read_synthetic  # noqa: E402
@@ -63,16 +65,9 @@ def stage_step(cfg, runtime: Runtime, run: Path, steps: int) -> float:
     stamps: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         distill(d, synthetic_path=run / "synthetic", teacher_dir=run / "teacher" / "model",
-                student_model=student_path(cfg), out_dir=Path(tmp), seed=cfg.seed, runtime=runtime,
+                student_model=shipped_path(cfg.distill.student_model), out_dir=Path(tmp), seed=cfg.seed, runtime=runtime,
                 on_progress=lambda record: stamps.append(time.perf_counter()))
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
-
-
-def student_path(cfg) -> str:
-    from pipeline.models.base import BUILTIN_PREFIX, SHIPPED
-
-    name = cfg.distill.student_model
-    return str(SHIPPED / name[len(BUILTIN_PREFIX):]) if name.startswith(BUILTIN_PREFIX) else name
 
 
 def main() -> None:

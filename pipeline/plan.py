@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from pipeline.config import PipelineConfig, TeacherConfig
 from pipeline.devices import Runtime, resolve_device, slow_bf16_warning
-from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, ModelError, base_models_built, load_tokenizer
+from pipeline.models.base import BUILTIN_PREFIX, ModelError, base_models_built, load_tokenizer, shipped_path
 from pipeline.privacy.accountant import epsilon_of, resolve_delta
 from pipeline.privacy.control_codes import gaussian_sigma
 from pipeline.privacy import monitor as dp_monitor
@@ -190,12 +190,10 @@ def _tokenizer(cfg: PipelineConfig):
     """The run's tokenizer when it exists before the run (the shipped pair's, a local or cached
     checkpoint's); None for builtin models the run will build from a corpus."""
     name = cfg.distill.student_model
-    if name.startswith(BUILTIN_PREFIX):
-        if cfg.base_models.corpus is not None:
-            return None
-        name = str(SHIPPED / name[len(BUILTIN_PREFIX):])
+    if name.startswith(BUILTIN_PREFIX) and cfg.base_models.corpus is not None:
+        return None
     try:
-        return load_tokenizer(name)
+        return load_tokenizer(shipped_path(name))
     except ModelError:
         return None
 

@@ -30,7 +30,7 @@ from pipeline.batching import lm_batch
 from pipeline.config import PipelineConfig
 from pipeline.devices import Runtime
 from pipeline.models import decoding
-from pipeline.models.base import BUILTIN_PREFIX, SHIPPED, causal_lm_from_config, tiny_gpt2, untie_lm_head
+from pipeline.models.base import BUILTIN_PREFIX, causal_lm_from_config, shipped_path, tiny_gpt2, untie_lm_head
 from pipeline.models.losses import TopKLogits
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.stages.distill import step_loss
@@ -83,8 +83,7 @@ class StepTimer:
         if name.startswith(BUILTIN_PREFIX) and b.corpus is not None:  # built by the run: its spec is the shape
             spec = getattr(b, name[len(BUILTIN_PREFIX):])
             return tiny_gpt2(spec, b.vocab_size, b.context_length, eos_id=0)
-        path = str(SHIPPED / name[len(BUILTIN_PREFIX):]) if name.startswith(BUILTIN_PREFIX) else name
-        return causal_lm_from_config(path, dtype=torch.float32)
+        return causal_lm_from_config(shipped_path(name), dtype=torch.float32)
 
     def model(self, name: str, inference: bool = False) -> torch.nn.Module:
         """The training copy (fp32) or the inference copy (the run's dtype, as the stages load it)."""

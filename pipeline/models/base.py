@@ -343,6 +343,12 @@ def export_base_models(base: BaseModels, dest: Path) -> Path:
     return dest
 
 
+def shipped_path(name: str) -> str:
+    """`builtin:teacher|student` as the shipped pair's directory (the pair used when no
+    `base_models.corpus` is set); any other name unchanged."""
+    return str(SHIPPED / name[len(BUILTIN_PREFIX):]) if name.startswith(BUILTIN_PREFIX) else name
+
+
 def resolve_model(name: str, base: BaseModels | None) -> str:
     """Map `builtin:teacher|student` to its built directory; pass anything else through."""
     if not name.startswith(BUILTIN_PREFIX):
