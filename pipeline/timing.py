@@ -229,7 +229,7 @@ class StepTimer:
             k = d.teacher_top_k or 1
             cached = None if teacher else TopKLogits(  # as the stage reads them from a top-k cache
                 torch.zeros(b, ids.shape[1] - 1, k, dtype=torch.long, device=ids.device),
-                torch.zeros(b, ids.shape[1] - 1, k, device=ids.device))
+                torch.zeros(b, ids.shape[1] - 1, k, device=ids.device), torch.zeros(b, ids.shape[1] - 1, device=ids.device))
 
             def step():
                 parts = step_loss(cfg, t_model, vocab, s_model, None, cached, ids, lens, skip, self.runtime)

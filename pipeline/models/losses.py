@@ -24,10 +24,13 @@ from pipeline.batching import IGNORE
 
 
 class TopKLogits(NamedTuple):
-    """The teacher's k largest logits per token (raw, before temperature) and their token ids."""
+    """The teacher's k largest logits per token (raw, before temperature) and their token ids;
+    with `logsumexp` (of all V raw logits, per token) the mass of the other V - k tokens is
+    known too (the "rest" bucket of `kl_teacher_student_topk`)."""
 
     indices: torch.Tensor  # (B, T, k) long
     logits: torch.Tensor  # (B, T, k)
+    logsumexp: torch.Tensor | None = None  # (B, T)
 
 
 class DistillLoss(NamedTuple):
@@ -82,18 +85,33 @@ def kl_teacher_student_topk(
 ) -> torch.Tensor:
     """Mean per-token KL(teacher_T ‖ student_T) with the teacher known on its top-k tokens only.
 
-    The teacher distribution is softmax(top-k logits / T) renormalised over those k tokens
-    (the tail mass is dropped); the student's full-vocabulary log-probs are read at the same
-    k ids. With k = V this is exactly `kl_teacher_student`. student_logits (B, T, V),
-    teacher (B, T, k), mask (B, T).
+    With the teacher's `logsumexp` and T = 1: the KL between the two distributions coarsened to
+    k + 1 outcomes, the k tokens and one bucket for the rest of the vocabulary, whose teacher
+    mass is 1 - Σ_k p_t and student mass 1 - Σ_k q. The student is pulled to the teacher's
+    probabilities on the k tokens and to its total mass on the rest, not to the rest's shape
+    (a lower bound of the dense KL, equal to it when the rest carries no mass). Without it,
+    or at T ≠ 1 (the cached sum is at T = 1): softmax(top-k logits / T) renormalised over
+    the k tokens, the rest's mass dropped, which pulls the student's whole mass onto them.
+    With k = V both are exactly `kl_teacher_student`. student_logits (B, T, V), teacher
+    (B, T, k), mask (B, T).
     """
     return _masked_mean(_kl_topk(_log_softmax(student_logits, temperature), teacher, temperature), mask)
 
 
 def _kl_topk(log_q: torch.Tensor, teacher: TopKLogits, temperature: float) -> torch.Tensor:
-    """Per-token KL (B, T) of the renormalised top-k teacher against the log-probs (B, T, V)."""
+    """Per-token KL (B, T) of the top-k teacher (with its rest bucket when known) against the
+    log-probs (B, T, V)."""
     log_q_k = log_q.gather(-1, teacher.indices.long())  # (B, T, k)
-    return _kl(_log_softmax(teacher.logits, temperature), log_q_k)  # teacher (B, T, k), renormalised
+    if teacher.logsumexp is None or temperature != 1.0:
+        return _kl(_log_softmax(teacher.logits, temperature), log_q_k)  # teacher (B, T, k), renormalised
+    log_p_k = teacher.logits.float() - teacher.logsumexp.float().unsqueeze(-1)  # (B, T, k): exact log-probs
+    p_rest = (1 - log_p_k.exp().sum(-1)).clamp(min=0.0)  # (B, T)
+    # log(1 - Σ_k q) from log Σ_k q, kept below 0 so that the rest's log stays finite
+    # (-expm1 near 0, log1p(-exp) below log 1/2: both stable).
+    s = torch.logsumexp(log_q_k, -1).clamp(max=-1e-6)  # (B, T)
+    log_q_rest = torch.where(s > -0.6931, torch.log(-torch.expm1(s)), torch.log1p(-torch.exp(s)))  # (B, T)
+    rest = torch.xlogy(p_rest, p_rest) - p_rest * log_q_rest  # (B, T): 0 when the teacher's rest is empty
+    return _kl(log_p_k, log_q_k) + rest
 
 
 def hidden_mse(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -215,8 +215,9 @@ def step_loss(cfg: DistillConfig, teacher, vocab: int, student, projection, cach
     labels, kl_mask = torch.cat(labels)[None], torch.cat(kl_mask)[None]  # (1, N)
     teacher_hidden = None
     if cached is not None:  # TopKLogits (B, L-1, k), already on the device
-        teacher_logits = TopKLogits(*(torch.cat([t[g][:, : real.shape[1]][real] for g, (_, real) in zip(groups, batches)])[None]
-                                      for t in cached))  # (1, N, k)
+        teacher_logits = TopKLogits(*(None if t is None else  # (1, N, k) and (1, N)
+                                      torch.cat([t[g][:, : real.shape[1]][real] for g, (_, real) in zip(groups, batches)])[None]
+                                      for t in cached))
     else:
         with torch.no_grad(), runtime.autocast():
             t_last = _real_hidden(teacher, batches)  # (N, H_t)
@@ -282,7 +283,7 @@ def _train(cfg: DistillConfig, setup: _Setup, *, name: str, student_model: str, 
             top = None
             if cached is not None:
                 top = cached.batch(idx, lengths)  # (B, L-1, k)
-                top = type(top)(*(t.to(runtime.device) for t in top))
+                top = type(top)(*(None if t is None else t.to(runtime.device) for t in top))
             parts = step_loss(cfg, setup.teacher, len(setup.tok), student, projection, top, ids, lengths, skip, runtime)
             parts.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -3,18 +3,22 @@
 Distilling several students from one synthetic set with one teacher repeats the teacher's
 forward pass every step of every epoch of every student. `build_teacher_cache` runs it
 once (eval mode, `torch.no_grad`) and keeps, for every target position of every synthetic
-sample (train and validation splits), the k largest *raw* logits (before any temperature)
-and their token ids. Raw logits, not log-probs at T: the top-k ids do not depend on T, and
-the loss renormalises softmax(logits / T) over the k ids (`pipeline.models.losses.
-kl_teacher_student_topk`), so one cache serves every temperature; with k = V it is exact.
+sample (train and validation splits), the k largest *raw* logits (before any temperature),
+their token ids, and the logsumexp of all V raw logits. Raw logits, not log-probs at T: the
+top-k ids do not depend on T, so one cache serves every temperature. At T = 1 the logsumexp
+gives the teacher's exact probabilities on the k ids and the mass of the rest of the
+vocabulary, and the loss compares teacher and student on the k ids and that rest (`pipeline.
+models.losses.kl_teacher_student_topk`); at T ≠ 1 it renormalises softmax(logits / T) over the
+k ids. With k = V both are exact.
 
 Layout: `<cache_dir>/topk-shard-00000.parquet`, one file per synthetic shard, a row per
-sample (sample_id, split, n_targets, indices list<list<int32>>, logits list<list<float32>>;
-the inner lists hold k entries, one per target token), then `manifest.json`, written last.
+sample (sample_id, split, n_targets, indices list<list<int32>>, logits list<list<float32>>,
+logsumexp list<float32>; the inner lists hold k entries, one per target token), then
+`manifest.json`, written last.
 The manifest and every shard carry a fingerprint of (teacher weights, synthetic shard
 hashes, k, max_length); a cache whose fingerprint differs is stale and is recomputed,
 never read. Memory while building: one batch. Memory while training: every train token's
-k ids and logits (8·k bytes a token).
+k ids and logits and its logsumexp (8·k + 4 bytes a token).
 
 The default cache directory is `<synthetic dir>/teacher_topk_k<k>/`. Only the synthetic
 data and the DP teacher are read: post-processing, like the distillation itself.
@@ -46,7 +50,7 @@ from pipeline.progress import DEFAULT_EVERY, ProgressLog
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the logsumexp column (a cache of format 1 is stale and recomputed)
 SCHEMA = pa.schema(
     [
         ("sample_id", pa.int64()),
@@ -54,6 +58,7 @@ SCHEMA = pa.schema(
         ("n_targets", pa.int32()),
         ("indices", pa.list_(pa.list_(pa.int32()))),
         ("logits", pa.list_(pa.list_(pa.float32()))),
+        ("logsumexp", pa.list_(pa.float32())),
     ]
 )
 
@@ -157,10 +162,12 @@ def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, ba
             with torch.no_grad():
                 logits = teacher(**{n: v.to(device) for n, v in batch.items()}).logits[:, :-1, :vocab]  # (B, L-1, V)
             values, ids = logits.float().topk(k, dim=-1)  # (B, L-1, k), sorted, largest first
+            lse = torch.logsumexp(logits.float(), dim=-1)  # (B, L-1): all V logits
             n_targets = (records.lengths - 1).clamp(min=0)  # (B,)
             keep = (torch.arange(logits.shape[1]).unsqueeze(0) < n_targets.unsqueeze(1)).to(device)  # (B, L-1)
             flat_ids = ids[keep].to(torch.int32).numpy(force=True).reshape(-1)  # (tokens·k,) row-major, on the host
             flat_values = values[keep].numpy(force=True).reshape(-1)
+            per_sample = pa.array(np.concatenate([[0], np.cumsum(n_targets.numpy())]), pa.int32())
             n_tokens += int(n_targets.sum())
             writer.write_table(pa.table({
                 "sample_id": table["sample_id"].take(rows),
@@ -168,6 +175,7 @@ def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, ba
                 "n_targets": pa.array(n_targets.numpy(), pa.int32()),
                 "indices": _nested(pa.array(flat_ids, pa.int32()), k, n_targets.numpy()),
                 "logits": _nested(pa.array(flat_values, pa.float32()), k, n_targets.numpy()),
+                "logsumexp": pa.ListArray.from_arrays(per_sample, pa.array(lse[keep].numpy(force=True), pa.float32())),
             }, schema=SCHEMA))
             if on_batch:
                 on_batch(len(rows), int(n_targets.sum()))
@@ -243,7 +251,8 @@ def build_teacher_cache(
         inputs={f"synthetic/{f.name}": f for f in shards},
         outputs=outputs,
         extra={"fingerprint": fingerprint, "fingerprint_parts": parts, "teacher_checkpoint": str(teacher_dir),
-               "values": "raw teacher logits before temperature, k largest per target token, largest first",
+               "values": "raw teacher logits before temperature, k largest per target token, largest first, "
+                         "and the logsumexp of all of them",
                "k": k, "max_length": max_length, "seconds": seconds, "resumed_shards": resumed},
     )
     log.info("teacher cache: %s written (k=%d, %.0f s)", cache_dir, k, seconds)
@@ -255,7 +264,7 @@ class CachedTopK:
 
     def __init__(self, cache: TeacherCache, sample_ids: list[int]):
         wanted = pa.array(sample_ids, pa.int64())
-        ids, logits, counts, found = [], [], [], []
+        ids, logits, lse, counts, found = [], [], [], [], []
         for path in sorted(cache.path.glob("topk-*.parquet")):
             if _shard_fingerprint(path) != cache.fingerprint:
                 raise LogitCacheError(
@@ -268,6 +277,7 @@ class CachedTopK:
                 continue
             ids.append(pc.list_flatten(pc.list_flatten(table["indices"])).to_numpy())
             logits.append(pc.list_flatten(pc.list_flatten(table["logits"])).to_numpy())
+            lse.append(pc.list_flatten(table["logsumexp"]).to_numpy())
             counts.append(table["n_targets"].to_numpy())
             found.append(table["sample_id"].to_numpy())
         found_ids = np.concatenate(found) if found else np.zeros(0, np.int64)
@@ -284,22 +294,26 @@ class CachedTopK:
         self.k = cache.k
         self.indices = torch.from_numpy(np.concatenate(ids).reshape(-1, cache.k)) if ids else None  # (tokens, k)
         self.logits = torch.from_numpy(np.concatenate(logits).reshape(-1, cache.k)) if logits else None
+        self.logsumexp = torch.from_numpy(np.concatenate(lse)) if lse else None  # (tokens,)
         self.starts = torch.from_numpy(starts_all[rows].astype(np.int64))  # (N,)
         self.counts = torch.from_numpy(counts_all[rows].astype(np.int64))  # (N,)
 
     def nbytes(self) -> int:
-        return 0 if self.indices is None else self.indices.nbytes + self.logits.nbytes
+        return 0 if self.indices is None else self.indices.nbytes + self.logits.nbytes + self.logsumexp.nbytes
 
     def batch(self, rows: torch.Tensor, lengths: torch.Tensor) -> TopKLogits:
         """Top-k logits for samples `rows` (B,) of true lengths `lengths` (B,), shaped (B, L-1, k)
-        like `lm_batch`'s labels; padded positions hold token 0 with logit 0 (masked anyway)."""
+        like `lm_batch`'s labels, and their logsumexp (B, L-1); padded positions hold token 0
+        with logit 0 and logsumexp 0 (masked anyway)."""
         n_targets = lengths - 1  # (B,)
         width = int(lengths.max()) - 1
         out_ids = torch.zeros(len(rows), width, self.k, dtype=torch.long)  # (B, L-1, k)
         out_logits = torch.zeros(len(rows), width, self.k)  # (B, L-1, k)
+        out_lse = torch.zeros(len(rows), width)  # (B, L-1)
         for b, (r, n) in enumerate(zip(rows.tolist(), n_targets.tolist())):
             assert self.counts[r] >= n, "cache built from a shorter sample than the one trained on"
             start = int(self.starts[r])
             out_ids[b, :n] = self.indices[start : start + n]
             out_logits[b, :n] = self.logits[start : start + n]
-        return TopKLogits(indices=out_ids, logits=out_logits)
+            out_lse[b, :n] = self.logsumexp[start : start + n]
+        return TopKLogits(indices=out_ids, logits=out_logits, logsumexp=out_lse)

@@ -156,22 +156,47 @@ def test_gradient_reaches_student_logits():
     assert t.grad is None
 
 
-def _top_k(logits: torch.Tensor, k: int) -> TopKLogits:
+def _top_k(logits: torch.Tensor, k: int, rest: bool = False) -> TopKLogits:
+    """The top-k as the cache holds them; `rest`: with the logsumexp of all V logits."""
     values, indices = logits.topk(k, dim=-1)  # (B, T, k)
-    return TopKLogits(indices=indices, logits=values)
+    return TopKLogits(indices=indices, logits=values, logsumexp=logits.logsumexp(-1) if rest else None)
 
 
+@pytest.mark.parametrize("rest", [False, True])
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])
-def test_top_k_kl_with_k_equal_vocab_is_the_dense_kl(temperature):
+def test_top_k_kl_with_k_equal_vocab_is_the_dense_kl(temperature, rest):
     """Cached top-k teacher logits with k = V give the dense loss (KL, CE, total) to 1e-5, with
-    padding and a prompt mask."""
+    padding and a prompt mask, with or without the logsumexp of the rest bucket."""
     s, t, labels = _logits(0), _logits(1), _labels_with_padding()
     kl_mask = prompt_mask(T, torch.tensor([2, 1, 1]))
     dense = distillation_loss(s, t, labels, kl_mask, alpha=0.6, temperature=temperature)
-    sparse = distillation_loss(s, _top_k(t, V), labels, kl_mask, alpha=0.6, temperature=temperature)
+    sparse = distillation_loss(s, _top_k(t, V, rest), labels, kl_mask, alpha=0.6, temperature=temperature)
     assert dense.kl.item() > 0
     for name in ("loss", "ce", "kl"):
         torch.testing.assert_close(getattr(sparse, name), getattr(dense, name), rtol=1e-5, atol=1e-5)
+
+
+def test_top_k_kl_with_the_rest_bucket_is_the_kl_of_the_coarsened_distributions():
+    """k < V with the logsumexp at T = 1: the KL between teacher and student each reduced to k + 1
+    outcomes (the teacher's top-k tokens, and everything else as one), written out densely here;
+    it lies below the dense KL (coarsening loses information) and above the renormalised one's
+    floor of 0, and the gradient is finite even where the student puts ~all its mass on the k."""
+    s, t, labels = _logits(0), _logits(1), _labels_with_padding()
+    k = 4
+    top = _top_k(t, k, rest=True)
+    p, q = t.softmax(-1), s.softmax(-1)  # (B, T, V)
+    p_k, q_k = p.gather(-1, top.indices), q.gather(-1, top.indices)  # (B, T, k)
+    p_c = torch.cat([p_k, 1 - p_k.sum(-1, keepdim=True)], -1)  # (B, T, k + 1)
+    q_c = torch.cat([q_k, 1 - q_k.sum(-1, keepdim=True)], -1)
+    expected = (p_c * (p_c.log() - q_c.log())).sum(-1)[labels != IGNORE].mean()  # the loss counts real targets
+    got = distillation_loss(s, top, labels, _all_true(), alpha=1.0, temperature=1.0)
+    torch.testing.assert_close(got.kl, expected, rtol=1e-5, atol=1e-6)
+    dense = distillation_loss(s, t, labels, _all_true(), alpha=1.0, temperature=1.0)
+    assert 0 < got.kl.item() < dense.kl.item()
+    confident = torch.full_like(s, -30.0).scatter(-1, top.indices, 30.0).requires_grad_(True)  # rest mass ~e^-60
+    out = distillation_loss(confident, top, labels, _all_true(), alpha=1.0, temperature=1.0)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(confident.grad).all() and confident.grad.abs().sum() > 0
 
 
 def test_top_k_kl_renormalises_the_teacher_over_its_k_tokens():

@@ -121,8 +121,9 @@ def _mtimes(cache_dir):
 def test_teacher_cache_holds_the_teacher_top_k_and_is_reused_until_the_teacher_changes(
     synthetic, tiny_tokenizer, tiny_model_dir, tmp_path, caplog
 ):
-    """The cache holds the teacher's top-k logits of every sample (both splits); a second call
-    reuses it untouched; another teacher (or k beyond the vocabulary) never reads it."""
+    """The cache holds the teacher's top-k logits of every sample (both splits) and the logsumexp
+    of all its logits; a second call reuses it untouched; another teacher (or k beyond the
+    vocabulary) never reads it."""
     import torch
 
     from pipeline.stages.generate import read_synthetic
@@ -139,9 +140,11 @@ def test_teacher_cache_holds_the_teacher_top_k_and_is_reused_until_the_teacher_c
     row = 3
     tokens = torch.tensor([samples["token_ids"][row].as_py()])
     with torch.no_grad():
-        expected = load_causal_lm(str(tiny_model_dir))(tokens).logits[0, :-1, : len(tiny_tokenizer)].topk(5)
+        logits = load_causal_lm(str(tiny_model_dir))(tokens).logits[0, :-1, : len(tiny_tokenizer)]
+    expected = logits.topk(5)
     got = cached.batch(torch.tensor([row]), torch.tensor([tokens.shape[1]]))
     torch.testing.assert_close(got.logits[0], expected.values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.logsumexp[0], logits.logsumexp(-1), rtol=1e-5, atol=1e-5)
     assert torch.equal(got.indices[0], expected.indices)
 
     before = _mtimes(cache_dir)
@@ -164,13 +167,15 @@ def test_teacher_cache_holds_the_teacher_top_k_and_is_reused_until_the_teacher_c
         build_teacher_cache(tiny_model_dir, synthetic.path, k=301, cache_dir=tmp_path / "big")
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_distilling_from_the_full_vocabulary_cache_matches_on_the_fly(
-    synthetic, tiny_tokenizer, sharp_teacher, wide_student, tmp_path
+    synthetic, tiny_tokenizer, sharp_teacher, wide_student, tmp_path, temperature
 ):
-    """k = V cached logits give the on-the-fly loss history (to float tolerance); a second
-    student reuses the cache in the default place, next to the synthetic data."""
+    """k = V cached logits give the on-the-fly loss history (to float tolerance), at T = 1 (the
+    rest bucket's logsumexp read from the cache) and T = 2 (renormalised); a second student
+    reuses the cache in the default place, next to the synthetic data."""
     kwargs = dict(candidates=[], epochs=1, batch_size=8, learning_rate=1e-3, eval_every=100, log_every=100, alpha=0.7,
-                  temperature=2.0)
+                  temperature=temperature)
     run = dict(synthetic_path=synthetic.path, teacher_dir=sharp_teacher, student_model=str(wide_student), seed=0)
     fly = distill(DistillConfig(**kwargs), out_dir=tmp_path / "fly", **run)
     cfg = DistillConfig(teacher_top_k=len(tiny_tokenizer), **kwargs)
@@ -179,7 +184,7 @@ def test_distilling_from_the_full_vocabulary_cache_matches_on_the_fly(
     assert len(first.train_loss) == len(fly.train_loss) > 1
     assert first.train_loss == pytest.approx(fly.train_loss, rel=1e-5)
     history = json.loads((tmp_path / "cached" / "training_log.json").read_text())["history"]
-    assert all(0.7 * 4 * h["kl"] > 0.1 * h["loss"] for h in history)  # the KL term weighs in the loss
+    assert all(0.7 * temperature**2 * h["kl"] > 0.1 * h["loss"] for h in history)  # the KL weighs in the loss
     again = distill(cfg, out_dir=tmp_path / "cached2", **run)
     manifest = json.loads((tmp_path / "cached2" / "manifest.json").read_text())
     assert manifest["teacher_cache_reused"] is True and again.train_loss == first.train_loss
