@@ -7,14 +7,17 @@ batches of equal-length prompts, the reference) and `generate.engine=fast`
 (pipeline/models/decoding.py). Compared: new tokens per second (the engines sample one
 distribution, so samples/s follows).
 
-Distillation: the builtin student learns from `--distill-samples` synthetic samples of the
-builtin teacher (written first by the fast engine), teacher logits on the fly, one candidate,
-the same shuffled batches and steps. The reference is the step as it was (`_padded_step`
-below: each batch padded to its longest sample through both models, heads and losses on
-every padded position); the new one runs each batch in `distill.length_groups` groups of
-similar length and the heads and losses on the real targets only. Compared: training
-samples per second, and the synthetic-validation loss each reaches (the same batches and
-the same loss: equal up to float rounding).
+Distillation: two builtin students (the demo's candidates, α = 0.4 and α = 1) learn from
+`--distill-samples` synthetic samples of the builtin teacher (written first by the fast
+engine), teacher logits on the fly, the same shuffled batches and steps. The reference is
+the stage as it was: one candidate after the other, each step as `_padded_step` below (each
+batch padded to its longest sample through both models, heads and losses on every padded
+position). The new one steps the candidates together, the teacher's forward once per batch
+for both (`distill._train_together`), each batch in `distill.length_groups` groups of
+similar length, the heads and losses on the real targets only. Compared: training samples
+per second over both students (the selection after them, the same in both, is not
+counted), and the synthetic-validation loss each student reaches (the same batches and the
+same loss: equal up to float rounding).
 
 Teacher: the demo teacher's shape (4 layers × 256, vocabulary 8192, 32 × 128 tokens) stepped
 by bench/teacher_modes.py, non-private AdamW against the book-keeping DP step, each in its own
@@ -96,18 +99,18 @@ def bench_generation(samples: int, rounds: int) -> float:
     return rate["fast"] / rate["hf"]
 
 
-def _padded_step(cfg, setup, student, projection, cached, ids, lengths, skip, runtime):
-    """distill._step as it was before issue 22 (the reference): both models' heads and the
+def _padded_step(cfg, teacher, vocab, student, projection, cached, ids, lengths, skip, runtime, shared=None):
+    """distill.step_loss as it was before issue 22 (the reference): both models' heads and the
     losses on the padded (B, L-1, V) batch, the losses as pipeline/models/losses.py had them."""
     from pipeline.batching import lm_batch
     from pipeline.models.losses import prompt_mask
 
-    device, vocab = runtime.device, len(setup.tok)
+    device = runtime.device
     batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
     labels = batch.pop("labels")  # (B, L-1)
     kl_mask = prompt_mask(labels.shape[1], skip).to(device) & (labels != IGNORE)  # (B, L-1)
     with torch.no_grad(), runtime.autocast():
-        teacher_logits = setup.teacher(**batch).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+        teacher_logits = teacher(**batch).logits[:, :-1, :vocab].float()  # (B, L-1, V)
     with runtime.autocast():
         student_logits = student(**batch).logits[:, :-1, :vocab].float()  # (B, L-1, V)
     return _reference_loss(student_logits, teacher_logits, labels, kl_mask, cfg.alpha, cfg.temperature)
@@ -134,36 +137,42 @@ def _reference_loss(student_logits, teacher_logits, labels, kl_mask, alpha: floa
 
 
 def bench_distillation(samples: int, epochs: int, rounds: int, tmp: Path) -> float:
-    """Training samples/s of the new recipe over the reference's, summed over alternating rounds."""
+    """Training samples/s of the new recipe over the reference's, summed over alternating rounds:
+    the demo's two candidates (α = 0.4 and α = 1), each a student trained on every sample."""
     codes = tmp / "codes.json"
     codes.write_text(json.dumps({"counts": CODES}))
     generate_synthetic(GenerateConfig(num_samples=samples, batch_size=64, max_length=128, validation_fraction=0.1),
                        teacher_dir=TEACHER, control_codes_path=codes, ledger=[], out_dir=tmp / "synthetic", seed=0)
-    new_step = distill_stage._step
-    totals = {"reference": [0.0, 0], "grouped": [0.0, 0]}
+    new_step, together = distill_stage.step_loss, distill_stage.lockstep_key
+    totals = {"reference": [0.0, 0], "new": [0.0, 0]}
     losses = {}
-    print("| round | recipe | steps | samples | s | samples/s | validation loss | load |\n|---|---|---|---|---|---|---|---|")
+    print("| round | recipe | steps | samples | s | samples/s | validation loss (α = 0.4, 1) | load |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in range(rounds):
-        for recipe in ("reference", "grouped"):
-            distill_stage._step = _padded_step if recipe == "reference" else new_step
-            cfg = DistillConfig(candidates=[], alpha=0.4, epochs=epochs, batch_size=16, learning_rate=3e-3,
-                                eval_every=10_000, log_every=10_000, length_groups=1 if recipe == "reference" else 4)
+        for recipe in ("reference", "new"):
+            reference = recipe == "reference"
+            distill_stage.step_loss = _padded_step if reference else new_step
+            distill_stage.lockstep_key = id if reference else together  # reference: one candidate after the other
+            cfg = DistillConfig(candidates=[{"alpha": 0.4}, {"alpha": 1.0}], epochs=epochs, batch_size=16,
+                                learning_rate=3e-3, eval_every=10_000, log_every=10_000, selection_samples=8,
+                                length_groups=1 if reference else 4)
             out = tmp / f"{recipe}-{r}"
             distill_stage.distill(cfg, synthetic_path=tmp / "synthetic", teacher_dir=TEACHER,
                                   student_model=str(STUDENT), out_dir=out, seed=0)
-            log = json.loads((out / "training_log.json").read_text())
-            trained = epochs * json.loads((out / "manifest.json").read_text())["train_samples"]
+            log = json.loads((out / "training_log.json").read_text())  # seconds: the candidates' training
+            runs = log["candidates"].values()
+            trained = sum(epochs * run["train_samples"] for run in runs)
             totals[recipe][0] += log["seconds"]
             totals[recipe][1] += trained
-            losses[recipe] = log["validation"][-1]["validation_loss"]
-            print(f"| {r} | {recipe} | {len(log['history'])} | {trained} | {log['seconds']:.1f} | "
-                  f"{trained / log['seconds']:.1f} | {losses[recipe]:.4f} | {_load()} |")
-    distill_stage._step = new_step
+            losses[recipe] = ", ".join(f"{run['validation'][-1]['validation_loss']:.4f}" for run in runs)
+            print(f"| {r} | {recipe} | {sum(len(run['history']) for run in runs)} | {trained} | {log['seconds']:.1f} | "
+                  f"{trained / log['seconds']:.1f} | {losses[recipe]} | {_load()} |")
+    distill_stage.step_loss, distill_stage.lockstep_key = new_step, together
     rate = {k: n / s for k, (s, n) in totals.items()}
-    print(f"distillation: reference {rate['reference']:.1f} samples/s, grouped {rate['grouped']:.1f}: "
-          f"{rate['grouped'] / rate['reference']:.2f}x; validation loss at equal steps "
-          f"{losses['reference']:.4f} vs {losses['grouped']:.4f}")
-    return rate["grouped"] / rate["reference"]
+    print(f"distillation: reference {rate['reference']:.1f} samples/s, new {rate['new']:.1f}: "
+          f"{rate['new'] / rate['reference']:.2f}x; validation loss at equal steps "
+          f"{losses['reference']} vs {losses['new']}")
+    return rate["new"] / rate["reference"]
 
 
 def bench_teacher() -> float:

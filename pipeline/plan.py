@@ -37,6 +37,7 @@ from pipeline.privacy.control_codes import STAGE as CODES_STAGE
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, with_pld_epsilons
 from pipeline.stages.adherence import declared_values
 from pipeline.stages.data import CODE_JOINER, PlannedSplit, planned_split, prompt_for
+from pipeline.stages.distill import lockstep_key
 from pipeline.stages.downstream import MAUVE_TEXTS
 from pipeline.stages.teacher import calibrate_noise, monitor_points, poisson_schedule
 from pipeline.timing import StepTimer, spread
@@ -304,7 +305,11 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, le
     candidates = [c for _, c in d.candidate_configs()] if method == "distil" and len(d.candidates) > 1 else \
         [d.candidate_configs()[0][1] if method == "distil" and d.candidates else d]
     samples = [prompt + n for n in _new_tokens(cfg, prompt, lengths)[1]]
-    parts = [_candidate_seconds(cfg, c, timer, prompt, samples) for c in candidates]
+    stepped_with = set()  # candidates stepped together share each batch's teacher forward (distill.lockstep_key)
+    parts = []
+    for c in candidates:
+        parts.append(_candidate_seconds(cfg, c, timer, prompt, samples, teacher_paid=lockstep_key(c) in stepped_with))
+        stepped_with.add(lockstep_key(c))
     total = sum(seconds for seconds, _ in parts)
     what = parts[0][1] if len(parts) == 1 else f"{len(parts)} candidates: " + "; ".join(w for _, w in parts)
     if len(candidates) > 1:
@@ -318,14 +323,17 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, le
     return total, what
 
 
-def _candidate_seconds(cfg: PipelineConfig, d, timer: StepTimer, prompt: int, samples: list[int]) -> tuple[float, str]:
+def _candidate_seconds(cfg: PipelineConfig, d, timer: StepTimer, prompt: int, samples: list[int],
+                       teacher_paid: bool = False) -> tuple[float, str]:
+    """One candidate's training; `teacher_paid`: a candidate stepped beside it already pays for
+    the teacher's forward pass on every batch."""
     g, method = cfg.generate, cfg.distill.method
     n_validation = round(g.num_samples * g.validation_fraction)
     n_synthetic = g.num_samples - n_validation
     if d.num_synthetic is not None:
         n_synthetic = min(n_synthetic, d.num_synthetic)
     steps = d.epochs * math.ceil(n_synthetic / d.batch_size)
-    on_the_fly = method == "distil" and (d.alpha > 0 or d.beta > 0) and d.teacher_top_k is None
+    on_the_fly = method == "distil" and (d.alpha > 0 or d.beta > 0) and d.teacher_top_k is None and not teacher_paid
     timer.say(f"plan: timing a distillation step ({d.student_model}" + (f" and {cfg.teacher.model})" if on_the_fly else ")"))
     batch = _typical_lengths(samples, d.batch_size, g.max_length)
     step = timer.distill_step(d.student_model, cfg.teacher.model if on_the_fly else None, batch, prompt)
@@ -335,7 +343,8 @@ def _candidate_seconds(cfg: PipelineConfig, d, timer: StepTimer, prompt: int, sa
         cache = timer.forward(cfg.teacher.model, n_synthetic, g.max_length)  # once per synthetic set
     return (steps * step + evals + cache,
             f"{steps} steps of {d.batch_size} samples of ~{sum(batch) / len(batch):.0f} tokens at {step:.3g} s"
-            + (" (student forward+backward, teacher forward)" if on_the_fly else "")
+            + (" (student forward+backward, teacher forward)" if on_the_fly else
+               " (the teacher's forward shared)" if teacher_paid else "")
             + f", validation {evals:.0f} s" + (f", teacher top-k cache {cache:.0f} s" if cache else ""))
 
 

@@ -19,7 +19,8 @@ choice is made instead on the private validation split, through an accounted Gau
 ledger entry of its own.
 
 The recipe: `_setup` (tokenizers, teacher or its logit cache, synthetic ids) →
-`_train` per candidate (`_step` per batch, `_Validation` keeps the best) → `_select` →
+`_train_together` (every candidate a `_Student`, stepped batch by batch beside the others:
+`step_loss` per batch, the teacher's logits once per batch; `_Validation` keeps the best) → `_select` →
 `_save` (training log, manifest last).
 """
 
@@ -192,10 +193,12 @@ def _save_model(student, tok, ckpt: Path) -> None:
 
 
 def step_loss(cfg: DistillConfig, teacher, vocab: int, student, projection, cached, ids, lengths, skip,
-              runtime: Runtime):
+              runtime: Runtime, shared: dict | None = None):
     """One batch's loss parts (the caller steps the optimiser). ids (B, L), lengths (B,), skip (B,);
-    `teacher`: the frozen teacher, None with `cached` top-k logits; `vocab`: the tokenizer's size.
-    `dpdistill plan` times this function (pipeline/timing.py).
+    `teacher`: the frozen teacher, None with `cached` top-k logits; `vocab`: the tokenizer's size;
+    `shared`: a dict kept over the candidates stepping the same batch, in which the first keeps
+    the teacher's logits and hidden states for the others. `dpdistill plan` times this function
+    (pipeline/timing.py).
 
     The models run the batch in `cfg.length_groups` groups of samples of similar length, each
     padded to its own longest; the vocabulary projections and the losses then run once, on the
@@ -218,10 +221,15 @@ def step_loss(cfg: DistillConfig, teacher, vocab: int, student, projection, cach
         teacher_logits = TopKLogits(*(None if t is None else  # (1, N, k) and (1, N)
                                       torch.cat([t[g][:, : real.shape[1]][real] for g, (_, real) in zip(groups, batches)])[None]
                                       for t in cached))
+    elif shared is not None and "teacher" in shared:  # the same batch, in the same length groups
+        teacher_logits, t_last = shared["teacher"]
     else:
         with torch.no_grad(), runtime.autocast():
             t_last = _real_hidden(teacher, batches)  # (N, H_t)
             teacher_logits = _vocab_logits(teacher, t_last, vocab).float()[None]  # (1, N, V)
+        if shared is not None:
+            shared["teacher"] = teacher_logits, t_last
+    if cached is None:
         teacher_hidden = t_last.float()[None] if want_hidden else None
     with runtime.autocast():  # forward only; the losses below run in fp32
         s_last = _real_hidden(student, batches)  # (N, H_s)
@@ -245,70 +253,123 @@ def _vocab_logits(model, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
     return model.get_output_embeddings()(hidden)[:, :vocab]
 
 
-def _train(cfg: DistillConfig, setup: _Setup, *, name: str, student_model: str, synthetic_path: Path,
-           ckpt: Path, seed: int, runtime: Runtime, progress: Callable[[dict], None]) -> dict:
-    """Train one student with `cfg`; the best on the synthetic validation split is saved to
-    `ckpt` (the last one without a validation split). Returns its training log."""
-    torch.manual_seed(seed)  # every candidate starts from the same draws
-    rows = _train_rows(cfg, setup, synthetic_path)
-    data = TokenIds(rows["token_ids"], setup.max_len, setup.tok.pad_token_id)
-    prompt_lengths = torch.from_numpy(rows["n_prompt_tokens"].to_numpy().astype("int64"))  # (N,)
-    cached = CachedTopK(setup.cache, rows["sample_id"].to_pylist()) if setup.cache is not None else None
-    log.info("distillation%s: training on %d of the %d synthetic train samples%s", f" [{name}]" if name else "",
-             len(data), setup.available, "" if cfg.num_synthetic is None else " (distill.num_synthetic)")
-    student = load_causal_lm(student_model).to(runtime.device)  # fp32 master weights
-    # β > 0 with different widths: a learned linear map from the student's hidden size to
-    # the teacher's (FitNets-style); it trains with the student and is not saved with it.
-    h_s = student.config.hidden_size
-    h_t = setup.teacher.config.hidden_size if setup.teacher is not None else h_s
-    projection = torch.nn.Linear(h_s, h_t, device=runtime.device) if cfg.beta > 0 and h_s != h_t else None
-    params = list(student.parameters()) + (list(projection.parameters()) if projection else [])
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    total = _n_steps(cfg, len(data))
-    warmup = max(1, int(cfg.warmup_fraction * total))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, (total - s) / max(1, total - warmup))
-    )
-    generator = torch.Generator().manual_seed(seed)
-    validate = _Validation(cfg, setup, ckpt, runtime)
-    history: list[dict] = []
-    t0, step, stopped_early = time.time(), 0, False
-    student.train()
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(len(data), generator=generator)
-        for start in range(0, len(data), cfg.batch_size):
-            idx = order[start : start + cfg.batch_size]
-            ids, lengths = data.collate([data[i] for i in idx])  # padded to this batch's longest
-            skip = prompt_lengths[idx] if cfg.kl_skip_tokens is None else torch.full((len(idx),), cfg.kl_skip_tokens)
-            top = None
-            if cached is not None:
-                top = cached.batch(idx, lengths)  # (B, L-1, k)
-                top = type(top)(*(None if t is None else t.to(runtime.device) for t in top))
-            parts = step_loss(cfg, setup.teacher, len(setup.tok), student, projection, top, ids, lengths, skip, runtime)
-            parts.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            record = {"step": step, "epoch": epoch, **{k: v.detach().item() for k, v in parts._asdict().items()}}
-            history.append(record)
-            progress({**record, "tokens": int(lengths.sum()), "candidate": name})  # synthetic tokens: public
-            if step % cfg.log_every == 0 or step == total:
-                log.info("distillation%s: step %d/%d loss %.4f (ce %.4f, kl %.4f, mse %.4f) (%.0f s)",
-                         f" [{name}]" if name else "", step, total, record["loss"], record["ce"], record["kl"],
-                         record["mse"], time.time() - t0)
-            if (step % cfg.eval_every == 0 or step == total) and validate(student, step):
-                stopped_early = True
-                log.info("distillation: no improvement in %d evaluations, stopping at step %d", cfg.patience, step)
-                break
-        if stopped_early:
-            break
-    if not validate.evals:  # no validation split: the last student is the result
-        _save_model(student, setup.tok, ckpt)
-    return {"history": history, "validation": validate.evals, "stopped_early": stopped_early,
-            "seconds": time.time() - t0, "steps": step, "train_samples": len(data),
-            "best_validation_loss": validate.best if validate.evals else None}
+class _Student:
+    """One candidate's training: its student, optimiser, schedule, validation and history, stepped
+    one batch at a time by `_train_together`. Its draws (dropout) come from a random state of
+    its own, seeded like the others' at the start: stepped beside other candidates, it trains
+    exactly as it would alone. The best student on the synthetic validation split is saved to
+    `ckpt` (the last one without a validation split)."""
+
+    def __init__(self, cfg: DistillConfig, setup: _Setup, *, name: str, student_model: str, synthetic_path: Path,
+                 ckpt: Path, seed: int, runtime: Runtime, progress: Callable[[dict], None]):
+        torch.manual_seed(seed)  # every candidate starts from the same draws
+        self.cfg, self.setup, self.name, self.ckpt, self.runtime, self.progress = cfg, setup, name, ckpt, runtime, progress
+        rows = _train_rows(cfg, setup, synthetic_path)
+        self.data = TokenIds(rows["token_ids"], setup.max_len, setup.tok.pad_token_id)
+        self.prompt_lengths = torch.from_numpy(rows["n_prompt_tokens"].to_numpy().astype("int64"))  # (N,)
+        self.cached = CachedTopK(setup.cache, rows["sample_id"].to_pylist()) if setup.cache is not None else None
+        log.info("distillation%s: training on %d of the %d synthetic train samples%s", self.tag, len(self.data),
+                 setup.available, "" if cfg.num_synthetic is None else " (distill.num_synthetic)")
+        self.student = load_causal_lm(student_model).to(runtime.device)  # fp32 master weights
+        # β > 0 with different widths: a learned linear map from the student's hidden size to
+        # the teacher's (FitNets-style); it trains with the student and is not saved with it.
+        h_s = self.student.config.hidden_size
+        h_t = setup.teacher.config.hidden_size if setup.teacher is not None else h_s
+        self.projection = torch.nn.Linear(h_s, h_t, device=runtime.device) if cfg.beta > 0 and h_s != h_t else None
+        self.params = list(self.student.parameters()) + (list(self.projection.parameters()) if self.projection else [])
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        self.total = _n_steps(cfg, len(self.data))
+        warmup = max(1, int(cfg.warmup_fraction * self.total))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, (self.total - s) / max(1, self.total - warmup))
+        )
+        self.validate = _Validation(cfg, setup, ckpt, runtime)
+        self.history: list[dict] = []
+        self.steps, self.stopped_early, self.seconds = 0, False, 0.0
+        self.student.train()
+        self.rng = _rng_state(runtime)
+
+    @property
+    def tag(self) -> str:
+        return f" [{self.name}]" if self.name else ""
+
+    def step(self, epoch: int, idx: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, shared: dict) -> None:
+        """One optimiser step on the samples `idx`, collated to `ids` (B, L) and `lengths` (B,);
+        `shared`: this batch's teacher logits, computed by the first candidate stepping it."""
+        t0 = time.time()
+        _set_rng_state(self.rng)
+        cfg = self.cfg
+        skip = self.prompt_lengths[idx] if cfg.kl_skip_tokens is None else torch.full((len(idx),), cfg.kl_skip_tokens)
+        top = None
+        if self.cached is not None:
+            top = self.cached.batch(idx, lengths)  # (B, L-1, k)
+            top = type(top)(*(None if t is None else t.to(self.runtime.device) for t in top))
+        parts = step_loss(cfg, self.setup.teacher, len(self.setup.tok), self.student, self.projection, top, ids, lengths,
+                          skip, self.runtime, shared=shared)
+        parts.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        step = self.steps
+        record = {"step": step, "epoch": epoch, **{k: v.detach().item() for k, v in parts._asdict().items()}}
+        self.history.append(record)
+        self.progress({**record, "tokens": int(lengths.sum()), "candidate": self.name})  # synthetic tokens: public
+        if step % cfg.log_every == 0 or step == self.total:
+            log.info("distillation%s: step %d/%d loss %.4f (ce %.4f, kl %.4f, mse %.4f) (%.0f s)", self.tag, step,
+                     self.total, record["loss"], record["ce"], record["kl"], record["mse"], self.seconds + time.time() - t0)
+        if (step % cfg.eval_every == 0 or step == self.total) and self.validate(self.student, step):
+            self.stopped_early = True
+            log.info("distillation%s: no improvement in %d evaluations, stopping at step %d", self.tag, cfg.patience, step)
+        self.rng = _rng_state(self.runtime)
+        self.seconds += time.time() - t0
+
+    def result(self) -> dict:
+        """The training log; without a validation split the last student is saved as the result."""
+        if not self.validate.evals:
+            _save_model(self.student, self.setup.tok, self.ckpt)
+        return {"history": self.history, "validation": self.validate.evals, "stopped_early": self.stopped_early,
+                "seconds": self.seconds, "steps": self.steps, "train_samples": len(self.data),
+                "best_validation_loss": self.validate.best if self.validate.evals else None}
+
+
+def _rng_state(runtime: Runtime) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(runtime.device) if runtime.device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+def _train_together(students: list[_Student], seed: int) -> None:
+    """Step `students` (candidates on the same samples, batch size and epochs) on the same shuffled
+    batches, one batch at a time, each candidate's step after the other's: the teacher's logits
+    of a batch are computed once for all of them, where training one candidate after the other
+    repeated the teacher's forward pass for each (half of a step on the demo, issue 22). A
+    candidate that stops early drops out; the others go on."""
+    first = students[0]
+    generator = torch.Generator().manual_seed(seed)  # one order for all, as each drew it alone
+    for epoch in range(first.cfg.epochs):
+        order = torch.randperm(len(first.data), generator=generator)
+        for start in range(0, len(first.data), first.cfg.batch_size):
+            active = [s for s in students if not s.stopped_early]
+            if not active:
+                return
+            idx = order[start : start + first.cfg.batch_size]
+            ids, lengths = first.data.collate([first.data[i] for i in idx])  # padded to this batch's longest
+            shared: dict = {}
+            for s in active:
+                s.step(epoch, idx, ids, lengths, shared)
+
+
+def lockstep_key(cfg: DistillConfig) -> tuple:
+    """Candidates with equal keys see the same batches in the same order, and are stepped
+    together (`dpdistill plan` counts their teacher forward once)."""
+    return cfg.num_synthetic, cfg.batch_size, cfg.epochs
 
 
 def _private_scorer(cfg: DistillConfig, setup: _Setup, candidates: int,
@@ -412,10 +473,17 @@ def distill(
         totals = {name: _n_steps(c, len(_train_rows(c, setup, synthetic_path))) for name, c in candidates}
         progress = _Progress(sum(totals.values()), on_progress, progress_every)
         ckpts = {name: (out_dir / "candidates" / name / "model" if name else out_dir / "model") for name, _ in candidates}
-        logs = {}
+        groups: dict[tuple, list[tuple[str, DistillConfig]]] = {}
         for name, c in candidates:
-            logs[name] = _train(c, setup, name=name, student_model=student_model, synthetic_path=synthetic_path,
-                                ckpt=ckpts[name], seed=seed, runtime=runtime, progress=progress)
+            groups.setdefault(lockstep_key(c), []).append((name, c))
+        logs = {}
+        for group in groups.values():
+            students = [_Student(c, setup, name=name, student_model=student_model, synthetic_path=synthetic_path,
+                                 ckpt=ckpts[name], seed=seed, runtime=runtime, progress=progress) for name, c in group]
+            _train_together(students, seed)
+            logs |= {s.name: s.result() for s in students}
+            del students  # their weights are saved; the next group's students take the memory
+        logs = {name: logs[name] for name, _ in candidates}
         selection = None
         if len(candidates) > 1:
             selection = _select(cfg, setup, logs, ckpts, teacher_dir=teacher_dir, synthetic_path=synthetic_path,

@@ -42,6 +42,41 @@ def test_early_stopping_keeps_the_best_validation_student(synthetic, tiny_model_
     assert losses[-1] > min(losses)  # stopped after a worse evaluation, kept the better one
 
 
+def test_candidates_stepped_together_train_as_each_would_alone_with_one_teacher_pass_a_batch(
+    synthetic, sharp_teacher, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """Two candidates on the same batches step side by side: each one's losses and validation are
+    those of the same setting trained alone (bit for bit, with dropout drawing from the random
+    state), and the teacher runs once per batch for both (3 model passes a batch, not 4). A
+    candidate that stops early drops out while the other goes on (patience 1, one overshooting)."""
+    from pipeline.stages import distill as distill_stage
+
+    student = tmp_path / "dropout_student"
+    model = make_tiny_model(tiny_tokenizer, n_embd=16)
+    model.config.resid_pdrop = model.config.attn_pdrop = 0.2  # draws from the random state, if not reseeded right
+    model.save_pretrained(student)
+    tiny_tokenizer.save_pretrained(student)
+    common = dict(epochs=4, batch_size=8, eval_every=2, log_every=100, patience=1)
+    run = dict(synthetic_path=synthetic.path, teacher_dir=sharp_teacher, student_model=str(student), seed=0)
+    alone = {}
+    for lr, alpha in ((1e-3, 0.4), (0.08, 1.0)):
+        out = tmp_path / f"alone-{alpha}"
+        distill(DistillConfig(candidates=[], alpha=alpha, learning_rate=lr, **common), out_dir=out, **run)
+        alone[alpha] = json.loads((out / "training_log.json").read_text())
+    passes = []
+    real_hidden = distill_stage._real_hidden
+    monkeypatch.setattr(distill_stage, "_real_hidden", lambda model, batches: passes.append(1) or real_hidden(model, batches))
+    distill(DistillConfig(candidates=[{"alpha": 0.4, "learning_rate": 1e-3}, {"alpha": 1.0, "learning_rate": 0.08}],
+                          **common), out_dir=tmp_path / "together", **run)
+    together = json.loads((tmp_path / "together" / "training_log.json").read_text())["candidates"]
+    for (alpha, solo), run_log in zip(alone.items(), together.values()):
+        assert [h["loss"] for h in run_log["history"]] == [h["loss"] for h in solo["history"]], alpha
+        assert run_log["validation"] == solo["validation"] and run_log["stopped_early"] == solo["stopped_early"]
+    steps = {name: r["steps"] for name, r in together.items()}
+    assert together["alpha=1.0,learning_rate=0.08"]["stopped_early"] and len(set(steps.values())) == 2
+    assert len(passes) == sum(steps.values()) + max(steps.values())  # each student's, and the teacher's once a batch
+
+
 def test_beta_with_different_widths_learns_a_projection(synthetic, tiny_model_dir, wide_student, tmp_path):
     """β > 0 with hidden sizes 16 (student) and 32 (teacher) trains through a projection."""
     cfg = DistillConfig(candidates=[], epochs=1, batch_size=16, learning_rate=1e-3, beta=1.0, eval_every=100)
