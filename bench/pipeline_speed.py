@@ -12,9 +12,11 @@ Distillation: two builtin students (the demo's candidates, α = 0.4 and α = 1) 
 engine), teacher logits on the fly, the same shuffled batches and steps. The reference is
 the stage as it was: one candidate after the other, each step as `_padded_step` below (each
 batch padded to its longest sample through both models, heads and losses on every padded
-position). The new one steps the candidates together, the teacher's forward once per batch
+position), with glibc's allocator as it comes (every tensor over 32 MB mapped afresh). The new one steps the candidates together, the teacher's forward once per batch
 for both (`distill._train_together`), each batch in `distill.length_groups` groups of
-similar length, the heads and losses on the real targets only. Compared: training samples
+similar length, the heads and losses on the real targets only, with freed memory reused
+(`pipeline.devices.reuse_freed_memory`, as every stage sets it). Each recipe runs in a fresh
+process of its own (the allocator's setting is per process). Compared: training samples
 per second over both students (the selection after them, the same in both, is not
 counted), and the synthetic-validation loss each student reaches (the same batches and the
 same loss: equal up to float rounding).
@@ -136,38 +138,49 @@ def _reference_loss(student_logits, teacher_logits, labels, kl_mask, alpha: floa
     return DistillLoss(loss=loss, ce=ce, kl=kl, mse=ce.new_zeros(()))
 
 
+def distill_child(recipe: str, epochs: int, tmp: Path) -> dict:
+    """One recipe's training in this (fresh) process: the reference as the stage was (glibc's
+    allocator as it comes, each candidate after the other, padded steps), or the stage now."""
+    import pipeline.devices as devices
+
+    if recipe == "reference":
+        devices.reuse_freed_memory = lambda: False  # the stage before 2026-11-24 left glibc as it is
+        distill_stage.step_loss, distill_stage.lockstep_key = _padded_step, id  # id: one candidate after the other
+    cfg = DistillConfig(candidates=[{"alpha": 0.4}, {"alpha": 1.0}], epochs=epochs, batch_size=16,
+                        learning_rate=3e-3, eval_every=10_000, log_every=10_000, selection_samples=8,
+                        length_groups=1 if recipe == "reference" else 4)
+    out = tmp / f"{recipe}-{time.time_ns()}"
+    distill_stage.distill(cfg, synthetic_path=tmp / "synthetic", teacher_dir=TEACHER, student_model=str(STUDENT),
+                          out_dir=out, seed=0)
+    log = json.loads((out / "training_log.json").read_text())  # seconds: the candidates' training
+    runs = list(log["candidates"].values())
+    return {"seconds": log["seconds"], "steps": sum(len(run["history"]) for run in runs),
+            "trained": sum(epochs * run["train_samples"] for run in runs),
+            "losses": ", ".join(f"{run['validation'][-1]['validation_loss']:.4f}" for run in runs)}
+
+
 def bench_distillation(samples: int, epochs: int, rounds: int, tmp: Path) -> float:
     """Training samples/s of the new recipe over the reference's, summed over alternating rounds:
-    the demo's two candidates (α = 0.4 and α = 1), each a student trained on every sample."""
+    the demo's two candidates (α = 0.4 and α = 1), each a student trained on every sample; each
+    recipe in a fresh process of its own (`distill_child`)."""
     codes = tmp / "codes.json"
     codes.write_text(json.dumps({"counts": CODES}))
     generate_synthetic(GenerateConfig(num_samples=samples, batch_size=64, max_length=128, validation_fraction=0.1),
                        teacher_dir=TEACHER, control_codes_path=codes, ledger=[], out_dir=tmp / "synthetic", seed=0)
-    new_step, together = distill_stage.step_loss, distill_stage.lockstep_key
     totals = {"reference": [0.0, 0], "new": [0.0, 0]}
     losses = {}
     print("| round | recipe | steps | samples | s | samples/s | validation loss (α = 0.4, 1) | load |\n"
           "|---|---|---|---|---|---|---|---|")
     for r in range(rounds):
         for recipe in ("reference", "new"):
-            reference = recipe == "reference"
-            distill_stage.step_loss = _padded_step if reference else new_step
-            distill_stage.lockstep_key = id if reference else together  # reference: one candidate after the other
-            cfg = DistillConfig(candidates=[{"alpha": 0.4}, {"alpha": 1.0}], epochs=epochs, batch_size=16,
-                                learning_rate=3e-3, eval_every=10_000, log_every=10_000, selection_samples=8,
-                                length_groups=1 if reference else 4)
-            out = tmp / f"{recipe}-{r}"
-            distill_stage.distill(cfg, synthetic_path=tmp / "synthetic", teacher_dir=TEACHER,
-                                  student_model=str(STUDENT), out_dir=out, seed=0)
-            log = json.loads((out / "training_log.json").read_text())  # seconds: the candidates' training
-            runs = log["candidates"].values()
-            trained = sum(epochs * run["train_samples"] for run in runs)
-            totals[recipe][0] += log["seconds"]
-            totals[recipe][1] += trained
-            losses[recipe] = ", ".join(f"{run['validation'][-1]['validation_loss']:.4f}" for run in runs)
-            print(f"| {r} | {recipe} | {sum(len(run['history']) for run in runs)} | {trained} | {log['seconds']:.1f} | "
-                  f"{trained / log['seconds']:.1f} | {losses[recipe]} | {_load()} |")
-    distill_stage.step_loss, distill_stage.lockstep_key = new_step, together
+            out = subprocess.run([sys.executable, __file__, "--distill-child", recipe, "--epochs", str(epochs),
+                                  "--tmp", str(tmp)], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+            got = json.loads(re.search(r"^RESULT (.*)$", out, re.M).group(1))
+            totals[recipe][0] += got["seconds"]
+            totals[recipe][1] += got["trained"]
+            losses[recipe] = got["losses"]
+            print(f"| {r} | {recipe} | {got['steps']} | {got['trained']} | {got['seconds']:.1f} | "
+                  f"{got['trained'] / got['seconds']:.1f} | {got['losses']} | {_load()} |", flush=True)
     rate = {k: n / s for k, (s, n) in totals.items()}
     print(f"distillation: reference {rate['reference']:.1f} samples/s, new {rate['new']:.1f}: "
           f"{rate['new'] / rate['reference']:.2f}x; validation loss at equal steps "
@@ -213,7 +226,12 @@ def main() -> None:
                     help="what to measure (default: all but the demo run)")
     ap.add_argument("--config", default="configs/demo.yaml", help="the plan's and the run's config")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for both (e.g. teacher.epochs=1)")
+    ap.add_argument("--distill-child", choices=("reference", "new"), help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.distill_child:
+        print("RESULT " + json.dumps(distill_child(args.distill_child, args.epochs, args.tmp)))
+        return
     print(f"torch threads {torch.get_num_threads()}, load {_load()}")
     got = dict.fromkeys(parts, float("nan"))
     if "generation" in args.parts:

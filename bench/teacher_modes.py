@@ -85,6 +85,10 @@ def child(mode: str, a: argparse.Namespace) -> None:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(a.threads)  # the same for every mode
+    if a.allocator == "reuse":  # as every stage runs (Runtime.apply_threads); bench/allocator.py compares
+        from pipeline.devices import reuse_freed_memory
+
+        reuse_freed_memory()
     label, teacher_mode, gsm = MODES[mode]
     if mode == "full-ghost-nosamplers":  # pipeline.stages.teacher imports pipeline.privacy.accountant: not here
         assert Conv1D not in GradSampleModuleFastGradientClipping.NORM_SAMPLERS
@@ -178,7 +182,7 @@ class Child:
 
     def __init__(self, mode: str, a: argparse.Namespace):
         self.mode, self.err = mode, tempfile.TemporaryFile("w+")  # a file: stderr cannot block it
-        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "device", "warmup", "threads")]
+        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "device", "warmup", "threads", "allocator")]
         self.proc = subprocess.Popen([sys.executable, __file__, "--one", mode, *args], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
         self.call(None, "READY")
@@ -242,6 +246,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every mode's process (default 1)")
+    p.add_argument("--allocator", choices=["reuse", "system"], default="reuse",
+                   help="reuse: glibc keeps freed memory, as the stages set it (pipeline.devices.reuse_freed_memory); "
+                   "system: glibc's defaults")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction,
                    help="keep every mode's process alive and step them round-robin (default: on CPU)")
@@ -303,6 +310,7 @@ def main() -> None:
               "above the step's start, summed from the allocation records: exact for tensors, blind to the "
               "allocator, and without the optimizer state (allocated at the first step).")
     print(f"Benchmark wall time: {time.time() - t0:.0f} s.")
+    print("JSON " + json.dumps([{"mode": r["mode"], "step_s": r["time"]} for r in rows if "error" not in r]))
     bk = next((r for r in rows if r["mode"] == "full-bk" and "error" not in r), None)
     if bk and base:  # the last line: bk against non-private (memory: live tensor bytes on CPU)
         key = "tensor_mem" if cpu else "mem"
