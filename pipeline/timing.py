@@ -37,6 +37,7 @@ from pipeline.stages.distill import step_loss
 from pipeline.stages.teacher import CLIPPING, per_sequence_loss, prepare_trainable
 
 PROBE_SEQUENCES = 4  # sequences of a first, cheap timing of each shape on a CPU
+TEACHER_PROBE_SEQUENCES = 16  # the DP step's probe: 4 priced the demo teacher's step 1.35x its run (below)
 FULL_BATCH_SECONDS = 0.25  # a shape predicted to run faster than this is timed at its real batch too
 REPEATS = 3  # calls per shape; the fastest counts (the first also pays one-off costs: allocation, lazy imports)
 NEW_TOKENS_TIMED = 16  # generation: new tokens whose time, less one token's, gives the cost of a new token
@@ -134,10 +135,10 @@ class StepTimer:
             self._timed[key] = measure()
         return self._timed[key]
 
-    def _scaled(self, seconds_of: Callable[[int], float], batch: int) -> float:
+    def _scaled(self, seconds_of: Callable[[int], float], batch: int, probe: int = PROBE_SEQUENCES) -> float:
         """Seconds of `seconds_of(batch)`, timed at the real batch when that is cheap (always on
-        a GPU, whose time is flat in small batches), else scaled from a few sequences."""
-        probe = batch if self.runtime.device.type == "cuda" else min(batch, PROBE_SEQUENCES)
+        a GPU, whose time is flat in small batches), else scaled from `probe` sequences."""
+        probe = batch if self.runtime.device.type == "cuda" else min(batch, probe)
         seconds = seconds_of(probe)
         if probe == batch:
             return seconds
@@ -178,10 +179,12 @@ class StepTimer:
         physical = self.cfg.teacher.physical_batch_size
         # Every pass timed with a real (noisy) optimizer step, where the run skips all but the
         # last of a logical batch's: a few percent high for large models, whose passes dominate.
-        # On the demo teacher the two errors nearly cancel: 4 sequences scaled ×8 price the
-        # pass itself at ~0.8x a 32-sequence pass (larger tensors, out of cache), and the 8
-        # optimizer steps add ~0.15x (measured 2026-11-24: 0.34 s x 8 against 3.1-3.4 s; 0.065 s).
-        return records / physical * self._scaled(one_pass, min(physical, max(1, round(records))))
+        # The probe: since the stages reuse freed memory (devices.reuse_freed_memory), a
+        # 32-sequence pass no longer pays to fault its large tensors in, and the demo teacher's
+        # step priced from 4 sequences came out 7.1-7.4 s against 5.1-5.4 s from 32 and 5.3-5.5
+        # from 16 (2 threads, idle, 2026-11-24; the run stepped 5.3 s). 16 costs ~2 s of plan.
+        return records / physical * self._scaled(one_pass, min(physical, max(1, round(records))),
+                                                 TEACHER_PROBE_SEQUENCES)
 
     def _dp_model(self, name: str):
         """The model behind the run's Opacus engine and clipping mode, on random public ids."""
