@@ -1,5 +1,5 @@
 # The two commands of the README:
-#   make demo   installs everything and runs the demo pipeline (offline, CPU, 9 to 11 min on 2 idle cores)
+#   make demo   installs everything and runs the demo pipeline (offline, CPU, about 7 min on 2 idle cores)
 #   make test   installs everything and runs the test suite
 #
 # Both install the exact versions this project tests, from constraints.txt; pyproject.toml
