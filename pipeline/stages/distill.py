@@ -335,14 +335,16 @@ class _Student:
 
 
 def _rng_state(runtime: Runtime) -> tuple:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(runtime.device) if runtime.device.type == "cuda" else None
+    """The generators a student's step draws from: the CPU's, and its CUDA device's."""
+    cuda = runtime.device.type == "cuda"
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(runtime.device), runtime.device) if cuda else None
 
 
 def _set_rng_state(state: tuple) -> None:
     cpu, cuda = state
     torch.set_rng_state(cpu)
     if cuda is not None:
-        torch.cuda.set_rng_state(cuda)
+        torch.cuda.set_rng_state(*cuda)  # (state, device)
 
 
 def _train_together(students: list[_Student], seed: int) -> None:
