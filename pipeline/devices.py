@@ -113,9 +113,9 @@ def default_threads(processes: int = 1) -> int:
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
-_reusing = False
 
 
+@cache  # once per process: apply_threads runs before every timing of the plan
 def reuse_freed_memory() -> bool:
     """Have glibc's malloc keep freed memory for the next allocation instead of giving it back
     to the system (no mmap'd blocks, no trimming); True where it could (Linux with glibc).
@@ -128,17 +128,13 @@ def reuse_freed_memory() -> bool:
     docs/operations.md). The cost: the process keeps its peak memory until it exits, as
     PyTorch's CUDA allocator does on the GPU. Set once per process; other C libraries'
     allocations are served the same way."""
-    global _reusing
-    if _reusing:
-        return True
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL(None)
-        _reusing = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):
         return False
-    return _reusing
 
 
 @dataclass(frozen=True)

@@ -134,11 +134,14 @@ def _stale_reason(manifest: dict, parts: dict) -> str:
     return ", ".join(changed) or "unknown"
 
 
+def _per_sample(values: pa.Array, n_targets: np.ndarray) -> pa.ListArray:
+    """A list per sample of its `n_targets` consecutive entries of `values` (one per token)."""
+    return pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(n_targets)]), pa.int32()), values)
+
+
 def _nested(flat: pa.Array, k: int, n_targets: np.ndarray) -> pa.ListArray:
     """list<list<>>: a list per sample of `n_targets` tokens, each a list of k values."""
-    per_token = pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, k), pa.int32()), flat)
-    per_sample = np.concatenate([[0], np.cumsum(n_targets)])
-    return pa.ListArray.from_arrays(pa.array(per_sample, pa.int32()), per_token)
+    return _per_sample(pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, k), pa.int32()), flat), n_targets)
 
 
 def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, batch_size: int,
@@ -160,14 +163,13 @@ def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, ba
             batch = lm_batch(records.ids, records.lengths)
             batch.pop("labels")
             with torch.no_grad():
-                logits = teacher(**{n: v.to(device) for n, v in batch.items()}).logits[:, :-1, :vocab]  # (B, L-1, V)
-            values, ids = logits.float().topk(k, dim=-1)  # (B, L-1, k), sorted, largest first
-            lse = torch.logsumexp(logits.float(), dim=-1)  # (B, L-1): all V logits
+                logits = teacher(**{n: v.to(device) for n, v in batch.items()}).logits[:, :-1, :vocab].float()  # (B, L-1, V)
+            values, ids = logits.topk(k, dim=-1)  # (B, L-1, k), sorted, largest first
+            lse = torch.logsumexp(logits, dim=-1)  # (B, L-1): all V logits
             n_targets = (records.lengths - 1).clamp(min=0)  # (B,)
             keep = (torch.arange(logits.shape[1]).unsqueeze(0) < n_targets.unsqueeze(1)).to(device)  # (B, L-1)
             flat_ids = ids[keep].to(torch.int32).numpy(force=True).reshape(-1)  # (tokens·k,) row-major, on the host
             flat_values = values[keep].numpy(force=True).reshape(-1)
-            per_sample = pa.array(np.concatenate([[0], np.cumsum(n_targets.numpy())]), pa.int32())
             n_tokens += int(n_targets.sum())
             writer.write_table(pa.table({
                 "sample_id": table["sample_id"].take(rows),
@@ -175,7 +177,7 @@ def _write_shard(teacher, tok, src: Path, dst: Path, k: int, max_length: int, ba
                 "n_targets": pa.array(n_targets.numpy(), pa.int32()),
                 "indices": _nested(pa.array(flat_ids, pa.int32()), k, n_targets.numpy()),
                 "logits": _nested(pa.array(flat_values, pa.float32()), k, n_targets.numpy()),
-                "logsumexp": pa.ListArray.from_arrays(per_sample, pa.array(lse[keep].numpy(force=True), pa.float32())),
+                "logsumexp": _per_sample(pa.array(lse[keep].numpy(force=True), pa.float32()), n_targets.numpy()),
             }, schema=SCHEMA))
             if on_batch:
                 on_batch(len(rows), int(n_targets.sum()))
