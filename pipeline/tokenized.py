@@ -34,6 +34,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset
 
@@ -142,6 +143,11 @@ class TokenIds(Dataset):
     def __getitem__(self, i):
         ids = self.column[int(i)].values.to_numpy(zero_copy_only=False)[: self.max_length]
         return torch.from_numpy(ids.astype(np.int64)), torch.tensor(len(ids))
+
+    def lengths(self) -> np.ndarray:
+        """Each item's length (cut to `max_length`), from the column's offsets: no ids read."""
+        lengths = pc.list_value_length(self.column).to_numpy(zero_copy_only=False)
+        return lengths if self.max_length is None else np.minimum(lengths, self.max_length)
 
 
 class ListIds(Dataset):

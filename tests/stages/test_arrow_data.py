@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from pipeline.config import DataConfig
 from pipeline.stages.data import TOKENIZED_DIR, delete_private_copies, encode_record, prepare_data, read_split
 from pipeline.stages.generate import SCHEMA, read_synthetic, synthetic_head, synthetic_ids, synthetic_texts
-from pipeline.stages.teacher import RankShareSampler
+from pipeline.stages.teacher import OneRecordPerUser, Pick, RankShareSampler, shortest_first
 from pipeline.tokenized import ListIds, TokenIds, pad_collate, token_column, tokenized_split
 from tests.conftest import YELP_TEST, YELP_TRAIN
 
@@ -85,6 +85,51 @@ def test_poisson_loader_pads_each_batch_and_keeps_opacus_empty_batches(data, tin
         assert ids.dtype == torch.long and ids.dim() == 2
         if len(lengths):
             assert ids.shape[1] == int(lengths.max())
+
+
+def test_physical_batches_of_a_poisson_batch_are_cut_in_length_order(data, tiny_tokenizer):
+    """With the records' lengths, each step's draw is the same records, shortest first, so that
+    BatchMemoryManager's physical batches pad less (and no record is lost or repeated)."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    records = TokenIds(token_column(tokenized_split(data.train, tiny_tokenizer)), 400, tiny_tokenizer.pad_token_id)
+    lengths = records.lengths()  # reviews of 100 to over 1,000 byte-level tokens, cut at 400
+    assert lengths.tolist() == [int(records[i][1]) for i in range(len(records))] and lengths.max() == 400 > lengths.min()
+
+    def padded_and_draws(by_length: bool) -> tuple[int, list[list[int]]]:
+        share = RankShareSampler(num_samples=len(records), sample_rate=0.5, generator=torch.Generator().manual_seed(3),
+                                 arrange=shortest_first(lengths) if by_length else None)
+        share.steps = 4
+        draws = list(share)
+        loader = DataLoader(records, batch_sampler=draws, collate_fn=records.collate)
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        optimizer.signal_skip_step = lambda do_skip: None  # BatchMemoryManager marks the last physical batch
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as physical:
+            return sum(ids.numel() for ids, _ in physical), draws
+
+    padded_random, unsorted = padded_and_draws(False)
+    padded_sorted, by_length = padded_and_draws(True)
+    assert [sorted(d) for d in by_length] == [sorted(d) for d in unsorted]  # the same Poisson draws
+    assert all([lengths[i] for i in d] == sorted(lengths[i] for i in d) for d in by_length)
+    assert padded_sorted < padded_random
+
+
+def test_user_level_draws_pick_each_users_record_then_sort_the_picks_by_length(data, tiny_tokenizer):
+    """User-level DP: each drawn user's one record is picked when the step is drawn, so that the
+    physical batches can be cut from the picks in length order; the loader reads those records."""
+    records = TokenIds(token_column(tokenized_split(data.train, tiny_tokenizer)), 400, tiny_tokenizer.pad_token_id)
+    lengths = records.lengths()
+    users = [f"user {i % 20:02d}" for i in range(len(records))]  # 20 users of 2-3 records each
+    train = OneRecordPerUser(records, users, torch.Generator().manual_seed(5))
+    share = RankShareSampler(num_samples=len(train), sample_rate=0.6, generator=torch.Generator().manual_seed(3),
+                             arrange=shortest_first(lengths, train))
+    for step in share:
+        assert step and all(isinstance(p, Pick) and users[p.record] == f"user {p.user:02d}" for p in step)
+        assert len({p.user for p in step}) == len(step)  # one record per drawn user
+        assert [lengths[p.record] for p in step] == sorted(lengths[p.record] for p in step)
+        ids, n = records.collate([train[p] for p in step])
+        assert n.tolist() == [lengths[p.record] for p in step]
+        assert ids[0, : n[0]].tolist() == records[step[0].record][0].tolist()
 
 
 def _shard(path: Path, first: int, n: int, validation: set[int]) -> None:

@@ -47,6 +47,20 @@ def _teacher(splits, model_dir, out, on_progress=None, **overrides):
     )
 
 
+def test_user_level_teacher_samples_users_and_trains_on_one_record_each(splits, tiny_model_dir, tmp_path):
+    """A split with a user column: N and q count users; each step's physical batches are cut
+    from the drawn users' picked records (teacher.RankShareSampler, shortest_first)."""
+    table = pq.read_table(splits.train)
+    users = [f"u{i % 33:02d}" for i in range(table.num_rows)]  # 33 users of 3 records each
+    train = tmp_path / "train.parquet"
+    pq.write_table(table.append_column("user", pa.array(users)), train)
+    cfg, result = _teacher(dataclasses.replace(splits, train=train), tiny_model_dir, tmp_path / "teacher",
+                           batch_size=11, physical_batch_size=4)
+    e = result.ledger
+    assert e.privacy_unit == "user" and e.sample_rate == pytest.approx(1 / 3) and e.steps == 3  # 33 users / 11
+    assert e.delta == pytest.approx(1 / (10 * 33)) and 0 < e.epsilon <= cfg.target_epsilon
+
+
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_ledger_epsilon_is_the_accountants(splits, tiny_model_dir, tmp_path, accountant):
     """ε in the ledger equals a fresh Opacus accountant's for the same σ, q, steps, and ≤ target."""
