@@ -163,6 +163,9 @@ class ListIds(Dataset):
     def __getitem__(self, i):
         return torch.tensor(self.sequences[i], dtype=torch.long), torch.tensor(len(self.sequences[i]))
 
+    def lengths(self) -> np.ndarray:
+        return np.array([len(s) for s in self.sequences], dtype=np.int64)
+
 
 def pad_collate(items: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad a batch to its own longest sequence: ids (B, L_batch), lengths (B,).

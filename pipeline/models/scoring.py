@@ -13,6 +13,14 @@ from pipeline.batching import IGNORE, lm_batch
 from pipeline.tokenized import ListIds, TokenIds
 
 
+def by_length(data: ListIds | TokenIds, batch_size: int) -> list[list[int]]:
+    """The indices of `data` in batches of `batch_size`, shortest sequences first: each batch
+    pads to little more than its own rows (issue 22). Scores summed over batches are the
+    same in any order."""
+    order = np.argsort(data.lengths(), kind="stable").tolist()
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
 @torch.no_grad()
 def nll_by_owner(
     model, data: ListIds | TokenIds, owners: list[int], n_owners: int, batch_size: int,
@@ -20,21 +28,23 @@ def nll_by_owner(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Summed next-token NLL and predicted-token count per owner of each sequence;
     `on_batch(sequences)` after each batch. Batches go to the model's device; the logits
-    are upcast to fp32 before the log-softmax (bf16 weights or autocast)."""
+    are upcast to fp32 before the log-softmax (bf16 weights or autocast). Batched by length
+    (`by_length`): a record's last window, a short record or synthetic sample no longer pads
+    its batch's other rows."""
     model.eval()
     device = next(model.parameters()).device
     nll_sum, count = np.zeros(n_owners), np.zeros(n_owners)
-    for start in range(0, len(data), batch_size):
-        ids, lengths = data.collate([data[i] for i in range(start, min(start + batch_size, len(data)))])
+    for rows in by_length(data, batch_size):
+        ids, lengths = data.collate([data[i] for i in rows])
         batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
         labels = batch.pop("labels")  # (B, L-1)
         logits = model(**batch).logits[:, :-1].float()  # (B, L-1, V)
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
         ).view(labels.shape)  # (B, L-1)
-        for row, owner in enumerate(owners[start : start + batch_size]):
-            nll_sum[owner] += float(nll[row].sum())
-            count[owner] += int((labels[row] != IGNORE).sum())
+        for row, i in enumerate(rows):
+            nll_sum[owners[i]] += float(nll[row].sum())
+            count[owners[i]] += int((labels[row] != IGNORE).sum())
         if on_batch:
             on_batch(len(labels))
     return nll_sum, count

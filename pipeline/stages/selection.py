@@ -32,6 +32,7 @@ import torch
 
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.models.losses import kl_teacher_student
+from pipeline.models.scoring import by_length
 from pipeline.reports import SELECTION_CRITERIA as CRITERIA
 from pipeline.stages.generate import sample_untruncated, synthetic_head
 from pipeline.tokenized import ListIds
@@ -67,8 +68,8 @@ def score_students(teacher, students: dict[str, torch.nn.Module], selection: Lis
     kl_sum = dict.fromkeys(students, 0.0)
     ce_sum = dict.fromkeys(students, 0.0)
     tokens = 0
-    for start in range(0, len(selection), batch_size):
-        ids, lengths = selection.collate([selection[i] for i in range(start, min(start + batch_size, len(selection)))])
+    for rows in by_length(selection, batch_size):
+        ids, lengths = selection.collate([selection[i] for i in rows])
         batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
         labels = batch.pop("labels")  # (B, L-1)
         mask = labels != IGNORE  # (B, L-1)

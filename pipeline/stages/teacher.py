@@ -83,6 +83,7 @@ from pipeline.devices import CPU_FP32, Runtime
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, sha256_file, write_manifest
 from pipeline.models.losses import per_sequence_distillation_loss
+from pipeline.models.scoring import by_length
 from pipeline.models.base import load_causal_lm, load_tokenizer, same_tokenizer, untie_lm_head
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 from pipeline.tokenized import TokenIds, token_column, tokenized_split
@@ -343,15 +344,16 @@ def _per_record_losses(model: torch.nn.Module, records: TokenIds, batch_size: in
     """Each monitor record's mean per-token loss, (R,) float64 on the host (forward only, eval
     mode). Published only through `_monitor_value`: exact for public records, noisy for private ones."""
     model.eval()
-    losses: list[float] = []
-    for ids, lengths in DataLoader(records, batch_size=batch_size, collate_fn=records.collate):
+    losses = torch.zeros(len(records), dtype=torch.float64)
+    for rows in by_length(records, batch_size):
+        ids, lengths = records.collate([records[i] for i in rows])
         batch = {k: v.to(runtime.device) for k, v in lm_batch(ids, lengths).items()}
         labels = batch.pop("labels")
         with runtime.autocast():
             logits = model(**batch).logits  # (B, L, V)
-        losses += per_sequence_loss(logits, labels).tolist()  # (B,)
+        losses[rows] = per_sequence_loss(logits, labels).double().cpu()  # (B,)
     model.train()
-    return torch.tensor(losses, dtype=torch.float64)
+    return losses
 
 
 @dataclass

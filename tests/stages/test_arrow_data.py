@@ -166,3 +166,26 @@ def test_perplexity_of_tokenized_ids_is_that_of_the_texts(data, tiny_tokenizer, 
     ids = token_column(tokenized_split(data.test, tiny_tokenizer)).to_pylist()
     assert perplexity(model, tiny_tokenizer, codes, texts, 32, 4, token_ids=ids) == \
         perplexity(model, tiny_tokenizer, codes, texts, 32, 4)
+
+
+def test_scores_batched_by_length_are_each_sequence_scored_alone(tiny_tokenizer, tiny_model_dir):
+    """nll_by_owner batches sequences shortest first (less padding): every owner still gets the
+    sum of its own sequences' NLL, as when each is scored on its own, unpadded."""
+    from pipeline.models.base import load_causal_lm
+    from pipeline.models.scoring import by_length, nll_by_owner
+
+    model = load_causal_lm(str(tiny_model_dir))
+    g = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, len(tiny_tokenizer), (int(n),), generator=g).tolist()
+                 for n in torch.randint(2, 60, (11,), generator=g)]
+    data = ListIds(sequences, tiny_tokenizer.pad_token_id)
+    batches = by_length(data, 4)
+    assert sorted(i for b in batches for i in b) == list(range(11)) and [len(b) for b in batches] == [4, 4, 3]
+    assert [len(sequences[i]) for b in batches for i in b] == sorted(map(len, sequences))
+    owners = [i % 3 for i in range(11)]
+    nll, count = nll_by_owner(model, data, owners, 3, batch_size=4)
+    alone = [nll_by_owner(model, ListIds([s], 0), [0], 1, batch_size=1) for s in sequences]
+    for owner in range(3):
+        mine = [a for a, o in zip(alone, owners) if o == owner]
+        assert count[owner] == sum(c[0] for _, c in mine)
+        assert nll[owner] == pytest.approx(sum(n[0] for n, _ in mine), rel=1e-5)
