@@ -123,7 +123,10 @@ def child(mode: str, a: argparse.Namespace) -> None:
         else:
             model, optimizer, _ = engine.make_private(**private)
 
-    def step() -> float:
+    def physical(last: bool) -> float:
+        """One physical batch; the optimizer steps (and DP adds its noise) on the last of a logical batch."""
+        if gsm is not None and not last:  # as BatchMemoryManager: DP optimizers accumulate until the last
+            optimizer.signal_skip_step(do_skip=True)
         logits = model(**batch).logits  # (B, T, V)
         if gsm == "bk":  # one backward of the per-sequence losses; .grad = clipped sum
             per_example = per_sequence_loss(logits, labels)
@@ -135,11 +138,16 @@ def child(mode: str, a: argparse.Namespace) -> None:
             shifted = logits[:, :-1]
             loss = criterion(shifted.reshape(-1, shifted.shape[-1]), labels.reshape(-1), shape=shifted.shape)
         else:
-            loss = per_sequence_loss(logits, labels).mean()
+            loss = per_sequence_loss(logits, labels).mean() / a.accumulate
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if gsm is not None or last:  # non-private: gradients accumulate in .grad
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss.item()
+
+    def step() -> float:
+        """One logical step: `accumulate` physical batches, then the optimizer's step."""
+        return [physical(k == a.accumulate - 1) for k in range(a.accumulate)][0]
 
     cuda = a.device == "cuda"
     if cuda:
@@ -182,7 +190,7 @@ class Child:
 
     def __init__(self, mode: str, a: argparse.Namespace):
         self.mode, self.err = mode, tempfile.TemporaryFile("w+")  # a file: stderr cannot block it
-        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "device", "warmup", "threads", "allocator")]
+        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "device", "warmup", "threads", "allocator", "accumulate")]
         self.proc = subprocess.Popen([sys.executable, __file__, "--one", mode, *args], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
         self.call(None, "READY")
@@ -244,6 +252,9 @@ def main() -> None:
     for name in SHAPE:
         p.add_argument(f"--{name}", type=int, help="overrides the preset")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="physical batches per logical step (default 1): a DP step's noise is drawn once per "
+                        "logical step, as in the teacher, where a Poisson batch spans several physical ones")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every mode's process (default 1)")
     p.add_argument("--allocator", choices=["reuse", "system"], default="reuse",
@@ -270,7 +281,7 @@ def main() -> None:
     base = next((r for r in rows if r["mode"] == "nonprivate" and "error" not in r), None)
     exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
     print(f"GPT-2 shape: {a.layers} layers, width {a.width}, {a.heads} heads, vocab {a.vocab}, seq {a.seq}, "
-          f"batch {a.batch} | device {a.device}, {a.threads} torch thread(s) per mode | torch "
+          f"batch {a.batch}" + (f" x {a.accumulate} physical batches a step" if a.accumulate > 1 else "") + f" | device {a.device}, {a.threads} torch thread(s) per mode | torch "
           f"{torch.__version__}, opacus {opacus.__version__} | load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     print(f"Command: `{shlex.join([exe, os.path.relpath(__file__, ROOT), *sys.argv[1:]])}`\n")
     mem = "peak CUDA memory above setup" if a.device == "cuda" else "peak RSS growth"
@@ -290,7 +301,8 @@ def main() -> None:
             extra = f" {r['tensor_mem']:.0f} | {ratio} |"
         print(f"| {r['label']} | {r['trainable']:,} | {r['time']:.3f} | {tr} | {r['mem']:.0f} | {mr} |{extra}")
     losses = sorted({f"{r['first_loss']:.4f}" for r in rows if "error" not in r})
-    print(f"\nStep = forward + backward + optimizer.step + zero_grad; time = median of {a.steps} steps after "
+    print(f"\nStep = {'forward + backward' if a.accumulate == 1 else f'{a.accumulate} x (forward + backward)'}"
+          f" + optimizer.step + zero_grad; time = median of {a.steps} steps after "
           f"{a.warmup} warm-up step(s). DP rows: noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling="
           "False (one fixed batch, not Poisson-sampled). Same seeded weights and batch in every row "
           f"(first-step loss: {', '.join(losses)}); lm_head untied in every row; dropout off.")
