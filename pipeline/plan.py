@@ -221,14 +221,22 @@ def _prompt_lengths(cfg: PipelineConfig, tok) -> list[int]:
                    for p in itertools.product(*parts)})
 
 
-def _window_batches(lengths: list[int], window: int, batch: int) -> list[tuple[int, int]]:
-    """(sequences, padded length) of each batch evaluation scores for one model: the joined
-    stream's windows, then each record's (pipeline/stages/evaluate.py `perplexity`)."""
+def padded_tokens(lengths: list[int], batch: int) -> int:
+    """Token slots of `lengths` batched shortest first (as pipeline/models/scoring.py
+    `by_length` and the teacher's physical batches are), each batch padded to its longest."""
+    ordered = sorted(lengths)
+    return sum(len(ordered[i:i + batch]) * max(ordered[i:i + batch]) for i in range(0, len(ordered), batch))
+
+
+def _window_batches(lengths: list[int], window: int, batch: int) -> tuple[int, int]:
+    """Batches evaluation scores for one model and their padded token slots: the joined stream's
+    windows, then each record's (pipeline/stages/evaluate.py `perplexity`)."""
     joined = sum(lengths)
     stream = [window] * (joined // window) + ([joined % window] if joined % window > 1 else [])
     per_record = [min(window, n - i) for n in lengths for i in range(0, n, window) if n - i > 1]
-    return [(len(part[i:i + batch]), max(part[i:i + batch])) for part in (stream, per_record)
-            for i in range(0, len(part), batch)]
+    parts = [part for part in (stream, per_record) if part]
+    return (sum(math.ceil(len(part) / batch) for part in parts),
+            sum(padded_tokens(part, batch) for part in parts))
 
 
 def _typical_lengths(lengths: list[int], batch: int, cap: int) -> list[int]:
@@ -244,8 +252,10 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
                     lengths: list[int]) -> dict[str, tuple[float, str]]:
     """Each DP-SGD stage: its logical steps (the stages' Opacus step on random ids), the validation
     loss at each monitor point (teacher.monitor dp or public; none scores nothing) and σ's calibration.
-    A step's records are q·N in expectation, in physical batches padded to a typical batch's longest
-    of `lengths` (the records' token counts, the test split's standing in for the training split's)."""
+    A step's records are q·N in expectation, with lengths spread over the quantiles of `lengths` (the
+    records' token counts, the test split's standing in for the training split's), cut shortest first
+    into physical batches each padded to its longest (teacher.RankShareSampler): the step is timed at
+    its longest record and scaled by the padded tokens' share."""
     t, out = cfg.teacher, {}
     for entry in plan.entries:
         if entry.mechanism != "subsampled_gaussian":
@@ -253,8 +263,10 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
         name = t.model if entry.stage == "teacher" else cfg.distill.student_model
         timer.say(f"plan: timing the {entry.stage}'s DP-SGD step ({name}, {t.grad_sample_mode} clipping)")
         records = plan.sampling_probability[entry.stage] * plan.n
-        padded = max(_typical_lengths(lengths, min(t.physical_batch_size, max(1, round(records))), t.max_length))
-        step = timer.teacher_step(name, records, padded)
+        drawn = _typical_lengths(lengths, max(1, round(records)), t.max_length)  # one step's records
+        padded = max(drawn)
+        step = timer.teacher_step(name, records, padded) * padded_tokens(drawn, t.physical_batch_size) / (
+            len(drawn) * padded)
         if entry.stage == "student" and cfg.distill.method == "dpkd":
             step += records / t.physical_batch_size * timer.forward(t.model, t.physical_batch_size, padded)
         checks = len(monitor_points(entry.steps, t.log_every))
@@ -354,11 +366,11 @@ def _evaluation_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer, tok,
     e, t, d = cfg.evaluate, cfg.teacher, cfg.distill
     names = [d.student_model, d.student_model] + ([t.model, t.model] if "teacher" in dp_sgd_budgets(cfg) else [])
     timer.say(f"plan: timing evaluation ({len(names)} models on {plan.n_test} test records)")
-    batches = _window_batches(test_tokens, e.window, e.batch_size)
+    batches, slots = _window_batches(test_tokens, e.window, e.batch_size)
     # A batch costs about its padded tokens' share of a full one (attention's T² term is small here).
-    share = sum(b * length for b, length in batches) / (e.batch_size * e.window)
+    share = slots / (e.batch_size * e.window)
     seconds = sum(share * timer.forward(m, e.batch_size, e.window) for m in names)
-    how = f"{len(names)} models × {len(batches)} batches of ≤ {e.batch_size}×{e.window} test tokens"
+    how = f"{len(names)} models × {batches} batches of ≤ {e.batch_size}×{e.window} test tokens"
     domain = cfg.control_codes.domain
     if d.method in ("distil", "dp_syn") and e.adherence_samples and domain is not None:
         candidates = sum(len(v) for v in domain.values() if len(v) >= 2)

@@ -21,7 +21,7 @@ from cli_probe import child_pythonpath
 from pipeline.config import config_from_dict
 from pipeline.devices import CPU_FP32, Runtime, cpu_has_native_bf16, slow_bf16_warning
 from pipeline.models.base import SHIPPED, causal_lm_from_config
-from pipeline.plan import _new_tokens, _typical_lengths, make_plan
+from pipeline.plan import _new_tokens, _typical_lengths, make_plan, padded_tokens
 from pipeline.privacy.control_codes import release_control_codes
 from pipeline.privacy.ledger import compose
 from pipeline.stages.data import prepare_data
@@ -110,6 +110,8 @@ def test_the_plan_prices_the_lengths_records_have_not_the_longest_allowed(tmp_pa
     assert max(_typical_lengths(tweets, 32, cap=128)) == 59  # 32 draws: nearly always the longest
     assert _typical_lengths(tweets, 5, cap=30) == [15, 25, 30, 30, 30]
     assert _typical_lengths([], 3, cap=64) == [64, 64, 64]  # no test records: the longest allowed
+    # a teacher step's records cut shortest first into physical batches of 2, each padded to its longest
+    assert padded_tokens([5, 100, 6, 99], 2) == 2 * 6 + 2 * 100  # drawn order would pad to 2 * 100 + 2 * 99
     tree = tiny_pipeline_dict(tmp_path)
     tree["generate"].update(max_length=64, max_new_tokens=None)
     cfg = config_from_dict(tree)
