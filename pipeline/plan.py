@@ -303,7 +303,8 @@ def _generation_seconds(cfg: PipelineConfig, timer: StepTimer, prompts: list[int
     mid = prompts[len(prompts) // 2]
     budget, samples = _new_tokens(cfg, mid, lengths)
     new = budget if hf else max(1, round(sum(samples) / len(samples)))
-    seconds = timer.generate_batch(cfg.teacher.model, g.batch_size, mid, new)
+    longest = max(_typical_lengths(samples, g.batch_size, budget))  # the deepest of a batch's rows
+    seconds = timer.generate_batch(cfg.teacher.model, g.batch_size, mid, new, longest)
     return (batches * seconds, f"{batches} batches of up to {g.batch_size} × {new} new tokens at {seconds:.3g} s "
             f"({'each sample to its budget' if hf else f'the budget {budget}, {new} expected'}; "
             f"prompts of {len(prompts)} token lengths), one worker")

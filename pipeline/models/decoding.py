@@ -194,6 +194,25 @@ def sample(model, prompts: list[list[int]], budgets: list[int], *, eos: int, slo
             state.keep(torch.tensor(busy, device=state.fed.device))
 
 
+@torch.no_grad()
+def steady_steps(model, rows: int, position: int, steps: int, *, max_length: int, top_k: int, top_p: float,
+                 temperature: float, no_repeat_ngram_size: int = 0) -> None:
+    """`steps` decode steps of `rows` rows that all sample, from `position` on (clamped to leave
+    room in max_length and the model's positions): `sample`'s steady state once its rows have
+    reached that depth, every step attending over `position` keys or more. What `dpdistill
+    plan` times (pipeline/timing.py); the tokens and cached keys are random or zero: their
+    values cost nothing."""
+    position = max(0, min(position, min(max_length, model.config.n_positions) - steps - 1))
+    state = _empty_slots(model, rows, max_length)
+    state.tokens.random_(0, model.config.vocab_size)
+    state.fed.fill_(position)
+    state.n_tokens.fill_(position + 1)
+    state.limit.fill_(max_length)
+    state.sample = list(range(rows))
+    for _ in range(steps):
+        _step(model, state, -1, top_k, top_p, temperature, no_repeat_ngram_size)
+
+
 class _Refill:
     """Gives a free slot the next pending prompt, its keys and values already in the cache.
 

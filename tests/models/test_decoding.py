@@ -135,3 +135,24 @@ def test_the_frequency_test_sees_a_changed_top_p(peaked_model, tiny_tokenizer):
     fast = _samples(peaked_model, tiny_tokenizer, "fast", seed=1, top_k=20, top_p=0.8, temperature=0.8)
     hf = _samples(peaked_model, tiny_tokenizer, "hf", seed=2, top_k=20, top_p=0.7, temperature=0.8)
     assert _smallest_p_value(fast, hf) < ALPHA / NEW
+
+
+def test_the_plans_steady_steps_decode_every_row_at_the_asked_depth(peaked_model, monkeypatch):
+    """decoding.steady_steps, what the plan times for a token: every row feeds and samples at
+    each step, from `position` on (clamped so that the steps fit in max_length)."""
+    from pipeline.models import decoding
+
+    seen = []
+    forward = decoding._forward_one
+
+    def spy(model, slots):
+        seen.append((len(slots.fed), slots.fed.tolist(), (slots.n_tokens - slots.fed).tolist()))
+        return forward(model, slots)
+
+    monkeypatch.setattr(decoding, "_forward_one", spy)
+    decoding.steady_steps(peaked_model, 5, 30, 4, max_length=64, top_k=50, top_p=0.9, temperature=1.0)
+    assert [fed for _, fed, _ in seen] == [[30 + i] * 5 for i in range(4)]
+    assert all(rows == 5 and ahead == [1] * 5 for rows, _, ahead in seen)  # each row samples at every step
+    seen.clear()
+    decoding.steady_steps(peaked_model, 2, 200, 4, max_length=64, top_k=0, top_p=1.0, temperature=1.0)
+    assert [fed for _, fed, _ in seen] == [[59 + i] * 2 for i in range(4)]  # clamped: the last step at 62 < 64
