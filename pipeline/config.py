@@ -382,7 +382,10 @@ class GenerateConfig(_Section):
     samples_per_prompt: int = Field(
         1, ge=1, description="Samples generated from each drawn control-code prompt."
     )
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(
+        256, ge=1, description="Rows decoded side by side (the fast engine refills each as its sample ends). "
+        "On 2 CPU threads the demo teacher decoded 1.45x the tokens/s at 256 rows as at 64 (larger matmuls); "
+        "the key/value cache grows with it: rows x layers x 2 x max_length x width values.")
     top_k: int = Field(50, ge=0, description="0 disables top-k filtering.")
     top_p: float = Field(0.9, gt=0, le=1.0)
     temperature: float = Field(1.0, gt=0)
