@@ -11,7 +11,8 @@ the only way down).
 
   teacher, non-private   AdamW step of per-sequence CE, 32 x 128 tokens (the demo's physical batch)
   teacher, DP (bk)       the same batch through the book-keeping engine (pipeline/privacy/bk.py):
-                         one backward, per-example norms, clipped sum, noise (noise_multiplier 1)
+                         one backward, per-example norms, clipped sum, noise (noise_multiplier 1);
+                         its matmuls include the per-example norms' products
   evaluation forward     16 windows of 128 tokens, logits and their CE (evaluate.batch_size)
   generation step        one decode step of the fast engine (pipeline/models/decoding.py) on 64
                          rows (generate.batch_size) at 64 cached positions: the 4 blocks for one
@@ -50,10 +51,13 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_seconds(cfg, rows: int, batch: int, span: int, train: bool, repeats: int) -> tuple[float, float]:
+def matmul_seconds(cfg, rows: int, batch: int, span: int, train: bool, repeats: int,
+                   norms: bool = False) -> tuple[float, float]:
     """Seconds of the step's matrix products alone, and their GFLOP: the blocks' weights on
     `rows` tokens, attention over `span` keys for `batch` sequences of rows/batch queries, the
-    vocabulary projection; with `train`, each weight product's two backward products too."""
+    vocabulary projection; with `train`, each weight product's two backward products too; with
+    `norms`, book-keeping's per-example gradient norms of every weight (pipeline/privacy/bk.py:
+    the ghost products aᵢaᵢᵀ and gᵢgᵢᵀ where 2T² < in·out, else each aᵢᵀgᵢ)."""
     import torch
 
     d, layers, vocab, heads = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_head
@@ -65,6 +69,12 @@ def matmul_seconds(cfg, rows: int, batch: int, span: int, train: bool, repeats: 
     bmms = [(batch * heads, queries, d // heads, span), (batch * heads, queries, span, d // heads)] * layers
     if train:
         bmms = bmms * 3
+    if norms:
+        for m, i, o in [(rows, d, 3 * d), (rows, d, d), (rows, d, 4 * d), (rows, 4 * d, d)] * layers + [(rows, d, vocab)]:
+            if 2 * queries**2 < i * o:  # (B, T, in) x (B, in, T) and (B, T, out) x (B, out, T)
+                bmms += [(batch, queries, i, queries), (batch, queries, o, queries)]
+            else:  # (B, in, T) x (B, T, out)
+                bmms += [(batch, i, queries, o)]
     seconds = flops = 0.0
     for m, k, n in mms:
         a, b = torch.randn(m, k), torch.randn(k, n)
@@ -102,8 +112,8 @@ def main() -> None:
     cfg = model.config
     rows = []
 
-    def row(name: str, step_s: float, rows_: int, batch: int, span: int, train: bool) -> None:
-        mm_s, gflop = matmul_seconds(cfg, rows_, batch, span, train, a.repeats)
+    def row(name: str, step_s: float, rows_: int, batch: int, span: int, train: bool, norms: bool = False) -> None:
+        mm_s, gflop = matmul_seconds(cfg, rows_, batch, span, train, a.repeats, norms)
         rows.append((name, step_s, mm_s, gflop))
         print(f"[{name}] step {step_s * 1e3:.1f} ms, its matmuls alone {mm_s * 1e3:.1f} ms "
               f"({gflop / mm_s:.0f} GFLOP/s), ratio {step_s / mm_s:.2f}", file=sys.stderr, flush=True)
@@ -134,7 +144,7 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
 
         row("teacher DP (bk)" if private else "teacher non-private", timed(train_step, a.repeats), 32 * 128, 32,
-            128, True)
+            128, True, norms=private)
 
     windows = ListIds(ids[:16].tolist(), 0)
     model.eval()

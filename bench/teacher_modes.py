@@ -28,7 +28,8 @@ mode alike. Run from the repository root:
     .venv/bin/python bench/teacher_modes.py --preset gpt2    # GPT-2 small shape, batch 32, on a GPU
 
 Its last line, when bk ran beside non-private: `mode=bk time_ratio=X memory_ratio=Y` (memory:
-tensor peak on CPU, CUDA peak on a GPU).
+tensor peak on CPU, CUDA peak on a GPU), with `--accumulate K` > 1 also `pass_ratio=P`: one
+physical batch's forward, backward and clipping, the optimizer's step and noise left out.
 """
 
 from __future__ import annotations
@@ -145,9 +146,17 @@ def child(mode: str, a: argparse.Namespace) -> None:
             optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
+    passes = []  # seconds of each physical batch but a logical step's last (no optimizer step in it)
+
     def step() -> float:
         """One logical step: `accumulate` physical batches, then the optimizer's step."""
-        return [physical(k == a.accumulate - 1) for k in range(a.accumulate)][0]
+        losses = []
+        for k in range(a.accumulate):
+            t0 = time.perf_counter()
+            losses.append(physical(k == a.accumulate - 1))
+            if k < a.accumulate - 1:
+                passes.append(time.perf_counter() - t0)
+        return losses[0]
 
     cuda = a.device == "cuda"
     if cuda:
@@ -171,6 +180,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
     timed = times[a.warmup:]
     result = dict(mode=mode, label=label, trainable=trainable, time=statistics.median(timed), times=timed,
                   mem=(peak - before) / 2**20, first_loss=losses[0])
+    if passes:  # forward + backward (+ clipping) of one physical batch, the logical step's update left out
+        result["pass"] = statistics.median(passes[a.warmup * (a.accumulate - 1):])
     if not cuda:  # one more, untimed step: the peak of live tensor bytes it adds, from the profiler
         from torch.profiler import ProfilerActivity, profile
 
@@ -322,11 +333,18 @@ def main() -> None:
               "above the step's start, summed from the allocation records: exact for tensors, blind to the "
               "allocator, and without the optimizer state (allocated at the first step).")
     print(f"Benchmark wall time: {time.time() - t0:.0f} s.")
-    print("JSON " + json.dumps([{"mode": r["mode"], "step_s": r["time"]} for r in rows if "error" not in r]))
+    if a.accumulate > 1:
+        print("Physical pass: the median of each logical step's physical batches but its last (forward, "
+              "backward, clipping; no optimizer step, no noise): " + ", ".join(
+                  f"{r['mode']} {r['pass']:.3f} s" for r in rows if "pass" in r) + ". A logical step of K "
+              "physical batches costs about K passes plus one update (the DP noise is drawn once per step).")
+    print("JSON " + json.dumps([{"mode": r["mode"], "step_s": r["time"], **({"pass_s": r["pass"]} if "pass" in r else {})}
+                                for r in rows if "error" not in r]))
     bk = next((r for r in rows if r["mode"] == "full-bk" and "error" not in r), None)
     if bk and base:  # the last line: bk against non-private (memory: live tensor bytes on CPU)
         key = "tensor_mem" if cpu else "mem"
-        print(f"mode=bk time_ratio={bk['time'] / base['time']:.2f} memory_ratio={bk[key] / base[key]:.2f}")
+        passes = f" pass_ratio={bk['pass'] / base['pass']:.2f}" if "pass" in bk and "pass" in base else ""
+        print(f"mode=bk time_ratio={bk['time'] / base['time']:.2f} memory_ratio={bk[key] / base[key]:.2f}{passes}")
 
 
 if __name__ == "__main__":
