@@ -351,7 +351,7 @@ def _per_record_losses(model: torch.nn.Module, records: TokenIds, batch_size: in
         labels = batch.pop("labels")
         with runtime.autocast():
             logits = model(**batch).logits  # (B, L, V)
-        losses[rows] = per_sequence_loss(logits, labels).double().cpu()  # (B,)
+        losses[rows] = torch.tensor(per_sequence_loss(logits, labels).tolist(), dtype=torch.float64)  # (B,)
     model.train()
     return losses
 
