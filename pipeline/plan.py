@@ -265,10 +265,11 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
         records = plan.sampling_probability[entry.stage] * plan.n
         drawn = _typical_lengths(lengths, max(1, round(records)), t.max_length)  # one step's records
         padded = max(drawn)
-        step = timer.teacher_step(name, records, padded) * padded_tokens(drawn, t.physical_batch_size) / (
-            len(drawn) * padded)
-        if entry.stage == "student" and cfg.distill.method == "dpkd":
+        share = padded_tokens(drawn, t.physical_batch_size) / (len(drawn) * padded)  # of the step at `padded`
+        step = timer.teacher_step(name, records, padded)
+        if entry.stage == "student" and cfg.distill.method == "dpkd":  # the teacher's forward on the same batches
             step += records / t.physical_batch_size * timer.forward(t.model, t.physical_batch_size, padded)
+        step *= share
         checks = len(monitor_points(entry.steps, t.log_every))
         scored = min(t.monitor_records or plan.n_validation, plan.n_validation)  # monitor=public: timed at the validation split's size
         monitor = 0.0 if t.monitor == "none" else checks * timer.forward(name, scored, t.max_length)
