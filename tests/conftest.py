@@ -19,6 +19,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -191,3 +193,20 @@ def splits(tmp_path_factory):
         path=YELP_TRAIN, test_path=YELP_TEST, max_records=110, max_test_records=10, validation_fraction=0.1
     )
     return prepare_data(cfg, out)
+
+
+SHORT_CODE = "Business Category: Bars\tReview Stars: 5.0"  # 36 tokens of the tiny tokenizer's 48-token cut
+
+
+def first_record_rewritten(split: Path, out: Path, text: str) -> Path:
+    """`split` with its first record's text replaced, written to `out`. The record also gets a
+    short control code: with the tiny tokenizer a prefix takes 36-52 tokens, so under the tests'
+    max_length=48 a randomly split first record's text could be cut away entirely (the run's
+    split key is secret, hence the split random) and the rewrite would change nothing."""
+    table = pq.read_table(split)
+    for column, value in (("text", text), ("control_code", SHORT_CODE)):
+        values = table[column].to_pylist()
+        values[0] = value
+        table = table.set_column(table.schema.get_field_index(column), column, pa.array(values))
+    pq.write_table(table, out)
+    return out

@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import first_record_rewritten
 from pipeline.config import TeacherConfig
 from pipeline.privacy import monitor, noise
 from pipeline.privacy.accountant import calibrate_sigma, epsilon_of
@@ -37,11 +36,8 @@ def _teacher(splits, model_dir, out, **overrides):
 
 def _one_validation_record_rewritten(splits, tmp_path):
     """The same splits, but the first validation record (a monitored one) replaced by a candidate."""
-    table = pq.read_table(splits.validation)
-    texts = table["text"].to_pylist()
-    texts[0] = "the candidate record: five stars, the best tacos I ever had " * 3
-    path = tmp_path / "validation_candidate.parquet"
-    pq.write_table(table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts)), path)
+    path = first_record_rewritten(splits.validation, tmp_path / "validation_candidate.parquet",
+                                  "the candidate record: five stars, the best tacos I ever had " * 3)
     return dataclasses.replace(splits, validation=path)
 
 

@@ -20,7 +20,7 @@ from pipeline.config import TeacherConfig
 from pipeline.privacy import accountant  # noqa: F401
 from pipeline.privacy.noise import TEST_SEED_ENV
 from pipeline.stages.teacher import TeacherError, per_sequence_loss, train_teacher
-from conftest import make_tiny_model, noise_free_dp_gradient
+from conftest import first_record_rewritten, make_tiny_model, noise_free_dp_gradient
 
 
 @pytest.fixture
@@ -300,11 +300,7 @@ def test_nothing_published_is_computed_from_a_private_batch(splits, tiny_model_d
     for line in logs:
         assert not re.search(r"\bloss\b", line), line
 
-    other = tmp_path / "other_train.parquet"  # the same split with one record rewritten
-    table = pq.read_table(splits.train)
-    texts = table["text"].to_pylist()
-    texts[0] = "zzzz qqqq " * 20
-    pq.write_table(table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts)), other)
+    other = first_record_rewritten(splits.train, tmp_path / "other_train.parquet", "zzzz qqqq " * 20)
     changed = dataclasses.replace(splits, train=other)
     progress2, _, history2, _ = _publications(changed, tiny_model_dir, tmp_path / "b", caplog)
 
