@@ -14,7 +14,7 @@ from pipeline.models import base as models
 from pipeline.config import BaseModelsConfig, ConfigError, load_config
 from pipeline.manifest import MANIFEST
 from pipeline.models.base import (
-    SHIPPED, build_base_models, export_base_models, load_causal_lm, load_tokenizer, non_embedding_parameters,
+    SHIPPED, build_base_models, export_base_models, fused_gelu, load_causal_lm, load_tokenizer, non_embedding_parameters,
     public_corpus, same_tokenizer,
 )
 from pipeline.preflight import PreflightError, require_inputs
@@ -97,6 +97,26 @@ def test_the_shipped_pair(tmp_path):
     assert info["corpus"]["validation_documents"] and info["weights"] == "float16"
     assert same_tokenizer(load_tokenizer(str(SHIPPED / "teacher")), load_tokenizer(str(SHIPPED / "student")))
     assert "ELTeC" in (SHIPPED / "README.md").read_text()  # the attribution travels with them
+
+
+def test_loaded_models_run_the_fused_gelu_and_save_gelu_new(tmp_path):
+    """The shipped teacher as loaded computes GPT-2's tanh GELU with torch's fused kernel: the same
+    logits as transformers' own `gelu_new` modules up to float rounding, and a saved copy still
+    says gelu_new (a checkpoint anyone can load as GPT-2)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    fused = load_causal_lm(str(SHIPPED / "teacher"))
+    plain = AutoModelForCausalLM.from_pretrained(str(SHIPPED / "teacher"), dtype=torch.float32)
+    kinds = lambda m: {type(x) for x in m.modules()} & {GELUTanh, NewGELUActivation}
+    assert kinds(fused) == {GELUTanh} and kinds(plain) == {NewGELUActivation}
+    ids = torch.randint(0, fused.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = fused(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-4, rtol=0)
+    fused.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["activation_function"] == "gelu_new"
+    assert kinds(fused_gelu(plain)) == {GELUTanh}
 
 
 def test_shapes_without_a_corpus_are_refused(tmp_path):
