@@ -15,15 +15,18 @@ the only way down).
                          its matmuls include the per-example norms' products
   evaluation forward     16 windows of 128 tokens, logits and their CE (evaluate.batch_size)
   generation step        one decode step of the fast engine (pipeline/models/decoding.py) on 64
-                         rows (generate.batch_size) at 64 cached positions: the 4 blocks for one
-                         token a row, the vocabulary projection and top-k/top-p sampling
+                         and on 256 rows (generate.batch_size, shipped and default) at 64 cached
+                         positions: the 4 blocks for one token a row, the vocabulary projection
+                         and top-k/top-p sampling
 
 Same process, the run's threads (torch's default unless OMP_NUM_THREADS/--threads), the
 allocator as every stage sets it; medians of `--repeats` timed calls after one warm-up.
 
     .venv/bin/python bench/roofline.py          # ~1 min on 2 cores
 
-Last line: `teacher_np=R1 teacher_bk=R2 evaluation=R3 generation=R4` (step / matmuls each).
+Last line: `teacher_np=R1 teacher_bk=R2 evaluation=R3 generation=R4 generation256=R5` (step / matmuls
+each). A stage sped up Sx whose step runs at R of its matmuls would reach at most S·R by removing
+all but its arithmetic (generation: bench/pipeline_speed.py's generation_x times generation256).
 """
 
 from __future__ import annotations
@@ -151,20 +154,19 @@ def main() -> None:
     row("evaluation forward", timed(lambda: nll_by_owner(model, windows, [0] * 16, 1, 16), a.repeats), 16 * 128, 16,
         128, False)
 
-    slots = decoding._empty_slots(model, 64, 128)
-    slots.tokens.random_(0, cfg.vocab_size)
-    slots.fed.fill_(64)
-    slots.n_tokens.fill_(65)
-    slots.limit.fill_(128)
-    slots.sample = list(range(64))
+    for n in (64, 256):  # generate.batch_size: the shipped 64, the default since 2026-11-24
+        slots = decoding._empty_slots(model, n, 128)
+        slots.tokens.random_(0, cfg.vocab_size)
+        slots.limit.fill_(128)
+        slots.sample = list(range(n))
 
-    def decode_step():
-        slots.fed.fill_(64)
-        slots.n_tokens.fill_(65)
-        with torch.no_grad():
-            decoding._step(model, slots, eos=-1, top_k=50, top_p=0.9, temperature=1.0, no_repeat_ngram_size=0)
+        def decode_step(slots=slots):
+            slots.fed.fill_(64)
+            slots.n_tokens.fill_(65)
+            with torch.no_grad():
+                decoding._step(model, slots, eos=-1, top_k=50, top_p=0.9, temperature=1.0, no_repeat_ngram_size=0)
 
-    row("generation step", timed(decode_step, a.repeats * 4), 64, 64, 65, False)
+        row(f"generation step, {n} rows", timed(decode_step, a.repeats * 4), n, n, 65, False)
 
     print(f"Builtin teacher ({cfg.n_layer} x {cfg.n_embd}, vocabulary {cfg.vocab_size}), fp32, {threads} torch "
           f"thread(s), torch {torch.__version__}\n")
@@ -173,9 +175,8 @@ def main() -> None:
     for name, step_s, mm_s, gflop in rows:
         print(f"| {name} | {step_s * 1e3:.1f} | {mm_s * 1e3:.1f} | {gflop:.2f} | {gflop / mm_s:.0f} | "
               f"{step_s / mm_s:.2f} |")
-    keys = ("teacher_np", "teacher_bk", "evaluation", "generation")
+    keys = ("teacher_np", "teacher_bk", "evaluation", "generation", "generation256")
     print(" ".join(f"{k}={step_s / mm_s:.2f}" for k, (_, step_s, mm_s, _) in zip(keys, rows)))
-
 
 if __name__ == "__main__":
     main()
