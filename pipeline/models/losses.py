@@ -68,6 +68,23 @@ def _kl(log_p_t: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return torch.einsum("btv,btv->bt", p_t, log_p_t) - torch.einsum("btv,btv->bt", p_t, log_q)
 
 
+def next_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each position's next-token NLL, fp32: logits (B, L, V) of whole `lm_batch` rows, labels
+    (B, L-1) as `lm_batch` makes them (position t predicts labels[:, t]) -> (B, L-1), 0 where
+    a label is IGNORE. The logits are not cut to `[:, :-1]`: that view is not contiguous, so
+    flattening it copied the (B, L-1, V) logits, and in training their gradient back into a
+    (B, L, V) one; the last position gets an IGNORE label instead. The same values and
+    gradients, bitwise. Alone in a process that copy cost ~120 ms of a 32 × 128 × 8192 CE
+    forward and backward, but in the stages, whose allocator reuses freed memory
+    (devices.reuse_freed_memory), no step changed beyond the noise (bench/kernel_choices.py:
+    0.99-1.05x): the one NLL of the teacher's loss and every scoring pass."""
+    B, L, V = logits.shape
+    targets = F.pad(labels, (0, 1), value=IGNORE)  # (B, L)
+    nll = F.cross_entropy(logits.float().reshape(B * L, V), targets.reshape(B * L), ignore_index=IGNORE,
+                          reduction="none")  # (B·L,)
+    return nll.view(B, L)[:, :-1]
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token CE over non-ignored labels. logits (B, T, V), labels (B, T)."""
     return _masked_mean(_nll(_log_softmax(logits), labels), labels != IGNORE)

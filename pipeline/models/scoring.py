@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pipeline.batching import IGNORE, lm_batch
+from pipeline.models.losses import next_token_nll
 from pipeline.tokenized import ListIds, TokenIds
 
 
@@ -38,10 +39,7 @@ def nll_by_owner(
         ids, lengths = data.collate([data[i] for i in rows])
         batch = {k: v.to(device) for k, v in lm_batch(ids, lengths).items()}
         labels = batch.pop("labels")  # (B, L-1)
-        logits = model(**batch).logits[:, :-1].float()  # (B, L-1, V)
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
-        ).view(labels.shape)  # (B, L-1)
+        nll = next_token_nll(model(**batch).logits, labels)  # (B, L-1)
         for row, i in enumerate(rows):
             nll_sum[owners[i]] += float(nll[row].sum())
             count[owners[i]] += int((labels[row] != IGNORE).sum())

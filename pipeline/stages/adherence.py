@@ -30,6 +30,7 @@ import torch
 
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
+from pipeline.models.losses import next_token_nll
 from pipeline.stages.data import CODE_JOINER, prompt_for, read_control_codes
 from pipeline.stages.generate import synthetic_head
 
@@ -117,9 +118,7 @@ def _continuation_logprobs(model, sequences: list[tuple[list[int], int]], pad_id
     # Label t predicts token t+1: only continuation tokens (t+1 >= start) are scored.
     in_prompt = torch.arange(1, rows.ids.shape[1]).unsqueeze(0) < starts.unsqueeze(1)  # (B, L-1)
     labels = batch.pop("labels").masked_fill(in_prompt, IGNORE).to(device)  # (B, L-1)
-    logits = model(**{k: v.to(device) for k, v in batch.items()}).logits[:, :-1].float()  # (B, L-1, V)
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                            ignore_index=IGNORE, reduction="none").view(labels.shape)  # (B, L-1)
+    nll = next_token_nll(model(**{k: v.to(device) for k, v in batch.items()}).logits, labels)  # (B, L-1)
     return (-nll.sum(dim=1)).tolist()
 
 

@@ -82,7 +82,7 @@ from pipeline.stages.data import read_users
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, sha256_file, write_manifest
-from pipeline.models.losses import per_sequence_distillation_loss
+from pipeline.models.losses import next_token_nll, per_sequence_distillation_loss
 from pipeline.models.scoring import by_length
 from pipeline.models.base import load_causal_lm, load_tokenizer, same_tokenizer, untie_lm_head
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
@@ -147,10 +147,7 @@ class TeacherResult:
 
 def per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token NLL of each sequence: logits (B, L, V), labels (B, L-1) -> (B,)."""
-    logits = logits[:, :-1].float()  # (B, L-1, V); fp32 log-softmax under bf16 autocast too
-    nll = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
-    ).view(labels.shape)  # (B, L-1)
+    nll = next_token_nll(logits, labels)  # (B, L-1); fp32 under bf16 autocast too
     valid = (labels != IGNORE).sum(1).clamp(min=1)  # (B,)
     return nll.sum(1) / valid
 

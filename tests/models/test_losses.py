@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.batching import IGNORE
-from pipeline.models.losses import TopKLogits, distillation_loss, prompt_mask
+from pipeline.models.losses import TopKLogits, distillation_loss, next_token_nll, prompt_mask
 
 B, T, V, H = 3, 5, 11, 4
 
@@ -221,3 +221,23 @@ def test_top_k_kl_everything_masked_is_zero_and_gradient_flows():
     out = distillation_loss(s, _top_k(t, 3), _labels_with_padding(), _all_true(), alpha=1.0, temperature=1.0)
     out.loss.backward()
     assert s.grad is not None and s.grad.abs().sum() > 0
+
+
+def test_next_token_nll_is_the_sliced_cross_entropy_bitwise_values_and_gradients():
+    """The whole-row form gives what CE on logits[:, :-1] gave (the form it replaced, which
+    copied the logits), values and gradients bitwise, 0 at ignored labels; bf16 logits in,
+    fp32 out."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 11, generator=g)
+    labels = torch.randint(0, 11, (3, 8), generator=g)
+    labels[1, 5:] = IGNORE
+    labels[2, 0] = IGNORE
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    sliced = F.cross_entropy(a[:, :-1].reshape(-1, 11), labels.reshape(-1), ignore_index=IGNORE,
+                             reduction="none").view(3, 8)
+    whole = next_token_nll(b, labels)
+    assert whole.shape == (3, 8) and torch.equal(whole, sliced) and (whole[labels == IGNORE] == 0).all()
+    (sliced * torch.arange(1.0, 9.0)).sum().backward()
+    (whole * torch.arange(1.0, 9.0)).sum().backward()
+    assert torch.equal(a.grad, b.grad) and (b.grad[:, -1] == 0).all()
+    assert next_token_nll(logits.bfloat16(), labels).dtype == torch.float32
