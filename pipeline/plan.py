@@ -272,7 +272,7 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
         step *= share
         checks = len(monitor_points(entry.steps, t.log_every))
         scored = min(t.monitor_records or plan.n_validation, plan.n_validation)  # monitor=public: timed at the validation split's size
-        monitor = 0.0 if t.monitor == "none" else checks * timer.forward(name, scored, t.max_length)
+        monitor = 0.0 if t.monitor == "none" else checks * timer.score(name, scored, t.max_length)
         calibration, one_epsilon = plan.accounting_seconds[entry.stage]
         accounting = calibration + checks * one_epsilon  # the stage calibrates σ again, and reports ε
         out[entry.stage] = (entry.steps * step + monitor + accounting,
@@ -330,8 +330,8 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, le
         g = cfg.generate
         batches = math.ceil(d.selection_samples / 64)
         sample = batches * timer.generate_batch(cfg.teacher.model, 64, prompt, g.max_length - prompt)
-        score = (timer.forward(cfg.teacher.model, d.selection_samples, g.max_length)
-                 + len(candidates) * timer.forward(d.student_model, d.selection_samples, g.max_length))
+        score = (timer.score(cfg.teacher.model, d.selection_samples, g.max_length)
+                 + len(candidates) * timer.score(d.student_model, d.selection_samples, g.max_length))
         total += sample + score
         what += f"; selection {sample + score:.0f} s ({d.selection_samples} untruncated teacher samples, scored)"
     return total, what
@@ -351,7 +351,7 @@ def _candidate_seconds(cfg: PipelineConfig, d, timer: StepTimer, prompt: int, sa
     timer.say(f"plan: timing a distillation step ({d.student_model}" + (f" and {cfg.teacher.model})" if on_the_fly else ")"))
     batch = _typical_lengths(samples, d.batch_size, g.max_length)
     step = timer.distill_step(d.student_model, cfg.teacher.model if on_the_fly else None, batch, prompt)
-    evals = math.ceil(steps / d.eval_every) * timer.forward(d.student_model, n_validation, g.max_length)
+    evals = math.ceil(steps / d.eval_every) * timer.score(d.student_model, n_validation, g.max_length)
     cache = 0.0
     if method == "distil" and d.teacher_top_k is not None:
         cache = timer.forward(cfg.teacher.model, n_synthetic, g.max_length)  # once per synthetic set
@@ -371,13 +371,13 @@ def _evaluation_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer, tok,
     batches, slots = _window_batches(test_tokens, e.window, e.batch_size)
     # A batch costs about its padded tokens' share of a full one (attention's T² term is small here).
     share = slots / (e.batch_size * e.window)
-    seconds = sum(share * timer.forward(m, e.batch_size, e.window) for m in names)
+    seconds = sum(share * timer.score(m, e.batch_size, e.window) for m in names)
     how = f"{len(names)} models × {batches} batches of ≤ {e.batch_size}×{e.window} test tokens"
     domain = cfg.control_codes.domain
     if d.method in ("distil", "dp_syn") and e.adherence_samples and domain is not None:
         candidates = sum(len(v) for v in domain.values() if len(v) >= 2)
         sequences = min(e.adherence_samples, cfg.generate.num_samples) * candidates
-        adherence = math.ceil(sequences / e.batch_size) * timer.forward(t.model, e.batch_size, cfg.generate.max_length)
+        adherence = math.ceil(sequences / e.batch_size) * timer.score(t.model, e.batch_size, cfg.generate.max_length)
         seconds += adherence
         how += f", code adherence {sequences} sequences {adherence:.0f} s"
     texts = min(e.mauve_texts, MAUVE_TEXTS, plan.n_test, cfg.generate.num_samples)

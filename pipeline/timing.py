@@ -32,9 +32,11 @@ from pipeline.devices import Runtime
 from pipeline.models import decoding
 from pipeline.models.base import BUILTIN_PREFIX, causal_lm_from_config, shipped_path, tiny_gpt2, untie_lm_head
 from pipeline.models.losses import TopKLogits
+from pipeline.models.scoring import nll_by_owner
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.stages.distill import step_loss
 from pipeline.stages.teacher import CLIPPING, per_sequence_loss, prepare_trainable
+from pipeline.tokenized import ListIds
 
 PROBE_SEQUENCES = 4  # sequences of a first, cheap timing of each shape on a CPU
 TEACHER_PROBE_SEQUENCES = 16  # the DP step's probe: 4 priced the demo teacher's step 1.35x its run (below)
@@ -157,6 +159,23 @@ class StepTimer:
             inputs, _ = self._batch(model, b, length)
             with torch.no_grad():
                 return self._once(("forward", name, b, length), lambda: self._fastest(lambda: model(**inputs)))
+        return self._scaled(seconds, batch)
+
+    def score(self, name: str, batch: int, length: int) -> float:
+        """Seconds of scoring batch × length tokens in the inference dtype: the stages' own
+        `scoring.nll_by_owner` (a forward and each token's NLL over the vocabulary: evaluation's
+        perplexity, code adherence, the distillation's validation and selection, the teacher's
+        monitor). The NLL is a quarter of a demo evaluation batch; `forward` alone priced the
+        demo's evaluation at 0.73 of its run."""
+        if batch < 1:
+            return 0.0
+        model = self.model(name, inference=True)
+
+        def seconds(b: int) -> float:
+            ids = self._ids(model, b, length).cpu()
+            data = ListIds(ids.tolist(), 0)
+            return self._once(("score", name, b, length),
+                              lambda: self._fastest(lambda: nll_by_owner(model, data, [0] * b, 1, b)))
         return self._scaled(seconds, batch)
 
     def teacher_step(self, name: str, records: float, length: int) -> float:
