@@ -181,8 +181,8 @@ def fused_gelu(model: torch.nn.Module) -> torch.nn.Module:
     elementwise ops, each a pass over the MLP's activations and, in training, a saved tensor)
     computed by torch's one fused kernel of the same formula (`gelu(x, approximate="tanh")`,
     transformers' `GELUTanh`): the same function up to float rounding (≤ 1.2e-7 apart in fp32).
-    A small gain: gelu_new's step over the fused one's 1.00-1.07x per stage on the demo's shapes
-    (bench/activation.py, 1 and 2 threads). Modules only: the config, and so a saved
+    A small gain: gelu_new's step over the fused one's 1.00-1.09x per stage on the demo's shapes
+    (bench/kernel_choices.py, 1 and 2 threads). Modules only: the config, and so a saved
     checkpoint, still says `gelu_new`."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
