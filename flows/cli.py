@@ -541,16 +541,23 @@ def run_pipeline(args) -> int:
             # noise after it. Warnings still show, in our format (set before Opacus's, a no-op then).
             logging.basicConfig(format="dpdistill: %(levelname)s: %(message)s")
             logging.getLogger("pipeline").setLevel(logging.WARNING)
-            from pipeline.plan import format_plan, make_plan  # torch, Opacus; no Prefect
+            from pipeline.plan import estimate_seconds, format_plan, format_times, make_plan  # torch, Opacus; no Prefect
+            from pipeline.stages.data import planned_split
 
-            # Progress on stderr while it works (seconds of timing), the plan itself on stdout.
+            # Progress on stderr while it works, the plan itself on stdout: its privacy numbers and
+            # the budget as soon as they are known (seconds), then the time (the steps timed, more).
             started = time.monotonic()
-            plan = make_plan(cfg, timing=True, say=lambda line: print(
-                f"{line} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True))
-            print(format_plan(plan))
-            print(planned_budget(cfg, plan))  # refused past privacy.max_epsilon: a user error, exit code 2
+
+            def say(line: str) -> None:
+                print(f"{line} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
+            split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
+            plan = make_plan(cfg, timing=False, say=say, split=split)
+            print(format_plan(plan), flush=True)
+            print(planned_budget(cfg, plan), flush=True)  # refused past privacy.max_epsilon: a user error, exit code 2
             for warning in plan.warnings:
-                print(f"dpdistill: warning: {warning}", file=sys.stderr)
+                print(f"dpdistill: warning: {warning}", file=sys.stderr, flush=True)
+            plan.seconds = estimate_seconds(cfg, plan, split, say)
+            print(format_times(plan))
             return 0
         if args.command == "join-teacher":
             return join_teacher(cfg)

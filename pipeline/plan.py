@@ -160,7 +160,7 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
     `say` receives a line as each part starts (the CLI prints them: the plan takes seconds).
     `split`: the config's `planned_split`, where the caller has read it already."""
     say = say or (lambda line: None)
-    say("plan: reading the data and calibrating σ")
+    say("plan: reading the data and calibrating σ" if split is None else "plan: calibrating σ")
     if split is None:
         split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
     n, unit = split.n, split.unit
@@ -456,12 +456,19 @@ def format_plan(plan: Plan) -> str:
                  "add/remove-one; N is published, so replace-one is the guarantee against an attacker "
                  "who knows it (docs/privacy.md)")
     if plan.seconds:
-        known = sum(s for s, _ in plan.seconds.values() if s)
-        lines.append(f"  time, estimated (each stage's step timed on its model shapes with random weights "
-                     f"and token ids, scaled; this machine): ~{_duration(known)} in all")
-        for stage, (seconds, how) in plan.seconds.items():
-            lines.append(f"    {stage}: " + (how if not seconds else f"~{_duration(seconds)} ({how})"))
-        if plan.cpu_share is not None and plan.cpu_share < BUSY_SHARE:
-            lines.append(f"  this machine is busy: the timed steps got {plan.cpu_share:.0%} of the CPU time their "
-                         f"threads could use; with the cores to itself the run would take ~{_duration(known * plan.cpu_share)}")
+        lines.append(format_times(plan))
+    return "\n".join(lines)
+
+
+def format_times(plan: Plan) -> str:
+    """The time lines of `format_plan`: `dpdistill plan` prints them apart, once timed, after
+    the privacy numbers it prints as soon as it has them."""
+    known = sum(s for s, _ in plan.seconds.values() if s)
+    lines = [f"  time, estimated (each stage's step timed on its model shapes with random weights "
+             f"and token ids, scaled; this machine): ~{_duration(known)} in all"]
+    for stage, (seconds, how) in plan.seconds.items():
+        lines.append(f"    {stage}: " + (how if not seconds else f"~{_duration(seconds)} ({how})"))
+    if plan.cpu_share is not None and plan.cpu_share < BUSY_SHARE:
+        lines.append(f"  this machine is busy: the timed steps got {plan.cpu_share:.0%} of the CPU time their "
+                     f"threads could use; with the cores to itself the run would take ~{_duration(known * plan.cpu_share)}")
     return "\n".join(lines)

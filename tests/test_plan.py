@@ -67,15 +67,20 @@ def test_plan_gives_the_numbers_a_real_teacher_run_records(tmp_path, tiny_model_
     assert plan.total.epsilon_replace_one == pytest.approx(total.epsilon_replace_one, rel=1e-9)
 
 
-def test_plan_command_prints_them_with_a_time_estimate_and_writes_nothing(tmp_path, tiny_model_dir):
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(_tree(tmp_path, tiny_model_dir)))
-    before = _files(tmp_path)
+def _plan_command(config: Path) -> subprocess.CompletedProcess:
+    """`dpdistill plan --config config` in a child process; its stdout ends with whether Prefect was imported."""
     probe = ("import runpy, sys; sys.argv = ['dpdistill', 'plan', '--config', %r]\n"
              "try:\n    runpy.run_module('flows.cli', run_name='__main__')\n"
              "finally:\n    print('PREFECT' if 'prefect' in sys.modules else 'NO-PREFECT')\n"
-             % str(tmp_path / "config.yaml"))
-    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env={**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"})
+             % str(config))
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"})
+
+
+def test_plan_command_prints_them_with_a_time_estimate_and_writes_nothing(tmp_path, tiny_model_dir):
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(_tree(tmp_path, tiny_model_dir)))
+    before = _files(tmp_path)
+    p = _plan_command(tmp_path / "config.yaml")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().endswith("NO-PREFECT")
     # The numbers are make_plan's (checked against a real run above); here, that they are printed.
@@ -89,6 +94,19 @@ def test_plan_command_prints_them_with_a_time_estimate_and_writes_nothing(tmp_pa
     assert "estimated" in p.stdout
     assert "INFO" not in p.stderr, p.stderr  # progress lines ("plan: ..."), not the stages' log lines
     assert _files(tmp_path) == before  # run_root never made, no cache, no model built
+    # The privacy numbers and the budget come first: printed before the steps are timed.
+    assert p.stdout.index("total: ε") < p.stdout.index("budget of these") < p.stdout.index("time, estimated")
+
+
+def test_a_plan_over_max_epsilon_is_refused_before_any_step_is_timed(tmp_path, tiny_model_dir):
+    """The refusal needs the privacy numbers only: it comes in seconds, not after the timing."""
+    tree = _tree(tmp_path, tiny_model_dir)
+    tree["privacy"] = {"max_epsilon": 1.0}  # the tiny config spends more
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tree))
+    p = _plan_command(tmp_path / "config.yaml")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "privacy.max_epsilon" in p.stderr, p.stderr
+    assert "total: ε" in p.stdout and "plan: timing" not in p.stderr and "time, estimated" not in p.stdout
 
 
 def _cpu_per_step(times: list[float]) -> float:
