@@ -73,7 +73,7 @@ def child(part: str, allocator: str, tmp: Path) -> float:
     import torch
 
     from pipeline.models.base import load_causal_lm, load_tokenizer
-    from pipeline.stages.data import CODE_JOINER
+    from pipeline.records import CODE_JOINER
     from pipeline.stages.evaluate import perplexity
 
     table = pcsv.read_csv(ROOT / "data" / "yelp_sample" / "test.csv").slice(0, 200)

@@ -32,7 +32,7 @@ def _status(field: str) -> float:
 
 def _child(path: str, kind: str) -> dict:
     from pipeline.privacy.budget import split_digests
-    from pipeline.stages.data import read_split
+    from pipeline.records import read_split
 
     baseline, t0 = _status("VmRSS"), time.perf_counter()
     if kind == "set":

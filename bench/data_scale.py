@@ -53,7 +53,7 @@ def _setup(path: str, train: str, tokenizer_dir: str) -> dict:
     """One data setup in this (fresh) process; returns seconds and RSS figures."""
     # Every import before the baseline: the figures are the data's, not the libraries'.
     from pipeline.batching import TokenizedRecords
-    from pipeline.stages.data import encode_record, read_split, read_users
+    from pipeline.records import encode_record, read_split, read_users
     from pipeline.models.base import load_tokenizer
     from pipeline.tokenized import TokenIds, token_column, tokenized_split
 
@@ -88,7 +88,8 @@ def _in_subprocess(*args: str) -> dict:
 
 def _data_stage(source: Path, out: Path) -> dict:
     from pipeline.config import DataConfig
-    from pipeline.stages.data import prepare_data, split_key
+    from pipeline.records import split_key
+    from pipeline.stages.data import prepare_data
 
     key = split_key(out.parent)
     baseline = _rss_mb()
@@ -116,7 +117,7 @@ def main() -> None:
     import pyarrow.parquet as pq
 
     from pipeline.config import BaseModelsConfig
-    from pipeline.stages.data import read_table
+    from pipeline.records import read_table
     from pipeline.models.base import read_public_corpus, train_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="data_scale-") as tmp:

@@ -34,14 +34,14 @@ import torch.nn.functional as F  # noqa: E402
 from transformers.activations import GELUTanh, NewGELUActivation  # noqa: E402
 
 import pipeline.models.scoring  # noqa: E402
-import pipeline.stages.teacher  # noqa: E402
+import pipeline.models.losses  # noqa: E402
 from pipeline.batching import IGNORE  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.devices import Runtime  # noqa: E402
 from pipeline.timing import StepTimer  # noqa: E402
 
 RECIPES = ("tree", "gelu_new", "sliced_nll")
-USERS_OF_NLL = (pipeline.stages.teacher, pipeline.models.scoring)  # the modules whose NLL the parts run
+USERS_OF_NLL = (pipeline.models.losses, pipeline.models.scoring)  # the modules whose NLL the parts run
 
 
 def _unfused(model) -> None:

@@ -46,7 +46,7 @@ def child(name: str, recipe: str, epochs: int, data: Path, out: Path) -> dict:
     from pipeline.devices import Runtime
     from pipeline.models.base import shipped_path
     from pipeline.privacy.noise import TEST_SEED_ENV
-    from pipeline.stages import teacher
+    from pipeline.stages.teacher import recipe as teacher
 
     os.environ[TEST_SEED_ENV] = "1234"  # the same draws in both recipes (NOT private)
     if recipe == "reference":
@@ -76,7 +76,7 @@ def evaluation_child(recipe: str) -> dict:
     from pipeline.models import scoring
     from pipeline.models.base import load_causal_lm, load_tokenizer
     from pipeline.stages import evaluate
-    from pipeline.stages.data import CODE_JOINER
+    from pipeline.records import CODE_JOINER
 
     if recipe == "reference":  # batches in the order the windows come
         scoring.by_length = lambda data, b: [list(range(i, min(i + b, len(data)))) for i in range(0, len(data), b)]

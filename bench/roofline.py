@@ -105,7 +105,7 @@ def main() -> None:
     from pipeline.models.base import load_causal_lm, untie_lm_head
     from pipeline.models.scoring import nll_by_owner
     from pipeline.privacy.bk import BookKeepingPrivacyEngine
-    from pipeline.stages.teacher import per_sequence_loss
+    from pipeline.models.losses import per_sequence_loss
     from pipeline.tokenized import ListIds
 
     transformers.logging.set_verbosity_error()

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 def run(cfg, splits, model_dir: Path, out: Path, threads: int) -> dict:
     import torch
 
-    from pipeline.stages.teacher import train_teacher
+    from pipeline.stages.teacher.recipe import train_teacher
 
     stamps: list[float] = []
     default_threads = torch.get_num_threads()

@@ -13,7 +13,7 @@ memory the steps add:
   DP lora, ghost     LoRA r=8 on the project default targets (None: peft's ["c_attn"] for GPT-2)
   DP full, ghost without pipeline.privacy.accountant's Conv1D/LayerNorm norm samplers (never imported there)
 
-DP rows call PrivacyEngine.make_private as pipeline/stages/teacher.py does (pipeline/privacy/bk.py's engine, Opacus' plus mode bk), with noise_multiplier=1.0,
+DP rows call PrivacyEngine.make_private as pipeline/stages/teacher/recipe.py does (pipeline/privacy/bk.py's engine, Opacus' plus mode bk), with noise_multiplier=1.0,
 max_grad_norm=1.0 and poisson_sampling=False (a fixed batch). lm_head is untied in every row.
 Each mode runs in its own fresh process (`--one MODE`); memory is CUDA max_memory_allocated
 above what was allocated before the first step, or on CPU the growth of the process' peak RSS
@@ -94,7 +94,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
     if mode == "full-ghost-nosamplers":  # pipeline.stages.teacher imports pipeline.privacy.accountant: not here
         assert Conv1D not in GradSampleModuleFastGradientClipping.NORM_SAMPLERS
     else:
-        from pipeline.stages.teacher import per_sequence_loss, prepare_trainable  # registers the samplers
+        from pipeline.models.losses import per_sequence_loss
+        from pipeline.stages.teacher.trainable import prepare_trainable  # registers the samplers
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(

@@ -5,10 +5,10 @@
 
 `prefect_sources` reads what Prefect holds of a flow run (its logs, task runs' logs
 included, and its artifacts: through the API, or from the local server's SQLite database
-when no PREFECT_API_URL is set) so that `pipeline.privacy.audit.audit_run` scans them beside
+when no PREFECT_API_URL is set) so that `pipeline.audits.audit.audit_run` scans them beside
 the run directory's files. `canary_audit` runs the real flow on a copy of the training data
 with canaries inserted (in a 0700 work directory deleted at the end), audits the run and
-measures the canaries' exposure (`pipeline.privacy.canaries`).
+measures the canaries' exposure (`pipeline.audits.canaries`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 
 from flows.run_info import RunDirError
-from pipeline.privacy.audit import audit_run, training_texts
-from pipeline.privacy.canaries import (
+from pipeline.audits.audit import audit_run, training_texts
+from pipeline.audits.canaries import (
     DEFAULT_CANDIDATES,
     DEFAULT_REPETITIONS,
     canary_exposures,

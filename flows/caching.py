@@ -35,7 +35,7 @@ from pipeline.stages.distill import DistillResult
 from pipeline.stages.generate import GenerateResult
 from pipeline.manifest import manifest_digest, manifest_problems
 from pipeline.models.base import BaseModels
-from pipeline.stages.teacher import TeacherResult
+from pipeline.stages.teacher.state import TeacherResult
 
 # Where each stage writes inside a run directory (base models live in their own cache).
 STAGE_DIRS = {

@@ -45,11 +45,11 @@ class DamagedFileError(Exception):
 def user_errors() -> tuple[type[Exception], ...]:
     """The exceptions that carry a message for the user. Most live beside torch code, so only
     the commands that run the pipeline call this."""
-    from pipeline.stages.data import DataError
+    from pipeline.records import DataError
     from pipeline.stages.distill import DistillError
     from pipeline.stages.generate import GenerateError
     from pipeline.models.base import ModelError
-    from pipeline.stages.teacher import TeacherError
+    from pipeline.privacy.dpsgd import TeacherError
 
     return (ConfigError, DataError, TeacherError, GenerateError, DistillError, ModelError, RunDirError)
 
@@ -177,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
 def run_audit(args) -> int:
     """`dpdistill audit`: 0 clean, 1 a leak, 2 a usage error. Counts and names only."""
     import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
-    from pipeline.privacy.audit import AuditError, audit_run, format_audit
+    from pipeline.audits.audit import AuditError, audit_run, format_audit
 
     def usage(msg: str) -> int:
         print(f"dpdistill audit: error: {msg}", file=sys.stderr)
@@ -509,7 +509,8 @@ def join_teacher(cfg) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from pipeline.devices import Runtime
-    from pipeline.stages import teacher, teacher_ddp
+    from pipeline.stages.teacher import ddp as teacher_ddp
+    from pipeline.stages.teacher import recipe as teacher
 
     return teacher_ddp.join(processes=t.processes, backend=t.ddp_backend, nodes=teacher.nodes(t),
                             threads=Runtime.from_config(cfg).threads_for(t.processes))

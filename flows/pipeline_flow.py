@@ -38,7 +38,8 @@ from flows.results import StageResultSerializer, stage_result_storage
 from pipeline.stages.adherence import declared_values
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE, CodesResult, release_control_codes
 from pipeline.config import NODE_FIELDS, PipelineConfig, dump_config, load_config
-from pipeline.stages.data import DataResult, delete_private_copies, format_public_split, prepare_data, split_key
+from pipeline.records import split_key
+from pipeline.stages.data import DataResult, delete_private_copies, format_public_split, prepare_data
 from pipeline.devices import Runtime
 from pipeline.stages.distill import DistillResult, distill
 from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
@@ -59,9 +60,9 @@ from pipeline.privacy.private_selection import PrivateValidation
 from pipeline.preflight import require_inputs
 from pipeline.models.base import BaseModels, build_base_models, resolve_model
 from pipeline.reports.report import write_report
-from pipeline.stages.teacher import (
-    TIMING_WINDOW_STEPS, KnowledgeDistillation, TeacherResult, finished_teacher, train_teacher,
-)
+from pipeline.stages.teacher.monitor import TIMING_WINDOW_STEPS
+from pipeline.stages.teacher.state import KnowledgeDistillation, TeacherResult
+from pipeline.stages.teacher.recipe import finished_teacher, train_teacher
 
 route_server_output()  # the temporary server's lines through logging (flows/run_log.py)
 

@@ -36,7 +36,7 @@ from pipeline.stages.data import DataResult
 from pipeline.stages.distill import DistillResult
 from pipeline.stages.generate import GenerateResult
 from pipeline.models.base import BaseModels
-from pipeline.stages.teacher import TeacherResult
+from pipeline.stages.teacher.state import TeacherResult
 
 # Under "prefect." so the warning reaches the console the way Prefect's own messages do.
 log = logging.getLogger("prefect.dpdistill.results")

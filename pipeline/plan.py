@@ -36,10 +36,12 @@ from pipeline.privacy import private_selection
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, with_pld_epsilons
 from pipeline.stages.adherence import declared_values
-from pipeline.stages.data import CODE_JOINER, PlannedSplit, planned_split, prompt_for
+from pipeline.records import CODE_JOINER, prompt_for
+from pipeline.stages.data import PlannedSplit, planned_split
 from pipeline.stages.distill import lockstep_key
 from pipeline.stages.downstream import MAUVE_TEXTS
-from pipeline.stages.teacher import calibrate_noise, monitor_points, poisson_schedule
+from pipeline.privacy.dpsgd import calibrate_noise, poisson_schedule
+from pipeline.stages.teacher.monitor import monitor_points
 from pipeline.timing import StepTimer, spread
 
 PROMPT_TOKENS = 16  # a control-code prompt, about ("Business Category: Bars\tReview Stars: 4.0\n\n")

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, PipelineConfig
-from pipeline.stages.data import column_type_problem, jsonl_problems
+from pipeline.records import column_type_problem, jsonl_problems
 
 BUILTIN_PREFIX = "builtin:"  # as pipeline/models/base.py, which imports torch
 BUILTINS = ("teacher", "student")

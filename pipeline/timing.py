@@ -35,7 +35,9 @@ from pipeline.models.losses import TopKLogits
 from pipeline.models.scoring import nll_by_owner
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.stages.distill import step_loss
-from pipeline.stages.teacher import CLIPPING, per_sequence_loss, prepare_trainable
+from pipeline.privacy.dpsgd import CLIPPING
+from pipeline.models.losses import per_sequence_loss
+from pipeline.stages.teacher.trainable import prepare_trainable
 from pipeline.tokenized import ListIds
 
 PROBE_SEQUENCES = 4  # sequences of a first, cheap timing of each shape on a CPU

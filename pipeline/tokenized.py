@@ -11,7 +11,7 @@ in it, ~600 bytes a Yelp record) and briefly a second copy; the file is streamed
 Parquet split a batch at a time instead, and the Rust tokenizer's own threads encode each
 batch in parallel (no worker processes, nothing pickled). bench/data_scale.py measures it.
 
-The ids are those of `pipeline.stages.data.encode_record` (control-code prefix and text tokenized
+The ids are those of `pipeline.records.encode_record` (control-code prefix and text tokenized
 apart, then eos), untruncated: the teacher cuts them to its `max_length` when it reads a
 record, evaluation windows the whole record.
 
@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset
 
-from pipeline.stages.data import TOKENIZED_DIR, parquet_batches, prompt_for
+from pipeline.records import TOKENIZED_DIR, parquet_batches, prompt_for
 from pipeline.manifest import sha256_file
 
 COLUMN = "input_ids"

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pipeline.stages.teacher_ddp import stop_group  # noqa: F401 (tests import it from here)
+from pipeline.stages.teacher.ddp import stop_group  # noqa: F401 (tests import it from here)
 
 BROWSER = next(
     (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable") if shutil.which(b)),

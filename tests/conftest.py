@@ -129,9 +129,9 @@ def noise_free_dp_gradient(tokenizer, mode: str, max_grad_norm: float):
     """
     from pipeline.batching import TokenizedRecords, lm_batch
     from pipeline.privacy.bk import BookKeepingPrivacyEngine as PrivacyEngine  # Opacus' own for ghost and hooks
-    from pipeline.stages.data import encode_record
+    from pipeline.records import encode_record
     from pipeline.models.base import untie_lm_head
-    from pipeline.stages.teacher import per_sequence_loss
+    from pipeline.models.losses import per_sequence_loss
 
     model = make_tiny_model(tokenizer)
     untie_lm_head(model)

@@ -1,4 +1,4 @@
-"""bench/confirmation.py's report: mean ± sd over repeated runs and the issue's last line."""
+"""experiments/confirmation.py's report: mean ± sd over repeated runs and the issue's last line."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("confirmation", ROOT / "bench" / "confirmation.py")
+spec = importlib.util.spec_from_file_location("confirmation", ROOT / "experiments" / "confirmation.py")
 confirmation = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(confirmation)
 

@@ -82,3 +82,23 @@ def test_the_library_never_imports_the_orchestration():
     bad = {m: sorted(d for d in deps if d.startswith("flows")) for m, deps in import_graph().items()
            if m.startswith("pipeline")}
     assert not {m: d for m, d in bad.items() if d}
+
+
+def test_the_privacy_package_imports_no_stage():
+    """pipeline/privacy/ decides the guarantee and a reviewer reads it alone (its README): none
+    of its modules imports a stage, lazily or not (the records it reads come from
+    pipeline/records.py; the audits that rebuild splits live in pipeline/audits/)."""
+    graph = import_graph()
+    assert "pipeline.privacy.dpsgd" in graph  # the walk sees the package
+    bad = {m: sorted(d for d in deps if d.startswith("pipeline.stages")) for m, deps in graph.items()
+           if m.startswith("pipeline.privacy")}
+    assert not {m: d for m, d in bad.items() if d}
+
+
+MAX_LINES = 650  # a module longer than this holds more than one thing (pipeline/config.py: one model per stage)
+
+
+def test_no_module_is_longer_than_a_reader_holds():
+    long = {str(p.relative_to(ROOT)): n for pkg in OWN for p in (ROOT / pkg).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES and p != ROOT / "pipeline" / "config.py"}
+    assert not long, f"over {MAX_LINES} lines: {long}"

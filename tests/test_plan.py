@@ -27,7 +27,7 @@ from pipeline.privacy.ledger import compose
 from pipeline.stages.data import prepare_data
 from pipeline.stages.distill import distill
 from pipeline.stages.generate import generate_synthetic, read_synthetic
-from pipeline.stages.teacher import train_teacher
+from pipeline.stages.teacher.recipe import train_teacher
 from pipeline.timing import StepTimer
 
 

@@ -20,11 +20,12 @@ import pipeline.stages.distill
 import pipeline.stages.evaluate
 import pipeline.stages.generate
 import pipeline.stages.logit_cache
-import pipeline.stages.teacher
+import pipeline.stages.teacher.monitor
+import pipeline.stages.teacher.recipe
 from pipeline.models.base import untie_lm_head
 from pipeline.privacy.noise import TEST_SEED_ENV
 from pipeline.preflight import check_inputs
-from pipeline.stages.teacher import per_sequence_loss
+from pipeline.models.losses import per_sequence_loss
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a CPU-only machine")
 
@@ -153,7 +154,7 @@ def test_bk_clipping_under_bf16_autocast_matches_fp32(tiny_tokenizer):
 def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
     """Teacher (DP-SGD, bk) → generation → top-k logit cache + distillation → evaluation,
     each called through its module so that the observing test can wrap it."""
-    teacher = pipeline.stages.teacher.train_teacher(
+    teacher = pipeline.stages.teacher.recipe.train_teacher(
         TeacherConfig(target_epsilon=3.0, epochs=1, batch_size=25, physical_batch_size=10, max_length=48,
                       learning_rate=1e-3, monitor="dp"),  # monitored: its forwards are observed too
         train_path=splits.train, validation_path=splits.validation, base_model=str(model_dir),
@@ -177,8 +178,8 @@ def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
 
 # Stage functions observed, and the label their model calls get (the innermost wins).
 OBSERVED = [
-    (pipeline.stages.teacher, "_step", "teacher training"),
-    (pipeline.stages.teacher, "_per_record_losses", "teacher validation"),
+    (pipeline.stages.teacher.recipe, "_step", "teacher training"),
+    (pipeline.stages.teacher.monitor, "per_record_losses", "teacher validation"),
     (pipeline.stages.generate, "_generate_shard", "generation"), (pipeline.stages.logit_cache, "_write_shard", "logit cache"),
     (pipeline.stages.distill, "distill", "distillation"), (pipeline.stages.evaluate, "perplexity", "evaluation"),
     (pipeline.stages.evaluate, "_adherence", "code adherence"),
@@ -259,7 +260,8 @@ def test_tiny_pipeline_in_bf16_on_the_configured_device(splits, tiny_model_dir, 
         assert abs(b - a) / a < 0.01, (name, a, b)  # measured: 0.0000 and 0.0006
 
 
-STAGE_MODULES = ["pipeline/stages/teacher.py", "pipeline/stages/generate.py", "pipeline/stages/logit_cache.py", "pipeline/stages/distill.py",
+STAGE_MODULES = ["pipeline/stages/teacher/recipe.py", "pipeline/stages/teacher/monitor.py",
+                 "pipeline/stages/teacher/checkpoint.py", "pipeline/stages/generate.py", "pipeline/stages/logit_cache.py", "pipeline/stages/distill.py",
                  "pipeline/stages/evaluate.py", "pipeline/stages/adherence.py", "flows/generation.py"]
 
 

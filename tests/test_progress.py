@@ -22,7 +22,8 @@ from pipeline.stages.evaluate import evaluate_models
 from pipeline.stages.generate import generate_synthetic, plan_generation
 from pipeline.models.base import load_causal_lm
 from pipeline.progress import ProgressLog, eta_seconds, format_duration, format_rate, progress_line
-from pipeline.stages.teacher import TIMING_WINDOW_STEPS, train_teacher
+from pipeline.stages.teacher.monitor import TIMING_WINDOW_STEPS
+from pipeline.stages.teacher.recipe import train_teacher
 
 CODES = {"Category: A\tStars: 5": 6, "Category: B\tStars: 1": 3, "Category: C": 1}
 

@@ -1,4 +1,4 @@
-"""bench/reference.py, the resumable experiment driver of issue 12: its rows, resume, report, plots.
+"""experiments/reference.py, the resumable experiment driver of issue 12: its rows, resume, report, plots.
 
 The pure parts run on hand-made result dicts; one tiny end-to-end runs a row through the real
 flow twice and checks that the second start skips it.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.reference import (
+from experiments.reference import (
     FULL, Row, TABLE_ORDER, append_result, build_rows, epsilon_points, fig3_points, finished, format_report,
     main, read_results, table2, write_plots,
 )
@@ -168,7 +168,7 @@ def test_every_rows_config_is_checked_before_anything_runs(tmp_path, capsys):
 def test_a_failed_row_is_reported_and_the_others_go_on(tmp_path, capsys):
     """A row that fails is named, not written to results.jsonl (a restart retries it), and the
     rows after it still run (here they fail too: the config file is missing)."""
-    from bench.reference import run_rows
+    from experiments.reference import run_rows
 
     rows = build_rows(only=["table"])[:2]
     failed = run_rows(rows, {}, tmp_path / "results.jsonl", str(tmp_path / "missing.yaml"), "x")

@@ -195,3 +195,10 @@ def per_sequence_distillation_loss(
     ce_seq = (nll * mask).sum(1) / count  # (B,)
     kl_seq = (kl * mask).sum(1) / count  # (B,)
     return (1 - alpha) * ce_seq + alpha * temperature**2 * kl_seq
+
+
+def per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token NLL of each sequence: logits (B, L, V), labels (B, L-1) -> (B,)."""
+    nll = next_token_nll(logits, labels)  # (B, L-1); fp32 under bf16 autocast too
+    valid = (labels != IGNORE).sum(1).clamp(min=1)  # (B,)
+    return nll.sum(1) / valid

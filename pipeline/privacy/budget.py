@@ -140,7 +140,7 @@ def record_digests(codes: list[str], texts: list[str], key: bytes) -> np.ndarray
 
 def split_digests(path: Path, key: bytes) -> np.ndarray:
     """`record_digests` of a split file, streamed: its texts are never all in memory."""
-    from pipeline.stages.data import parquet_batches  # pyarrow: not for `ledger show`, which only reads
+    from pipeline.records import parquet_batches  # pyarrow: not for `ledger show`, which only reads
 
     out, n = np.empty(_num_rows(path), DIGEST), 0
     for batch in parquet_batches(path, columns=["control_code", "text"], batch_size=CHUNK):

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from pipeline.privacy import noise
 from pipeline.config import CodesConfig, ConfigError, DataConfig
-from pipeline.stages.data import CODE_JOINER, parquet_batches, read_users
+from pipeline.records import CODE_JOINER, parquet_batches, read_users
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.privacy.accountant import (

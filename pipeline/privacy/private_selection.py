@@ -35,7 +35,7 @@ import torch
 from pipeline.models.scoring import nll_by_owner
 from pipeline.privacy import monitor, noise
 from pipeline.privacy.ledger import LedgerEntry
-from pipeline.stages.data import read_users
+from pipeline.records import read_users
 from pipeline.tokenized import TokenIds, token_column, tokenized_split
 
 STAGE = "distillation-selection"

@@ -31,7 +31,7 @@ import torch
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
 from pipeline.models.losses import next_token_nll
-from pipeline.stages.data import CODE_JOINER, prompt_for, read_control_codes
+from pipeline.records import CODE_JOINER, prompt_for, read_control_codes
 from pipeline.stages.generate import synthetic_head
 
 

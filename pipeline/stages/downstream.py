@@ -29,7 +29,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from pipeline.stages.data import CODE_JOINER
+from pipeline.records import CODE_JOINER
 
 log = logging.getLogger(__name__)
 

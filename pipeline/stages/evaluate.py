@@ -41,7 +41,7 @@ import torch
 from pipeline.stages.adherence import adherence_lines, code_adherence
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import EvalConfig
-from pipeline.stages.data import encode_record, read_split
+from pipeline.records import encode_record, read_split
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.stages.downstream import classification_lines, code_classification, length_ratio, mauve_score
 from pipeline.stages.generate import synthetic_head, synthetic_texts

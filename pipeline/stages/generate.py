@@ -51,7 +51,7 @@ import torch
 from transformers import AutoConfig
 
 from pipeline.config import GenerateConfig
-from pipeline.stages.data import prompt_for, read_control_codes
+from pipeline.records import prompt_for, read_control_codes
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.manifest import sha256_file, write_manifest

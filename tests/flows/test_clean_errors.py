@@ -15,7 +15,7 @@ import yaml
 from conftest import ROOT, YELP_TRAIN, tiny_pipeline_dict
 from cli_probe import child_pythonpath
 from flows.run_log import QuietExpectedErrors
-from pipeline.stages.data import DataError
+from pipeline.records import DataError
 
 
 def cli_env(tmp_path: Path) -> dict:
@@ -73,7 +73,7 @@ def test_a_stage_error_in_the_flow_is_one_last_line(prefect_server, tmp_path):
     log = run / "run.log"
     assert log.stat().st_mode & 0o777 == 0o600
     text = log.read_text()
-    assert "Traceback" in text and "pipeline.stages.teacher.TeacherError" in text and "teacher.max_length=120" in text
+    assert "Traceback" in text and "pipeline.privacy.dpsgd.TeacherError" in text and "teacher.max_length=120" in text
     assert "base models" in text  # the progress lines are there too
     # and what the terminal showed before the run directory existed: the plan (issue 24)
     assert "plan of run 'tiny'" in text and text.index("plan of run") < text.index("base models")

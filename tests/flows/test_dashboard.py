@@ -29,7 +29,7 @@ from browser import BROWSER, Chromium, stop_group
 from conftest import ROOT, tiny_pipeline_dict
 
 from flows.artifacts import LEDGER_KEY, METRICS_KEY, SUMMARY_KEY, SYNTHETIC_KEY
-from pipeline.stages.data import read_split
+from pipeline.records import read_split
 from pipeline.stages.generate import read_synthetic
 from pipeline.privacy.ledger import read_ledger
 

@@ -14,7 +14,7 @@ from conftest import YELP_DOMAIN
 from flows.artifacts import ADHERENCE_KEY, LEDGER_KEY, METRICS_KEY, SELECTION_KEY, SUMMARY_KEY
 from flows.cli import main
 from flows.pipeline_flow import dp_distill
-from pipeline.stages.data import read_split
+from pipeline.records import read_split
 from pipeline.privacy.ledger import read_ledger
 
 

@@ -16,7 +16,7 @@ from flows.results import (
     StageResultSerializer, UntrustedResultError, check_record, decode_result, encode_result,
 )
 from pipeline.privacy.ledger import LedgerEntry
-from pipeline.stages.teacher import TeacherResult
+from pipeline.stages.teacher.state import TeacherResult
 
 
 class _Payload:

@@ -14,7 +14,8 @@ from flows.cli import main
 from flows.run_dirs import checked_run_dir, new_run_dir, prepare_run_root
 from flows.run_info import RUN_INFO, TOOL, RunDirError
 from pipeline.config import DataConfig, config_from_dict
-from pipeline.stages.data import DataResult, delete_private_copies, prepare_data, split_key
+from pipeline.records import split_key
+from pipeline.stages.data import DataResult, delete_private_copies, prepare_data
 from pipeline.manifest import atomic_write_json, manifest_problems
 
 

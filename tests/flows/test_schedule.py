@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import yaml
 from conftest import tiny_pipeline_dict
-from pipeline.stages.teacher_ddp import stop_group
+from pipeline.stages.teacher.ddp import stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 

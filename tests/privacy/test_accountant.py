@@ -13,7 +13,8 @@ from pipeline.privacy.ledger import LedgerEntry, compose
 from pipeline.privacy import accountant as privacy
 from pipeline.config import TeacherConfig
 from pipeline.privacy.accountant import calibrate_sigma, epsilon_of, max_steps_within_budget
-from pipeline.stages.teacher import TeacherError, calibrate_noise, per_sequence_loss
+from pipeline.privacy.dpsgd import TeacherError, calibrate_noise
+from pipeline.models.losses import per_sequence_loss
 
 
 # Published in Opacus' own tests (opacus/tests/accountants_test.py, AccountingTest):

@@ -16,9 +16,10 @@ from pipeline.privacy import accountant  # noqa: F401  (registers the Conv1D gra
 from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.privacy.bk import BookKeepingPrivacyEngine, GradSampleModuleBookKeeping
 from pipeline.config import TeacherConfig
-from pipeline.stages.data import encode_record
+from pipeline.records import encode_record
 from pipeline.models.base import untie_lm_head
-from pipeline.stages.teacher import per_sequence_loss, prepare_trainable
+from pipeline.models.losses import per_sequence_loss
+from pipeline.stages.teacher.trainable import prepare_trainable
 
 TEXTS = [
     "Great tacos and friendly staff.",

@@ -160,7 +160,8 @@ def test_a_copy_with_one_byte_changed_past_the_rows_used_lands_in_the_same_budge
     from pipeline.config import DataConfig
     from pipeline.manifest import sha256_file
     from pipeline.privacy.budget import KEY_FILE, BUDGET_DIR, register_records
-    from pipeline.stages.data import read_split, split_key, with_training_split
+    from pipeline.records import read_split, split_key
+    from pipeline.stages.data import with_training_split
 
     copy = tmp_path / "copy.csv"
     data = bytearray(YELP_TRAIN.read_bytes())
@@ -211,7 +212,8 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     from pipeline.config import config_from_dict
     from pipeline.plan import make_plan
     from pipeline.privacy.budget import BudgetExceeded, record_digests, records_key, register_records
-    from pipeline.stages.data import prepare_data, read_split
+    from pipeline.records import read_split
+    from pipeline.stages.data import prepare_data
 
     tree = tiny_pipeline_dict(tmp_path)
     tree["teacher"].update(model=str(tiny_model_dir), max_length=64)

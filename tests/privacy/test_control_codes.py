@@ -14,9 +14,10 @@ from conftest import YELP_DOMAIN as DOMAIN
 from conftest import YELP_TEST, YELP_TRAIN
 from pipeline.privacy.control_codes import domain_codes, release_control_codes
 from pipeline.config import CodesConfig, DataConfig, TeacherConfig
-from pipeline.stages.data import DataError, prepare_data, read_split, read_users
+from pipeline.records import DataError, read_split, read_users
+from pipeline.stages.data import prepare_data
 from pipeline.privacy.noise import TEST_SEED_ENV
-from pipeline.stages.teacher import train_teacher
+from pipeline.stages.teacher.recipe import train_teacher
 
 @pytest.fixture(scope="module")
 def yelp(tmp_path_factory):

@@ -15,7 +15,8 @@ from pipeline.privacy import monitor, noise
 from pipeline.privacy.accountant import calibrate_sigma, epsilon_of
 from pipeline.privacy.ledger import LedgerEntry, compose
 from pipeline.privacy.noise import TEST_SEED_ENV
-from pipeline.stages.teacher import monitor_points, train_teacher
+from pipeline.stages.teacher.monitor import monitor_points
+from pipeline.stages.teacher.recipe import train_teacher
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from conftest import make_tiny_model
 from pipeline.stages.adherence import AdherenceError, SampleOutcome, code_adherence, declared_values, summarize
 from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
-from pipeline.stages.data import encode_record, prompt_for
+from pipeline.records import encode_record, prompt_for
 from pipeline.stages.generate import SCHEMA
 
 COLOR = {"red": "Color: red", "blue": "Color: blue"}  # value -> code part ('{column}: {value}', column Color)

@@ -14,9 +14,10 @@ from opacus.data_loader import DPDataLoader
 from torch.utils.data import DataLoader
 
 from pipeline.config import DataConfig
-from pipeline.stages.data import TOKENIZED_DIR, delete_private_copies, encode_record, prepare_data, read_split
+from pipeline.records import TOKENIZED_DIR, encode_record, read_split
+from pipeline.stages.data import delete_private_copies, prepare_data
 from pipeline.stages.generate import SCHEMA, read_synthetic, synthetic_head, synthetic_ids, synthetic_texts
-from pipeline.stages.teacher import OneRecordPerUser, Pick, RankShareSampler, shortest_first
+from pipeline.privacy.dpsgd import OneRecordPerUser, Pick, RankShareSampler, shortest_first
 from pipeline.tokenized import ListIds, TokenIds, pad_collate, token_column, tokenized_split
 from tests.conftest import YELP_TEST, YELP_TRAIN
 

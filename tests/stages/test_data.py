@@ -14,8 +14,9 @@ from conftest import YELP_TEST, YELP_TRAIN
 from pipeline.privacy.control_codes import domain_codes
 from pipeline.config import ConfigError, DataConfig, config_from_dict
 from pipeline.stages import data as data_stage
-from pipeline.stages.data import (SPLIT_KEY, DataError, encode_record, prepare_data, prompt_for, read_split, read_table,
-                                  read_users, split_key)
+from pipeline.records import (SPLIT_KEY, DataError, encode_record, prompt_for, read_split, read_table, read_users,
+                              split_key)
+from pipeline.stages.data import prepare_data
 
 CODE_RE = re.compile(r"^Business Category: [^\t\n]+\tReview Stars: [^\t\n]+$")
 

@@ -114,12 +114,12 @@ def test_per_code_perplexity_pools_small_codes_and_text_properties(tiny_tokenize
 
 
 def test_token_kinds_split_the_evaluation_windows(tiny_tokenizer, tiny_model_dir):
-    """bench/token_kinds.py splits the evaluation's windowed perplexity by token kind: its
+    """experiments/token_kinds.py splits the evaluation's windowed perplexity by token kind: its
     kinds cover every scored token and recombine to the stage's own figure."""
     import math
 
-    from bench.token_kinds import nll_by_kind, token_kinds
-    from pipeline.stages.data import encode_record
+    from experiments.token_kinds import nll_by_kind, token_kinds
+    from pipeline.records import encode_record
     from pipeline.stages.evaluate import perplexity
     from pipeline.models.base import load_causal_lm
 

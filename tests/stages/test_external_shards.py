@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import GenerateConfig
-from pipeline.stages.data import prompt_for
+from pipeline.records import prompt_for
 from pipeline.stages.generate import SCHEMA, generate_synthetic, plan_generation, read_synthetic
 from pipeline.models.base import load_tokenizer
 from test_generate import CODES, _codes_file, _ledger

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import GenerateConfig
-from pipeline.stages.data import prompt_for
+from pipeline.records import prompt_for
 from pipeline.stages.generate import (
     GenerateError, SCHEMA, _validation_positions, generate_synthetic, read_synthetic, sample_control_codes,
 )

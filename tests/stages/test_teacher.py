@@ -19,7 +19,9 @@ from pipeline.batching import lm_batch
 from pipeline.config import TeacherConfig
 from pipeline.privacy import accountant  # noqa: F401
 from pipeline.privacy.noise import TEST_SEED_ENV
-from pipeline.stages.teacher import TeacherError, per_sequence_loss, train_teacher
+from pipeline.privacy.dpsgd import TeacherError
+from pipeline.models.losses import per_sequence_loss
+from pipeline.stages.teacher.recipe import train_teacher
 from conftest import first_record_rewritten, make_tiny_model, noise_free_dp_gradient
 
 
@@ -327,7 +329,7 @@ def test_resume_refuses_a_checkpoint_of_another_config(splits, tiny_model_dir, t
 
 def test_finished_teacher_is_reused_not_retrained(splits, tiny_model_dir, tmp_path):
     """A finished teacher is found by its manifest; a changed output is refused."""
-    from pipeline.stages.teacher import finished_teacher
+    from pipeline.stages.teacher.recipe import finished_teacher
 
     assert finished_teacher(tmp_path) is None
     _, result = _teacher(splits, tiny_model_dir, tmp_path)

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 
 from pipeline.config import TeacherConfig
 from pipeline.privacy.noise import TEST_SEED_ENV
-from pipeline.stages import teacher_ddp
-from pipeline.stages.teacher import TeacherError, train_teacher
+from pipeline.stages.teacher import ddp as teacher_ddp
+from pipeline.privacy.dpsgd import TeacherError
+from pipeline.stages.teacher.recipe import train_teacher
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -147,12 +148,12 @@ def test_the_error_quotes_the_rank_that_failed_first(tmp_path, monkeypatch):
 
 
 def test_teacher_ddp_does_not_import_the_teacher():
-    """One direction only: teacher.py imports teacher_ddp.py, which runs the worker it is
-    named (`pipeline.stages.teacher:ddp_worker` in the job file) and imports no pipeline stage."""
+    """One direction only: recipe.py imports ddp.py, which runs the worker it is
+    named (`pipeline.stages.teacher.recipe:ddp_worker` in the job file) and imports no pipeline stage."""
     import ast
     from pathlib import Path
 
-    import pipeline.stages.teacher_ddp as ddp
+    import pipeline.stages.teacher.ddp as ddp
 
     tree = ast.parse(Path(ddp.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
@@ -181,7 +182,7 @@ def test_a_node_without_the_shared_storage_fails_naming_what_it_misses(tmp_path)
 def test_a_joining_node_runs_only_the_teacher_and_node_0_keeps_its_own_job():
     """The rendezvous has no authentication: a job offered by another rank is run only if its
     target is the teacher's worker, and a launching rank never takes another's job."""
-    teacher = {"target": "pipeline.stages.teacher:ddp_worker", "args": {}}
+    teacher = {"target": "pipeline.stages.teacher.recipe:ddp_worker", "args": {}}
     planted = {"target": "shutil:rmtree", "args": "/"}
     assert teacher_ddp._adopt(None, [None, teacher]) is teacher
     assert teacher_ddp._adopt(teacher, [planted, teacher]) is teacher

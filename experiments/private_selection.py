@@ -9,7 +9,7 @@ g, the noisy release keeps the lower one with probability Φ(g / (√2·sd)): th
 beside which candidate is better on the test split, with the expected regret
 P(wrong)·|test gap|. One real noisy draw per run is printed too (at --epsilon's first value).
 
-    .venv/bin/python bench/private_selection.py runs/confirmation/airline-ours-r*/
+    .venv/bin/python experiments/private_selection.py runs/confirmation/airline-ours-r*/
 
 The exact validation gaps are figures computed from the validation split: study figures on a
 benchmark corpus, like the test perplexities, never published by a run.
@@ -31,7 +31,8 @@ from pipeline.models.scoring import nll_by_owner
 from pipeline.privacy import private_selection
 from pipeline.privacy.private_selection import PrivateValidation
 from pipeline.privacy.ledger import read_ledger
-from pipeline.stages.data import SPLIT_KEY, prepare_data, split_key
+from pipeline.records import SPLIT_KEY, split_key
+from pipeline.stages.data import prepare_data
 
 
 def _phi(x: float) -> float:

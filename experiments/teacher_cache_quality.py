@@ -14,7 +14,7 @@ perplexity is the evaluation stage's own `perplexity` on `--test` (the run's hel
 this reads private text, as the evaluation stage does; the figures are aggregates). Run from the
 repository root on a finished demo run, e.g. `make demo` then:
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/teacher_cache_quality.py runs/demo-YYYYMMDD-HHMMSS   # ~25 min
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/teacher_cache_quality.py runs/demo-YYYYMMDD-HHMMSS   # ~25 min
 
 The last line reads `rest_bucket_over_on_the_fly=R renormalised_over_on_the_fly=N` (ratios of
 the mean windowed test perplexities, averaged over the α's).
@@ -42,7 +42,7 @@ from pipeline.models.base import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.models.losses import TopKLogits  # noqa: E402
 from pipeline.stages import distill as distill_stage  # noqa: E402
 from pipeline.stages import logit_cache  # noqa: E402
-from pipeline.stages.data import CODE_JOINER  # noqa: E402
+from pipeline.records import CODE_JOINER  # noqa: E402
 from pipeline.stages.evaluate import perplexity  # noqa: E402
 
 STUDENT = ROOT / "pipeline" / "models" / "builtin" / "student"

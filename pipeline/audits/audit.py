@@ -41,7 +41,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, PipelineConfig, load_config
-from pipeline.stages.data import SPLIT_KEY, parquet_batches, prepare_data, read_split, split_key
+from pipeline.records import SPLIT_KEY, parquet_batches, read_split, split_key
+from pipeline.stages.data import prepare_data
 from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file
 
 AUDIT = "audit.json"

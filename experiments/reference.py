@@ -5,10 +5,10 @@ other; the flow's stage cache computes shared stages once (base models, data, te
 generation), so DP-Syn, ours+MSE and every Figure 3 size reuse the `ours` run's teacher and
 synthetic shards, and only their students train.
 
-    .venv/bin/python bench/reference.py                          # all three experiments
-    nohup .venv/bin/python bench/reference.py generate.num_samples=20000 > reference.log 2>&1 &
-    .venv/bin/python bench/reference.py --only fig3 --fig3-sizes 500,1000,2000
-    .venv/bin/python bench/reference.py --report-only --docs     # tables and plots of what finished
+    .venv/bin/python experiments/reference.py                          # all three experiments
+    nohup .venv/bin/python experiments/reference.py generate.num_samples=20000 > reference.log 2>&1 &
+    .venv/bin/python experiments/reference.py --only fig3 --fig3-sizes 500,1000,2000
+    .venv/bin/python experiments/reference.py --report-only --docs     # tables and plots of what finished
 
 Experiments (`--only table,fig3,epsilon`, default all):
 - table: zero-shot, DP-SGD, DPKD, DP-Syn, ours (the shipped defaults: the student chosen among
@@ -441,7 +441,7 @@ def main(argv: list[str]) -> int:
     if not run_root.exists():  # made 0700 as the flow makes it (never chmod an existing, maybe shared, one)
         private_dir(run_root)
     results_path = run_root / "results.jsonl"
-    command = " ".join(["bench/reference.py", *argv])
+    command = " ".join(["experiments/reference.py", *argv])
     t0 = time.monotonic()
     done = finished(rows, read_results(results_path))
     failed = [] if args.report_only else _run_rows_stoppably(rows, done, results_path, args.config, base.name)

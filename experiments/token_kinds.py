@@ -5,7 +5,7 @@ which are short and easy to predict, with the text itself. This splits the same 
 negative log-likelihood by the kind of the predicted token, so that two students can be
 compared on the text alone (docs/reference.md, "What the KL changes").
 
-    .venv/bin/python bench/token_kinds.py --config configs/reference.yaml \
+    .venv/bin/python experiments/token_kinds.py --config configs/reference.yaml \
         DP-SGD=runs/reference/<run>/student/model ours=runs/reference/<run>/student/model
 
 Aggregates of the held-out test split, like the evaluation stage's (README, "Not protected").
@@ -18,7 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import load_config
-from pipeline.stages.data import CODE_JOINER, _joined_texts, encode_record, prompt_for, read_table
+from pipeline.records import CODE_JOINER, encode_record, prompt_for, read_table
+from pipeline.stages.data import _joined_texts
 
 KINDS = ("prompt", "text", "eos")
 

@@ -1,9 +1,9 @@
 """The two sides of the torchrun process boundary for a data-parallel stage (teacher.processes > 1).
 
-`launch` (called by pipeline/stages/teacher.py) writes the job's arguments to `<work>/args.json`
+`launch` (called by pipeline/stages/teacher/recipe.py) writes the job's arguments to `<work>/args.json`
 (paths and config only, never private text on a command line) and runs
 
-    python -m torch.distributed.run --standalone --nproc_per_node=<processes> -m pipeline.stages.teacher_ddp <work>/args.json
+    python -m torch.distributed.run --standalone --nproc_per_node=<processes> -m pipeline.stages.teacher.ddp <work>/args.json
 
 Across machines (`Nodes.count` > 1) torchrun meets the other nodes at a c10d rendezvous on node 0
 (`--nnodes --rdzv_backend=c10d --rdzv_endpoint`) instead of `--standalone`; each other node runs
@@ -13,7 +13,7 @@ the job names. The global rank count is what DPDDP and the accountant see: one P
 over all ranks, noise added once, as on one node.
 
 Each process runs `main`: it joins the process group and calls the job's `target`
-("module:function", e.g. pipeline.stages.teacher:ddp_worker) with the arguments and, on rank 0, an
+("module:function", e.g. pipeline.stages.teacher.recipe:ddp_worker) with the arguments and, on rank 0, an
 `on_progress` that appends to a file. Each rank logs to `<work>/rank<r>.log`; rank 0's log
 lines and progress records are relayed to the caller's logger and `on_progress` while the
 job runs; when the job fails, the log of the rank that failed first is quoted (`FIRST_FAILURE`).
@@ -165,7 +165,7 @@ def launch(
     atomic_write_json(work / "args.json", {"target": target, "backend": backend, "args": args,
                                            "work": str(work.resolve())})
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(processes, host=True),
-           "-m", "pipeline.stages.teacher_ddp", str(work / "args.json")]
+           "-m", "pipeline.stages.teacher.ddp", str(work / "args.json")]
     env = _rank_env(processes, threads)
     log.info("%s: data-parallel over %d processes (%s): %s", stage, processes, backend, " ".join(cmd))
     if nodes.count > 1:
@@ -214,7 +214,7 @@ def join(*, processes: int, backend: str, nodes: Nodes, threads: int | None = No
     if nodes.count < 2:
         raise ValueError("joining needs a job across nodes: set teacher.nnodes > 1 and teacher.rdzv_endpoint")
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(processes, host=False),
-           "-m", "pipeline.stages.teacher_ddp", "--join", backend]
+           "-m", "pipeline.stages.teacher.ddp", "--join", backend]
     log.info("joining the data-parallel job %s at %s with %d process(es) (%s), waiting up to %d s: %s",
              nodes.job_id, nodes.endpoint, processes, backend, nodes.timeout, " ".join(cmd))
     return subprocess.run(cmd, env=_rank_env(processes, threads)).returncode
@@ -227,7 +227,7 @@ def _job(argv: list[str]) -> dict | None:
     return {"work": str(Path(argv[0]).parent), **json.loads(Path(argv[0]).read_text())}
 
 
-JOINABLE = {"pipeline.stages.teacher:ddp_worker"}  # the only targets a joining node runs
+JOINABLE = {"pipeline.stages.teacher.recipe:ddp_worker"}  # the only targets a joining node runs
 
 
 def _shared_job(job: dict | None) -> dict:

@@ -32,10 +32,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.privacy.audit import words
+from pipeline.audits.audit import words
 from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
-from pipeline.stages.data import CODE_JOINER, code_name, encode_record, read_table
+from pipeline.records import CODE_JOINER, code_name, encode_record, read_table
 
 TEMPLATE = "my account number is {}"
 DIGITS = 9

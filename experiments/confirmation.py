@@ -1,10 +1,10 @@
 """The confirmation experiment of issue 20 (docs/confirmation.md): rows run several times, each
 time with fresh secret DP noise, reported as mean ± sd. Resumable.
 
-    OMP_NUM_THREADS=1 nohup .venv/bin/python bench/confirmation.py --config configs/airline.yaml \
+    OMP_NUM_THREADS=1 nohup .venv/bin/python experiments/confirmation.py --config configs/airline.yaml \
         > runs/confirmation/experiment.log 2>&1 &
-    .venv/bin/python bench/confirmation.py --config configs/reference.yaml --rows ours,DP-SGD --repeats 3
-    .venv/bin/python bench/confirmation.py --config configs/airline.yaml --report-only
+    .venv/bin/python experiments/confirmation.py --config configs/reference.yaml --rows ours,DP-SGD --repeats 3
+    .venv/bin/python experiments/confirmation.py --config configs/airline.yaml --report-only
 
 Every run is the Prefect flow with the row's overrides, in its own run directory
 (`<name>-<row>-r<k>`). Repeat 1 takes what the stage cache holds; every later repeat reruns

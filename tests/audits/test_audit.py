@@ -25,11 +25,12 @@ from conftest import PUBLIC, YELP_TRAIN, make_tiny_model, tiny_pipeline_dict
 from flows.audit import secret_work_dir
 from flows.cli import main
 from flows.run_info import RunDirError
-from pipeline.privacy.audit import AUDIT, training_texts, words
+from pipeline.audits.audit import AUDIT, training_texts, words
 from pipeline.batching import lm_batch
-from pipeline.privacy.canaries import Canary, canary_exposures, make_canaries, write_canary_data
+from pipeline.audits.canaries import Canary, canary_exposures, make_canaries, write_canary_data
 from pipeline.config import DataConfig, config_from_dict, dump_config
-from pipeline.stages.data import encode_record, prepare_data, read_split, split_key
+from pipeline.records import encode_record, read_split, split_key
+from pipeline.stages.data import prepare_data
 from pipeline.privacy.ledger import LedgerEntry, PrivacyLedger, compose, fmt_value, post_processing, read_ledger
 from pipeline.reports.model_card import CARD, model_card
 
