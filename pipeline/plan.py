@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 from pipeline.config import PipelineConfig, TeacherConfig
 from pipeline.devices import Runtime, resolve_device, slow_bf16_warning
-from pipeline.models.base import BUILTIN_PREFIX, ModelError, base_models_built, load_tokenizer, shipped_path
+from pipeline.models.base import (BUILTIN_PREFIX, ModelError, base_models_built, load_tokenizer, shipped_path,
+                                  tied_head_parameters)
 from pipeline.privacy.accountant import epsilon_of, resolve_delta
 from pipeline.privacy.control_codes import gaussian_sigma
 from pipeline.privacy import monitor as dp_monitor
@@ -71,6 +72,8 @@ class Plan:
     other processes were taking the cores, and the times hold only while they do."""
     warnings: list[str] = field(default_factory=list)
     """Allowed but risky choices, said once by `dpdistill plan` and at the start of a run."""
+    untied: dict[str, int] = field(default_factory=dict)
+    """Per DP-SGD stage: parameters its model gains when lm_head is untied (pipeline/models/base.py)."""
 
 
 def dp_sgd_budgets(cfg: PipelineConfig) -> dict[str, float]:
@@ -156,6 +159,20 @@ def _warnings(cfg: PipelineConfig) -> list[str]:
     return [warning] if warning else []
 
 
+def _untied_parameters(cfg: PipelineConfig, stage: str) -> int | None:
+    """What untying lm_head adds to the stage's model, from its config (None: not readable yet,
+    e.g. builtin models still to be built from base_models.corpus)."""
+    from transformers import AutoConfig
+
+    name = cfg.teacher.model if stage == "teacher" else cfg.distill.student_model
+    if name.startswith(BUILTIN_PREFIX) and cfg.base_models.corpus is not None:
+        return None
+    try:
+        return tied_head_parameters(AutoConfig.from_pretrained(shipped_path(name)))
+    except (OSError, ValueError):
+        return None
+
+
 def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], None] | None = None,
               split: PlannedSplit | None = None) -> Plan:
     """The run's privacy numbers (and with `timing`, a time estimate per stage); writes nothing.
@@ -172,6 +189,7 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
     for stage, eps in dp_sgd_budgets(cfg).items():
         entry, probability[stage], accounting[stage] = _dp_sgd_entry(
             stage, cfg.teacher.model_copy(update={"target_epsilon": eps}), n, unit)
+        entry.untied_parameters = _untied_parameters(cfg, stage)
         entries.append(with_pld_epsilons(entry))
         if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation):
             entries.append(with_pld_epsilons(monitored))
@@ -181,7 +199,8 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
                 total=compose(entries, cfg.teacher.accountant, delta), sampling_probability=probability,
                 batch_size=cfg.teacher.batch_size, n_validation=split.n_validation, accounting_seconds=accounting,
-                warnings=_warnings(cfg))
+                warnings=_warnings(cfg),
+                untied={e.stage: e.untied_parameters for e in entries if e.untied_parameters})
     if timing:
         plan.seconds = estimate_seconds(cfg, plan, split, say)
     return plan
@@ -443,6 +462,9 @@ def format_plan(plan: Plan) -> str:
                 f"(Poisson probability {plan.sampling_probability[e.stage]:.6g}), σ = {e.noise_multiplier:.4f}, "
                 f"{e.steps} steps, ε = {e.epsilon:.4f} at δ = {e.delta:.3g} ({e.accountant} accountant), "
                 f"replace-one ε = {e.epsilon_replace_one:.4f}")
+            if added := plan.untied.get(e.stage):
+                lines.append(f"    lm_head untied from the input embedding for DP-SGD: +{added:,} parameters "
+                             "(a tied weight would get one clipping norm per use); the saved model keeps its own head")
         elif e.mechanism == "gaussian":
             lines.append(f"  control codes: Gaussian histogram, σ = {e.noise_multiplier:.4f}, ε = {e.epsilon:.4f} "
                          f"at δ = {e.delta:.3g} ({e.accountant} accountant), replace-one ε = {e.epsilon_replace_one:.4f}")

@@ -65,6 +65,10 @@ def test_plan_gives_the_numbers_a_real_teacher_run_records(tmp_path, tiny_model_
     total = compose([codes.ledger, teacher], cfg.teacher.accountant, teacher.delta)
     assert plan.total.epsilon == pytest.approx(total.epsilon, rel=1e-9)
     assert plan.total.epsilon_replace_one == pytest.approx(total.epsilon_replace_one, rel=1e-9)
+    # the tiny GPT-2 ties its head to the input embedding: untied for DP-SGD, said in plan and ledger
+    config = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config
+    assert p.untied_parameters == teacher.untied_parameters == config.vocab_size * config.n_embd
+    assert f"+{config.vocab_size * config.n_embd} parameters" in teacher.note
 
 
 def _plan_command(config: Path) -> subprocess.CompletedProcess:

@@ -70,6 +70,9 @@ class LedgerEntry(BaseModel):
     """A DP-SGD stage's teacher.monitor: what its published validation loss is computed from,
     'none' (nothing published), 'dp' (its own '<stage>-validation' entry) or 'public' (records
     the user declared public). None in ledgers written before the setting existed."""
+    untied_parameters: int | None = None
+    """DP-SGD stages: parameters added by giving lm_head its own weight (0: the model's was
+    already untied); a tied weight would get one clipping norm per use."""
     note: str
 
 

@@ -104,6 +104,8 @@ def model_card(ledger: PrivacyLedger, stage: str, run_name: str | None = None) -
         f"| sampling rate q (Poisson) | {fmt_value(e.sample_rate)} |",
         f"| steps | {fmt_value(e.steps)} |",
         f"| clipping norm C (max_grad_norm) | {fmt_value(e.max_grad_norm)} |",
+        *([f"| lm_head | untied from the input embedding for DP-SGD: +{e.untied_parameters:,} parameters "
+           "(a tied weight would get one clipping norm per use) |"] if e.untied_parameters else []),
         "",
         "Mechanisms of the run (its ledger):",
         "",

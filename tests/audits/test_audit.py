@@ -322,6 +322,14 @@ def test_model_card_states_the_ledger_and_what_is_not_protected():
     assert "held-out splits" in card and "group-privacy" in card and "Hyperparameter" in card
     clean = model_card(_ledger(codes_private=True), "teacher")
     assert "released without DP" not in clean and "complete" in clean
+    assert "untied" not in clean  # the entry says nothing was added
+
+
+def test_model_card_says_what_untying_the_head_added():
+    ledger = _ledger(codes_private=True)
+    ledger.entries[1] = ledger.entries[1].model_copy(update={"untied_parameters": 28_311_552})
+    card = model_card(ledger, "teacher")
+    assert "| lm_head | untied from the input embedding for DP-SGD: +28,311,552 parameters" in card
 
 
 # --- the real flow ----------------------------------------------------------------------

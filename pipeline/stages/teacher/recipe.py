@@ -98,11 +98,14 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | None, device):
-    """Tokenizer, the trainable model (lm_head untied for ghost clipping) and the KD teacher."""
+def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | None, device, stage: str):
+    """Tokenizer, the trainable model (lm_head untied: pipeline/models/base.py says why), the
+    KD teacher, and the parameters the untied head added."""
     tok = load_tokenizer(base_model)
     model = load_causal_lm(base_model)
-    untie_lm_head(model)
+    if untied := untie_lm_head(model):
+        log.info("%s: lm_head untied from the input embedding for DP-SGD (one weight, two uses, would get "
+                 "one norm per use): +%d parameters, and the saved model keeps its own head", stage, untied)
     n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
     if cfg.max_length > n_positions:
         raise TeacherError(
@@ -113,7 +116,7 @@ def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | Non
     kd_teacher = load_causal_lm(str(kd.teacher_dir)).eval().to(device) if kd else None
     if kd_teacher is not None and not same_tokenizer(tok, load_tokenizer(str(kd.teacher_dir))):
         raise TeacherError(f"the KD teacher {kd.teacher_dir} uses another tokenizer than {base_model!r}")
-    return tok, model, kd_teacher
+    return tok, model, kd_teacher, untied
 
 
 def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monitor_path: Path | None,
@@ -124,7 +127,7 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
     device = runtime.device  # a data-parallel rank's own: cuda:local_rank on nccl (ddp_worker)
     torch.manual_seed(seed + rank)  # dropout; DP randomness comes from the secret generators below
     np.random.seed(seed)
-    tok, model, kd_teacher = _models(cfg, base_model, kd, device)
+    tok, model, kd_teacher, untied = _models(cfg, base_model, kd, device, stage)
     users = read_users(train_path)
     # Memory-mapped Arrow ids, tokenized once per run (pipeline/tokenized.py); each batch is
     # padded to its own longest record by the collate below.
@@ -201,7 +204,7 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
         n_records=len(records), unit=unit, delta=delta, sigma=sigma, sampling_probability=sampling_probability,
         sample_rate=sample_rate, total_steps=total_steps, steps_allowed=steps_allowed,
         fingerprint=checkpoint_fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world, runtime.precision),
-        monitor=monitor, kd=kd, kd_teacher=kd_teacher,
+        monitor=monitor, kd=kd, kd_teacher=kd_teacher, untied_parameters=untied,
     )
 
 
@@ -277,14 +280,16 @@ def _ledger_entry(run: Run) -> LedgerEntry:
         f"training split (N={run.n} {unit}s"
         + ("" if unit == "record" else f", {run.n_records} records; one random record per sampled user per step")
         + f"), Poisson sampling with probability {run.sampling_probability:.6g} (accounted as "
-        f"q={run.sample_rate:.6g}), lm_head untied from the input embedding; σ calibrated by Opacus "
+        f"q={run.sample_rate:.6g}), lm_head untied from the input embedding"
+        + (f" (+{run.untied_parameters} parameters)" if run.untied_parameters else "")
+        + f"; σ calibrated by Opacus "
         f"for target ε={cfg.target_epsilon}"
         + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else "")
         + (f"; KD loss (α={kd.alpha}, T={kd.temperature}) from the DP teacher" if kd else "")
         + (f"; data-parallel over {run.world} processes (Opacus DPDDP: each samples its share of the "
            "global Poisson batch, noise added once, by rank 0)" if run.world > 1 else "")
         + monitor_note(run),
-        validation_monitor=cfg.monitor,
+        validation_monitor=cfg.monitor, untied_parameters=run.untied_parameters,
     ))
 
 

@@ -86,6 +86,7 @@ class Run:
     monitor: Monitor | None  # what the published validation loss is computed on (None: not monitored)
     kd: KnowledgeDistillation | None = None
     kd_teacher: torch.nn.Module | None = None
+    untied_parameters: int = 0  # what untying lm_head from the input embedding added
     history: list[dict] = field(default_factory=list)
     resumed_from: int = 0
 
