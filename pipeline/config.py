@@ -282,7 +282,8 @@ class TeacherConfig(_Section):
     lora_rank: int = Field(8, ge=1, description="LoRA rank r (mode=lora).")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling α (mode=lora).")
     lora_target_modules: list[str] | None = Field(
-        None, description="Modules LoRA adapts (mode=lora); None: peft's default for the model."
+        None, description="Modules LoRA adapts (mode=lora), by name; None: every linear map of the decoder "
+        "blocks (attention and MLP projections, not the output head), for any family."
     )
     checkpoint_every: int = Field(
         10, ge=1, description="Save a resumable checkpoint (with the accountant) every N steps."
