@@ -5,7 +5,7 @@ beside the sum of its stages' own seconds (stages.json).
 
 The gap is the flow's own work: Prefect's task and artifact calls, the plan, the ledger, the
 dataset budget and the report. A profile of it found dp-accounting's PLD taking most of it
-(docs/operations.md, "Speed"); `--profile` prints the 25 costliest calls of the last run.
+(docs/benchmarks.md, "What a run costs around its stages"); `--profile` prints the 25 costliest calls of the last run.
 Both PLD settings side by side, alternating: "before" (dp-accounting's default 1e-4 grid, every
 ε computed afresh, as before 2026-11-23) and "now" (`pipeline/privacy/pld.py`: 1e-3, cached).
 

@@ -25,7 +25,7 @@ Here a step takes ~40 ms, ~22 ms of it the same matmuls (so this CPU caps the ga
 
 `torch.compile` is not used: compiling `_forward_one` (dynamic shapes) took 6.5 minutes
 before the first step on this project's 2 busy cores and then decoded ~1.25x faster
-(docs/operations.md "Speed"): the step is bound by its matmuls, the vocabulary projection
+(docs/benchmarks.md, "Measured once, by hand"): the step is bound by its matmuls, the vocabulary projection
 alone a quarter of it, so it pays only for generations of over ~30 minutes, per process.
 """
 
