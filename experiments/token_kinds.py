@@ -8,7 +8,8 @@ compared on the text alone (docs/reference.md, "What the KL changes").
     .venv/bin/python experiments/token_kinds.py --config configs/reference.yaml \
         DP-SGD=runs/reference/<run>/student/model ours=runs/reference/<run>/student/model
 
-Aggregates of the held-out test split, like the evaluation stage's (README, "Not protected").
+Aggregates of the held-out test split, like the evaluation stage's (not protected: docs/privacy.md,
+"The guarantee and what it does not cover").
 """
 
 import argparse

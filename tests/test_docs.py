@@ -1,0 +1,170 @@
+"""The docs' cross-references resolve: every relative Markdown link in the README and the docs
+points to a file that exists, every `#anchor` to a heading of that file, every section named in
+quotes after a page's name (`README "Results"`) begins a heading of that page, and every path
+that docs/pipeline.md names (in backticks, and in its Layout block) exists. The reference pages
+have no dated journal headings. Pure text: no torch, no Prefect."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), ROOT / "pipeline/privacy/README.md",
+                ROOT / "data/README.md", ROOT / "pipeline/models/builtin/README.md"})
+# The repository's top-level folders whose paths docs/pipeline.md may name.
+PATH_ROOTS = ("pipeline/", "flows/", "bench/", "experiments/", "configs/", "docs/", "tests/", "data/", "docker/")
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks, inline code spans blanked."""
+    out, fenced = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append((n, re.sub(r"`[^`]*`", "``", line)))
+    return out
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: the rendered text (code, emphasis and link markup gone),
+    lowercased, everything but word characters, hyphens and spaces removed, spaces to '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # [text](target) -> text
+    text = re.sub(r"[`*]", "", text)
+    text = re.sub(r"(?<!\w)_+|_+(?!\w)", "", text)  # _emphasis_, not snake_case
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading's anchor in a Markdown file; a repeated one gets -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, line in _headings(path.read_text(encoding="utf-8")):
+        base = slug(line)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def _headings(text: str) -> list[tuple[int, str]]:
+    out, fenced = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (m := _HEADING.match(line)):
+            out.append((n, m.group(2)))
+    return out
+
+
+def broken_links(page: Path) -> list[str]:
+    problems = []
+    for n, line in prose_lines(page.read_text(encoding="utf-8")):
+        for target in _LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (page.parent / file_part).resolve() if file_part else page
+            where = f"{page.relative_to(ROOT)}:{n}: ({target})"
+            if not dest.exists():
+                problems.append(f"{where} no such file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                problems.append(f"{where} no heading with anchor #{anchor} in {dest.relative_to(ROOT)}")
+    return problems
+
+
+def layout_paths(text: str) -> list[str]:
+    """The paths the first column of docs/pipeline.md's Layout block names, each joined to the
+    folders above it by indentation (`  privacy/` under `pipeline/` is pipeline/privacy/).
+    A line whose first word is not a path (a wrapped description) names none."""
+    block = re.search(r"^## Layout\n.*?^```\n(.*?)^```", text, re.S | re.M)
+    assert block, "docs/pipeline.md has no '## Layout' section with a code block"
+    stack: list[tuple[int, str]] = []  # (indent, folder) of the folders open above this line
+    paths = []
+    for line in block.group(1).splitlines():
+        if not line.strip():
+            continue
+        indent, name = len(line) - len(line.lstrip()), line.split()[0]
+        if not re.fullmatch(r"[\w.-]+/?|[\w.-]+(/[\w.-]+)+/?", name) or not ("/" in name or "." in name[1:]):
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "".join(folder for _, folder in stack) + name
+        paths.append(path)
+        if name.endswith("/"):
+            stack.append((indent, name))
+    return paths
+
+
+_SECTION_REF = re.compile(r"\b(README(?:\.md)?|(?:docs/)?[\w-]+\.md)\)?,?\s+[\"“]([^\"”]+)[\"”]")
+
+
+def broken_section_references(page: Path) -> list[str]:
+    """Prose that names a section of another page in quotes (`docs/operations.md, "Speed"`,
+    `README "Choosing α"`): the quoted words must begin a heading of that page."""
+    problems = []
+    for n, line in prose_lines(page.read_text(encoding="utf-8")):
+        for name, quoted in _SECTION_REF.findall(line):
+            name = "README.md" if name.startswith("README") else name
+            candidates = [ROOT / name, page.parent / name, ROOT / "docs" / name]
+            dest = next((c for c in candidates if c.is_file()), None)
+            where = f"{page.relative_to(ROOT)}:{n}: {name} \"{quoted}\""
+            if dest is None:
+                problems.append(f"{where}: no such file")
+            elif not any(a.startswith(slug(quoted)) for a in anchors(dest)):
+                problems.append(f"{where}: no heading of {dest.relative_to(ROOT)} begins so")
+    return problems
+
+
+def test_the_slug_rule_is_githubs():
+    assert slug("Two runs at once, and kills at random moments (measured)") == \
+        "two-runs-at-once-and-kills-at-random-moments-measured"
+    assert slug("2026-11-24: the plan's estimate against runs of two configs") == \
+        "2026-11-24-the-plans-estimate-against-runs-of-two-configs"
+    assert slug("Kills at random moments: `bench/faults.py`") == "kills-at-random-moments-benchfaultspy"
+    assert slug("The whole line: `bench/pipeline_speed.py`") == "the-whole-line-benchpipeline_speedpy"
+    assert slug("Choosing α: a rule") == "choosing-α-a-rule"
+
+
+def test_layout_paths_follow_the_indentation():
+    text = "## Layout\n\n```\npipeline/   the library\n  stages/   stages\n    data.py   the data\n" \
+           "            stage, wrapped\n  records.py  records\nflows/      Prefect\nprefect.yaml  deployments\n```\n"
+    assert layout_paths(text) == ["pipeline/", "pipeline/stages/", "pipeline/stages/data.py", "pipeline/records.py",
+                                  "flows/", "prefect.yaml"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    assert page.is_file(), f"{page} is listed here but does not exist"
+    problems = broken_links(page) + broken_section_references(page)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", ["operations.md", "benchmarks.md", "pipeline.md"])
+def test_reference_pages_have_no_dated_headings(name):
+    """How-to and reference pages say how things are now (CONVENTIONS rule 16): a heading
+    that starts with a date is a journal entry; history lives in git."""
+    dated = [f"docs/{name}:{n}: {h}" for n, h in _headings((ROOT / "docs" / name).read_text(encoding="utf-8"))
+             if re.match(r"\d{4}-\d{2}-\d{2}", h)]
+    assert not dated, "\n".join(dated)
+
+
+def test_every_path_docs_pipeline_names_exists():
+    page = ROOT / "docs" / "pipeline.md"
+    text = page.read_text(encoding="utf-8")
+    missing = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for span in re.findall(r"`([^`]+)`", line):
+            token = span.split()[0].split("::")[0].rstrip(".,:;)")
+            if token.startswith(PATH_ROOTS) and not (ROOT / token).exists():
+                missing.append(f"docs/pipeline.md:{n}: `{span}`")
+    missing += [f"docs/pipeline.md Layout: {path}" for path in layout_paths(text) if not (ROOT / path).exists()]
+    assert not missing, "paths named that do not exist:\n" + "\n".join(missing)
