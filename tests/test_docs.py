@@ -82,25 +82,32 @@ def broken_links(page: Path) -> list[str]:
 
 
 def layout_paths(text: str) -> list[str]:
-    """The paths the first column of docs/pipeline.md's Layout block names, each joined to the
-    folders above it by indentation (`  privacy/` under `pipeline/` is pipeline/privacy/).
-    A line whose first word is not a path (a wrapped description) names none."""
+    """The paths docs/pipeline.md's Layout block names: each line's first word, joined to the
+    folders above it by indentation (`  privacy/` under `pipeline/` is pipeline/privacy/), and the
+    file names its description lists (`recipe.py` beside `teacher/` is pipeline/stages/teacher/recipe.py;
+    a name with a '/' is from the repository root). A line whose first word is not a path (a wrapped
+    description) continues the entry above it."""
     block = re.search(r"^## Layout\n.*?^```\n(.*?)^```", text, re.S | re.M)
     assert block, "docs/pipeline.md has no '## Layout' section with a code block"
     stack: list[tuple[int, str]] = []  # (indent, folder) of the folders open above this line
-    paths = []
+    paths, here = [], ""  # here: the folder the current entry's description speaks of
     for line in block.group(1).splitlines():
         if not line.strip():
             continue
-        indent, name = len(line) - len(line.lstrip()), line.split()[0]
-        if not re.fullmatch(r"[\w.-]+/?|[\w.-]+(/[\w.-]+)+/?", name) or not ("/" in name or "." in name[1:]):
-            continue
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        path = "".join(folder for _, folder in stack) + name
-        paths.append(path)
-        if name.endswith("/"):
-            stack.append((indent, name))
+        indent, first = len(line) - len(line.lstrip()), line.split()[0]
+        rest = line.split(None, 1)[1] if len(line.split(None, 1)) > 1 else ""
+        if re.fullmatch(r"(?:[\w.-]+/)*[\w.-]+/?", first) and ("/" in first or "." in first[1:]):
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            path = "".join(folder for _, folder in stack) + first
+            paths.append(path)
+            if first.endswith("/"):
+                stack.append((indent, first))
+            here = path if path.endswith("/") else path.rpartition("/")[0] + "/" * ("/" in path)
+        else:
+            rest = line
+        for name in re.findall(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:py|md|yaml))(?![\w/])", rest):
+            paths.append(name if "/" in name else here + name)
     return paths
 
 
@@ -135,10 +142,12 @@ def test_the_slug_rule_is_githubs():
 
 
 def test_layout_paths_follow_the_indentation():
-    text = "## Layout\n\n```\npipeline/   the library\n  stages/   stages\n    data.py   the data\n" \
-           "            stage, wrapped\n  records.py  records\nflows/      Prefect\nprefect.yaml  deployments\n```\n"
-    assert layout_paths(text) == ["pipeline/", "pipeline/stages/", "pipeline/stages/data.py", "pipeline/records.py",
-                                  "flows/", "prefect.yaml"]
+    text = ("## Layout\n\n```\npipeline/   the library\n  stages/   stages\n    data.py   the data\n"
+            "            stage, wrapped\n    teacher/  recipe.py, and\n              ddp.py\n  records.py  records\n"
+            "flows/      Prefect, see docs/x.md\nprefect.yaml  deployments\n```\n")
+    assert layout_paths(text) == ["pipeline/", "pipeline/stages/", "pipeline/stages/data.py", "pipeline/stages/teacher/",
+                                  "pipeline/stages/teacher/recipe.py", "pipeline/stages/teacher/ddp.py",
+                                  "pipeline/records.py", "flows/", "docs/x.md", "prefect.yaml"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
