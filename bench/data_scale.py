@@ -10,8 +10,9 @@ own subprocess so that each peak RSS is its own:
 - `arrow`: `tokenized_split` (the split streamed through the tokenizer into list<int32> ids in
   a 0600 file of the run directory) opened memory-mapped as `TokenIds`, one padded batch drawn.
 Peak RSS is VmHWM minus the RSS just before the data setup (tokenizer loaded, imports
-done). The tokenizer is the demo's kind: byte-level BPE, 4096 tokens, trained on the public
-WikiText sample. The last line is the Arrow path's figures:
+done). The tokenizer is the demo's kind: byte-level BPE, 4096 tokens, trained on the ELTeC-eng
+novels in ../shared/data beside the checkout (bench/public.py; without them, and without
+`--only data`, it exits with one line, exit code 2, before any work). The last line is the Arrow path's figures:
 `records=N prepare_peak_rss_mb=P prepare_s=D tokenize_s=S peak_rss_mb=M bytes_per_record=B` (the data
 stage's whole peak RSS and seconds; the tokenization's peak above its baseline, and that peak per
 training record tokenized).
@@ -112,6 +113,8 @@ def main() -> None:
         else:
             print(json.dumps(_setup(kind, *rest)))
         return
+    if args.only != "data":
+        eltec()  # before any work: one line and exit 2 without ../shared
 
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -14,6 +14,9 @@ times). Each trial checks:
   as dropped (empty) in its shard's statistics: lost = ids neither there nor dropped;
 - metrics.json is written, and the rerun continued the killed run's directory.
 
+Needs the ELTeC-eng novels in ../shared/data beside the checkout (bench/public.py); without
+them it exits with one line (exit code 2) before any work.
+
 All runs set the test noise hook (DPDISTILL_TEST_NOISE_SEED, pipeline/privacy/noise.py), so they are
 deterministic and comparable (and NOT private). One line per trial, then as the last line
 `trials=N lost=L duplicated=D ledger_mismatch=M` (plus the failed reruns). Run from the
@@ -190,6 +193,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="draws the kill windows and moments")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (printed) to inspect")
     args = parser.parse_args()
+    eltec()  # before any work: one line and exit 2 without ../shared
     rng = np.random.default_rng(args.seed)
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from the test server

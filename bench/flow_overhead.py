@@ -9,7 +9,8 @@ dataset budget and the report. A profile of it found dp-accounting's PLD taking 
 Both PLD settings side by side, alternating: "before" (dp-accounting's default 1e-4 grid, every
 ε computed afresh, as before 2026-11-23) and "now" (`pipeline/privacy/pld.py`: 1e-3, cached).
 
-Run from the repository root, with ../shared beside it (the base models' public corpus):
+Run from the repository root. It needs the ELTeC-eng novels in ../shared/data beside the checkout
+(bench/public.py); without them it exits with one line (exit code 2) before any work:
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/flow_overhead.py          # ~4 min
 
@@ -30,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from public import eltec  # noqa: E402  bench/public.py: the corpus in ../shared
 from faults import tiny_config  # noqa: E402  bench/faults.py: the tests' tiny pipeline, a longer teacher
 from flows.pipeline_flow import dp_distill  # noqa: E402
 from pipeline.config import config_from_dict  # noqa: E402
@@ -44,6 +46,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2, help="rounds of before/now")
     p.add_argument("--profile", action="store_true", help="profile the last cached run of 'now'")
     args = p.parse_args()
+    eltec()  # before any work: one line and exit 2 without ../shared
     from prefect.testing.utilities import prefect_test_harness
 
     rows = []

@@ -7,8 +7,10 @@ Dask worker uses), and with each `--workers` count > 1, alternating for `--repea
 so background load hits each alike. Printed per run: wall seconds of the whole call (cluster
 start and model loads included), new tokens per wall second and its ratio to the in-process
 1-thread run of the same round, new tokens per second of shard time per process (the rate
-while generating, start-up left out), and whether the shards equal the first run's. Run
-from the repository root:
+while generating, start-up left out), and whether the shards equal the first run's.
+
+Needs the ELTeC-eng novels in ../shared/data beside the checkout (bench/public.py); without
+them it exits with one line (exit code 2) before any work. Run from the repository root:
 
     .venv/bin/python bench/generation_workers.py                 # ~5 min on 2 busy cores
     .venv/bin/python bench/generation_workers.py --samples 4096 --shard-size 256 --repeats 1 --skip-default-threads
@@ -60,6 +62,7 @@ def main() -> None:
     ap.add_argument("--skip-default-threads", action="store_true",
                     help="leave out the in-process run with torch's default thread count (slow on busy cores)")
     args = ap.parse_args()
+    eltec()  # before any work: one line and exit 2 without ../shared
 
     import torch
     from prefect import flow

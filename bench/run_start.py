@@ -8,7 +8,8 @@ one). Measured per run: wall seconds from start to exit, and CPU seconds of the 
 children (the server included). The earlier revision is checked out into a temporary git
 worktree and run with this tree's interpreter.
 
-Run from the repository root (its .venv), with ../shared beside it (the base models' corpus):
+Run from the repository root (its .venv). It needs the ELTeC-eng novels in ../shared/data
+beside the checkout (bench/public.py); without them it exits with one line (exit code 2) before any work:
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/run_start.py --before 4e1e494      # ~6 min
 
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 
 from faults import tiny_config  # noqa: E402  the tests' tiny pipeline
+from public import eltec  # noqa: E402  bench/public.py: the corpus in ../shared
 
 
 def _children_cpu() -> float:
@@ -65,6 +67,7 @@ def main() -> None:
     p.add_argument("--before", required=True, help="the earlier revision (e.g. 4e1e494)")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    eltec()  # before any work: one line and exit 2 without ../shared
     with tempfile.TemporaryDirectory(prefix="run-start-") as tmp:
         tmp = Path(tmp)
         subprocess.run(["git", "worktree", "add", "--detach", str(tmp / "before"), args.before], cwd=ROOT, check=True,

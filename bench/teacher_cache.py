@@ -1,6 +1,8 @@
 """Two students distilled from one synthetic set: teacher logits on the fly vs a top-k cache.
 
-Builds, seeded and offline, a tokenizer on the public corpus and GPT-2s of the default
+Builds, seeded and offline, a tokenizer on the public corpus (the ELTeC-eng novels in
+../shared/data beside the checkout, bench/public.py: without them it exits with one line, exit
+code 2, before any work) and GPT-2s of the default
 `builtin:` shapes (teacher 4 x 192, student 2 x 96, BPE vocabulary 4,096, 128 positions;
 random weights: timing does not depend on them), generates one synthetic set with the
 teacher (`pipeline.stages.generate`), then distils two students (seeds 0 and 1) with
@@ -42,6 +44,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     args = parser.parse_args()
+    eltec()  # before any work: one line and exit 2 without ../shared
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING)
 

@@ -9,8 +9,9 @@ time (N processes: torchrun start, imports, σ calibration and validation includ
 training loop's time per logical step, from the first to the last step record `on_progress`
 received (N processes: relayed by polling rank 0's records every 0.5 s, so ±0.5 s over the
 span). It checks that ε, σ, q and steps agree and prints how far the weights are apart.
-Model: a GPT-2 built in memory (no downloads) with a 1,000-token tokenizer trained on public
-WikiText. Run from the repository root:
+Model: a GPT-2 built in memory (no downloads) with a 1,000-token tokenizer trained on the
+ELTeC-eng novels in ../shared/data beside the checkout (bench/public.py: without them it exits
+with one line, exit code 2, before any work). Run from the repository root:
 
     .venv/bin/python bench/teacher_ddp.py                  # 2 processes, ~4 min on 2 busy cores
     .venv/bin/python bench/teacher_ddp.py --processes 4 --records 1400 --layers 4 --width 192
@@ -64,6 +65,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--grad-sample-mode", default="ghost", choices=["ghost", "hooks"])
     a = p.parse_args()
+    eltec()  # before any work: one line and exit 2 without ../shared
     for msg in ("Full backward hook", "Secure RNG", "Optimal order"):
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
     logging.basicConfig(level=logging.WARNING)

@@ -13,6 +13,10 @@ distilled rows, dp-student for DP-SGD and DPKD), so that each repeat is an indep
 the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`;
 a restart skips them and continues a killed run in its own directory. The report ends with the
 line `corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexities).
+
+Its data: configs/airline.yaml reads the airline tweets and configs/reference.yaml the Yelp split
+in ../shared/data beside the checkout (not shipped; experiments/shared.py). Without them it exits
+with one line (exit code 2) before any work; `--report-only` needs no data.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.shared import require_data  # noqa: E402  the data in ../shared
 # (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
 ROWS = {
     "ours": (("distill.method=distil", "distill.keep_candidates=true"), "control-codes"),
@@ -152,6 +158,8 @@ def main(argv: list[str]) -> int:
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if not args.report_only:
+        require_data(cfg, "experiments/confirmation.py", args.config)
     root = Path(cfg.run_root)
     root.mkdir(parents=True, exist_ok=True)
     results_path = root / "confirmation.jsonl"

@@ -11,6 +11,9 @@ P(wrong)·|test gap|. One real noisy draw per run is printed too (at --epsilon's
 
     .venv/bin/python experiments/private_selection.py runs/confirmation/airline-ours-r*/
 
+Each run's data is read again from its config (the airline runs': the tweets in ../shared/data
+beside the checkout, not shipped; experiments/shared.py); without it, one line and exit code 2.
+
 The exact validation gaps are figures computed from the validation split: study figures on a
 benchmark corpus, like the test perplexities, never published by a run.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,6 +38,10 @@ from pipeline.privacy.ledger import read_ledger
 from pipeline.records import SPLIT_KEY, split_key
 from pipeline.stages.data import prepare_data
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.shared import require_data  # noqa: E402  the data in ../shared
+
 
 def _phi(x: float) -> float:
     return 0.5 * (1 + math.erf(x / math.sqrt(2)))
@@ -41,6 +49,7 @@ def _phi(x: float) -> float:
 
 def study(run: Path, epsilons: list[float], clip: float) -> dict:
     cfg = load_config(str(run / "config.yaml"))
+    require_data(cfg, "experiments/private_selection.py", str(run / "config.yaml"))
     selection = json.loads((run / "metrics.json").read_text())["selection"]
     names = [r["candidate"] for r in selection["candidates"]]
     test = {r["candidate"]: r["test_perplexity"] for r in selection["candidates"]}

@@ -10,6 +10,10 @@ synthetic shards, and only their students train.
     .venv/bin/python experiments/reference.py --only fig3 --fig3-sizes 500,1000,2000
     .venv/bin/python experiments/reference.py --report-only --docs     # tables and plots of what finished
 
+Its data: configs/reference.yaml reads the Yelp split in ../shared/data beside the checkout (not
+shipped; experiments/shared.py). Without it the driver exits with one line (exit code 2) before
+any work; `--report-only` needs no data.
+
 Experiments (`--only table,fig3,epsilon`, default all):
 - table: zero-shot, DP-SGD, DPKD, DP-Syn, ours (the shipped defaults: the student chosen among
   α = 0.4 and α = 1 by the selection rule), ours (α=0.4), ours+MSE and the DP teacher (zero-shot and
@@ -46,6 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.shared import require_data  # noqa: E402  the data in ../shared
+
 EXPERIMENTS = ("table", "fig3", "epsilon")
 # `ours` also scores the code adherence of 500 synthetic samples with its DP teacher (the other
 # rows skip it: DP-Syn, ours+MSE and the Figure 3 sizes share that teacher and generation).
@@ -437,6 +444,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not args.report_only:
+        require_data(base, "experiments/reference.py", args.config)
     run_root = Path(base.run_root)
     if not run_root.exists():  # made 0700 as the flow makes it (never chmod an existing, maybe shared, one)
         private_dir(run_root)

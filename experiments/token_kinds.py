@@ -8,12 +8,17 @@ compared on the text alone (docs/reference.md, "What the KL changes").
     .venv/bin/python experiments/token_kinds.py --config configs/reference.yaml \
         DP-SGD=runs/reference/<run>/student/model ours=runs/reference/<run>/student/model
 
+It reads the config's test split: configs/reference.yaml's is the Yelp split in ../shared/data
+beside the checkout (not shipped; experiments/shared.py); without it, one line and exit code 2.
+
 Aggregates of the held-out test split, like the evaluation stage's (not protected: docs/privacy.md,
 "The guarantee and what it does not cover").
 """
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -21,6 +26,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.config import load_config
 from pipeline.records import CODE_JOINER, encode_record, prompt_for, read_table
 from pipeline.stages.data import _joined_texts
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.shared import require_data  # noqa: E402  the data in ../shared
 
 KINDS = ("prompt", "text", "eos")
 
@@ -57,6 +66,7 @@ def main() -> None:
     parser.add_argument("models", nargs="+", metavar="LABEL=MODEL_DIR")
     args = parser.parse_args()
     cfg = load_config(args.config)
+    require_data(cfg, "experiments/token_kinds.py", args.config)
     table = read_table(cfg.data.test_path)
     table = table.slice(0, cfg.data.max_test_records or len(table))
     texts, _ = _joined_texts(table, cfg.data)  # the evaluation stage's records, as the data stage joins them

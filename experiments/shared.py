@@ -1,0 +1,35 @@
+"""The data the studies read from outside the checkout: `../shared/data` beside it (or
+`$DPDISTILL_SHARED/data`), which is not shipped. configs/reference.yaml reads the Yelp split
+there, configs/airline.yaml the airline tweets (each config's header says what they are and
+their license). A study whose config reads a file that is not there exits with one line
+(exit code 2) before any work, naming the field, the path and, when the path lies in
+../shared, that the data is not shipped."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shared_root() -> Path:
+    """The folder holding `data/`: $DPDISTILL_SHARED, else ../shared beside the checkout."""
+    return Path(os.environ.get("DPDISTILL_SHARED") or ROOT.parent / "shared").resolve()
+
+
+def require_data(cfg, script: str, config: str | None = None) -> None:
+    """Exit 2 with one line when a file `cfg` reads (data.path, data.test_path) is not there."""
+    fields = {"data.path": cfg.data.path, "data.test_path": cfg.data.test_path}
+    missing = [(field, Path(path)) for field, path in fields.items() if path and not Path(path).exists()]
+    if not missing:
+        return
+    field, path = missing[0]
+    where = f" ({config})" if config else ""
+    shared = [roots for roots in (shared_root(), (ROOT.parent / "shared").resolve())
+              if path.resolve().is_relative_to(roots)]
+    why = ("this study reads ../shared/data beside the checkout (or $DPDISTILL_SHARED/data), which is not "
+           "shipped; put it there, or pass a config of your own data" if shared else "pass a config whose data exists")
+    print(f"{script}: {field} {path}{where} is not there: {why}", file=sys.stderr)
+    sys.exit(2)
