@@ -41,17 +41,17 @@ def test_the_cached_forward_gives_the_models_logits(peaked_model):
     rows = [torch.randint(1, 300, (n,)).tolist() for n in (12, 7, 20)]
     prompts = [r[:n] for r, n in zip(rows, (3, 5, 1))]  # the first len(prompt) - 1 come from the cache
     state = _empty_slots(peaked_model, len(rows), 32)
-    refill = _Refill(peaked_model, prompts, [0] * len(rows), 32)
+    refill = _Refill(peaked_model, prompts, [0] * len(rows))
     got: list[list[torch.Tensor]] = [[] for _ in rows]
     with torch.no_grad():
         for slot, row in enumerate(rows):
             refill(state, slot)
             state.tokens[slot, : len(row)] = torch.tensor(row)
         for _ in range(max(map(len, rows))):
-            hidden = _forward_one(peaked_model, state)
+            logits = _forward_one(peaked_model, state)  # (S, V)
             for slot, row in enumerate(rows):
                 if int(state.fed[slot]) < len(row):
-                    got[slot].append(peaked_model.lm_head(peaked_model.transformer.ln_f(hidden[slot])))
+                    got[slot].append(logits[slot])
             state.fed = (state.fed + 1).clamp(max=31)
         for row, prompt, logits in zip(rows, prompts, got):
             want = peaked_model(torch.tensor([row])).logits[0, len(prompt) - 1 :]  # (n - P + 1, V)
