@@ -421,8 +421,8 @@ class GenerateConfig(_Section):
     )
     engine: Literal["fast", "hf"] = Field(
         "fast",
-        description="'fast': our decode loop for GPT-2 teachers (KV cache allocated once, a slot refilled "
-        "as its sample ends, top-k/top-p on the k largest logits; pipeline/models/decoding.py). 'hf': "
+        description="'fast': our decode loop around any causal LM's own forward (KV cache allocated once, a "
+        "slot refilled as its sample ends, top-k/top-p on the k largest logits; pipeline/models/decoding.py). 'hf': "
         "transformers' generate, the reference; the same sampling distribution, other samples for a seed.",
     )
 

@@ -3,11 +3,11 @@
 Prompts are control codes drawn with the released control-code distribution; sampling is
 top-k / top-p with a temperature (optionally `no_repeat_ngram_size`), at most `max_length`
 tokens including the prompt. Two engines draw from that same distribution: `fast` (the
-default, pipeline/models/decoding.py: a KV cache allocated once, `batch_size` rows each
-refilled with the next prompt as its sample ends, no padding) and `hf`, the reference
-(transformers' `generate` on batches of prompts of equal token length). They consume the
-random stream differently, so a seed gives other samples with each (the fingerprint says
-which engine wrote a shard).
+default, pipeline/models/decoding.py: any causal LM's own forward over a KV cache allocated
+once, `batch_size` rows each refilled with the next prompt as its sample ends, no padding)
+and `hf`, the reference (transformers' `generate` on batches of prompts of equal token
+length). They consume the random stream differently, so a seed gives other samples with
+each (the fingerprint says which engine wrote a shard).
 
 Scale: samples are written in shards of `shard_size` (`synthetic/shard-00000.parquet`,
 ...), one shard in memory at a time. Shard i draws its prompts and samples from a seed
@@ -180,13 +180,17 @@ def _fast_samples(model, cfg: GenerateConfig, prompts: list[list[int]], eos: int
     rows decoded at a time, each refilled with the next prompt as its sample ends. Yields the
     ended samples a batch_size at a time (the progress granularity of the hf engine)."""
     ended = []
-    for rows in decoding.sample(model, prompts, [_budget(cfg, len(p)) for p in prompts], eos=eos,
-                                slots=cfg.batch_size, max_length=cfg.max_length, top_k=cfg.top_k, top_p=cfg.top_p,
-                                temperature=cfg.temperature, no_repeat_ngram_size=cfg.no_repeat_ngram_size):
-        ended += rows
-        if len(ended) >= cfg.batch_size:
-            yield ended
-            ended = []
+    rows_by_step = decoding.sample(model, prompts, [_budget(cfg, len(p)) for p in prompts], eos=eos,
+                                   slots=cfg.batch_size, max_length=cfg.max_length, top_k=cfg.top_k, top_p=cfg.top_p,
+                                   temperature=cfg.temperature, no_repeat_ngram_size=cfg.no_repeat_ngram_size)
+    try:
+        for rows in rows_by_step:
+            ended += rows
+            if len(ended) >= cfg.batch_size:
+                yield ended
+                ended = []
+    except decoding.FastDecodeError as e:
+        raise GenerateError(str(e)) from e
     if ended:
         yield ended
 
@@ -252,7 +256,7 @@ def sample_untruncated(model, tok, codes: dict[str, float], n: int, max_length: 
     What distillation's selection criterion compares students with (pipeline/stages/distill.py)."""
     cfg = GenerateConfig(num_samples=n, batch_size=batch_size, top_k=0, top_p=1.0, temperature=1.0,
                          max_length=max_length, validation_fraction=0.0,
-                         engine="hf" if decoding.fast_decode_problem(model) else "fast")
+                         engine="hf" if decoding.fast_decode_problem(model, max_length) else "fast")
     rows, stats = _generate_shard(model, tok, cfg, codes, 0, n, seed, keep_empty=True)
     return rows["token_ids"]
 
@@ -320,12 +324,10 @@ def plan_generation(
         model_config = AutoConfig.from_pretrained(str(teacher_dir))
     except OSError as e:
         raise GenerateError(f"no model config in the teacher checkpoint {teacher_dir}; run the teacher stage first") from e
+    if cfg.engine == "fast" and (problem := decoding.fast_decode_problem(model_config, cfg.max_length)):
+        raise GenerateError(f"generate.engine=fast cannot decode the teacher {teacher_dir}: {problem}; "
+                            "set generate.engine=hf")
     n_positions = getattr(model_config, "n_positions", None) or model_config.max_position_embeddings
-    if cfg.engine == "fast" and model_config.model_type != "gpt2":
-        raise GenerateError(
-            f"generate.engine=fast decodes GPT-2 teachers only, and {teacher_dir} is a {model_config.model_type!r} "
-            "model; set generate.engine=hf"
-        )
     if cfg.max_length > n_positions:
         raise GenerateError(
             f"generate.max_length={cfg.max_length} exceeds the teacher's {n_positions} positions; "

@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from pipeline.config import GenerateConfig
 from pipeline.records import prompt_for
@@ -221,3 +222,32 @@ def test_the_hf_engine_keeps_the_fingerprint_shards_had_before_engines():
               "codes": "c", "seed": 0, "shard_size": cfg.shard_size, "format": 3}  # the spec as it was
     assert _fingerprint(cfg, "t", "c", 0) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
     assert _fingerprint(GenerateConfig(engine="fast"), "t", "c", 0) != _fingerprint(cfg, "t", "c", 0)
+
+
+def test_a_llama_teacher_generates_with_the_default_engine(tmp_path, tiny_tokenizer):
+    """The fast engine is the default for every causal LM (issue 35): a tiny Llama teacher with
+    grouped-query attention writes well-formed shards with it; no GPT-2-only refusal."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    eos = tiny_tokenizer.eos_token_id
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    tiny_tokenizer.save_pretrained(tmp_path / "llama")
+    res = _generate(tmp_path, tmp_path / "llama", CODES, seed=0, num_samples=12, batch_size=4, max_length=48)
+    assert GenerateConfig().engine == "fast" and res.n_samples + res.n_dropped_empty == 12
+    for row in read_synthetic(res.path).to_pylist():
+        assert row["n_prompt_tokens"] < row["n_tokens"] <= 48
+
+
+def test_a_teacher_the_fast_engine_cannot_decode_is_refused_before_sampling(tmp_path, tiny_model_dir):
+    """An encoder-decoder teacher: refused when generation is planned, naming its type and the
+    generate.engine=hf fix (pipeline.models.decoding.fast_decode_problem, from its config)."""
+    from transformers import T5Config
+
+    teacher = tmp_path / "t5"
+    T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8).save_pretrained(teacher)
+    with pytest.raises(GenerateError, match="'t5' is an encoder-decoder model.*set generate.engine=hf"):
+        _generate(tmp_path, teacher, CODES, seed=0, num_samples=4, batch_size=4, max_length=32)
