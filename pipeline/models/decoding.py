@@ -389,7 +389,8 @@ def _step(model, state: _Slots, eos: int, top_k: int, top_p: float, temperature:
     rows = ((state.fed == state.n_tokens) & ~idle).nonzero().squeeze(1)  # (R,) rows that sample now
     if len(rows) == 0:
         return []
-    logits = logits[rows]  # (R, V)
+    if len(rows) < len(logits):  # at the tail (idle rows); indexing all rows copied (S, V) for nothing
+        logits = logits.index_select(0, rows)  # (R, V)
     if no_repeat_ngram_size:
         logits = ban_repeated_ngrams(logits.float(), state.tokens[rows], state.n_tokens[rows], no_repeat_ngram_size)
     new = sample_next(logits, top_k, top_p, temperature)  # (R,)
