@@ -6,8 +6,10 @@ Per family: (a) every logit the continuous-batching loop computes (refills with 
 other lengths into slots holding a longer sample's stale keys, positions restarting, idle rows
 dropped) equals the plain full-sequence forward of that sample's tokens; (b) the first and
 second sampled tokens follow the model's own softmax by a chi-square goodness-of-fit test; (c)
-`fast_decode_problem` accepts the family from its config alone. Then what the engine refuses,
-by config, with the model type and the `generate.engine=hf` fix in the message.
+`fast_decode_problem` accepts the family from its config alone. (a) also for Bloom (ALiBi, no
+position ids) and GPT-BigCode (one key/value head). Then what the engine refuses, by config,
+with the model type and the `generate.engine=hf` fix in the message, and the first-step check
+that stops a loop feeding wrong positions.
 """
 
 from __future__ import annotations
@@ -57,12 +59,10 @@ def vocab(tiny_tokenizer):
     return len(tiny_tokenizer), tiny_tokenizer.eos_token_id
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_cached_logit_is_the_full_forwards(family, vocab, monkeypatch):
+def _assert_every_cached_logit_is_the_full_forwards(model, vocab_size: int, monkeypatch) -> None:
     """12 samples of 3 prompts (1, 4 and 9 tokens), budgets 2-13, through 4 slots: every logit
     the loop computes for a sample, at every step, equals the full forward of the sample's
     tokens at that position (float32 rounding)."""
-    model = _tiny(family, *vocab)
     seen: list[tuple[int, int, torch.Tensor]] = []  # (prompt index, position, logits (V,))
     forward = decoding._forward_one
 
@@ -74,7 +74,7 @@ def test_every_cached_logit_is_the_full_forwards(family, vocab, monkeypatch):
 
     monkeypatch.setattr(decoding, "_forward_one", spy)
     generator = torch.Generator().manual_seed(1)
-    shared = [torch.randint(1, vocab[0], (n,), generator=generator).tolist() for n in (9, 1, 4)]
+    shared = [torch.randint(1, vocab_size, (n,), generator=generator).tolist() for n in (9, 1, 4)]
     prompts = [shared[i % 3] for i in range(12)]
     budgets = [2 + (5 * i) % 12 for i in range(12)]  # rows end at different steps: refills, then idle rows
     torch.manual_seed(2)
@@ -94,6 +94,27 @@ def test_every_cached_logit_is_the_full_forwards(family, vocab, monkeypatch):
                 torch.testing.assert_close(logits, want[p], atol=1e-4, rtol=1e-4)
                 checked += 1
     assert checked == sum(budgets)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_cached_logit_is_the_full_forwards(family, vocab, monkeypatch):
+    _assert_every_cached_logit_is_the_full_forwards(_tiny(family, *vocab), vocab[0], monkeypatch)
+
+
+@pytest.mark.parametrize("family", ["bloom", "gpt_bigcode"])
+def test_and_beyond_the_matrix(family, vocab, monkeypatch):
+    """Two other ways of placing tokens: Bloom has no position ids at all (ALiBi biases built
+    from the 2-D mask's cumulative sum, which the loop's mask gives each row's positions), and
+    GPT-BigCode keeps one key/value head for all queries."""
+    from transformers import BloomConfig, BloomForCausalLM, GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    torch.manual_seed(0)
+    model = (BloomForCausalLM(BloomConfig(vocab_size=vocab[0], hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS))
+             if family == "bloom" else
+             GPTBigCodeForCausalLM(GPTBigCodeConfig(vocab_size=vocab[0], n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                                    n_positions=POSITIONS, multi_query=True)))
+    assert decoding.fast_decode_problem(model.config, max_length=POSITIONS) is None
+    _assert_every_cached_logit_is_the_full_forwards(model.eval(), vocab[0], monkeypatch)
 
 
 N, ALPHA = 3000, 1e-3
