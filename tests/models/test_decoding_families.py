@@ -117,6 +117,23 @@ def test_and_beyond_the_matrix(family, vocab, monkeypatch):
     _assert_every_cached_logit_is_the_full_forwards(model.eval(), vocab[0], monkeypatch)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_plans_steady_steps_run_every_family(family, vocab, monkeypatch):
+    """decoding.steady_steps (what `dpdistill plan` times a token with) on every family: each
+    step feeds every row at the asked depth, clamped to the model's positions."""
+    model = _tiny(family, *vocab)
+    seen = []
+    forward = decoding._forward_one
+
+    def spy(model, slots):
+        seen.append(slots.fed.tolist())
+        return forward(model, slots)
+
+    monkeypatch.setattr(decoding, "_forward_one", spy)
+    decoding.steady_steps(model, 3, 200, 4, max_length=128, top_k=50, top_p=0.9, temperature=1.0)
+    assert seen == [[POSITIONS - 5 + i] * 3 for i in range(4)]  # the last step at POSITIONS - 2
+
+
 N, ALPHA = 3000, 1e-3
 
 
