@@ -65,7 +65,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from pipeline.config import GenerateConfig  # noqa: E402
 from pipeline.models.base import load_causal_lm, load_tokenizer  # noqa: E402
-from pipeline.stages.data import prompt_for  # noqa: E402
+from pipeline.records import prompt_for  # noqa: E402
 from pipeline.stages import generate as generate_stage  # noqa: E402
 
 TEACHER = ROOT / "pipeline" / "models" / "builtin" / "teacher"
