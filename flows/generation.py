@@ -31,6 +31,7 @@ with any task runner), and removes them when the shard is done.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 from prefect import flow, task, unmapped
 from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
 from prefect_dask import DaskTaskRunner
 
 from pipeline.config import GenerateConfig
@@ -120,6 +122,25 @@ def generation_workers_flow(plan: GenerationPlan, on_progress: Callable[[dict], 
             if (counts := _read_shard_progress(plan, shard)) is not None:
                 tracker.batch(shard, *counts)
     return stats
+
+
+def _run_workers_flow(runner: DaskTaskRunner, plan: GenerationPlan, on_progress: Callable[[dict], None] | None,
+                      progress_every: float, external: bool = False) -> list[dict]:
+    """`generation_workers_flow` on `runner`, its list of stats never persisted.
+
+    Called inside the generation stage's task (persist_result=True, serializer
+    dpdistill-stage-json), the subflow's own persist_result=False is not what Prefect 3.8.8
+    reads: `prefect.results.should_persist_result` asks the innermost TaskRunContext first, the
+    stage task's, and the subflow's result store is that task's too. So the subflow wrote its
+    list through the stage serializer, which refuses it ("Failed to serialize object of type
+    'list'"; issue 35). Prefect's #19450 made `get_run_context` prefer a subflow's own context,
+    not this. The stage task persists the GenerateResult; nothing under it should."""
+    task_ctx = TaskRunContext.get()
+    quiet = (task_ctx.model_copy(update={"persist_result": False})  # for this call only
+             if task_ctx is not None and task_ctx.persist_result else contextlib.nullcontext())
+    with quiet:
+        return generation_workers_flow.with_options(task_runner=runner)(plan, on_progress, progress_every,
+                                                                        external=external)
 
 
 def dask_runner(workers: int) -> DaskTaskRunner:
@@ -203,8 +224,7 @@ def generate_with_workers(
     if address:
         check_cluster_storage(plan, address)
         runner = DaskTaskRunner(address=address)  # the cluster outlives the flow: only the client closes
-        stats = generation_workers_flow.with_options(task_runner=runner)(plan, on_progress, progress_every,
-                                                                         external=True)
+        stats = _run_workers_flow(runner, plan, on_progress, progress_every, external=True)
     elif workers == 1:
         runtime.apply_threads()
         tracker = GenerationProgress(plan, on_progress, progress_every)
@@ -213,5 +233,5 @@ def generate_with_workers(
             stats.append(generation_shard_task(plan, shard, on_batch=functools.partial(tracker.batch, shard)))
             tracker.shard_done(stats[-1])
     else:
-        stats = generation_workers_flow.with_options(task_runner=dask_runner(workers))(plan, on_progress, progress_every)
+        stats = _run_workers_flow(dask_runner(workers), plan, on_progress, progress_every)
     return finish_generation(plan, stats, wall_seconds=time.perf_counter() - t0)

@@ -1,7 +1,8 @@
 """Generation on an existing Dask cluster (`generate.dask_address`): a scheduler and two workers
-started the way docs/operations.md says, as separate processes on 127.0.0.1. The cluster's
-shards are the in-process ones; a worker killed mid-shard loses and duplicates nothing; a
-worker that cannot read the teacher is refused before any shard is written."""
+started the way docs/operations.md says, as separate processes on 127.0.0.1. The pipeline's
+generation stage run there writes the in-process shards and is cached for the next run; a
+worker killed mid-shard loses and duplicates nothing; a worker that cannot read the teacher is
+refused before any shard is written."""
 
 from __future__ import annotations
 
@@ -22,8 +23,13 @@ from distributed import Client
 from prefect import flow, task
 
 from flows.generation import generate_with_workers
+from flows.pipeline_flow import StageRunner, generation_task
 from pipeline.config import GenerateConfig
+from pipeline.manifest import write_manifest
+from pipeline.privacy.control_codes import CodesResult
+from pipeline.privacy.ledger import LedgerEntry
 from pipeline.stages.generate import GenerateError, GenerateResult, generate_synthetic, read_synthetic
+from pipeline.stages.teacher.state import TeacherResult
 
 ROOT = Path(__file__).resolve().parents[2]
 DASK = Path(sys.executable).parent / "dask"  # the venv's CLI, as on every node
@@ -89,6 +95,29 @@ def _generation_flow(cfg: GenerateConfig, kw: dict) -> GenerateResult:
     return _generation_task(cfg, kw)
 
 
+@flow(name="generation-stage-test", persist_result=False, validate_parameters=False)
+def _generation_stage(cfg, teacher: TeacherResult, codes: CodesResult, run_dir: Path) -> tuple[str, GenerateResult]:
+    """The pipeline's generation stage alone: its task, cache key and result store. Returns its
+    status in stages.json ("ran", "cached") and its result."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    runner = StageRunner(cfg, run_dir, [])
+    result = runner("generation", generation_task, cfg, teacher, codes, [], run_dir)
+    return runner.stages["generation"]["status"], result
+
+
+def _finished_stages(tmp_path: Path, model_dir: Path) -> tuple[TeacherResult, CodesResult]:
+    """A DP teacher and released control codes as their stages leave them (files and manifests)."""
+    shutil.copytree(model_dir, tmp_path / "teacher" / "model")
+    write_manifest(tmp_path / "teacher", stage="teacher", inputs={}, outputs={"model": tmp_path / "teacher" / "model"})
+    (tmp_path / "control_codes").mkdir()
+    codes = _codes(tmp_path / "control_codes")
+    write_manifest(tmp_path / "control_codes", stage="control-codes", inputs={}, outputs={"codes": codes})
+    return (TeacherResult(checkpoint=tmp_path / "teacher" / "model",
+                          ledger=LedgerEntry(stage="teacher", private=True, epsilon=1.0, note="DP-SGD")),
+            CodesResult(path=codes, ledger=LedgerEntry(stage="control-codes", private=True, epsilon=0.5,
+                                                       note="DP histogram")))
+
+
 def _codes(tmp_path: Path) -> Path:
     path = tmp_path / "control_codes.json"
     path.write_text(json.dumps({"columns": ["label1", "label2"], "private": False, "note": "", "counts": CODES}))
@@ -113,19 +142,32 @@ def _assert_same_shards(one: GenerateResult, other: GenerateResult) -> None:
         assert meta_a == meta_b and stats_a == stats_b, a.name
 
 
-def test_cluster_writes_the_in_process_shards(prefect_server, dask_cluster, tmp_path, tiny_model_dir):
+def test_cluster_stage_writes_the_in_process_shards_and_is_cached(prefect_server, dask_cluster, tmp_path,
+                                                                    tiny_model_dir, tiny_config, caplog):
+    """The pipeline's generation stage on a cluster writes the in-process shards, persists its
+    GenerateResult in the stage cache (issue 35: "Encountered an error while persisting result:
+    Failed to serialize object of type 'list'", and the next run generated everything again) and
+    is cached on the next run."""
     address, _ = dask_cluster([ROOT, ROOT])
-    kw = dict(teacher_dir=tiny_model_dir, control_codes_path=_codes(tmp_path), ledger=[], seed=7)
-    one = generate_synthetic(GenerateConfig(**CFG), **kw, out_dir=tmp_path / "one")
-    state = _generation_flow(GenerateConfig(**CFG, dask_address=address), {**kw, "out_dir": tmp_path / "cluster"},
-                             return_state=True)
-    assert state.is_completed()
-    cluster = state.result()
+    teacher, codes = _finished_stages(tmp_path, tiny_model_dir)
+    cfg = tiny_config.model_copy(update={"generate": GenerateConfig(**CFG, dask_address=address), "seed": 7})
+    one = generate_synthetic(GenerateConfig(**CFG), teacher_dir=teacher.checkpoint, control_codes_path=codes.path,
+                             ledger=[], seed=7, out_dir=tmp_path / "one")
+    caplog.set_level("WARNING")
+    status, cluster = _generation_stage(cfg, teacher, codes, cfg.run_root / "first")
+    assert status == "ran"
 
     assert len(cluster.shards) == 4
     _assert_same_shards(one, cluster)
     manifest = json.loads((cluster.path / "manifest.json").read_text())
     assert manifest["processes"] == 2  # both workers of the cluster wrote shards, none this process
+    assert not [r.getMessage() for r in caplog.records if "persisting result" in r.getMessage()]
+
+    written = {p: p.stat().st_mtime_ns for p in cluster.shards}
+    status, again = _generation_stage(cfg, teacher, codes, cfg.run_root / "second")
+    assert status == "cached" and again == cluster  # the first run's shards, not generated again
+    assert {p: p.stat().st_mtime_ns for p in cluster.shards} == written
+    assert not (cfg.run_root / "second" / "synthetic").exists()
 
 
 # 4 shards of 24 samples, 2 per batch, up to 40 new tokens each: a shard takes a second or more,
