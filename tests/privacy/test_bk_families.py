@@ -1,0 +1,253 @@
+"""Book-keeping clipping on every decoder family (issue 35 items 1, 2, 6).
+
+bk's clipped gradient sum Σᵢ Cᵢ ∇ℓᵢ against an independent reference: each example's
+gradient from torch.func (functional_call + vmap(grad) over the examples, none of bk's
+code), clipped with Opacus' factor Cᵢ = min(1, C / (‖∇ℓᵢ‖ + 1e-6)) and summed. Also the
+preflight check, the elementwise rules found by probing, a module called twice in one
+forward (exact), and a parameter used outside its module (refused)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from families import FAMILIES
+from pipeline.batching import TokenizedRecords, lm_batch
+from pipeline.models.base import untie_lm_head
+from pipeline.privacy import bk
+from pipeline.privacy.bk import GradSampleModuleBookKeeping, bk_problems, layer_rule
+from pipeline.stages.teacher import per_sequence_loss
+
+TEXTS = [  # four lengths: a padded batch
+    "Great tacos and friendly staff.",
+    "Never again.",
+    "The room was clean but the bed was hard, and the breakfast was cold.",
+    "Ok",
+]
+
+
+def _batch(tokenizer) -> tuple[dict, torch.Tensor]:
+    ids = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in TEXTS]
+    data = TokenizedRecords(ids, tokenizer.pad_token_id, 24)
+    assert len(set(data.lengths.tolist())) == len(TEXTS)
+    batch = lm_batch(data.ids, data.lengths)
+    return batch, batch.pop("labels")
+
+
+def _per_example_grads(model: nn.Module, loss_fn, *inputs) -> dict[str, torch.Tensor]:
+    """{name: (B, *shape)}: each example's gradient of its own loss, by torch.func on a copy.
+    `loss_fn(model_call, *one_example)` gets each input without its batch dimension."""
+    ref = copy.deepcopy(model)
+    params = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
+    buffers = dict(ref.named_buffers())
+
+    def loss_of(p, *one):
+        return loss_fn(lambda **kw: functional_call(ref, (p, buffers), args=(), kwargs=kw), *one)
+
+    return vmap(grad(loss_of), in_dims=(None,) + (0,) * len(inputs))(params, *inputs)
+
+
+def _clipped_sum(grads: dict[str, torch.Tensor], max_grad_norm: float):
+    """Opacus' clipping of per-example gradients {name: (B, ...)}: (clipped sums, factors)."""
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()  # (B,)
+    coef = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    return {n: torch.einsum("b,b...->...", coef, g) for n, g in grads.items()}, coef, norms
+
+
+def _assert_clipped_sums_equal(model: nn.Module, want: dict[str, torch.Tensor]) -> None:
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name] is not None, name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _lm_loss(call, ids, mask, positions, labels):
+    logits = call(input_ids=ids[None], attention_mask=mask[None], position_ids=positions[None]).logits
+    return per_sequence_loss(logits, labels[None])[0]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bk_equals_an_independent_per_example_reference(tiny_tokenizer, family):
+    model = FAMILIES[family](len(tiny_tokenizer))
+    untie_lm_head(model)
+    model.train()
+    batch, labels = _batch(tiny_tokenizer)
+    grads = _per_example_grads(model, _lm_loss, batch["input_ids"], batch["attention_mask"],
+                               batch["position_ids"], labels)
+    norms = _clipped_sum(grads, 1.0)[2]
+    max_grad_norm = norms.median().item()  # between the norms: some examples clipped, some not
+    want, coef, _ = _clipped_sum(grads, max_grad_norm)
+    classes = {name: type(m) for name, m in model.named_modules()}
+
+    dp_model = GradSampleModuleBookKeeping(model, max_grad_norm=max_grad_norm)
+    got_coef = dp_model.backward_clipped(per_sequence_loss(dp_model(**batch).logits, labels))
+    assert (got_coef < 1).any() and (got_coef == 1).any(), got_coef
+    torch.testing.assert_close(got_coef, coef, rtol=1e-5, atol=0)
+    _assert_clipped_sums_equal(model, want)
+    dp_model._close()
+    assert {name: type(m) for name, m in model.named_modules()} == classes  # OPT's, Gemma's embeddings too
+    assert not any("forward" in vars(m) or "_bk_keep" in vars(m) for m in model.modules())
+
+
+def test_preflight_accepts_every_family_even_on_the_meta_device():
+    """bk_problems is what preflight calls before any stage: no weights needed (the norms are
+    probed on tiny CPU copies), nothing patched."""
+    for family, build in FAMILIES.items():
+        with torch.device("meta"):
+            model = build(300)
+        assert bk_problems(model) == [], family
+        assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_the_norms_are_told_apart_by_their_arithmetic():
+    """One probed rule: Llama-like RMSNorm is w·x̂ (c = 0), Gemma's is (1+w)·x̂ (c = s),
+    LayerNorm with or without bias is w·x̂ + b, a module adding its input is c + w·s."""
+    assert layer_rule(FAMILIES["llama"](300).model.norm) == bk.SCALE
+    assert layer_rule(FAMILIES["phi3"](300).model.norm) == bk.SCALE
+    assert layer_rule(FAMILIES["gemma"](300).model.norm) == bk.ONE_PLUS_SCALE
+    assert layer_rule(nn.LayerNorm(8)) == bk.SCALE
+    assert layer_rule(nn.LayerNorm(8, bias=False)) == bk.SCALE
+    assert layer_rule(_ResidualNorm(8)) == bk.AFFINE_SCALE
+    assert layer_rule(FAMILIES["opt"](300).model.decoder.embed_positions) == bk.EMBEDDING_ROUTED
+    assert layer_rule(FAMILIES["gpt2"](300).transformer.h[0].attn.c_attn) == bk.LINEAR_TRANSPOSED
+
+
+class _SquaredScale(nn.Module):
+    """w²·x: elementwise, but not affine in w: no rule may accept it."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * self.weight * x
+
+
+def test_preflight_names_each_module_it_cannot_clip():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Conv2d(1, 1, 1), _SquaredScale(8))
+    problems = bk_problems(model)
+    assert len(problems) == 2
+    assert problems[0].startswith("1 (Conv2d): ") and problems[1].startswith("2 (_SquaredScale): ")
+    assert all(p.endswith("use teacher.grad_sample_mode=ghost or hooks") for p in problems)
+    assert "not affine in its weight" in problems[1]
+    with pytest.raises(NotImplementedError) as refused:  # the wrapper: the same lines, nothing patched
+        GradSampleModuleBookKeeping(model)
+    assert all(p in str(refused.value) for p in problems)
+    assert not any("forward" in vars(m) for m in model.modules())
+    model[1].weight.requires_grad_(False)
+    model[1].bias.requires_grad_(False)  # a frozen module needs no rule
+    assert bk_problems(model) == [problems[1]]
+
+
+class _ResidualNorm(nn.Module):
+    """x + w ⊙ rms_norm(x): an elementwise scale with c(x) = x ≠ 0."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x + self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _Reused(nn.Module):
+    """Each parameterised module called twice in one forward: an embedding looked up twice,
+    a LayerNorm and a Linear applied twice (and with `residual_norm`, a c + w·s norm twice)."""
+
+    def __init__(self, residual_norm: bool, vocab=50, d=16):
+        super().__init__()
+        self.emb, self.norm, self.lin = nn.Embedding(vocab, d), nn.LayerNorm(d), nn.Linear(d, d)
+        self.res = _ResidualNorm(d) if residual_norm else nn.Identity()
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):  # ids (B, T)
+        h = self.emb(ids) + 0.5 * self.emb(ids.flip(1))
+        h = self.lin(torch.tanh(self.lin(self.norm(h))))
+        return self.head(self.res(self.norm(self.res(h))))  # (B, T, V)
+
+
+def _token_loss(call, ids):
+    logits = call(ids=ids[None])  # (1, T, V)
+    return F.cross_entropy(logits[0, :-1], ids[1:])
+
+
+@pytest.mark.parametrize("residual_norm", [False, True], ids=["linear-embedding-layernorm", "c+w·s-norm-too"])
+def test_a_module_called_twice_in_one_forward_is_exact(residual_norm):
+    """Each example's gradient of a reused weight is the sum over its calls: the norm needs
+    the cross terms between calls (the check in issue 35 found 8.395 for a true 8.849)."""
+    model = _Reused(residual_norm)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # LayerNorm's w = 1, b = 0 would hide terms
+    ids = torch.randint(0, 50, (4, 7))
+    grads = _per_example_grads(model, _token_loss, ids)
+    max_grad_norm = _clipped_sum(grads, 1.0)[2].median().item()
+    want, coef, _ = _clipped_sum(grads, max_grad_norm)
+
+    dp_model = GradSampleModuleBookKeeping(model, max_grad_norm=max_grad_norm)
+    logits = dp_model(ids)
+    got_coef = dp_model.backward_clipped(F.cross_entropy(
+        logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1))
+    assert (got_coef < 1).any() and (got_coef == 1).any()
+    torch.testing.assert_close(got_coef, coef, rtol=1e-5, atol=0)
+    _assert_clipped_sums_equal(model, want)
+
+
+class _UsedOutside(nn.Module):
+    """lin.weight used by lin and, directly, by the parent's forward: autograd would give that
+    second use's gradient straight to .grad, unclipped."""
+
+    def __init__(self, vocab=50, d=16):
+        super().__init__()
+        self.emb, self.lin, self.head = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(self.lin(h) + F.linear(h, self.lin.weight))
+
+
+def test_a_parameter_also_used_outside_its_module_is_refused():
+    model = _UsedOutside()
+    dp_model = GradSampleModuleBookKeeping(model, max_grad_norm=1.0)
+    ids = torch.randint(0, 50, (3, 6))
+    logits = dp_model(ids)
+    loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+    with pytest.raises(RuntimeError, match=r"lin\.weight outside the layer.*unclipped"):
+        dp_model.backward_clipped(loss)
+    assert all(p.grad is None for p in model.parameters())  # nothing half-written
+
+
+def test_gradients_accumulated_before_are_kept(tiny_tokenizer):
+    """backward_clipped sets .grad aside during its backward (to see what autograd fills):
+    a physical batch's clipped sum still adds to the earlier ones of the logical batch."""
+    model = FAMILIES["llama"](len(tiny_tokenizer))
+    untie_lm_head(model)
+    batch, labels = _batch(tiny_tokenizer)
+    dp_model = GradSampleModuleBookKeeping(model, max_grad_norm=1.0)
+    dp_model.backward_clipped(per_sequence_loss(dp_model(**batch).logits, labels))
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    dp_model.backward_clipped(per_sequence_loss(dp_model(**batch).logits, labels))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[n], msg=n)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gpt2"])
+def test_bk_follows_the_models_dtype_under_bf16_autocast(tiny_tokenizer, family):
+    """The norms' outputs keep the dtype the module's own forward gives (Llama's and Gemma's
+    RMSNorm compute in fp32 and cast back): the wrapped model's logits are the plain one's."""
+    model = FAMILIES[family](len(tiny_tokenizer))
+    untie_lm_head(model)
+    batch, _ = _batch(tiny_tokenizer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model(**batch).logits
+        dp_model = GradSampleModuleBookKeeping(model)
+        wrapped = dp_model(**batch).logits
+    assert wrapped.dtype == plain.dtype
+    torch.testing.assert_close(wrapped.float(), plain.float(), rtol=0.02, atol=0.02)
+    dp_model._close()
