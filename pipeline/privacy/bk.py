@@ -83,7 +83,7 @@ ELEMENTWISE = (SCALE, ONE_PLUS_SCALE, AFFINE_SCALE)
 # --- one call's per-example gradient of one parameter, kept in factored form -------------------
 
 class _Use:
-    """What one call of a layer leaves for one trainable parameter, in factored form: `sq()`
+    """What one call of a layer leaves for one trainable parameter, in factored form: `sq(grams)`
     (B,) the squared norm of each example's gradient from this call, `dot(other)` (B,) the
     inner products with another call's (same parameter), `weighted_sum(coef)` = Σᵢ coefᵢ ∇ᵢ.
 
@@ -107,12 +107,23 @@ class _Use:
         self.rows = batch
 
 
-def _matmul_dot(a1, g1, a2, g2) -> torch.Tensor:
+def _input_gram(a: torch.Tensor, grams: dict) -> torch.Tensor:
+    """a aᵀ per example (B, T, T), computed once for the layers that read the same input (q, k
+    and v; gate and up: 3 of a Llama layer's 14 Gram matrices). Keyed by the input's memory,
+    which the kept uses hold until the norms are formed, so no other tensor can have it."""
+    key = (a.data_ptr(), tuple(a.shape), tuple(a.stride()))
+    if key not in grams:
+        grams[key] = a @ a.transpose(1, 2)
+    return grams[key]
+
+
+def _matmul_dot(a1, g1, a2, g2, grams: dict) -> torch.Tensor:
     """⟨a1ᵢᵀg1ᵢ, a2ᵢᵀg2ᵢ⟩_F for each example i; aₖ (B, Tₖ, d), gₖ (B, Tₖ, p). Ghost (the
     Tₖ × Tₖ' Gram matrices) when 2·T·T' < p·d, else through the (B, d, p) per-example gradients."""
     t1, t2, d, p = a1.shape[1], a2.shape[1], a1.shape[2], g1.shape[2]
     if 2 * t1 * t2 < p * d:
-        return ((a1 @ a2.transpose(1, 2)) * (g1 @ g2.transpose(1, 2))).sum((1, 2))
+        aa = _input_gram(a1, grams) if a2 is a1 else a1 @ a2.transpose(1, 2)  # (B, T, T')
+        return (aa * (g1 @ g2.transpose(1, 2))).sum((1, 2))
     w1 = torch.einsum("btd,btp->bdp", a1, g1)
     if a2 is a1 and g2 is g1:
         return w1.pow(2).sum((1, 2))
@@ -131,11 +142,11 @@ class _MatmulUse(_Use):
         self.a = self.a.reshape(batch, -1, self.a.shape[-1])
         self.g = self.g.reshape(batch, -1, self.g.shape[-1])
 
-    def sq(self) -> torch.Tensor:
-        return _matmul_dot(self.a, self.g, self.a, self.g)
+    def sq(self, grams: dict) -> torch.Tensor:
+        return _matmul_dot(self.a, self.g, self.a, self.g, grams)
 
     def dot(self, other: _MatmulUse) -> torch.Tensor:
-        return _matmul_dot(self.a, self.g, other.a, other.g)
+        return _matmul_dot(self.a, self.g, other.a, other.g, {})
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         # aᵀ·diag(C)·g: scale the smaller of a and g (for lm_head, a: d=768 beside V=50257)
@@ -156,7 +167,7 @@ class _LookupUse(_Use):
     def _regroup(self, batch: int) -> None:
         self.ids, self.g = self.ids.reshape(batch, -1), self.g.reshape(batch, -1, self.g.shape[-1])
 
-    def sq(self) -> torch.Tensor:
+    def sq(self, grams: dict) -> torch.Tensor:
         return self.dot(self)
 
     def dot(self, other: _LookupUse) -> torch.Tensor:
@@ -179,7 +190,7 @@ class _VectorUse(_Use):
     def _regroup(self, batch: int) -> None:
         self.per = self.per.reshape(batch, -1, self.per.shape[-1]).sum(1)
 
-    def sq(self) -> torch.Tensor:
+    def sq(self, grams: dict) -> torch.Tensor:
         return self.per.pow(2).sum(1)
 
     def dot(self, other: _VectorUse) -> torch.Tensor:
@@ -600,9 +611,10 @@ def _per_example_sq_norms(kept: list, batch: int, device: torch.device) -> torch
     (a reused module) gets the norm of the sum of its calls' gradients: Σⱼ‖∇ⱼ‖² + 2Σⱼ<ₖ⟨∇ⱼ, ∇ₖ⟩."""
     sq = torch.zeros(batch, device=device)
     calls: dict[int, list[_Use]] = {}  # id(parameter) -> its calls' uses, in backward order
+    grams: dict = {}  # the layers' input Gram matrices, shared where layers share an input
     for name, param, use in kept:
         use.by_example(batch, name)
-        sq = sq + use.sq()
+        sq = sq + use.sq(grams)
         calls.setdefault(id(param), []).append(use)
     for uses in calls.values():
         for j in range(1, len(uses)):
