@@ -1,6 +1,7 @@
 """Step time and peak memory of each DP teacher mode relative to non-private full fine-tuning.
 
-One GPT-2-shaped model (built in memory, seeded; no downloads), one fixed batch of random
+One model (GPT-2-shaped, or with `--arch llama` Llama-shaped, e.g. the smollm2-135m preset;
+built in memory, seeded; no downloads), one fixed batch of random
 token ids (every row full length: no padding), and for each mode the median time of a
 training step (forward + backward + optimizer.step + zero_grad) after warm-up, and the peak
 memory the steps add:
@@ -10,7 +11,7 @@ memory the steps add:
   DP full, ghost     Opacus ghost clipping, two backward passes
   DP full, hooks     Opacus per-sample gradients
   DP bitfit, ghost   bias terms only
-  DP lora, ghost     LoRA r=8 on the project default targets (None: peft's ["c_attn"] for GPT-2)
+  DP lora, ghost     LoRA r=8 on the project default targets (None: peft's, ["c_attn"] for GPT-2)
   DP full, ghost without pipeline.privacy.accountant's Conv1D/LayerNorm norm samplers (never imported there)
 
 DP rows call PrivacyEngine.make_private as pipeline/stages/teacher/recipe.py does (pipeline/privacy/bk.py's engine, Opacus' plus mode bk), with noise_multiplier=1.0,
@@ -26,6 +27,8 @@ mode alike. Run from the repository root:
     .venv/bin/python bench/teacher_modes.py --preset gpt2-cpu --modes nonprivate full-hooks full-ghost full-bk
                                                               # GPT-2 small shape, batch 4, on CPU: ~20 min
     .venv/bin/python bench/teacher_modes.py --preset gpt2    # GPT-2 small shape, batch 32, on a GPU
+    .venv/bin/python bench/teacher_modes.py --preset smollm2-135m --modes nonprivate full-bk --accumulate 2
+                                                              # SmolLM2-135M's shape (Llama), 2 x 8 x 64, on CPU: ~5 min
 
 Its last line, when bk ran beside non-private: `mode=bk time_ratio=X memory_ratio=Y` (memory:
 tensor peak on CPU, CUDA peak on a GPU), with `--accumulate K` > 1 also `pass_ratio=P`: one
@@ -55,15 +58,19 @@ PRESETS = {  # tiny: BaseModelsConfig's default builtin:teacher shape, at the de
     "gpt2": dict(layers=12, width=768, heads=12, vocab=50257, seq=128, batch=32, steps=10),
     # GPT-2 small's shape at a batch a CPU steps in seconds (issue 13's measurement)
     "gpt2-cpu": dict(layers=12, width=768, heads=12, vocab=50257, seq=128, batch=4, steps=5),
+    # SmolLM2-135M's shape (issue 35): a Llama with grouped-query attention, RMSNorm, a gated MLP
+    # and a tied embedding (untied here, as the pipeline unties it for DP: +28M parameters)
+    "smollm2-135m": dict(arch="llama", layers=30, width=576, heads=9, kv_heads=3, mlp=1536, vocab=49152,
+                         seq=64, batch=8, steps=5),
 }
-SHAPE = ("layers", "width", "heads", "vocab", "seq", "batch", "steps")
+SHAPE = ("layers", "width", "heads", "kv_heads", "mlp", "vocab", "seq", "batch", "steps")
 MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-private)
     "nonprivate": ("non-private full", "full", None),
     "full-ghost": ("DP full, ghost (Opacus, two backward passes)", "full", "ghost"),
     "full-hooks": ("DP full, per-sample hooks", "full", "hooks"),
     "full-bk": ("DP full, book-keeping (default, one backward)", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
-    "lora-ghost": ("DP lora r=8 on c_attn, ghost", "lora", "ghost"),
+    "lora-ghost": ("DP lora r=8 (default targets), ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
 }
 
@@ -98,10 +105,17 @@ def child(mode: str, a: argparse.Namespace) -> None:
         from pipeline.stages.teacher.trainable import prepare_trainable  # registers the samplers
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=a.vocab, n_positions=max(a.seq, 1024), n_embd=a.width, n_layer=a.layers,
-        n_head=a.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # deterministic steps
-    ))
+    if a.arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=a.vocab, max_position_embeddings=max(a.seq, 2048), hidden_size=a.width,
+            num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+            intermediate_size=a.mlp, tie_word_embeddings=True,  # as SmolLM2 ships; untied below
+        ))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=a.vocab, n_positions=max(a.seq, 1024), n_embd=a.width, n_layer=a.layers,
+            n_head=a.heads, n_inner=a.mlp, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # deterministic steps
+        ))
     untie_lm_head(model)
     if teacher_mode != "full":
         model = prepare_trainable(model, TeacherConfig(mode=teacher_mode, grad_sample_mode=gsm))
@@ -202,7 +216,8 @@ class Child:
 
     def __init__(self, mode: str, a: argparse.Namespace):
         self.mode, self.err = mode, tempfile.TemporaryFile("w+")  # a file: stderr cannot block it
-        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "device", "warmup", "threads", "allocator", "accumulate")]
+        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "arch", "device", "warmup", "threads", "allocator",
+                                                     "accumulate")]
         self.proc = subprocess.Popen([sys.executable, __file__, "--one", mode, *args], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
         self.call(None, "READY")
@@ -263,6 +278,7 @@ def main() -> None:
     p.add_argument("--preset", choices=PRESETS, default="tiny")
     for name in SHAPE:
         p.add_argument(f"--{name}", type=int, help="overrides the preset")
+    p.add_argument("--arch", choices=["gpt2", "llama"], help="overrides the preset (default gpt2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     p.add_argument("--accumulate", type=int, default=1,
                    help="physical batches per logical step (default 1): a DP step's noise is drawn once per "
@@ -279,6 +295,9 @@ def main() -> None:
     a = p.parse_args()
     for k, v in PRESETS[a.preset].items():
         setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
+    a.arch = a.arch or "gpt2"
+    a.kv_heads = a.kv_heads or a.heads  # GPT-2: no grouped-query attention
+    a.mlp = a.mlp or 4 * a.width
     a.warmup = max(1, a.warmup)
     import torch
 
@@ -292,7 +311,8 @@ def main() -> None:
     rows = run_all(a)
     base = next((r for r in rows if r["mode"] == "nonprivate" and "error" not in r), None)
     exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
-    print(f"GPT-2 shape: {a.layers} layers, width {a.width}, {a.heads} heads, vocab {a.vocab}, seq {a.seq}, "
+    kv = f" ({a.kv_heads} key/value)" if a.kv_heads != a.heads else ""
+    print(f"{a.arch} shape: {a.layers} layers, width {a.width}, {a.heads} heads{kv}, MLP {a.mlp}, vocab {a.vocab}, seq {a.seq}, "
           f"batch {a.batch}" + (f" x {a.accumulate} physical batches a step" if a.accumulate > 1 else "") + f" | device {a.device}, {a.threads} torch thread(s) per mode | torch "
           f"{torch.__version__}, opacus {opacus.__version__} | load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     print(f"Command: `{shlex.join([exe, os.path.relpath(__file__, ROOT), *sys.argv[1:]])}`\n")
