@@ -25,7 +25,7 @@ embeddings (an nn.Embedding subclass with its own forward) and an embedding padd
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import transformers
 from transformers import PreTrainedModel

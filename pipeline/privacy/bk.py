@@ -58,7 +58,7 @@ wrapped model is an error.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,6 @@ OTHER_MODES = "use teacher.grad_sample_mode=ghost or hooks"
 LINEAR, LINEAR_TRANSPOSED = "linear", "linear (W stored transposed)"
 EMBEDDING, EMBEDDING_ROUTED = "embedding", "embedding (the subclass's own forward around the lookup)"
 SCALE, ONE_PLUS_SCALE, AFFINE_SCALE = "w·s(x) + b", "(1+w)·s(x) + b", "c(x) + w·s(x) + b"
-ELEMENTWISE = (SCALE, ONE_PLUS_SCALE, AFFINE_SCALE)
 
 
 # --- one call's per-example gradient of one parameter, kept in factored form -------------------
@@ -89,9 +88,11 @@ class _Use:
 
     The factors' dim 0 is the example, as the loss's. A layer fed a 2-D input (N, d) with no
     sequence axis (OPT's MLP and final LayerNorm run on hidden states reshaped from (B, T, d)
-    to (B·T, d)) has N = B·T rows: `by_example` regroups them as (B, T, ·), which is exact
-    when the rows are example-major, as reshaping a batch-first (B, T, d) tensor makes them
-    (every decoder family here). Any other row count is refused, never guessed."""
+    to (B·T, d)) has N = B·T rows: `by_example` regroups them as (B, T, ·). That is exact
+    when the rows are example-major, as flattening a batch-first (B, T, d) tensor makes them
+    (every decoder family in transformers is batch-first); bk cannot check it, and a model
+    that flattened time-major (T, B, d) rows would be grouped wrongly. A 3-D input, or a row
+    count that is not a multiple of B, is refused."""
 
     rows: int  # the factors' dim 0
     flat: bool  # True when the layer's input was 2-D (no sequence axis): rows may be B·T
@@ -310,8 +311,8 @@ class _ScaleFn(torch.autograd.Function):
 
 # --- what a layer computes: one classification for the wrapper and for preflight ---------------
 
-class _NoRule(Exception):
-    """The reason bk has no rule for a module."""
+class UnsupportedLayer(Exception):
+    """bk has no rule for a module; the message says why."""
 
 
 def _trainable_here(module: nn.Module) -> bool:
@@ -320,7 +321,7 @@ def _trainable_here(module: nn.Module) -> bool:
 
 def _elementwise_kind(module: nn.Module) -> str:
     """SCALE, ONE_PLUS_SCALE or AFFINE_SCALE when `module` computes y = c(x) + w ⊙ s(x) + b in
-    its 1-D `weight` w (and 1-D `bias` b), else _NoRule. Found by running the module's own
+    its 1-D `weight` w (and 1-D `bias` b), else UnsupportedLayer. Found by running the module's own
     forward (on a float32 CPU copy: a model built on the meta device has no values) on a
     probe input at w = 0, 1 and a random r: y(r) must be y(0) + r ⊙ (y(1) - y(0)) to float32
     rounding, and y(0) = 0 means c = 0 (w·x̂), y(0) = y(1) - y(0) means c = s ((1+w)·x̂)."""
@@ -329,7 +330,7 @@ def _elementwise_kind(module: nn.Module) -> str:
     if (weight is None or weight.dim() != 1 or set(params) - {"weight", "bias"}
             or (bias is not None and bias.shape != weight.shape)
             or next(module.children(), None) is not None or next(module.buffers(), None) is not None):
-        raise _NoRule("not a linear map, an embedding lookup, or an elementwise scale c(x) + w·s(x) + b of a "
+        raise UnsupportedLayer("not a linear map, an embedding lookup, or an elementwise scale c(x) + w·s(x) + b of a "
                       "leaf module's 1-D weight (and 1-D bias) without buffers")
     probe = copy.deepcopy(module)
     probe.__dict__.pop("forward", None)  # a module bk already patched: probe its class's forward
@@ -350,10 +351,10 @@ def _elementwise_kind(module: nn.Module) -> str:
             y0, y1, yr, y1_again = out(torch.zeros(d)), out(torch.ones(d)), out(r), out(torch.ones(d))
             yb = None if bias is None else out(torch.zeros(d), rb)
     except Exception as e:  # any failure means: not this rule (the message says what happened)
-        raise _NoRule(f"not an elementwise scale c(x) + w·s(x) + b: its forward raised {type(e).__name__} "
+        raise UnsupportedLayer(f"not an elementwise scale c(x) + w·s(x) + b: its forward raised {type(e).__name__} "
                       f"on a (2, 3, {d}) probe ({e})") from e
     if not all(isinstance(y, torch.Tensor) and y.shape == x.shape for y in (y0, y1, yr)):
-        raise _NoRule("not an elementwise scale c(x) + w·s(x) + b: its output does not have its input's shape")
+        raise UnsupportedLayer("not an elementwise scale c(x) + w·s(x) + b: its output does not have its input's shape")
     s = y1 - y0  # (2, 3, d)
     tol = 1e-6 * (1 + max(y.abs().max().item() for y in (y0, y1, yr)))
 
@@ -361,7 +362,7 @@ def _elementwise_kind(module: nn.Module) -> str:
         return torch.allclose(a, b, rtol=1e-5, atol=tol)
 
     if not (torch.equal(y1, y1_again) and close(yr, y0 + r * s) and (yb is None or close(yb, y0 + rb))):
-        raise _NoRule("not an elementwise scale c(x) + w·s(x) + b: its output is not affine in its weight "
+        raise UnsupportedLayer("not an elementwise scale c(x) + w·s(x) + b: its output is not affine in its weight "
                       "and bias, or not deterministic")
     if y0.abs().max() <= tol:
         return SCALE
@@ -370,15 +371,15 @@ def _elementwise_kind(module: nn.Module) -> str:
 
 def layer_rule(module: nn.Module) -> str:
     """The rule bk clips `module`'s own trainable parameters by (LINEAR, ..., AFFINE_SCALE);
-    _NoRule with the reason when there is none."""
-    if isinstance(module, nn.Linear) or isinstance(module, Conv1D):
+    raises UnsupportedLayer with the reason when there is none."""
+    if isinstance(module, (nn.Linear, Conv1D)):
         base = nn.Linear if isinstance(module, nn.Linear) else Conv1D
         if type(module).forward is not base.forward:  # its forward may use W in any way
-            raise _NoRule(f"a {base.__name__} subclass with a forward of its own")
+            raise UnsupportedLayer(f"a {base.__name__} subclass with a forward of its own")
         return LINEAR if base is nn.Linear else LINEAR_TRANSPOSED
     if isinstance(module, nn.Embedding):
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
-            raise _NoRule("an embedding with max_norm, sparse or scale_grad_by_freq")
+            raise UnsupportedLayer("an embedding with max_norm, sparse or scale_grad_by_freq")
         return EMBEDDING if type(module).forward is nn.Embedding.forward else EMBEDDING_ROUTED
     return _elementwise_kind(module)
 
@@ -399,7 +400,7 @@ def bk_problems(model: nn.Module) -> list[str]:
         if _trainable_here(module):
             try:
                 layer_rule(module)
-            except _NoRule as e:
+            except UnsupportedLayer as e:
                 problems.append(_problem(name, module, str(e)))
     return problems
 
@@ -487,7 +488,7 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
             if _trainable_here(module):
                 try:
                     rules[name] = layer_rule(module)
-                except _NoRule as e:
+                except UnsupportedLayer as e:
                     problems.append(_problem(name, module, str(e)))
         if problems:  # refused before anything is patched
             raise NotImplementedError("bk clipping has no rule for " + (
@@ -554,6 +555,8 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
     def backward_clipped(self, per_example_loss: torch.Tensor) -> torch.Tensor:
         """One backward of Σᵢ ℓᵢ, then each trainable `.grad` += Σᵢ Cᵢ ∇ℓᵢ. Returns the
         factors C (B,). The per-example norms never leave this function (not private)."""
+        if not self.hooks_enabled:  # nothing would be kept: every weight left without a gradient
+            raise RuntimeError("bk clipping: backward_clipped with hooks disabled; call enable_hooks() first")
         if per_example_loss.dim() != 1:
             raise ValueError(f"bk clipping: backward_clipped takes the (B,) per-example losses, got shape "
                              f"{tuple(per_example_loss.shape)}")

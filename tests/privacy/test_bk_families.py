@@ -62,9 +62,9 @@ def _clipped_sum(grads: dict[str, torch.Tensor], max_grad_norm: float):
 def _assert_clipped_sums_equal(model: nn.Module, want: dict[str, torch.Tensor]) -> None:
     got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert got.keys() == want.keys()
-    for name in want:
+    for name, value in want.items():
         assert got[name] is not None, name
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _lm_loss(call, ids, mask, positions, labels):
@@ -251,3 +251,26 @@ def test_bk_follows_the_models_dtype_under_bf16_autocast(tiny_tokenizer, family)
     assert wrapped.dtype == plain.dtype
     torch.testing.assert_close(wrapped.float(), plain.float(), rtol=0.02, atol=0.02)
     dp_model._close()
+
+
+class _SplitsTheBatch(nn.Module):
+    """Runs its Linear on (2B, T/2, d): bk cannot tell which rows are whose."""
+
+    def __init__(self, vocab=50, d=16):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+
+    def forward(self, ids):  # ids (B, T), T even
+        h = self.emb(ids)
+        return self.lin(h.reshape(2 * ids.shape[0], ids.shape[1] // 2, -1)).reshape(*ids.shape, -1)
+
+
+def test_a_layer_that_sees_a_reshaped_batch_is_refused():
+    """OPT's (B·T, d) rows are regrouped per example (the family test above); rows that are
+    not the loss's examples on a sequence axis are refused, not guessed."""
+    dp_model = GradSampleModuleBookKeeping(_SplitsTheBatch(), max_grad_norm=1.0)
+    ids = torch.randint(0, 50, (3, 6))
+    logits = dp_model(ids)
+    loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+    with pytest.raises(RuntimeError, match=r"lin saw a batch of 6 rows where the loss has 3 examples"):
+        dp_model.backward_clipped(loss)
