@@ -28,7 +28,7 @@ mode alike. Run from the repository root:
                                                               # GPT-2 small shape, batch 4, on CPU: ~20 min
     .venv/bin/python bench/teacher_modes.py --preset gpt2    # GPT-2 small shape, batch 32, on a GPU
     .venv/bin/python bench/teacher_modes.py --preset smollm2-135m --modes nonprivate full-bk --accumulate 2
-                                                              # SmolLM2-135M's shape (Llama), 2 x 8 x 64, on CPU: ~5 min
+                                                              # SmolLM2-135M's shape (Llama), 2 x 8 x 64, on CPU: 11 min on 2 busy cores
 
 Its last line, when bk ran beside non-private: `mode=bk time_ratio=X memory_ratio=Y` (memory:
 tensor peak on CPU, CUDA peak on a GPU), with `--accumulate K` > 1 also `pass_ratio=P`: one
