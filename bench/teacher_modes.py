@@ -98,7 +98,7 @@ def child(mode: str, a: argparse.Namespace) -> None:
 
         reuse_freed_memory()
     label, teacher_mode, gsm = MODES[mode]
-    if mode == "full-ghost-nosamplers":  # pipeline.stages.teacher imports pipeline.privacy.accountant: not here
+    if mode == "full-ghost-nosamplers":  # the teacher stage registers the Conv1D samplers: not imported here
         assert Conv1D not in GradSampleModuleFastGradientClipping.NORM_SAMPLERS
     else:
         from pipeline.models.losses import per_sequence_loss

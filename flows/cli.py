@@ -533,6 +533,15 @@ def run_pipeline(args) -> int:
             print(f"dpdistill: error: {e}", file=sys.stderr)
             return 2
     quiet_libraries()
+    if args.command in ("run", "plan"):
+        from pipeline.preflight import PreflightError
+        from pipeline.preflight_models import require_models  # torch: the models' configs on the meta device
+
+        try:  # a model no stage can run is refused now, not after the data stage (issue 35)
+            require_models(cfg)
+        except PreflightError as e:
+            print(f"dpdistill: error: {e}", file=sys.stderr)
+            return 2
     if args.command == "run":
         return run_flow(args, cfg)
     try:

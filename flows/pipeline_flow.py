@@ -58,6 +58,7 @@ from pipeline.plan import dp_sgd_budgets, format_plan, make_plan, private_select
 from pipeline.privacy import private_selection
 from pipeline.privacy.private_selection import PrivateValidation
 from pipeline.preflight import require_inputs
+from pipeline.preflight_models import require_models
 from pipeline.models.base import BaseModels, build_base_models, resolve_model
 from pipeline.reports.report import write_report
 from pipeline.stages.teacher.monitor import TIMING_WINDOW_STEPS
@@ -481,6 +482,7 @@ def dp_distill(
     # Fail clean before anything is made (scheduled runs never pass through the CLI's check),
     # then say what the run will spend: the plan reads the data's split and calibrates σ.
     require_inputs(cfg)
+    require_models(cfg)
     plan = make_plan(cfg, timing=False)
     logger.info("%s", format_plan(plan))
     for warning in plan.warnings:

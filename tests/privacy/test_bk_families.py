@@ -21,7 +21,7 @@ from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.models.base import untie_lm_head
 from pipeline.privacy import bk
 from pipeline.privacy.bk import GradSampleModuleBookKeeping, bk_problems, layer_rule
-from pipeline.stages.teacher import per_sequence_loss
+from pipeline.models.losses import per_sequence_loss
 
 TEXTS = [  # four lengths: a padded batch
     "Great tacos and friendly staff.",
