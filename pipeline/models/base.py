@@ -25,6 +25,7 @@ import math
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,19 +75,20 @@ def _clean_wikitext(text: str) -> str:
     return text
 
 
-def _documents(corpus: Path) -> list[Path]:
+def _documents(corpus: Path, field: str = "base_models.corpus",
+               fallback: str = " (or remove it to use the shipped builtin models)") -> list[Path]:
     if corpus.is_dir():
         docs = sorted(corpus.glob("*.txt"))
         if not docs:
             raise ModelError(
-                f"base_models.corpus {str(corpus)!r} holds no *.txt files; point it at a public "
+                f"{field} {str(corpus)!r} holds no *.txt files; point it at a public "
                 "plain-text file or a directory of them"
             )
         return docs
     if not corpus.is_file():
         raise ModelError(
-            f"base_models.corpus {str(corpus)!r} not found; point it at a public plain-text file or "
-            "a directory of *.txt files (or remove it to use the shipped builtin models)"
+            f"{field} {str(corpus)!r} not found; point it at a public plain-text file or "
+            f"a directory of *.txt files{fallback}"
         )
     return [corpus]
 
@@ -131,6 +133,12 @@ def public_corpus(cfg: BaseModelsConfig) -> tuple[list[str], list[str]]:
             total += len(kept[-1])
         train = kept
     return train, valid
+
+
+def corpus_paragraphs(corpus: Path, field: str) -> list[str]:
+    """Every paragraph of a public text file, or of a directory's *.txt documents in name order,
+    as `public_corpus` reads them; `field` names the setting in an error."""
+    return [p for doc in _documents(Path(corpus), field, "") for p in _paragraphs(doc.read_text(encoding="utf-8"))]
 
 
 def read_public_corpus(cfg: BaseModelsConfig) -> list[str]:
@@ -191,36 +199,50 @@ def fused_gelu(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a (B, L) block of token ids."""
+    return model(input_ids=batch, labels=batch).loss
+
+
 def _pretrain(model: GPT2LMHeadModel, blocks: torch.Tensor, spec: TinyModelSpec, name: str) -> dict:
     """Plain (non-private) next-token pretraining on public text; returns its figures."""
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01)
-    warmup = max(1, spec.steps // 10)
+    return train_on_blocks(model, blocks, steps=spec.steps, batch_size=spec.batch_size,
+                           learning_rate=spec.learning_rate, name=f"base {name}")
+
+
+def train_on_blocks(
+    model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_size: int, learning_rate: float, name: str,
+    loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _lm_loss,
+) -> dict:
+    """Non-private training on random (batch_size, L) draws of public token `blocks` (N, L):
+    AdamW, 10 % linear warm-up then cosine decay, gradients clipped to norm 1. `loss_of(model,
+    batch)` is the loss (default: next-token CE; the student builder passes a distillation
+    loss, pipeline/models/student.py). Returns its figures."""
+    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01)
+    warmup = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
         lambda s: min(1.0, (s + 1) / warmup)
-        * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, spec.steps)))),
+        * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))),
     )
     model.train()
     loss_value, t0 = float("nan"), time.monotonic()
-    for step in range(spec.steps):
-        idx = torch.randint(0, blocks.shape[0], (spec.batch_size,))
+    for step in range(steps):
+        idx = torch.randint(0, blocks.shape[0], (batch_size,))
         batch = blocks[idx]
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = loss_of(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss_value = loss.item()
-        if (step + 1) % 50 == 0 or step + 1 == spec.steps:
-            log.info(
-                "base %s: step %d/%d loss %.3f (%.1f s)",
-                name, step + 1, spec.steps, loss_value, time.monotonic() - t0,
-            )
+        if (step + 1) % 50 == 0 or step + 1 == steps:
+            log.info("%s: step %d/%d loss %.3f (%.1f s)", name, step + 1, steps, loss_value, time.monotonic() - t0)
     model.eval()
     return {
         "final_loss": loss_value,
-        "tokens_seen": spec.steps * spec.batch_size * blocks.shape[1],
+        "tokens_seen": steps * batch_size * blocks.shape[1],
         "seconds": round(time.monotonic() - t0, 1),
         "non_embedding_parameters": non_embedding_parameters(model),
     }
@@ -236,7 +258,7 @@ def non_embedding_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in emb)
 
 
-def _encode(tok, paragraphs: list[str]) -> list[int]:
+def encode_paragraphs(tok, paragraphs: list[str]) -> list[int]:
     """One token stream: each paragraph followed by eos (batch-encoded: fast on 60 MB)."""
     ids: list[int] = []
     for start in range(0, len(paragraphs), 10_000):
@@ -246,12 +268,14 @@ def _encode(tok, paragraphs: list[str]) -> list[int]:
     return ids
 
 
-def _validation_perplexity(model, ids: list[int], context_length: int, pad_id: int) -> float | None:
-    """Perplexity on non-overlapping windows of held-out public text (None without any)."""
-    windows = token_windows(ids[:VALIDATION_TOKENS], context_length)
+def validation_perplexity(model, ids: list[int], context_length: int, pad_id: int, *,
+                          max_tokens: int = VALIDATION_TOKENS, batch_size: int = 32) -> float | None:
+    """Perplexity on non-overlapping windows of the first `max_tokens` held-out public tokens
+    (None without any)."""
+    windows = token_windows(ids[:max_tokens], context_length)
     if not windows:
         return None
-    return round(math.exp(mean_token_nll(model, ListIds(windows, pad_id), batch_size=32)), 2)
+    return round(math.exp(mean_token_nll(model, ListIds(windows, pad_id), batch_size=batch_size)), 2)
 
 
 def base_models_built(cfg: BaseModelsConfig) -> bool:
@@ -301,7 +325,7 @@ def _pretrain_pair(cfg: BaseModelsConfig, seed: int, dest: Path) -> dict:
     t0 = time.monotonic()
     train, valid = public_corpus(cfg)
     tok = train_tokenizer(train, cfg.vocab_size)
-    ids, valid_ids = _encode(tok, train), _encode(tok, valid)
+    ids, valid_ids = encode_paragraphs(tok, train), encode_paragraphs(tok, valid)
     n_blocks = len(ids) // cfg.context_length
     if n_blocks < 1:
         raise ModelError(
@@ -327,7 +351,7 @@ def _pretrain_pair(cfg: BaseModelsConfig, seed: int, dest: Path) -> dict:
     for name, spec in (("teacher", cfg.teacher), ("student", cfg.student)):
         model = tiny_gpt2(spec, len(tok), cfg.context_length, tok.eos_token_id)
         figures = _pretrain(model, blocks, spec, name)
-        figures["validation_perplexity"] = _validation_perplexity(model, valid_ids, cfg.context_length, tok.eos_token_id)
+        figures["validation_perplexity"] = validation_perplexity(model, valid_ids, cfg.context_length, tok.eos_token_id)
         log.info("base %s: %s", name, figures)
         info["models"][name] = figures
         model.save_pretrained(dest / name)
