@@ -240,8 +240,9 @@ class TeacherConfig(_Section):
 
     model: str = Field(
         "builtin:teacher",
-        description="Base checkpoint: 'builtin:teacher' (built offline), a local directory "
-        "or a hub name such as 'gpt2-large' when a hub cache is available.",
+        description="Base checkpoint: 'builtin:teacher' (built offline), 'cache:NAME' (a real model "
+        "put in the local model cache by `dpdistill models fetch NAME`, e.g. 'cache:smollm2-135m'), a "
+        "local directory or a hub name such as 'gpt2-large' when a hub cache is available.",
     )
     target_epsilon: float = Field(2.0, gt=0, description="Privacy budget ε of the teacher.")
     target_delta: float | Literal["1/N", "1/(10N)"] = Field(
@@ -449,7 +450,8 @@ class DistillConfig(_Section):
     )
     student_model: str = Field(
         "builtin:student",
-        description="'builtin:student', a local directory or a hub name such as 'distilgpt2'.",
+        description="'builtin:student', 'cache:NAME' (e.g. 'cache:smollm2-135m-4l', built by `dpdistill "
+        "models student smollm2-135m --layers 4`), a local directory or a hub name such as 'distilgpt2'.",
     )
     alpha: float = Field(
         0.4, ge=0, le=1,

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, PipelineConfig
+from pipeline.models.cache import CACHE_PREFIX, cache_name_problem
 from pipeline.records import column_type_problem, jsonl_problems
 
 BUILTIN_PREFIX = "builtin:"  # as pipeline/models/base.py, which imports torch
@@ -144,6 +145,9 @@ def _models(cfg: PipelineConfig) -> list[str]:
             uses_builtin = True
             if name[len(BUILTIN_PREFIX):] not in BUILTINS:
                 problems.append(f"{field}={name!r} is not a builtin model; use 'builtin:teacher' or 'builtin:student'")
+        elif name.startswith(CACHE_PREFIX):  # fetched or built into the model cache: pipeline/models/cache.py
+            if problem := cache_name_problem(name, field):
+                problems.append(problem)
         elif problem := _model_problem(name, field):
             problems.append(problem)
     if uses_builtin and (problem := _corpus_problem(cfg.base_models.corpus)):
@@ -177,7 +181,8 @@ def _model_problem(name: str, field: str) -> str | None:
     if _looks_like_path(name):
         path = Path(name).expanduser()
         if not path.exists():
-            return f"{field} {name!r} not found; name a local checkpoint directory, a cached hub model or builtin:..."
+            return (f"{field} {name!r} not found; name a local checkpoint directory, a cached hub model, builtin:... "
+                    "or cache:... (dpdistill models fetch)")
         if not path.is_dir():
             return f"{field} {name!r} is a file; name the checkpoint's directory (holding config.json)"
         if not (path / "config.json").is_file():

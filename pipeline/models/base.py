@@ -8,9 +8,11 @@ byte-level BPE tokenizer, pretrained on *public* text only:
 - with `base_models.corpus` (a text file, or a directory of `*.txt` documents of which a
   few are held out as a public validation split), built here and cached by a hash of
   their config and the corpus.
-Anything else is handed to `from_pretrained`: a local directory, or a hub name when
-the user has a hub cache. Never train the tokenizer on private data: its vocabulary
-alone would leak rare words of the private records (Ponomareva et al. 2023).
+`cache:NAME` names a real model fetched or built into the local model cache
+(`dpdistill models fetch|student`, pipeline/models/cache.py). Anything else is handed to
+`from_pretrained`: a local directory, or a hub name when the user has a hub cache. Never
+train the tokenizer on private data: its vocabulary alone would leak rare words of the
+private records (Ponomareva et al. 2023).
 
 Build them on their own with `dpdistill build-base --config configs/builtin.yaml`, and
 rebuild the shipped pair with `... --export pipeline/models/builtin`.
@@ -42,6 +44,7 @@ from transformers.activations import GELUTanh, NewGELUActivation
 
 from pipeline.config import BaseModelsConfig, TinyModelSpec
 from pipeline.locks import file_lock
+from pipeline.models.cache import CACHE_PREFIX, cached_model_dir, resolve_cache_name
 from pipeline.manifest import MANIFEST, atomic_write_json, hash_paths, sha256_file, write_manifest
 from pipeline.models.scoring import mean_token_nll, token_windows
 from pipeline.tokenized import ListIds
@@ -385,12 +388,22 @@ def export_base_models(base: BaseModels, dest: Path) -> Path:
 
 def shipped_path(name: str) -> str:
     """`builtin:teacher|student` as the shipped pair's directory (the pair used when no
-    `base_models.corpus` is set); any other name unchanged."""
+    `base_models.corpus` is set), `cache:NAME` as its directory in the model cache
+    (pipeline/models/cache.py); any other name unchanged."""
+    if name.startswith(CACHE_PREFIX):
+        return str(cached_model_dir(name[len(CACHE_PREFIX):]))
     return str(SHIPPED / name[len(BUILTIN_PREFIX):]) if name.startswith(BUILTIN_PREFIX) else name
 
 
 def resolve_model(name: str, base: BaseModels | None) -> str:
-    """Map `builtin:teacher|student` to its built directory; pass anything else through."""
+    """Map `builtin:teacher|student` to its built directory and `cache:NAME` to its directory in
+    the model cache (refused, saying which command makes it, when it is not there); pass
+    anything else through."""
+    if name.startswith(CACHE_PREFIX):
+        try:
+            return str(resolve_cache_name(name))
+        except ValueError as e:
+            raise ModelError(str(e)) from e
     if not name.startswith(BUILTIN_PREFIX):
         return name
     which = name[len(BUILTIN_PREFIX):]
