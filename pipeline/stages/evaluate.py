@@ -5,7 +5,12 @@ Two figures per model:
   one token stream and cut into non-overlapping `window`-token windows (the standard,
   as in DistilDP); perplexity = exp(total NLL / predicted tokens);
 - per record: each record on its own (cut into windows when longer), summarised as the
-  mean and median of the records' perplexities.
+  mean and median of the records' perplexities, and token-weighted (exp of the records'
+  total NLL over their total predicted tokens: long records count by their tokens).
+Each also on the text alone (`text_only`): the control-code header (`prompt_for`, the
+same few tokens in every record, which every model learns to predict) is a large share
+of a short record and flatters the full figures (issue 37). Its targets are masked in a
+second sum over the same forward passes, not scored again.
 
 With the synthetic data and its code values, the DP teacher also scores whether the synthetic
 text follows its control code (pipeline/stages/adherence.py), while it is loaded for its perplexity.
@@ -41,14 +46,14 @@ import torch
 from pipeline.stages.adherence import adherence_lines, code_adherence
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import EvalConfig
-from pipeline.records import encode_record, read_split
+from pipeline.records import encode_record, prompt_for, read_split
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.stages.downstream import classification_lines, code_classification, length_ratio, mauve_score
 from pipeline.stages.generate import synthetic_head, synthetic_texts
 from pipeline.stages.selection import criterion_study
 from pipeline.manifest import atomic_write_json, hash_paths, private_dir, write_manifest
 from pipeline.models.base import load_causal_lm, load_tokenizer, same_tokenizer
-from pipeline.models.scoring import nll_by_owner, token_windows
+from pipeline.models.scoring import nll_by_owner_and_part, token_windows
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 from pipeline.tokenized import ListIds, TokenIds, token_column, tokenized_split
 
@@ -57,7 +62,7 @@ log = logging.getLogger(__name__)
 METRICS = "metrics.json"
 CANDIDATE_PREFIX = "candidate "  # models[...] of the distillation candidates kept for evaluation
 DOWNSTREAM_SAMPLE = 20_000  # synthetic train samples the downstream classifier learns from
-PERPLEXITY_CACHE = 1  # the format of a cached perplexity; a change to how it is computed bumps it
+PERPLEXITY_CACHE = 2  # the format of a cached perplexity; a change to how it is computed bumps it
 
 
 TEXT_PROPERTIES_SAMPLE = 5_000  # texts per side for distinct-n and lengths: a sample, not the corpus
@@ -70,35 +75,73 @@ class Perplexity:
     windowed: float
     per_record_mean: float
     per_record_median: float
+    per_record_token_weighted: float
+    """exp(total NLL / total tokens) of the records scored one by one (each its own context)."""
     tokens: int
     records: int
     per_code: dict[str, float]
     """Token-weighted perplexity of the records of each control code (small codes pooled)."""
+    text_only: dict
+    """The same figures over the text alone: the control-code header's tokens (`prompt_for`, tokenized
+    apart by `encode_record`) are not counted as targets, the text's first token and eos are. Keys:
+    windowed, per_record_mean, per_record_median, per_record_token_weighted, tokens, records, per_code."""
 
 
 def _windows(windows: list[list[int]], pad_id: int) -> ListIds:
     return ListIds(windows, pad_id)
 
 
+def _text_masks(tokenizer, codes: list[str], records: list[list[int]]) -> list[np.ndarray]:
+    """Per record, which of its tokens are text (True) and which the control-code header (False):
+    `encode_record` tokenizes the header apart, so it is exactly the first len(header ids)."""
+    headers = {c: tokenizer.encode(prompt_for(c), add_special_tokens=False) for c in set(codes)}
+    masks = []
+    for code, ids in zip(codes, records):
+        header = headers[code]
+        assert ids[: len(header)] == header, "records are encode_record's ids: the header comes first"
+        mask = np.ones(len(ids), dtype=bool)
+        mask[: len(header)] = False
+        masks.append(mask)
+    return masks
+
+
+def _figures(w_nll: float, w_cnt: float, r_nll: np.ndarray, r_cnt: np.ndarray, group: list[str]) -> dict:
+    """Windowed, per-record (mean, median, token-weighted) and per-code perplexity from the sums."""
+    keep = r_cnt > 0
+    per_record = np.exp(r_nll[keep] / r_cnt[keep])
+    per_code = {}
+    for g in sorted(set(group)):
+        rows = [i for i, x in enumerate(group) if x == g]
+        per_code[g] = math.exp(r_nll[rows].sum() / max(r_cnt[rows].sum(), 1))
+    return {"windowed": math.exp(w_nll / w_cnt), "per_record_mean": float(per_record.mean()),
+            "per_record_median": float(np.median(per_record)),
+            "per_record_token_weighted": math.exp(r_nll[keep].sum() / r_cnt[keep].sum()),
+            "tokens": int(w_cnt), "records": int(keep.sum()), "per_code": per_code}
+
+
 def perplexity(
     model, tokenizer, codes: list[str], texts: list[str], window: int, batch_size: int,
     on_windows: Callable[[int, int], None] | None = None, token_ids: list[list[int]] | None = None,
 ) -> Perplexity:
-    """Windowed and per-record perplexity; `on_windows(done, total)` after each batch of
-    windows (both passes: the joined stream's windows, then each record's). `token_ids`:
-    the records' `encode_record` ids when already tokenized (pipeline/tokenized.py)."""
+    """Windowed and per-record perplexity, each also on the text alone (`Perplexity.text_only`,
+    from the same forward passes); `on_windows(done, total)` after each batch of windows (both
+    passes: the joined stream's windows, then each record's). `token_ids`: the records'
+    `encode_record` ids when already tokenized (pipeline/tokenized.py)."""
     n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
     if window > n_positions:
         raise ValueError(
             f"evaluate.window={window} exceeds the model's {n_positions} positions; lower evaluate.window"
         )
     records = token_ids if token_ids is not None else [encode_record(tokenizer, c, t) for c, t in zip(codes, texts)]
+    text = _text_masks(tokenizer, codes, records)
     joined = [t for r in records for t in r]
-    windows = token_windows(joined, window)
-    per_windows, owners = [], []
-    for i, r in enumerate(records):
-        for w in token_windows(r, window):
+    joined_text = np.concatenate(text) if text else np.zeros(0, dtype=bool)
+    windows, window_text = token_windows(joined, window), token_windows(joined_text, window)  # the same cuts
+    per_windows, per_text, owners = [], [], []
+    for i, (r, m) in enumerate(zip(records, text)):
+        for w, wm in zip(token_windows(r, window), token_windows(m, window)):
             per_windows.append(w)
+            per_text.append(wm)
             owners.append(i)
     done, total = 0, len(windows) + len(per_windows)
 
@@ -108,27 +151,14 @@ def perplexity(
         if on_windows:
             on_windows(done, total)
 
-    nll, cnt = nll_by_owner(model, _windows(windows, tokenizer.pad_token_id), [0] * len(windows), 1, batch_size,
-                             on_batch)
-    r_nll, r_cnt = nll_by_owner(
-        model, _windows(per_windows, tokenizer.pad_token_id), owners, len(records), batch_size, on_batch
-    )
-    keep = r_cnt > 0
-    per_record = np.exp(r_nll[keep] / r_cnt[keep])
+    nll, cnt, t_nll, t_cnt = nll_by_owner_and_part(
+        model, _windows(windows, tokenizer.pad_token_id), [0] * len(windows), 1, batch_size, window_text, on_batch)
+    r_nll, r_cnt, rt_nll, rt_cnt = nll_by_owner_and_part(
+        model, _windows(per_windows, tokenizer.pad_token_id), owners, len(records), batch_size, per_text, on_batch)
     sizes = Counter(codes)
     group = [c if sizes[c] >= MIN_RECORDS_PER_CODE else OTHER for c in codes]
-    per_code = {}
-    for g in sorted(set(group)):
-        rows = [i for i, x in enumerate(group) if x == g]
-        per_code[g] = math.exp(r_nll[rows].sum() / max(r_cnt[rows].sum(), 1))
-    return Perplexity(
-        windowed=math.exp(nll[0] / cnt[0]),
-        per_record_mean=float(per_record.mean()),
-        per_record_median=float(np.median(per_record)),
-        tokens=int(cnt[0]),
-        records=int(keep.sum()),
-        per_code=per_code,
-    )
+    full = _figures(nll[0], cnt[0], r_nll, r_cnt, group)
+    return Perplexity(**full, text_only=_figures(t_nll[0], t_cnt[0], rt_nll, rt_cnt, group))
 
 
 def _distinct(sequences: list[list[int]], n: int) -> float:
@@ -265,9 +295,12 @@ class _Scorer:
                              self.cfg.batch_size, on_windows, token_ids=ids)
             if name in self.cache:
                 atomic_write_json(private_dir(self.cache[name].parent) / self.cache[name].name, ppl.__dict__)
-        log.info("evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f%s",
-                 name, ppl.windowed, ppl.tokens, ppl.per_record_mean, ppl.per_record_median,
-                 " (cached)" if name in self.known else "")
+        text = ppl.text_only
+        log.info("evaluation: %s perplexity %.2f (windowed, %d tokens), per-record mean %.2f / median %.2f / "
+                 "token-weighted %.2f; text alone (control codes left out) %.2f windowed, per-record mean %.2f / "
+                 "median %.2f / token-weighted %.2f%s", name, ppl.windowed, ppl.tokens, ppl.per_record_mean,
+                 ppl.per_record_median, ppl.per_record_token_weighted, text["windowed"], text["per_record_mean"],
+                 text["per_record_median"], text["per_record_token_weighted"], " (cached)" if name in self.known else "")
         return {"model": path, **ppl.__dict__}
 
 

@@ -115,7 +115,7 @@ def test_per_code_perplexity_pools_small_codes_and_text_properties(tiny_tokenize
 
 def test_token_kinds_split_the_evaluation_windows(tiny_tokenizer, tiny_model_dir):
     """experiments/token_kinds.py splits the evaluation's windowed perplexity by token kind: its
-    kinds cover every scored token and recombine to the stage's own figure."""
+    kinds cover every scored token and recombine to the stage's own figures, full and text-only."""
     import math
 
     from experiments.token_kinds import nll_by_kind, token_kinds
@@ -131,6 +131,9 @@ def test_token_kinds_split_the_evaluation_windows(tiny_tokenizer, tiny_model_dir
     nll, count = nll_by_kind(model, ids, kinds, window=16)
     ppl = perplexity(model, tiny_tokenizer, codes, texts, window=16, batch_size=4)
     assert sum(count) == ppl.tokens and math.exp(sum(nll) / sum(count)) == pytest.approx(ppl.windowed, rel=1e-4)
+    # the stage's text-only figure is the text and eos kinds of the same windows (issue 37)
+    assert count[1] + count[2] == ppl.text_only["tokens"]
+    assert math.exp((nll[1] + nll[2]) / (count[1] + count[2])) == pytest.approx(ppl.text_only["windowed"], rel=1e-4)
 
 
 @pytest.fixture(scope="module")
