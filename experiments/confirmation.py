@@ -11,8 +11,10 @@ Every run is the Prefect flow with the row's overrides, in its own run directory
 each stage that draws DP noise and everything after it (`rerun`: control-codes for the
 distilled rows, dp-student for DP-SGD and DPKD), so that each repeat is an independent draw of
 the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`;
-a restart skips them and continues a killed run in its own directory. The report ends with the
-line `corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexities).
+a restart skips them and continues a killed run in its own directory. The report's table gives
+each row's student perplexity windowed, per record (mean, median, token-weighted) and on the text
+alone (the control-code header left out of the targets), and ends with the line
+`corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexities).
 
 Its data: configs/airline.yaml reads the airline tweets and configs/reference.yaml the Yelp split
 in ../shared/data beside the checkout (not shipped; experiments/shared.py). Without them it exits
@@ -56,8 +58,13 @@ def _result(label: str, repeat: int, run_dir: Path, seconds: float) -> dict:
     ledger = json.loads((run_dir / "ledger.json").read_text())
     ppl = metrics["perplexity"]
     student = next(m for name, m in ppl.items() if name.startswith("student_"))
+    text = student["text_only"]  # the control-code header left out of the targets (issue 37)
     out = {"row": label, "repeat": repeat, "run_dir": str(run_dir), "seconds": round(seconds, 1),
            "student": student["windowed"], "student_per_record_mean": student["per_record_mean"],
+           "student_per_record_median": student["per_record_median"],
+           "student_per_record_token_weighted": student["per_record_token_weighted"],
+           "student_text_windowed": text["windowed"], "student_text_per_record_median": text["per_record_median"],
+           "student_text_per_record_token_weighted": text["per_record_token_weighted"],
            "zero_shot": ppl["base_student"]["windowed"], "dp_teacher": ppl.get("dp_teacher", {}).get("windowed"),
            "epsilon": ledger["total"]["epsilon"], "delta": ledger["total"]["delta"]}
     if sel := metrics.get("selection"):
@@ -96,12 +103,21 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.1f}±{sd:.1f}"
 
 
+# The table's columns after the windowed figure (a result from before issue 37 has only the first):
+# per record, then on the text alone, with the control-code header left out of the targets.
+STUDENT_FIGURES = ("student_per_record_mean", "student_per_record_median", "student_per_record_token_weighted",
+                   "student_text_windowed", "student_text_per_record_median",
+                   "student_text_per_record_token_weighted")
+
+
 def report(results: list[dict], corpus: str) -> str:
     by_row: dict[str, list[dict]] = {}
     for r in results:
         by_row.setdefault(r["row"], []).append(r)
-    lines = ["| row | runs | test perplexity (mean ± sd) | each run | per-record mean | ε (total) | wall s |",
-             "|---|---:|---:|---|---:|---:|---:|"]
+    lines = ["| row | runs | test perplexity (mean ± sd) | each run | per-record mean | per-record median "
+             "| per-record token-weighted | text alone: windowed | text alone: per-record median "
+             "| text alone: per-record token-weighted | ε (total) | wall s |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ours = by_row.get("ours", [])
     extra = {"zero-shot": [r["zero_shot"] for r in ours], "DP teacher": [r["dp_teacher"] for r in ours]}
     for label in ("zero-shot", "DP-SGD", "DPKD", "DP-Syn", "ours", "DP teacher"):
@@ -109,7 +125,7 @@ def report(results: list[dict], corpus: str) -> str:
             vals = [v for v in extra[label] if v is not None]
             if vals:
                 lines.append(f"| {label} | {len(vals)} | {_mean_sd(vals)} | {', '.join(f'{v:.1f}' for v in vals)} "
-                             "| | | |")
+                             "| | | | | | | | |")
             continue
         rows = by_row.get(label, [])
         if rows:
@@ -117,8 +133,8 @@ def report(results: list[dict], corpus: str) -> str:
             each = ", ".join(f"{v:.1f}" for v in vals)
             epsilons = ", ".join(f"{r['epsilon']:.3f}" for r in rows)
             seconds = ", ".join(f"{r['seconds']:.0f}" for r in rows)
-            per_record = _mean_sd([r["student_per_record_mean"] for r in rows])
-            lines.append(f"| {label} | {len(rows)} | {_mean_sd(vals)} | {each} | {per_record} | {epsilons} | {seconds} |")
+            figures = " | ".join(_mean_sd([r[k] for r in rows if r.get(k) is not None]) for k in STUDENT_FIGURES)
+            lines.append(f"| {label} | {len(rows)} | {_mean_sd(vals)} | {each} | {figures} | {epsilons} | {seconds} |")
     out = "\n".join(lines)
     if ours and any("selection" in r for r in ours):
         out += "\n\nSelection in each `ours` run (test perplexity computed after the choice):\n\n"

@@ -123,6 +123,10 @@ def publish_metrics(metrics: dict) -> None:
             "windowed_perplexity": _fmt(m["windowed"]),
             "per_record_mean": _fmt(m["per_record_mean"]),
             "per_record_median": _fmt(m["per_record_median"]),
+            "per_record_token_weighted": _fmt(m.get("per_record_token_weighted")),
+            # the control-code header left out of the targets (pipeline/stages/evaluate.py)
+            "text_alone_windowed": _fmt((m.get("text_only") or {}).get("windowed")),
+            "text_alone_per_record_median": _fmt((m.get("text_only") or {}).get("per_record_median")),
             "test_tokens": m["tokens"],
         }
         for name, m in metrics["perplexity"].items()

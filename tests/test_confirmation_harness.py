@@ -32,6 +32,22 @@ def test_the_report_gives_mean_and_sd_and_ends_with_the_summary_line():
     assert "| r1 | → | alpha=1.0 | 0.2000 |" in text and "Regret" in text
 
 
+def test_the_table_gives_the_per_record_and_text_only_figures_and_reads_older_results():
+    """Issue 37: beside the windowed figure, the per-record median and token-weighted figures and
+    the text-only ones; a result written before them has the per-record mean alone."""
+    new = {"student_per_record_median": 150.0, "student_per_record_token_weighted": 170.0,
+           "student_text_windowed": 300.0, "student_text_per_record_median": 280.0,
+           "student_text_per_record_token_weighted": 320.0}
+    results = [_run("ours", 1, 160.0, **new), _run("ours", 2, 162.0, **{k: v + 2 for k, v in new.items()}),
+               _run("DP-SGD", 1, 180.0)]
+    lines = confirmation.report(results, "airline").splitlines()
+    assert "| text alone: windowed |" in lines[0]
+    assert ("| ours | 2 | 161.0±1.4 | 160.0, 162.0 | 128.8±1.1 | 151.0±1.4 | 171.0±1.4 | 301.0±1.4 | 281.0±1.4 "
+            "| 321.0±1.4 | 1.980, 1.980 | 100, 100 |") in lines
+    assert "| DP-SGD | 1 | 180.0±nan | 180.0 | 144.0±nan | – | – | – | – | – | 1.980 | 100 |" in lines
+    assert all(line.count("|") == lines[0].count("|") for line in lines[:6])  # every row has every column
+
+
 def test_every_repeat_after_the_first_reruns_the_stages_that_draw_noise():
     assert [k for label, k in confirmation.SCHEDULE if label == "ours"] == [1, 2, 3]
     for label, (overrides, stage) in confirmation.ROWS.items():

@@ -318,10 +318,20 @@ def _perplexity(metrics: dict | None) -> str:
     ax.set(title=f"Test perplexity, {metrics.get('window', '?')}-token windows (lower is better)",
            ylabel="perplexity")
     ax.tick_params(axis="x", labelrotation=15)
-    keys = ["windowed", "per_record_mean", "per_record_median", "tokens", "records"]
-    rows = [[n] + [ppl[n].get(k) for k in keys] for n in names]
+    keys = ["windowed", "per_record_mean", "per_record_median", "per_record_token_weighted", "tokens", "records"]
+    rows = []
+    for n in names:
+        rows.append([n, "every token"] + [ppl[n].get(k) for k in keys])
+        if text := ppl[n].get("text_only"):  # absent from a run from before it
+            rows.append([n, "text alone"] + [text.get(k) for k in keys])
+    header = ["model", "targets"] + keys
+    note = _note("Windowed: non-overlapping windows of the joined test records. Per record: each record scored "
+                 "alone; the mean and median of the records' perplexities, and token-weighted (the records' "
+                 "total NLL over their total tokens). Text alone: the same forward passes with the control-code "
+                 "header's tokens left out of the targets: the header is the same few tokens in every record, "
+                 "easy to predict, and a large share of a short one.")
     warnings = "".join(_note("Warning: " + line, "warn") for line in metrics.get("diagnostics", []))
-    return warnings + _svg(fig, "perplexity") + _table(["model"] + keys, rows) + _selection(metrics)
+    return warnings + _svg(fig, "perplexity") + _table(header, rows) + note + _selection(metrics)
 
 
 def _code_adherence(metrics: dict | None) -> str:

@@ -77,10 +77,15 @@ def make_run(root: Path, method: str = "distil", monitor: str = "none") -> Path:
         "window": 128,
         "test_records": 10,
         "perplexity": {m: {"model": m, "windowed": v, "per_record_mean": v * 0.9, "per_record_median": v * 0.8,
-                           "tokens": 2000, "records": 10, "per_code": {}} for m, v in ppl.items()},
+                           "per_record_token_weighted": v * 0.85, "tokens": 2000, "records": 10, "per_code": {},
+                           "text_only": {"windowed": v * 1.5, "per_record_mean": v * 1.4, "per_record_median": v * 1.3,
+                                         "per_record_token_weighted": v * 1.35, "tokens": 1500, "records": 10,
+                                         "per_code": {}}}
+                       for m, v in ppl.items()},
         "method": method,
         "seconds": {"data": 0.5, "teacher": 10.0, "evaluation": 2.0},
     }
+    del metrics["perplexity"]["base_teacher"]["text_only"]  # as in metrics.json of a run from before issue 37
     if monitor != "none":
         metrics["teacher_validation_loss"] = 6.2
     if method == "dp_sgd":
@@ -142,6 +147,11 @@ def test_report_of_a_distil_run_has_every_figure_and_no_private_record(tmp_path)
         assert f"<h2>{title}</h2>" in page
     assert "could not be drawn" not in page
     assert "student_distil" in page and "requested value scored highest in 60% of 10 samples" in page
+    # each model's perplexities on every token and on the text alone (issue 37), a run from before
+    # the text-only figures (base_teacher here) with its one row
+    section = page[page.index("<h2>Perplexity per model</h2>"):]
+    assert section.count("<td>text alone</td>") == 3 and section.count("<td>every token</td>") == 4
+    assert "<th>per_record_token_weighted</th>" in section and f"{406.0 * 1.35:.4g}" in section  # student_distil, text alone
     assert "Stars: 5.0" in page and "chance (0.33)" in page and "chance (0.50)" in page
     assert "1 sample(s) had their text cut" in page
     assert "requested vs generated" not in page  # the old chart plotted the prompts against themselves
