@@ -114,9 +114,9 @@ def report(results: list[dict], corpus: str) -> str:
     by_row: dict[str, list[dict]] = {}
     for r in results:
         by_row.setdefault(r["row"], []).append(r)
-    lines = ["| row | runs | test perplexity (mean ± sd) | each run | per-record mean | per-record median "
-             "| per-record token-weighted | text alone: windowed | text alone: per-record median "
-             "| text alone: per-record token-weighted | ε (total) | wall s |",
+    lines = [("| row | runs | test perplexity (mean ± sd) | each run | per-record mean | per-record median "
+              "| per-record token-weighted | text alone: windowed | text alone: per-record median "
+              "| text alone: per-record token-weighted | ε (total) | wall s |"),
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ours = by_row.get("ours", [])
     extra = {"zero-shot": [r["zero_shot"] for r in ours], "DP teacher": [r["dp_teacher"] for r in ours]}
