@@ -186,7 +186,9 @@ def publish_code_adherence(adherence: dict) -> None:
         rows += [{"column": c, "value": v, "share": _fmt(x["share"]), "chance": _fmt(col["chance"]),
                   "samples": str(x["n"])} for v, x in col["values"].items()]
     description = (
-        f"Does the synthetic text follow its control code? Over {adherence['samples']} synthetic samples, the share "
+        "Does the DP teacher, which wrote the text, recognise the code it was prompted with? (The downstream "
+        f"classifier asks whether the text carries it for a reader.) Over {adherence['samples']} synthetic samples, "
+        "the share "
         "where the DP teacher scores the requested value of a column highest among its declared values "
         f"(chance: 1/values). Every column: {_fmt(adherence['overall'])} of (sample, column) pairs; all columns of a "
         f"sample at once: {_fmt(adherence['all_columns'])}.\n\n"

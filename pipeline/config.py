@@ -612,8 +612,9 @@ class EvalConfig(_Section):
     adherence_samples: int = Field(
         500,
         ge=0,
-        description="Synthetic training samples (the first ones, in shard order) on which the DP teacher "
-        "checks that the text follows its control code (pipeline/stages/adherence.py); 0 disables it. Cost: about "
+        description="Synthetic training samples (the first ones, in shard order) on which the DP teacher, which "
+        "wrote them, is asked which code each was prompted with (pipeline/stages/adherence.py: its own recognition, "
+        "not whether the text carries the code for a reader); 0 disables it. Cost: about "
         "(sum over code columns of the number of declared values) teacher forward passes per sample.",
     )
     mauve_texts: int = Field(

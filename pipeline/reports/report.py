@@ -301,7 +301,8 @@ def _downstream(metrics: dict | None) -> str:
                       "macro-F1, real reference", "majority-class accuracy", "chance macro-F1", ""], rows)
             + _note(f"{ds['classifier']}: trained on synthetic texts with the codes they were prompted with, tested on "
                     "the real test split; the real reference is the same classifier cross-validated on the test split "
-                    "(5 folds). Chance: the better macro-F1 of the majority class and of random labels (1/values).")
+                    "(5 folds). Chance: the better macro-F1 of the majority class and of random labels (1/values)."
+                    + (f" What it measures: {ds['measures']}." if ds.get("measures") else ""))
             + mauve_note)
 
 
@@ -358,7 +359,7 @@ def _code_adherence(metrics: dict | None) -> str:
         ax.set(xlim=(0, 1.1), title=f"{c}: requested value scored highest in {col['share']:.0%} of "
                f"{col['n']} samples", xlabel="share of samples that requested the value")
         ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle("Does the synthetic text follow its control code? (DP teacher's choice among the values)")
+    fig.suptitle("Does the DP teacher recognise the code it was prompted with? (its choice among the values)")
     fig.tight_layout()
     out = _svg(fig, "code-adherence")
     rows = [[c, col["share"], col["chance"], col["n"]] for c, col in columns.items()]
@@ -375,6 +376,7 @@ def _code_adherence(metrics: dict | None) -> str:
         "a sample counts when the requested value scores strictly highest (n=0: no sample requested the value). "
         f"{adh.get('truncated', 0)} sample(s) had their text cut to fit the teacher's context (the same cut for every "
         f"value), {adh.get('skipped', 0)} were skipped (no text left to score)."
+        + (f" What it measures: {adh['measures']}." if adh.get("measures") else "")
     )
     hidden = sum(len(col["values"]) - len(shown[c]) for c, col in columns.items())
     if hidden:

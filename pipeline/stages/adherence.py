@@ -1,4 +1,4 @@
-"""Does the synthetic text follow its control code? Code adherence scored by the DP teacher.
+"""Does the DP teacher recognise in its text the code it was prompted with? Code adherence.
 
 For each of the first `n` synthetic training samples and each code column c with two or
 more declared values V_c, the teacher scores the sample's continuation (the tokens it wrote
@@ -10,6 +10,13 @@ it (`prompt_for`), with column c set to each v in V_c and the other columns as r
 The continuation is the same for every candidate, so the scores compare; the sample
 "adheres" on c when the requested value scores strictly highest (a tie does not count).
 Chance is 1/|V_c|: a teacher that ignores its codes lands near it.
+
+What it measures (`MEASURES`): whether the DP teacher, which wrote the text, recognises in it
+the code it was prompted with. A judge that wrote the text can recognise its own quirks in
+text no reader would tell apart: on a news corpus this read 0.48-0.68 (chance 0.25) while a
+classifier trained on the same text was at chance on real text (issue 37). Whether the text
+carries what distinguishes the codes in real text is the downstream classifier's question
+(pipeline/stages/downstream.py).
 
 Cost: about sum_c |V_c| teacher forward passes per sample (candidates are batched).
 
@@ -33,6 +40,9 @@ from pipeline.config import DataConfig
 from pipeline.models.losses import next_token_nll
 from pipeline.records import CODE_JOINER, prompt_for, read_control_codes
 from pipeline.stages.generate import synthetic_head
+
+MEASURES = ("whether the DP teacher, which wrote the text, recognises in it the code it was prompted with "
+            "(not whether the text carries what distinguishes the codes in real text: the downstream classifier)")
 
 
 class AdherenceError(ValueError):
@@ -97,6 +107,7 @@ def summarize(outcomes: list[SampleOutcome], values: dict[str, list[str]], skipp
                       "chance": 1 / len(vals), "n": len(mine), "values": per_value}
     pairs = [w for o in outcomes for w in o.won.values()]
     return {
+        "measures": MEASURES,
         "samples": len(outcomes),
         "skipped": skipped,
         "truncated": truncated,

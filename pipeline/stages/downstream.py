@@ -33,6 +33,8 @@ from pipeline.records import CODE_JOINER
 
 log = logging.getLogger(__name__)
 
+MEASURES = ("whether the synthetic text carries what distinguishes the codes in real text: a classifier trained "
+            "on it, tested on the real test split (not whether the DP teacher recognises its codes: code adherence)")
 CHANCE_MARGIN = 0.05  # macro-F1 within this of chance: the classifier learned nothing usable
 REFERENCE_FOLDS = 5
 
@@ -105,7 +107,7 @@ def code_classification(synthetic_codes: list[str], synthetic_texts: list[str], 
             "at_chance": synthetic["macro_f1"] <= chance_f1 + CHANCE_MARGIN,
         }
     scored = [c for c in columns.values() if "synthetic" in c]
-    return {"columns": columns, "classifier": "TF-IDF (1-2 grams) + logistic regression",
+    return {"measures": MEASURES, "columns": columns, "classifier": "TF-IDF (1-2 grams) + logistic regression",
             "useful": None if not scored else not all(c["at_chance"] for c in scored)}
 
 

@@ -40,6 +40,25 @@ def test_a_teacher_that_learned_nothing_and_codes_that_are_ignored():
     assert diagnose(_result(400.0, adherence=0.23)) == []  # above 1.5 × chance
 
 
+def test_adherence_above_chance_beside_a_classifier_at_chance_is_explained_not_contradicted():
+    """Issue 37: the DP teacher judged adherence 0.48-0.68 (chance 0.25) where a classifier trained on
+    the same text was at chance. Both hold: the warning says what each measures, and metrics.json
+    carries the same words beside each figure."""
+    from pipeline.stages.adherence import summarize
+    from pipeline.stages.downstream import code_classification
+
+    at_chance = {"useful": False, "columns": {"topic": {
+        "synthetic": {"macro_f1": 0.18, "accuracy": 0.3}, "real_reference": {"macro_f1": 0.8},
+        "chance_macro_f1": 0.25, "at_chance": True}}}
+    [line] = diagnose({**_result(400.0, adherence=0.6), "downstream": at_chance})
+    assert "does not carry what distinguishes the codes in real text" in line
+    assert "Code adherence (0.60) is above chance meanwhile" in line and "recognises its own codes" in line
+    [line] = diagnose({**_result(400.0), "downstream": at_chance})  # no adherence scored: nothing to explain
+    assert "Code adherence" not in line
+    assert "recognises" in summarize([], {"a": ["x", "y"]})["measures"]
+    assert "in real text" in code_classification([], [], [], [], [])["measures"]
+
+
 def test_the_report_shows_the_warnings_above_the_perplexities(tmp_path):
     run = make_run(tmp_path, "distil")
     metrics = json.loads((run / "metrics.json").read_text())
