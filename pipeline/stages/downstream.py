@@ -125,12 +125,12 @@ def classification_lines(result: dict) -> list[str]:
     return out
 
 
-def length_ratio(text_properties: dict) -> float | None:
-    """Mean token length of the synthetic texts over that of the real test texts, these cut at
-    the longest synthetic text (`tokens_capped`) when known."""
+def length_ratio(text_properties: dict, stat: str = "mean") -> float | None:
+    """Token length of the synthetic texts over that of the real test texts, these cut at the
+    longest synthetic text (`tokens_capped`) when known; `stat`: 'mean' or 'median'."""
     try:
         real = text_properties["real_test"]
-        return text_properties["synthetic"]["tokens"]["mean"] / real.get("tokens_capped", real["tokens"])["mean"]
+        return text_properties["synthetic"]["tokens"][stat] / real.get("tokens_capped", real["tokens"])[stat]
     except (KeyError, ZeroDivisionError, TypeError):
         return None
 

@@ -50,11 +50,12 @@ def test_a_column_with_one_value_is_skipped_not_scored():
     assert "skipped" in result["columns"]["stars"] and "synthetic" in result["columns"]["category"]
 
 
-def _metrics(downstream=None, synthetic_mean=60.0, real_mean=70.0) -> dict:
-    tokens = lambda m: {"mean": m, "median": m, "p90": m}  # noqa: E731
+def _metrics(downstream=None, synthetic_mean=60.0, real_mean=70.0, synthetic_median=None, real_median=None) -> dict:
+    tokens = lambda m, median: {"mean": m, "median": m if median is None else median, "p90": m}  # noqa: E731
     return {"perplexity": {}, "downstream": downstream,
-            "text_properties": {"synthetic": {"tokens": tokens(synthetic_mean)},
-                                "real_test": {"tokens": tokens(300.0), "tokens_capped": tokens(real_mean)}}}
+            "text_properties": {"synthetic": {"tokens": tokens(synthetic_mean, synthetic_median)},
+                                "real_test": {"tokens": tokens(300.0, None),
+                                              "tokens_capped": tokens(real_mean, real_median)}}}
 
 
 def test_useless_synthetic_data_is_said_in_plain_words():
@@ -68,8 +69,17 @@ def test_useless_synthetic_data_is_said_in_plain_words():
     assert not any("average" in line for line in lines)  # 60 against 70 tokens: comparable
 
     short = diagnose(_metrics(synthetic_mean=23.0, real_mean=81.0))  # the news corpus of issue 20
-    assert any("23 tokens against 81" in line and "0.28x" in line for line in short)
+    assert any("23 tokens (median 23) against 81" in line and "mean 0.28x" in line for line in short)
     assert not diagnose(_metrics(synthetic_mean=66.0, real_mean=90.0))  # uncut reviews: 160 tokens, cut: 90
+
+
+def test_the_length_warning_fires_on_the_medians_too():
+    """Issue 37's news demo: a mean of 0.52x the real length (inside the 2x bound) hid medians of
+    26.5 against 78 tokens (0.34x): a few long synthetic texts lifted the mean of mostly short ones."""
+    [line] = diagnose(_metrics(synthetic_mean=40.6, real_mean=78.0, synthetic_median=26.5, real_median=78.0))
+    assert "median 26) against 78 (median 78)" in line and "mean 0.52x, median 0.34x" in line
+    assert not diagnose(_metrics(synthetic_mean=40.6, real_mean=78.0, synthetic_median=50.0, real_median=78.0))
+    assert diagnose(_metrics(synthetic_mean=70.0, real_mean=78.0, synthetic_median=160.0, real_median=78.0))  # long
 
 
 def test_mauve_tells_a_copy_of_the_real_texts_from_unrelated_ones(tiny_model_dir, tiny_tokenizer):
