@@ -301,7 +301,8 @@ class _Scorer:
                  "token-weighted %.2f; text alone (control codes left out) %.2f windowed, per-record mean %.2f / "
                  "median %.2f / token-weighted %.2f%s", name, ppl.windowed, ppl.tokens, ppl.per_record_mean,
                  ppl.per_record_median, ppl.per_record_token_weighted, text["windowed"], text["per_record_mean"],
-                 text["per_record_median"], text["per_record_token_weighted"], " (cached)" if name in self.known else "")
+                 text["per_record_median"], text["per_record_token_weighted"],
+                 " (cached)" if name in self.known else "")
         return {"model": path, **ppl.__dict__}
 
 

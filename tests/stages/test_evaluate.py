@@ -34,7 +34,7 @@ def _context_free(tok):
 
 
 @torch.no_grad()
-def _by_hand(model, records: list[list[int]], headers: list[int]) -> tuple[list[float], list[int], list[float], list[int]]:
+def _by_hand(model, records: list[list[int]], headers: list[int]) -> tuple[list, list, list, list]:
     """Per record: summed NLL and targets over all its tokens, and over its text tokens
     (index >= its header's length), from one forward pass per window of `WINDOW` tokens."""
     nll, cnt, t_nll, t_cnt = [], [], [], []
@@ -45,12 +45,16 @@ def _by_hand(model, records: list[list[int]], headers: list[int]) -> tuple[list[
             x = torch.tensor([ids[start : start + WINDOW]])
             if x.shape[1] < 2:
                 continue
-            losses = torch.nn.functional.cross_entropy(model(x, attention_mask=torch.ones_like(x)).logits[0, :-1].float(), x[0, 1:], reduction="none")
+            logits = model(x, attention_mask=torch.ones_like(x)).logits[0, :-1].float()
+            losses = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
             for offset, loss in enumerate(losses.tolist()):
                 a, n = a + loss, n + 1
                 if start + 1 + offset >= h:  # the predicted token is text (eos included)
                     b, m = b + loss, m + 1
-        nll.append(a), cnt.append(n), t_nll.append(b), t_cnt.append(m)
+        nll.append(a)
+        cnt.append(n)
+        t_nll.append(b)
+        t_cnt.append(m)
     return nll, cnt, t_nll, t_cnt
 
 
