@@ -258,14 +258,17 @@ class TeacherConfig(_Section):
             raise ValueError(f"target_delta={self.target_delta} must be in (0, 1), or '1/(10N)' or '1/N'")
         return self
     max_grad_norm: float = Field(1.0, gt=0, description="Per-example clipping norm C.")
-    epochs: int = Field(3, ge=1, description="Passes over the data (in expectation, Poisson).")
+    epochs: int = Field(
+        3, ge=1, description="Passes over the data (in expectation, Poisson). This section's training settings "
+        "also train the student under distill.method=dp_sgd or dpkd.",
+    )
     batch_size: int = Field(
         256, ge=1, description="Expected logical batch size; sampling rate q = batch_size / N."
     )
     physical_batch_size: int = Field(
         16, ge=1, description="Examples per forward/backward pass (BatchMemoryManager)."
     )
-    learning_rate: float = Field(1e-4, gt=0)
+    learning_rate: float = Field(1e-4, gt=0, description="Also the DP-SGD student's (distill.method=dp_sgd, dpkd).")
     weight_decay: float = Field(0.0, ge=0)
     max_length: int = Field(128, ge=8, description="Tokens per training record (truncated).")
     accountant: Literal["prv", "rdp", "gdp"] = Field("prv", description="Opacus accountant.")
@@ -446,7 +449,10 @@ class DistillConfig(_Section):
         description="'distil': ours, KD from the DP teacher on synthetic data; 'dp_syn': synthetic "
         "data only (α=0); 'dp_sgd': the student itself DP fine-tuned on the private data at the "
         "teacher's ε; 'dpkd': teacher at ε/2, then the student DP fine-tuned at ε/2 with the KD "
-        "loss on private data. The base student ('zero-shot') is always evaluated.",
+        "loss on private data. dp_sgd and dpkd train the student with the `teacher` section's "
+        "settings (epochs, batch_size, learning_rate, max_grad_norm, max_length, ...), not this "
+        "section's epochs, batch_size or learning_rate: tune them there (a warning names any set here). "
+        "The base student ('zero-shot') is always evaluated.",
     )
     student_model: str = Field(
         "builtin:student",
@@ -472,11 +478,21 @@ class DistillConfig(_Section):
         "included, which the test perplexity counts too; with alpha=1 the KL is the student's only "
         "signal for them.",
     )
-    epochs: int = Field(2, ge=1)
-    batch_size: int = Field(16, ge=1)
-    learning_rate: float = Field(8e-5, gt=0)
-    warmup_fraction: float = Field(0.05, ge=0, lt=1, description="Linear warm-up, then linear decay.")
-    weight_decay: float = Field(0.0, ge=0)
+    epochs: int = Field(
+        2, ge=1, description="Passes of the distillation over the synthetic data. Not used by method=dp_sgd "
+        "or dpkd, whose student trains with DP-SGD with teacher.epochs.",
+    )
+    batch_size: int = Field(
+        16, ge=1, description="Distillation batch size. Not used by method=dp_sgd or dpkd (teacher.batch_size).",
+    )
+    learning_rate: float = Field(
+        8e-5, gt=0, description="Distillation learning rate. Not used by method=dp_sgd or dpkd, whose "
+        "student trains with DP-SGD with teacher.learning_rate.",
+    )
+    warmup_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Linear warm-up, then linear decay (the distillation; not dp_sgd or dpkd).",
+    )
+    weight_decay: float = Field(0.0, ge=0, description="The distillation's (dp_sgd and dpkd: teacher.weight_decay).")
     eval_every: int = Field(
         50, ge=1, description="Steps between evaluations on the synthetic validation split."
     )

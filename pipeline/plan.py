@@ -152,11 +152,31 @@ def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
                        sample_rate=1.0, steps=1, privacy_unit=unit, history=history, note="planned")
 
 
+# The distill fields that only the distillation reads: a DP-SGD student (dp_sgd, dpkd) trains with
+# the teacher section's recipe (flows/pipeline_flow.py dp_student_task), so a value set here is unused.
+DISTILL_ONLY = ("epochs", "batch_size", "learning_rate", "warmup_fraction", "weight_decay", "patience")
+
+
+def ignored_distill_settings(cfg: PipelineConfig) -> str | None:
+    """The warning for distill training settings a DP-SGD student does not read, when any is set."""
+    ignored = [f for f in DISTILL_ONLY if f in cfg.distill.model_fields_set]
+    if cfg.distill.method not in ("dp_sgd", "dpkd") or not ignored:
+        return None
+    t = cfg.teacher
+    return (f"distill.method={cfg.distill.method} trains the student with DP-SGD on the teacher section's "
+            f"settings (teacher.epochs={t.epochs}, teacher.batch_size={t.batch_size}, "
+            f"teacher.learning_rate={t.learning_rate:g}, teacher.max_grad_norm={t.max_grad_norm:g}, ...), not the "
+            f"distill section's: {', '.join(f'distill.{f}={getattr(cfg.distill, f)}' for f in ignored)} "
+            f"{'is' if len(ignored) == 1 else 'are'} not used. To tune the DP-SGD student, set teacher.* "
+            "(e.g. teacher.epochs, teacher.learning_rate).")
+
+
 def _warnings(cfg: PipelineConfig) -> list[str]:
+    out = [w] if (w := ignored_distill_settings(cfg)) else []
     if cfg.precision != "bf16" or cfg.device.startswith("cuda"):  # pre-flight checks a GPU's bf16
-        return []
+        return out
     warning = slow_bf16_warning(resolve_device(cfg.device, cfg.precision), cfg.precision)
-    return [warning] if warning else []
+    return out + ([warning] if warning else [])
 
 
 def _untied_parameters(cfg: PipelineConfig, stage: str) -> int | None:

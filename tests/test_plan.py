@@ -21,7 +21,7 @@ from cli_probe import child_pythonpath
 from pipeline.config import config_from_dict
 from pipeline.devices import CPU_FP32, Runtime, cpu_has_native_bf16, slow_bf16_warning
 from pipeline.models.base import SHIPPED, causal_lm_from_config
-from pipeline.plan import _new_tokens, _typical_lengths, make_plan, padded_tokens
+from pipeline.plan import _new_tokens, _typical_lengths, ignored_distill_settings, make_plan, padded_tokens
 from pipeline.privacy.control_codes import release_control_codes
 from pipeline.privacy.ledger import compose
 from pipeline.stages.data import prepare_data
@@ -222,3 +222,20 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned_once(tmp_path, tiny_model_d
     cfg = config_from_dict({**_tree(tmp_path, tiny_model_dir), "precision": "bf16"})
     expected = [] if cpu_has_native_bf16() is not False else [slow_bf16_warning(cpu, "bf16")]
     assert make_plan(cfg, timing=False).warnings == expected
+
+
+def test_a_dp_sgd_student_says_which_distill_settings_it_does_not_read(tmp_path, tiny_model_dir):
+    """Issue 37: distill.method=dp_sgd trained with the teacher section and silently ignored
+    distill.epochs / distill.learning_rate. The plan (said by `dpdistill plan` and at a run's
+    start) names the ignored settings and where the student's are; unset, or distilling: nothing."""
+    tree = _tree(tmp_path, tiny_model_dir)
+    tree["distill"] = {"student_model": tree["distill"]["student_model"], "method": "dp_sgd", "epochs": 5,
+                       "learning_rate": 1e-3}
+    [line] = make_plan(config_from_dict(tree), timing=False).warnings
+    assert "distill.epochs=5, distill.learning_rate=0.001 are not used" in line
+    assert f"teacher.epochs={tree['teacher']['epochs']}" in line and "set teacher.*" in line
+    for method, warned in (("dpkd", True), ("distil", False)):
+        cfg = config_from_dict({**tree, "distill": {**tree["distill"], "method": method}})
+        assert (ignored_distill_settings(cfg) is not None) == warned, method
+    del tree["distill"]["epochs"], tree["distill"]["learning_rate"]
+    assert ignored_distill_settings(config_from_dict(tree)) is None  # the defaults are nobody's choice
