@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from flows.run_info import STAGES, stages_to_rerun  # noqa: F401 (re-exported)
 from pipeline.privacy.control_codes import CodesResult
 from pipeline.config import PipelineConfig
-from pipeline.stages.data import DataResult
+from pipeline.stages.data import DataResult, deleted_as_recorded
 from pipeline.stages.distill import DistillResult
 from pipeline.stages.generate import GenerateResult
 from pipeline.manifest import manifest_digest, manifest_problems
@@ -82,6 +82,13 @@ def stale_reason(result: Any) -> str | None:
         return None
     problems = manifest_problems(stage_dir)
     return "; ".join(problems[:3]) if problems else None
+
+
+def deleted_after_evaluation(result: Any) -> bool:
+    """Whether a cached data stage is stale only because its run deleted its private splits after
+    evaluation, as it recorded (data.keep_private_copies=false, the default): the expected event
+    of every rerun, not damage. Any other missing or changed file is not this."""
+    return isinstance(result, DataResult) and deleted_as_recorded(Path(result.train).parent)
 
 
 def _describe(value: Any) -> Any:

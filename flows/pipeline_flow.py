@@ -26,7 +26,8 @@ from prefect.runtime import flow_run
 from prefect.utilities.callables import get_call_parameters
 
 from flows.artifacts import publish_ledger, publish_metrics, publish_report, publish_synthetic_sample
-from flows.caching import CACHE_LOCKS, PERPLEXITY_DIR, RESULTS_DIR, STAGE_DIRS, StageCache, stage_dir_of, stale_reason
+from flows.caching import (CACHE_LOCKS, PERPLEXITY_DIR, RESULTS_DIR, STAGE_DIRS, StageCache, deleted_after_evaluation,
+                           stage_dir_of, stale_reason)
 from flows.generation import generate_with_workers
 from flows.progress import StageProgress
 from flows.run_info import (  # noqa: F401 (RunDirError re-exported)
@@ -426,8 +427,13 @@ class StageRunner:
                     "to reuse its result", stage)):
                 result, cached = self._call(task_fn, args, refresh=forced)
                 if cached and (reason := stale_reason(result)):
-                    self.log.warning("%s: the cached result cannot be trusted (%s); running the stage again",
-                                     stage, reason)
+                    if deleted_after_evaluation(result):
+                        self.log.info("data: the private splits of %s were deleted after its evaluation "
+                                      "(data.keep_private_copies=false), as recorded; writing them again",
+                                      stage_dir_of(result).parent)
+                    else:
+                        self.log.warning("%s: the cached result cannot be trusted (%s); running the stage again",
+                                         stage, reason)
                     result, cached = self._call(task_fn, args, refresh=True)
                 elif cached and stage == "data" and self._borrowed_private_copies(result):
                     # Their run deletes them when its evaluation ends, maybe while this run still

@@ -98,20 +98,38 @@ def manifest_problems(stage_dir: Path) -> list[str]:
     """Why `stage_dir` cannot be trusted as finished: no manifest, a damaged one, or an output
     missing or changed since the manifest was written. Empty when every output matches its
     hash. A cached stage with a problem runs again (flows/caching.py `stale_reason`)."""
+    return [problem for _, problem in _checked(stage_dir)]
+
+
+def missing_outputs(stage_dir: Path) -> dict[str, str] | None:
+    """The outputs of `stage_dir` that are missing, by name, with the sha256 their manifest
+    records, when missing outputs are its only problems; None when it has another (no
+    manifest, a damaged one, an output changed)."""
+    missing = {}
+    for item, _ in _checked(stage_dir):
+        if item is None:
+            return None
+        missing[item[0]] = item[1]
+    return missing
+
+
+def _checked(stage_dir: Path) -> list[tuple[tuple[str, str] | None, str]]:
+    """Each problem of `stage_dir` in words, with (output name, recorded sha256) where it is a
+    missing output (None for any other problem)."""
     path = Path(stage_dir) / MANIFEST
     if not path.is_file():
-        return [f"{path} is missing"]
+        return [(None, f"{path} is missing")]
     try:
         outputs = dict(json.loads(path.read_text())["outputs"])
         items = [(name, Path(item["path"]), item["sha256"]) for name, item in outputs.items()]
     except (ValueError, KeyError, TypeError) as e:  # truncated or edited: JSON, shape or encoding
-        return [f"{path} is damaged ({type(e).__name__}), so the stage's outputs cannot be checked"]
+        return [(None, f"{path} is damaged ({type(e).__name__}), so the stage's outputs cannot be checked")]
     problems = []
     for name, f, sha in items:
         if not f.is_file():
-            problems.append(f"{name}: {f} is missing")
+            problems.append(((name, sha), f"{name}: {f} is missing"))
         elif sha256_file(f) != sha:
-            problems.append(f"{name}: {f} changed since its manifest was written")
+            problems.append((None, f"{name}: {f} changed since its manifest was written"))
     return problems
 
 

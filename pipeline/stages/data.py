@@ -32,13 +32,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import DataConfig
-from pipeline.manifest import write_manifest
+from pipeline.manifest import MANIFEST, atomic_write_json, missing_outputs, write_manifest
 from pipeline.records import (CODE_JOINER, ROW_GROUP, TOKENIZED_DIR, DataError, code_name, column_type_problem,
                               parquet_batches, read_batches, read_split, read_table, split_key)
 
 log = logging.getLogger(__name__)
 
 MAX_PROBLEMS = 20  # unusable records named in one error
+DELETED = "deleted.json"  # beside the manifest: the private splits deleted after evaluation, by name and sha256
 FORMAT_ROWS = 8_192  # rows validated at a time: their texts are Python strings while they are
 
 
@@ -249,17 +250,40 @@ def delete_private_copies(result: DataResult) -> list[Path]:
     """Delete the private splits and their tokenized copies once nothing reads them any more
     (after evaluation). The splits' sha256 stay in the data manifest; a later run with the
     same data under the same run root rewrites identical files (the split depends on the run
-    root's key alone), so the stages after it stay cached."""
-    deleted = []
-    for path in (result.train, result.validation, result.test):
+    root's key alone), so the stages after it stay cached. Which splits were deleted is
+    recorded (`DELETED`): a later run that finds exactly them missing meets the expected
+    event, not damage (`deleted_as_recorded`)."""
+    data_dir = Path(result.train).parent
+    outputs = {name: item["sha256"] for name, item in json.loads((data_dir / MANIFEST).read_text())["outputs"].items()}
+    deleted, names = [], {}
+    for name, path in (("train", result.train), ("validation", result.validation), ("test", result.test)):
         if Path(path).is_file():
             Path(path).unlink()
             deleted.append(Path(path))
-    tokenized = Path(result.train).parent / TOKENIZED_DIR
+            names[name] = outputs[name]
+    tokenized = data_dir / TOKENIZED_DIR
     if tokenized.is_dir():
         shutil.rmtree(tokenized)
         deleted.append(tokenized)
+    recorded = _deleted_record(data_dir)  # a second deletion (a resumed run) adds to the first
+    atomic_write_json(data_dir / DELETED, {"deleted": {**recorded, **names},
+                                           "why": "data.keep_private_copies=false: deleted after evaluation"})
     return deleted
+
+
+def _deleted_record(data_dir: Path) -> dict[str, str]:
+    try:
+        return dict(json.loads((Path(data_dir) / DELETED).read_text())["deleted"])
+    except (OSError, ValueError, KeyError, TypeError):  # none, or unreadable: nothing recorded
+        return {}
+
+
+def deleted_as_recorded(data_dir: Path) -> bool:
+    """Whether the data stage's only problem is that private splits are missing, and exactly
+    those that `delete_private_copies` recorded deleting (by name and sha256): the expected
+    state of a finished run, not a damaged one."""
+    missing = missing_outputs(data_dir)
+    return bool(missing) and missing == _deleted_record(data_dir)
 
 
 class _SplitWriter:
@@ -442,6 +466,7 @@ def prepare_data(
                         n_train=counts["train"], n_validation=counts["validation"], n_test=counts["test"],
                         n_dropped=len(findings.dropped) + len(test_dropped))
     inputs = {"data": cfg.path} | ({"test_data": cfg.test_path} if cfg.test_path else {})
+    (out_dir / DELETED).unlink(missing_ok=True)  # the splits are here again: a record of their deletion is stale
     write_manifest(
         out_dir,
         stage="data",

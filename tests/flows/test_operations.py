@@ -51,7 +51,14 @@ def test_cached_stages_config_changes_and_reruns(prefect_server, tmp_path, capsy
 
     manifest = first / "evaluation" / "manifest.json"  # a truncated manifest of a cached stage:
     manifest.write_text(manifest.read_text()[:40])  # that stage runs again, no JSON traceback
+    caplog.clear()
     second = Path(dp_distill(cfg))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    # the splits deleted after the first run's evaluation: the expected event, at INFO (issue 37);
+    # the truncated manifest is damage, and still a warning
+    assert any(level == "INFO" and "private splits of" in m and "as recorded" in m for level, m in said)
+    assert not any("train.parquet is missing" in m for _, m in said)
+    assert any(level == "WARNING" and "evaluation: the cached result cannot be trusted" in m for level, m in said)
     assert _stages(second).pop("evaluation") == "ran"
     assert second != first and _stages(second).pop("data") == "ran"  # its splits were deleted: rewritten
     assert json.loads((second / "run.json").read_text())["records_id"] == sha  # the same records, the same budget

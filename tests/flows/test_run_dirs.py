@@ -9,7 +9,7 @@ import pytest
 import yaml
 from conftest import YELP_TEST, YELP_TRAIN, tiny_pipeline_dict
 
-from flows.caching import RESULTS_DIR
+from flows.caching import RESULTS_DIR, deleted_after_evaluation
 from flows.cli import main
 from flows.run_dirs import checked_run_dir, new_run_dir, prepare_run_root
 from flows.run_info import RUN_INFO, TOOL, RunDirError
@@ -60,8 +60,20 @@ def test_private_splits_are_0600_and_can_be_deleted(tmp_path, open_umask):
     assert not any(p.exists() for p in splits)
     assert (tmp_path / "data" / "manifest.json").is_file()  # their hashes stay
     assert len(manifest_problems(tmp_path / "data")) == 3  # a cache hit on it is stale: the stage reruns
+    # ... as the expected event of a rerun, said at INFO: exactly the splits recorded as deleted are missing
+    assert deleted_after_evaluation(result)
     again = prepare_data(cfg, tmp_path / "data", key=key)
     assert manifest_problems(tmp_path / "data") == [] and isinstance(again, DataResult)
+    assert not (tmp_path / "data" / "deleted.json").exists()  # the splits are back: no stale record
+
+    # Anything else missing or changed keeps the warning: a split deleted by hand, not recorded ...
+    Path(again.train).unlink()
+    assert manifest_problems(tmp_path / "data") and not deleted_after_evaluation(again)
+    # ... or recorded as deleted, while another split changed since its manifest
+    again = prepare_data(cfg, tmp_path / "data", key=key)
+    delete_private_copies(again)
+    Path(again.test).write_bytes(b"not the split")
+    assert not deleted_after_evaluation(again)
 
 
 def test_keep_private_copies_defaults_to_false():
