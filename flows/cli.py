@@ -602,8 +602,25 @@ def run_pipeline(args) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `key=value` overrides anywhere on it: argparse gives a positional
+    `nargs="*"` only the words before the first option, so `run --config c.yaml a=1 --force
+    generation b=2` left b=2 "unrecognized" (issue 37). The rest of the line's key=value words
+    join the overrides, in order; an unknown option, or an override given to a command that
+    takes none, is still an error."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    late = [word for word in rest if "=" in word and not word.startswith("-")]
+    unknown = [word for word in rest if word not in late] + (late if not hasattr(args, "overrides") else [])
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         if args.command == "status":
             return print_status(Path(args.run_dir))

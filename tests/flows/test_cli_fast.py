@@ -211,3 +211,22 @@ def test_ledger_show_on_a_run_stopped_before_its_ledger_says_why(run_dir, tmp_pa
     assert "has no ledger.json yet: the run stopped (interrupted)" in err and "dpdistill status" in err
     rc, out, err, _ = _cli("ledger", "show", str(tmp_path))
     assert rc == 2 and "is not a run directory" in err
+
+
+def test_overrides_are_taken_anywhere_on_the_line_and_unknown_options_still_refused(capsys):
+    """Issue 37: `run --config c.yaml a=1 --force generation b=2` failed with "unrecognized
+    arguments: b=2". Every key=value word is an override, in the order given."""
+    from flows.cli import parse_args
+
+    args = parse_args(["run", "--config", "c.yaml", "a=1", "--force", "generation", "b=2", "--from", "evaluation",
+                       "c.d=x=y"])
+    assert args.overrides == ["a=1", "b=2", "c.d=x=y"] and args.force == ["generation"]
+    assert args.rerun_from == "evaluation" and args.config == "c.yaml"
+    assert parse_args(["plan", "--config", "c.yaml", "a=1"]).overrides == ["a=1"]
+    for line in (["run", "--config", "c.yaml", "a=1", "--bogus", "b=2"],  # an unknown option
+                 ["run", "--config", "c.yaml", "--bogus=1"],
+                 ["status", "RUN", "a=1"]):  # status takes no overrides
+        with pytest.raises(SystemExit) as e:
+            parse_args(line)
+        assert e.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
