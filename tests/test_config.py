@@ -128,3 +128,21 @@ def test_default_delta_is_a_tenth_of_one_over_n():
         TeacherConfig(target_delta=1.5)
     with pytest.raises(ValueError):
         TeacherConfig(target_delta="1/N^2")
+
+
+def test_the_defaults_docs_pipeline_md_gives_are_the_configs():
+    """Issue 37: docs/pipeline.md gave kl_skip_tokens 5 and α 0.4 as defaults long after they
+    changed. Every "`distill.FIELD` (default VALUE" there is checked against DistillConfig, and
+    the default candidates against the page's "α = 0.4 and α = 1"."""
+    import re
+
+    from pipeline.config import DistillConfig
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
+    said = re.findall(r"`distill\.(\w+)` \(default ([^,:;)\s]+)", " ".join(text.split()))
+    assert {field for field, _ in said} >= {"alpha", "temperature", "beta", "kl_skip_tokens"}
+    defaults = DistillConfig()
+    for field, value in said:
+        assert float(value) == getattr(defaults, field), f"docs/pipeline.md: distill.{field} default {value}"
+    assert [c["alpha"] for c in defaults.candidates] == [0.4, 1.0]
+    assert "default two students are trained, α = 0.4 and α = 1" in " ".join(text.split())
