@@ -231,7 +231,7 @@ def canary_audit(
         for i, c in enumerate(canaries)
     ]
     ledger = read_ledger(run_dir / LEDGER)
-    teacher = next((e for e in ledger.entries if e.stage in ("teacher", "student") and e.epsilon), None)
+    teacher = next((e for e in ledger.entries if e.stage in ("teacher", "dp-student", "student") and e.epsilon), None)
     report = {
         "run_dir": str(run_dir),
         "data_copy": made["data_copy"] + " (deleted)",

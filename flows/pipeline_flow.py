@@ -127,7 +127,8 @@ def _dp_train(
     cfg: PipelineConfig, data: DataResult, run_dir: Path, *, stage: str, model: str, epsilon: float,
     kd: KnowledgeDistillation | None = None,
 ) -> TeacherResult:
-    done = finished_teacher(run_dir / stage)
+    out_dir = run_dir / STAGE_DIRS[stage]  # teacher/, or student/ for the dp-student stage
+    done = finished_teacher(out_dir)
     if done is not None:
         get_run_logger().info("%s: already finished in this run directory, reusing it (no new budget spent)", stage)
         return done
@@ -142,7 +143,7 @@ def _dp_train(
             train_path=data.train,
             validation_path=data.validation,
             base_model=model,
-            out_dir=run_dir / stage,
+            out_dir=out_dir,
             seed=cfg.seed,
             stage=stage,
             kd=kd,
@@ -236,7 +237,7 @@ def dp_student_task(
     kd = None
     if teacher is not None:  # dpkd
         kd = KnowledgeDistillation(teacher.checkpoint, cfg.distill.alpha, cfg.distill.temperature)
-    return _dp_train(cfg, data, run_dir, stage="student", model=resolve_model(cfg.distill.student_model, base),
+    return _dp_train(cfg, data, run_dir, stage="dp-student", model=resolve_model(cfg.distill.student_model, base),
                      epsilon=epsilon, kd=kd)
 
 
@@ -597,7 +598,7 @@ def _run_stages(
         if student.selection_ledger is not None:
             ledger.append(student.selection_ledger)
     else:  # dp_sgd, dpkd: the student itself trains on the private data with DP-SGD
-        student_epsilon = dp_sgd_budgets(cfg)["student"]
+        student_epsilon = dp_sgd_budgets(cfg)["dp-student"]
         student = stage("dp-student", dp_student_task, cfg, data, base, teacher, student_epsilon, out)
         ledger += _dp_sgd_entries(student)
     evaluation = stage("evaluation", evaluation_task, cfg, data, base, teacher, student, synthetic, codes, out)
@@ -610,7 +611,7 @@ def _run_stages(
     )
     final = typed(ledger)
     write_ledger(out / LEDGER, final)
-    made_by = "student" if method in ("dp_sgd", "dpkd") else "distillation"
+    made_by = "dp-student" if method in ("dp_sgd", "dpkd") else "distillation"
     for model, stage_name in ((teacher, "teacher"), (student, made_by)):
         if model is not None and Path(model.checkpoint).resolve().is_relative_to(out):  # not a cached run's copy
             write_model_card(model.checkpoint, final, stage=stage_name, run_name=out.name)

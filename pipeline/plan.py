@@ -82,7 +82,7 @@ def dp_sgd_budgets(cfg: PipelineConfig) -> dict[str, float]:
     eps = cfg.teacher.target_epsilon
     return {
         "distil": {"teacher": eps}, "dp_syn": {"teacher": eps},
-        "dpkd": {"teacher": eps / 2, "student": eps - eps / 2}, "dp_sgd": {"student": eps},
+        "dpkd": {"teacher": eps / 2, "dp-student": eps - eps / 2}, "dp_sgd": {"dp-student": eps},
     }[cfg.distill.method]
 
 
@@ -308,7 +308,7 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
         padded = max(drawn)
         share = padded_tokens(drawn, t.physical_batch_size) / (len(drawn) * padded)  # of the step at `padded`
         step = timer.teacher_step(name, records, padded)
-        if entry.stage == "student" and cfg.distill.method == "dpkd":  # the teacher's forward on the same batches
+        if entry.stage == "dp-student" and cfg.distill.method == "dpkd":  # the teacher's forward on the same batches
             step += records / t.physical_batch_size * timer.forward(t.model, t.physical_batch_size, padded)
         step *= share
         checks = len(monitor_points(entry.steps, t.log_every))

@@ -231,7 +231,9 @@ def test_a_dp_sgd_student_says_which_distill_settings_it_does_not_read(tmp_path,
     tree = _tree(tmp_path, tiny_model_dir)
     tree["distill"] = {"student_model": tree["distill"]["student_model"], "method": "dp_sgd", "epochs": 5,
                        "learning_rate": 1e-3}
-    [line] = make_plan(config_from_dict(tree), timing=False).warnings
+    plan = make_plan(config_from_dict(tree), timing=False)
+    assert [e.stage for e in plan.entries] == ["dp-student"]  # the flow stage's name, in the ledger too
+    [line] = plan.warnings
     assert "distill.epochs=5, distill.learning_rate=0.001 are not used" in line
     assert f"teacher.epochs={tree['teacher']['epochs']}" in line and "set teacher.*" in line
     for method, warned in (("dpkd", True), ("distil", False)):

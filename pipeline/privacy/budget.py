@@ -38,10 +38,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.config import ConfigError
-from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, fmt_value
+from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, current_stage_name, fmt_value
 from pipeline.locks import file_lock
 from pipeline.manifest import atomic_write_chunks, atomic_write_json, atomic_write_text, private_dir
 
@@ -63,6 +63,11 @@ class Release(BaseModel):
     recorded_at: str
     entry: LedgerEntry
     """The stage's ledger entry: δ, the (σ, q, steps) history or the pure ε, privacy unit."""
+
+    @field_validator("stage")
+    @classmethod
+    def _current_name(cls, stage: str) -> str:  # a budget written before a stage was renamed
+        return current_stage_name(stage)
 
 
 class StoredTotal(BaseModel):

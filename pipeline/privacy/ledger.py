@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from pipeline.manifest import atomic_write_json
 
@@ -31,6 +31,18 @@ ADJACENCY_NOTE = (
     "the guarantee against an attacker who knows it (dp-accounting PLD; docs/privacy.md). "
     "epsilon_rdp, epsilon_pld: add/remove checks of epsilon by Opacus' RDP and dp-accounting's PLD accountants."
 )
+# Stage names that changed, read under their current name. The DP-SGD student's entry was
+# 'student' while its flow stage (`--from`, `--force`, stages.json, status) and its release in
+# the dataset's budget were 'dp-student' (issue 37): one name now, and ledgers and budgets
+# written before still read.
+RENAMED_STAGES = {"student": "dp-student", "student-validation": "dp-student-validation"}
+
+
+def current_stage_name(stage: str) -> str:
+    """A stage's name as ledgers write it now (RENAMED_STAGES)."""
+    return RENAMED_STAGES.get(stage, stage)
+
+
 TEST_HOOK = "TEST HOOK"
 """How a `noise_source` made through the test-only fixed-noise hook starts (pipeline/privacy/noise.py)."""
 
@@ -75,6 +87,11 @@ class LedgerEntry(BaseModel):
     already untied); a tied weight would get one clipping norm per use."""
     note: str
 
+    @field_validator("stage")
+    @classmethod
+    def _current_name(cls, stage: str) -> str:
+        return current_stage_name(stage)
+
 
 class LedgerTotal(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -99,7 +116,7 @@ class PrivacyLedger(BaseModel):
     total: LedgerTotal | None = None
 
     def entry(self, stage: str) -> LedgerEntry:
-        return next(e for e in self.entries if e.stage == stage)
+        return next(e for e in self.entries if current_stage_name(e.stage) == current_stage_name(stage))
 
 
 def post_processing(stage: str, note: str) -> LedgerEntry:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.privacy.ledger import LedgerEntry, PrivacyLedger, fmt_value
+from pipeline.privacy.ledger import LedgerEntry, PrivacyLedger, current_stage_name, fmt_value
 from pipeline.manifest import atomic_write_text
 
 CARD = "README.md"
 
 _ROLES = {
     "teacher": "the DP teacher: fine-tuned with DP-SGD on the private training split",
-    "student": "the DP student: the student itself fine-tuned with DP-SGD on the private training split",
+    "dp-student": "the DP student: the student itself fine-tuned with DP-SGD on the private training split",
     "distillation": "the distilled student: trained only on synthetic text sampled from the DP teacher "
     "and on the teacher's outputs, never on a private record (post-processing: no further privacy cost)",
 }
@@ -53,18 +53,19 @@ def _held_out(e) -> list[str]:
 def _trained_by(ledger: PrivacyLedger, stage: str) -> LedgerEntry:
     """The DP-SGD entry behind a model: its own stage's, or the teacher's for a model
     computed from the teacher only (distillation)."""
-    own = [e for e in ledger.entries if e.stage == stage and e.mechanism == "subsampled_gaussian"]
+    own = [e for e in ledger.entries
+           if current_stage_name(e.stage) == current_stage_name(stage) and e.mechanism == "subsampled_gaussian"]
     if own:
         return own[0]
     return next(e for e in ledger.entries if e.mechanism == "subsampled_gaussian")
 
 
 def model_card(ledger: PrivacyLedger, stage: str, run_name: str | None = None) -> str:
-    """The card's Markdown for the model made by `stage` ('teacher', 'student' for the
+    """The card's Markdown for the model made by `stage` ('teacher', 'dp-student' for the
     DP-SGD baselines' student, 'distillation' for the distilled student)."""
     e = _trained_by(ledger, stage)
     total = ledger.total
-    role = _ROLES.get(stage, stage)
+    role = _ROLES.get(current_stage_name(stage), stage)
     lines = [
         f"# Model card{f' ({run_name})' if run_name else ''}",
         "",

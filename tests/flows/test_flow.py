@@ -176,14 +176,14 @@ def test_baselines_run_through_the_same_flow(prefect_server, tmp_path, method):
         log = json.loads((run / "student" / "training_log.json").read_text())
         assert all(h["kl"] == 0 or h["loss"] == pytest.approx(h["ce"]) for h in log["history"])
     elif method == "dp_sgd":
-        assert stages == ["student", "evaluation"]
-        student = typed.entry("student")
+        assert stages == ["dp-student", "evaluation"]
+        student = typed.entry("dp-student")
         assert student.epsilon <= eps and student.epsilon > 0.9 * eps
         assert typed.total.complete and typed.total.epsilon == pytest.approx(student.epsilon)
         assert not (run / "synthetic").exists()
     else:  # dpkd: ε/2 + ε/2, composed by the accountant
-        assert stages == ["teacher", "student", "evaluation"]
-        t, s = typed.entry("teacher"), typed.entry("student")
+        assert stages == ["teacher", "dp-student", "evaluation"]
+        t, s = typed.entry("teacher"), typed.entry("dp-student")
         assert t.epsilon <= eps / 2 and s.epsilon <= eps / 2 and "KD loss" in s.note
         assert typed.total.complete and max(t.epsilon, s.epsilon) < typed.total.epsilon <= t.epsilon + s.epsilon
 

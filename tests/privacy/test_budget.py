@@ -96,6 +96,37 @@ def test_ledger_show_and_summary_list_all_releases_on_the_dataset(tmp_path, caps
     assert "2 DP releases" in summary and "tiny-1" in summary
 
 
+def test_the_dp_sgd_student_has_one_name_and_ledgers_written_before_read_under_it(tmp_path, capsys):
+    """Issue 37: `ledger show` named the DP-SGD student's stage `student` in the run's ledger and
+    `dp-student` in the dataset's budget (the flow stage's name, as --from, status and stages.json
+    give it). New entries are `dp-student`; a ledger and a budget written before, with `student`
+    and `student-validation`, read under the current names."""
+    root = tmp_path / "runs"
+    run = root / "tiny-1"
+    run.mkdir(parents=True)
+    trained = _teacher(1.0, 30).model_copy(update={"stage": "dp-student"})
+    released = trained.model_copy(update={"stage": "dp-student-validation", "mechanism": "gaussian",
+                                          "history": [(5.0, 1.0, 6)], "sample_rate": 1.0, "steps": 6})
+    write_ledger(run / "ledger.json", PrivacyLedger(entries=[trained, released],
+                                                    total=compose([trained, released], "prv", DELTA)))
+    atomic_write_json(run / "run.json", {"tool": "dpdistill", "run_root": str(root), "dataset_sha256": SHA})
+    record_release(root, SHA, release_id="1" * 64, stage="dp-student", run_dir=run, entry=trained)
+    record_release(root, SHA, release_id="1" * 64 + ":validation", stage="dp-student-validation", run_dir=run,
+                   entry=released)
+    for path in (run / "ledger.json", budget_path(root, SHA)):  # as the code before issue 37 wrote them
+        old = path.read_text().replace('"dp-student-validation"', '"student-validation"')
+        path.write_text(old.replace('"stage": "dp-student"', '"stage": "student"'))
+    assert '"student"' in (run / "ledger.json").read_text() and '"student-validation"' in budget_path(root, SHA).read_text()
+
+    ledger = read_ledger(run / "ledger.json")
+    assert [e.stage for e in ledger.entries] == ["dp-student", "dp-student-validation"]
+    assert ledger.entry("student") == ledger.entry("dp-student")  # an old caller's name still finds it
+    assert sorted(r.stage for r in read_budget(root, SHA).releases) == ["dp-student", "dp-student-validation"]
+    assert main(["ledger", "show", str(run)]) == 0
+    stages = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert "dp-student" in stages and "student" not in stages and "student-validation" not in stages
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_concurrent_writers_lose_no_release(tmp_path):
     """Four processes recording at once: the lock keeps every release."""
