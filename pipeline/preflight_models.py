@@ -15,7 +15,10 @@ error from inside a stage (issue 35).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from opacus.utils.module_utils import trainable_modules
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import PipelineConfig, TeacherConfig
@@ -83,14 +86,29 @@ def _dp_sgd_problems(field: str, name: str, config, t: TeacherConfig) -> list[st
     if t.mode == "bitfit" and (problem := bitfit_problem(model)):
         return [f"{field} {name!r}: {problem}"]
     model = prepare_trainable(model, t)
-    if t.grad_sample_mode != "bk":
-        return []  # Opacus' ghost and hooks fall back to per-sample gradients for any layer
-    problems = bk_problems(model)
+    if t.grad_sample_mode == "bk":
+        problems, clipping = bk_problems(model), "book-keeping clipping (teacher.grad_sample_mode=bk)"
+    else:
+        problems = [f"{n} ({type(m).__name__}): {why}; use teacher.grad_sample_mode=bk"
+                    for n, m in trainable_modules(model) if (why := _opacus_problem(m))]
+        clipping = f"Opacus' {t.grad_sample_mode} clipping (teacher.grad_sample_mode={t.grad_sample_mode})"
     if not problems:
         return []
     more = f" (and {len(problems) - MAX_NAMED} more)" if len(problems) > MAX_NAMED else ""
-    return [f"{field} {name!r}: book-keeping clipping (teacher.grad_sample_mode=bk) cannot train "
-            f"{'; '.join(problems[:MAX_NAMED])}{more}"]
+    return [f"{field} {name!r}: {clipping} cannot train {'; '.join(problems[:MAX_NAMED])}{more}"]
+
+
+def _opacus_problem(module: torch.nn.Module) -> str | None:
+    """Why Opacus' hooks (ghost and hooks clipping) cannot wrap this trainable layer. They compute
+    per-sample gradients of any layer (functorch for unknown ones), but refuse a layer holding
+    buffers (Gemma's scaled embedding), and detach every positional input of the layer, so one
+    whose forward takes numbers (OPT's learned positions: a mask and an int offset) fails."""
+    if next(module.buffers(), None) is not None:
+        return "a trainable layer holding buffers, which Opacus refuses"
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    if any(p.annotation in (int, float, bool, "int", "float", "bool") for p in params):
+        return "its forward takes numbers beside tensors, which Opacus' hooks cannot detach"
+    return None
 
 
 def _tokenizer_problem(cfg: PipelineConfig) -> str | None:

@@ -66,6 +66,12 @@ def test_what_no_stage_can_run_is_named_with_its_fix(tmp_path, model_dirs):
     t5 = model_problems(config_from_dict(_cfg(tmp_path, model_dirs["t5"], model_dirs["t5"])))
     assert any("'t5' model, not a causal language model" in p for p in t5), t5
     assert any("generate.engine=fast cannot decode" in p and "generate.engine=hf" in p for p in t5), t5
+    ghost = model_problems(config_from_dict(_cfg(tmp_path, model_dirs["gemma"], model_dirs["gemma"],
+                                                  grad_sample_mode="ghost")))
+    assert len(ghost) == 1 and "model.embed_tokens (GemmaTextScaledWordEmbedding)" in ghost[0], ghost
+    assert "use teacher.grad_sample_mode=bk" in ghost[0]
+    opt = model_problems(config_from_dict(_cfg(tmp_path, model_dirs["opt"], model_dirs["opt"], grad_sample_mode="hooks")))
+    assert len(opt) == 1 and "embed_positions (OPTLearnedPositionalEmbedding): its forward takes numbers" in opt[0], opt
     mixed = model_problems(config_from_dict(_cfg(tmp_path, llama, model_dirs["other-tokenizer"])))
     assert len(mixed) == 1 and "use different tokenizers" in mixed[0] and "distill.student_model" in mixed[0]
 
