@@ -38,6 +38,8 @@ from pipeline.config import ConfigError, load_config
 from pipeline.reports import STAGE_WORDS
 from pipeline.privacy.ledger import LEDGER, format_table, read_ledger
 
+AUDIT_INCOMPLETE = 3
+"""`dpdistill audit`'s exit status when nothing was found but not everything could be read."""
 EPHEMERAL_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 
 
@@ -161,8 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     ledger.add_argument("run_dir", help="a run directory (holding ledger.json)")
     audit = sub.add_parser(
         "audit",
-        help="scan what a run publishes for verbatim spans of its training records (exit 1 on a leak), "
-        "or with --canaries measure canary exposure of a new run",
+        help="scan what a run publishes for verbatim spans of its training records (exit 1 on a leak, 3 when "
+        "something it publishes could not be read), or with --canaries measure canary exposure of a new run",
     )
     audit.add_argument("run_dir", nargs="?", help="a run directory (not with --canaries)")
     audit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides (with --canaries)")
@@ -179,7 +181,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_audit(args) -> int:
-    """`dpdistill audit`: 0 clean, 1 a leak, 2 a usage error. Counts and names only."""
+    """`dpdistill audit`: 0 clean (everything read, nothing found), 1 a leak, 2 a usage error,
+    3 incomplete (nothing found, but something the run publishes could not be read: a clean
+    exit would be a claim about what was not read). Counts and names only."""
     import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
     from pipeline.audits.audit import AuditError, audit_run, format_audit
 
@@ -195,14 +199,14 @@ def run_audit(args) -> int:
         run_dir = Path(args.run_dir)
         if not (run_dir / "config.yaml").is_file():
             return usage(f"{run_dir} holds no config.yaml: pass a run directory")
-        extra, note = prefect_sources(run_dir)
+        extra, note, unread = prefect_sources(run_dir)
         try:
-            result = audit_run(run_dir, span=args.span, extra=extra, extra_note=note)
+            result = audit_run(run_dir, span=args.span, extra=extra, extra_note=note, extra_unread=unread)
         except (AuditError, *user_errors()) as e:  # their messages name rows and fields, never records
             return usage(str(e))
         print(format_audit(result.report))
         print(f"written: {result.path}")
-        return 1 if result.leak else 0
+        return 1 if result.leak else AUDIT_INCOMPLETE if result.incomplete else 0
 
     if not args.config:
         return usage("--canaries needs --config, e.g. --config configs/demo.yaml")
@@ -226,7 +230,8 @@ def run_audit(args) -> int:
         return usage(str(e))
     print(format_canary_report(report))
     print(f"written: {path}")
-    return 1 if report["verbatim_audit"]["total_hits"] else 0
+    verbatim = report["verbatim_audit"]
+    return 1 if verbatim["total_hits"] else AUDIT_INCOMPLETE if verbatim["incomplete"] else 0
 
 
 def make_deployment(config_path: str, cron: str, overrides: list[str], name: str | None = None,

@@ -21,7 +21,12 @@ run's split files while it still has them, else rebuilt from the source files it
 temporary directory that is deleted afterwards), so the sets are exactly the run's.
 
 No Prefect here: `flows/audit.py` adds the flow run's Prefect logs and artifacts as extra
-documents (`extra=`).
+documents (`extra=`), and names what of Prefect it could not read (`extra_unread=`).
+
+The audit fails closed: it says clean only when everything the run publishes was read. A
+file, a Prefect source or anything else that could not be read is listed in `audit.json`'s
+`incomplete` (name -> why: a format or an exception's type, never content) and the summary
+says "INCOMPLETE"; `dpdistill audit` then exits 3, or 1 when a span was found anyway.
 """
 
 from __future__ import annotations
@@ -343,12 +348,25 @@ class AuditResult:
     def leak(self) -> bool:
         return self.report["total_hits"] > 0
 
+    @property
+    def incomplete(self) -> bool:
+        """Something the run publishes was not (or not wholly) read: the audit cannot say clean."""
+        return bool(self.report["incomplete"])
 
-def _scan_files(run_dir: Path, index: RecordIndex, splits: set[Path]) -> tuple[dict[str, FileScan], dict[str, str]]:
-    """Scan every file of `run_dir` but the `splits` and binary tensors (named, with why)."""
+
+def _values_texts(value) -> Iterator[str]:
+    """The texts of an extra document: a string, or a decoded JSON value's strings."""
+    yield from _json_strings(value)
+
+
+def _scan_files(run_dir: Path, index: RecordIndex, splits: set[Path]
+                ) -> tuple[dict[str, FileScan], dict[str, str], dict[str, str]]:
+    """Scan every file of `run_dir` but the `splits` and binary tensors (named, with why).
+    Returns the scans, what was not scanned by design, and what could not be read (INCOMPLETE)."""
     decode = TokenDecoder(run_dir)
     scans: dict[str, FileScan] = {}
     not_scanned: dict[str, str] = {}
+    incomplete: dict[str, str] = {}
     for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
         rel = str(path.relative_to(run_dir))
         try:
@@ -358,19 +376,21 @@ def _scan_files(run_dir: Path, index: RecordIndex, splits: set[Path]) -> tuple[d
             scan = scans[rel] = FileScan(bytes=path.stat().st_size)
             for doc in documents(path, decode):
                 scan.add(doc, index)
-        except AuditError:
-            raise
+        except AuditError as e:  # its message names files and settings, never content
+            incomplete[rel] = str(e)
         except Exception as e:  # the cause's message could quote the file: name its type only
-            raise AuditError(f"could not read {rel} ({type(e).__name__}); is the run directory intact?") from None
-    return scans, not_scanned
+            incomplete[rel] = f"could not be read ({type(e).__name__})"
+    return scans, not_scanned, incomplete
 
 
 def audit_run(
-    run_dir: Path, span: int = DEFAULT_SPAN, extra: dict[str, list[str]] | None = None,
-    extra_note: str | None = None,
+    run_dir: Path, span: int = DEFAULT_SPAN, extra: dict[str, list] | None = None,
+    extra_note: str | None = None, extra_unread: dict[str, str] | None = None,
 ) -> AuditResult:
-    """Scan what `run_dir` publishes (and the `extra` documents, e.g. Prefect logs) for
-    `span`-word windows of its private records; write `run_dir/audit.json`."""
+    """Scan what `run_dir` publishes (and the `extra` documents, e.g. Prefect logs and
+    artifacts: strings or decoded JSON values) for `span`-word windows of its private records;
+    write `run_dir/audit.json`. `extra_unread` names the extra sources that could not be read
+    (source -> why): with any unread file they make the result INCOMPLETE."""
     if span < 1:
         raise AuditError(f"span={span}: use a positive number of words, e.g. 10")
     run_dir = Path(run_dir)
@@ -381,12 +401,14 @@ def audit_run(
     records, source = private_records(run_dir, splits)
     index = RecordIndex.build(records, span, source)
     del records
-    scans, not_scanned = _scan_files(run_dir, index, set(splits.values()))
+    scans, not_scanned, incomplete = _scan_files(run_dir, index, set(splits.values()))
     for name, docs in (extra or {}).items():
         scan = scans[name] = FileScan()
         for doc in docs:
-            scan.bytes += len(doc.encode())
-            scan.add(doc, index)
+            for text in _values_texts(doc):
+                scan.bytes += len(text.encode())
+                scan.add(text, index)
+    incomplete |= extra_unread or {}
     leaked = set().union(*(s.records for s in scans.values())) if scans else set()
     report = {
         "run_dir": str(run_dir.resolve()),
@@ -402,6 +424,7 @@ def audit_run(
         "files_with_hits": sorted(name for name, s in scans.items() if s.hits),
         "files": {name: s.summary() for name, s in scans.items()},
         "not_scanned": not_scanned,
+        "incomplete": dict(sorted(incomplete.items())),
         "extra_sources": extra_note or ("none" if not extra else ", ".join(extra)),
         "elapsed_seconds": round(time.time() - t0, 2),
     }
@@ -429,6 +452,9 @@ def format_audit(report: dict) -> str:
                      f"({_by_split(report['private_records_found'])}) found in:")
         lines += [f"  {name}: {report['files'][name]['hits']} span(s), {report['files'][name]['records']} record(s)"
                   for name in report["files_with_hits"]]
-    else:
-        lines.append("clean: no private record span found")
+    if report["incomplete"]:
+        lines.append(f"INCOMPLETE: {len(report['incomplete'])} source(s) the run publishes not (wholly) read:")
+        lines += [f"  {name}: {why}" for name, why in report["incomplete"].items()]
+    elif not report["total_hits"]:
+        lines.append("clean: no private record span found, and everything the run publishes was read")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from prefect import flow, get_run_logger, task
 from safetensors.torch import save_file
 from conftest import PUBLIC, YELP_TRAIN, make_tiny_model, tiny_pipeline_dict
 
@@ -186,30 +187,121 @@ def test_a_planted_20_word_span_is_found_wherever_it_sits(run_dir, plant, split,
     _assert_not_quoted(secret, out, err, (run_dir / AUDIT).read_text())
 
 
-def test_prefect_logs_are_read_from_the_local_database_without_an_api_url(prefect_server, run_dir, capsys):
-    """With no PREFECT_API_URL, the flow run's logs are read from the Prefect server's SQLite
-    database (PREFECT_HOME/prefect.db by default; the test harness's temporary one here)."""
-    import uuid
+def _failing_stage() -> None:
+    raise ValueError("an ordinary failure")
 
+
+@flow(name="tiny-published", persist_result=False)
+def _publishing_flow(table_file: str) -> str:
+    """What a run's flow publishes in Prefect, in every payload type: a progress artifact (the
+    stages' own, whose data SQLite stores as a number), an integer and a float one, markdown,
+    a table as rows and as columns, a link, a log line and a task run that failed."""
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+    from prefect.context import get_run_context
+
+    from flows.progress import StageProgress
+
+    run_id = get_run_context().flow_run.id
+    with StageProgress("teacher", "steps") as progress:
+        progress({"done": 3, "total": 3})
+    with get_client(sync_client=True) as client:
+        for data in (50, 12.5):
+            client.create_artifact(ArtifactCreate(type="progress", data=data, flow_run_id=run_id, key="raw-progress"))
+    create_markdown_artifact("# The ledger\n\nε = 2.07", key="ledger-md", description="the ledger")
+    create_table_artifact([{"stage": "teacher", "note": "an ordinary note"}], key="ledger-rows")
+    create_table_artifact({"stage": ["teacher"], "note": [Path(table_file).read_text()]}, key="samples-columns")
+    create_link_artifact("https://example.org/report", key="report-link")
+    task(_failing_stage, name="a-stage")(return_state=True)  # a Failed state: its message quotes the error
+    get_run_logger().info("an ordinary log line")
+    return str(run_id)
+
+
+def _flow_run_json(run: Path, flow_run_id: str) -> None:
+    (run / "run.json").write_text(json.dumps({"tool": "dpdistill", "status": "completed", "flow_run_id": flow_run_id}))
+
+
+def test_a_default_run_s_local_prefect_database_is_read_whatever_its_artifacts_hold(prefect_server, run_dir, capsys):
+    """Issue 38 finding 1: with no PREFECT_API_URL the flow run's Prefect records are read from
+    the local server's SQLite database (PREFECT_HOME/prefect.db by default; the test harness's
+    here), every artifact type included: a progress artifact's data is a number there, which
+    made the whole database go unread and the audit say clean. A training record planted as a
+    log row of the run's flow and a validation record in a table artifact are both found."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import LogCreate
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.types import DateTime
 
-    flow_run_id = str(uuid.uuid4())
-    (run_dir / "run.json").write_text(json.dumps({"status": "completed", "flow_run_id": flow_run_id}))
-    secret = _record(run_dir, "test")
+    secret, in_table = _record(run_dir, "train"), _record(run_dir, "validation")
+    (run_dir.parent / "table.txt").write_text(in_table)  # by path: a flow's parameters are published too
+    flow_run_id = _publishing_flow(str(run_dir.parent / "table.txt"))
+    _flow_run_json(run_dir, flow_run_id)
     with get_client(sync_client=True) as client:
-        client.create_logs([LogCreate(name="x", level=20, message=m, timestamp=DateTime.now("UTC"),
-                                      flow_run_id=flow_run_id) for m in ("an ordinary line", secret)])
+        client.create_logs([LogCreate(name="x", level=20, message=secret, timestamp=DateTime.now("UTC"),
+                                      flow_run_id=flow_run_id)])
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         assert not PREFECT_API_URL.value()
         assert main(["audit", str(run_dir)]) == 1
     out, err = capsys.readouterr()
     report = json.loads((run_dir / AUDIT).read_text())
-    assert report["files_with_hits"] == ["prefect:logs"] and "database" in report["extra_sources"]
-    assert report["private_records_found"]["test"] == 1
+    assert report["files_with_hits"] == ["prefect:artifact:samples-columns", "prefect:logs"]
+    assert report["private_records_found"] == {"train": 1, "validation": 1, "test": 0}
+    assert "database" in report["extra_sources"] and report["incomplete"] == {}
+    for key in ("teacher-progress", "raw-progress", "ledger-md", "ledger-rows", "report-link"):
+        assert f"prefect:artifact:{key}" in report["files"], key
+    assert report["files"]["prefect:states"]["bytes"] > 0 and report["files"]["prefect:parameters"]["hits"] == 0
+    assert "INCOMPLETE" not in out
     _assert_not_quoted(secret, out, err, (run_dir / AUDIT).read_text())
+    _assert_not_quoted(in_table, out, err, (run_dir / AUDIT).read_text())
+
+
+def _unread_database(run: Path) -> str:
+    _flow_run_json(run, "00000000-0000-4000-8000-000000000000")
+    return "prefect"  # no PREFECT_API_URL and no database at PREFECT_SERVER_DATABASE_CONNECTION_URL
+
+
+def _flow_run_json_without_id(run: Path) -> str:
+    (run / "run.json").write_text(json.dumps({"tool": "dpdistill", "status": "completed"}))
+    return "prefect"  # written by the flow, which always names its flow run: its logs cannot be found
+
+
+def _damaged_parquet(run: Path) -> str:
+    (run / "synthetic" / "shard-00001.parquet").write_bytes(b"PAR1" + os.urandom(200))
+    return "synthetic/shard-00001.parquet"
+
+
+def _token_ids_without_tokenizer(run: Path) -> str:
+    from pipeline.models.base import load_tokenizer
+
+    ids = encode_record(load_tokenizer(str(run / "teacher" / "model")), "Stars: 5", "An ordinary sentence.")
+    pq.write_table(pa.table({"token_ids": pa.array([ids], pa.list_(pa.int32()))}), run / "synthetic" / "ids.parquet")
+    for p in (run / "teacher" / "model").glob("*token*"):
+        p.unlink()
+    return "synthetic/ids.parquet"
+
+
+@pytest.mark.parametrize("make_unreadable", [_unread_database, _flow_run_json_without_id, _damaged_parquet,
+                                             _token_ids_without_tokenizer],
+                         ids=["no-prefect-database", "flow-run-json-without-id", "damaged-parquet", "no-tokenizer"])
+def test_what_cannot_be_read_makes_the_audit_incomplete_never_clean(run_dir, tmp_path, make_unreadable, capsys):
+    """Fail closed: a source the run publishes that the audit cannot read exits 3 with
+    "INCOMPLETE" and the source named (audit.json's `incomplete` says why), never 0; the rest is
+    still read (a record planted elsewhere is still a LEAK, exit 1)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+
+    source = make_unreadable(run_dir)
+    nowhere = {PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{tmp_path / 'absent' / 'prefect.db'}"}
+    with temporary_settings(updates=nowhere, restore_defaults={PREFECT_API_URL}):
+        assert main(["audit", str(run_dir)]) == 3
+        out = capsys.readouterr().out
+        report = json.loads((run_dir / AUDIT).read_text())
+        assert list(report["incomplete"]) == [source] and "INCOMPLETE" in out and source in out
+        assert "clean:" not in out and report["files"]["report.html"]["spans"] > 0  # the rest was read
+        (run_dir / "notes.txt").write_text(_record(run_dir))
+        assert main(["audit", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "LEAK" in out and "INCOMPLETE" in out
 
 
 def test_usage_errors_exit_2(run_dir, tmp_path, capsys):
@@ -351,7 +443,8 @@ def test_canary_cli_on_the_tiny_flow_and_audit_with_prefect_logs(prefect_server,
     (exposure per canary and model, ledger ε, the run's verbatim audit; no secret in it or
     on stdout); the copy lives 0600 in a 0700 work directory, deleted at the end; the run's
     models carry cards with the ledger's figures; the plain audit reads the flow run's
-    Prefect logs and finds a training record planted in them."""
+    Prefect logs and finds a training record planted in them, through the API and from the
+    server's database, every artifact of the real flow read."""
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_pipeline_dict(tmp_path)))
     work, seen, stop = tmp_path / "elsewhere" / "canaries", {}, threading.Event()
@@ -410,6 +503,13 @@ def test_canary_cli_on_the_tiny_flow_and_audit_with_prefect_logs(prefect_server,
     out, err = capsys.readouterr()
     assert json.loads((run / AUDIT).read_text())["files_with_hits"] == ["prefect:logs"]
     _assert_not_quoted(secret, out, err, (run / AUDIT).read_text())
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):  # the same run read from the database
+        assert main(["audit", str(run)]) == 1
+    audit = json.loads((run / AUDIT).read_text())
+    assert audit["files_with_hits"] == ["prefect:logs"] and audit["incomplete"] == {}
+    assert "database" in audit["extra_sources"] and any(k.endswith("-progress") for k in audit["files"])
 
 
 def test_model_card_of_a_dp_student_states_its_own_stage():
