@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -105,8 +106,7 @@ def tokenized_split(split_path: Path, tokenizer) -> datasets.Dataset:
     root = split_path.parent / TOKENIZED_DIR
     root.mkdir(mode=0o700, exist_ok=True)
     os.chmod(root, 0o700)  # mkdir's mode does not apply to a directory that already existed
-    key = hashlib.sha256(f"{sha256_file(split_path)}:{tokenizer_fingerprint(tokenizer)}".encode()).hexdigest()[:16]
-    final = root / f"{split_path.stem}-{key}"
+    final = tokenized_path(split_path, tokenizer).parent
     if not final.is_dir():
         tmp = Path(tempfile.mkdtemp(prefix=f".{split_path.stem}-", dir=root))  # 0700
         try:
@@ -119,6 +119,37 @@ def tokenized_split(split_path: Path, tokenizer) -> datasets.Dataset:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return datasets.Dataset.from_file(str(final / IDS_FILE))  # memory-mapped, not read
+
+
+def tokenized_path(split_path: Path, tokenizer, split_sha256: str | None = None) -> Path:
+    """Where `tokenized_split` keeps the split's ids under `tokenizer`, written or not: a
+    folder keyed by the split file's sha256 and the tokenizer's fingerprint."""
+    split_path = Path(split_path)
+    sha = split_sha256 or sha256_file(split_path)
+    key = hashlib.sha256(f"{sha}:{tokenizer_fingerprint(tokenizer)}".encode()).hexdigest()[:16]
+    return split_path.parent / TOKENIZED_DIR / f"{split_path.stem}-{key}" / IDS_FILE
+
+
+def holds_split_ids(ids_file: Path, split_path: Path, tokenizer) -> bool:
+    """Whether `ids_file` holds exactly the ids `tokenized_split` writes for the split under
+    `tokenizer`, row for row (the audit's test that a file is a private copy, not a
+    publication): the split is encoded again a batch at a time, nothing is held whole."""
+    def rows(batches):
+        for batch in batches:
+            yield from batch.column(0).to_pylist()
+
+    encode = _encoder(tokenizer)
+    expected = (ids for batch in parquet_batches(split_path, columns=["control_code", "text"], batch_size=BATCH)
+                for ids in encode(batch.to_pydict())[COLUMN])
+    with pa.memory_map(str(ids_file)) as source:
+        reader = pa.ipc.open_stream(source)
+        if reader.schema.names != [COLUMN]:
+            return False
+        sentinel = object()
+        for got, want in itertools.zip_longest(rows(reader), expected, fillvalue=sentinel):
+            if got != want:
+                return False
+    return True
 
 
 def token_column(ds: datasets.Dataset) -> pa.ChunkedArray:

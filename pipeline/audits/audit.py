@@ -2,17 +2,22 @@
 
     dpdistill audit RUN_DIR [--span 10]
 
-Every file of the run directory is read for what it holds, whatever its name or folder:
-a Parquet file (by its magic bytes) as its string cells, its integer-list cells (token ids,
-decoded with the run's tokenizer) and its metadata; a JSON document as its strings; any
-other file as text, HTML unescaped. Two kinds of file are not scanned, and listed as such:
-the private split files the data stage wrote (`data/train|validation|test.parquet`, known
-by the path and sha256 its manifest gives them, so an edited split or any other Parquet
-file under data/ is scanned), and binary tensor files recognised by their content
-(safetensors, a torch zip, numpy's .npy / .npz). Texts are normalised to lowercase words
-(split on non-word characters) and every window of `span` words is hashed; a window whose
-hash is one of the private records' windows is a hit. The result names files, counts and
-splits only: a matched span is never printed, logged, written or put in an exception message.
+Every file of the run directory is read for what it holds, whatever its name or folder
+(`pipeline/audits/contents.py`): Parquet and Arrow IPC files as every cell of every type
+(strings, dictionary-encoded, binary, lists, structs) and their metadata, integer lists
+decoded as token ids with the run's tokenizer; JSON and JSON Lines as their strings and
+token ids; numpy text arrays; a torch file's strings through `torch.load(weights_only=True)`
+(never an arbitrary unpickle); safetensors' `__metadata__`; gzip, bz2, xz, zip and tar,
+each member again by content; anything else as text (UTF-8, UTF-16/32, Latin-1), HTML
+unescaped. Symlinks are followed while they stay inside the run directory, and read under
+their own name (a link publishes what it points to). Not read by design, and listed as
+such: the private split files the data stage wrote (`data/train|validation|test.parquet`,
+known by the path and sha256 its manifest gives them, so an edited split, a link to one or
+any other Parquet file under data/ is read) and tensors (a weight file's numbers; its text
+is read). Texts are normalised to lowercase words (split on non-word characters) and every
+window of `span` words is hashed; a window whose hash is one of the private records'
+windows is a hit. The result names files, counts and splits only: a matched span is never
+printed, logged, written or put in an exception message.
 
 The private records are every split the run had: training, validation and test (the
 held-out splits are private records too, which the ledger's ε does not cover). They are the
@@ -23,30 +28,30 @@ temporary directory that is deleted afterwards), so the sets are exactly the run
 No Prefect here: `flows/audit.py` adds the flow run's Prefect logs and artifacts as extra
 documents (`extra=`), and names what of Prefect it could not read (`extra_unread=`).
 
-The audit fails closed: it says clean only when everything the run publishes was read. A
-file, a Prefect source or anything else that could not be read is listed in `audit.json`'s
-`incomplete` (name -> why: a format or an exception's type, never content) and the summary
-says "INCOMPLETE"; `dpdistill audit` then exits 3, or 1 when a span was found anyway.
+The audit fails closed: it says clean only when everything the run publishes was read. What
+could not be read is listed in `audit.json`'s `incomplete` (name -> why: a format or an
+exception's type, never content) and the summary says "INCOMPLETE"; `dpdistill audit` then
+exits 3, or 1 when a span was found anyway: a file or archive member that is damaged, a
+pickle weights_only refuses, a numpy object array, zstd, binary of an unknown format (its
+bytes are still searched), token ids without a tokenizer, a symlink leaving the run directory
+or leading nowhere, a FIFO, socket or device, a folder that cannot be listed, and any
+Prefect source that cannot be read (`flows/audit.py`).
 """
 
 from __future__ import annotations
 
-import html
 import json
+import os
 import re
-import struct
 import tempfile
 import time
-import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from pipeline.audits.contents import Notes, Unreadable, texts_in, texts_of
 from pipeline.config import ConfigError, PipelineConfig, load_config
-from pipeline.records import SPLIT_KEY, parquet_batches, read_split, split_key
+from pipeline.records import SPLIT_KEY, TOKENIZED_DIR, read_split, split_key
 from pipeline.stages.data import prepare_data
 from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file
 
@@ -109,11 +114,14 @@ class RecordIndex:
 @dataclass
 class FileScan:
     bytes: int = 0
+    texts: int = 0  # the texts read from it (cells, strings, documents)
+    text_bytes: int = 0
     spans: int = 0
     hits: int = 0
     records: set[int] = field(default_factory=set)
 
     def add(self, text: str, index: RecordIndex) -> None:
+        self.text_bytes += len(text.encode("utf-8", "replace"))
         for h in shingles(text, index.span):
             self.spans += 1
             if (i := index.owner.get(h)) is not None:
@@ -149,6 +157,30 @@ def split_files(run_dir: Path) -> dict[str, Path]:
     except (ValueError, KeyError, TypeError):  # damaged: no file can be recognised as a split
         return {}
     return {name: path for name, path, sha in items if path.is_file() and sha256_file(path) == sha}
+
+
+def tokenized_copies(run_dir: Path, files: dict[str, Path]) -> dict[Path, str]:
+    """The token-id copies of the split `files` that the stages keep beside them
+    (`data/tokenized/<split>-<key>/ids.arrow`, pipeline/tokenized.py), as private as the
+    splits: path -> split. Each is known by where it is (its key binds the split's sha256 and
+    a tokenizer of the run) and checked to hold exactly the split's ids under that tokenizer, so
+    an edited copy, or any other file there, is read."""
+    folder = Path(run_dir) / "data" / TOKENIZED_DIR
+    present = set(folder.glob("*/*")) if folder.is_dir() else set()
+    if not present or not files:
+        return {}
+    from pipeline.models.base import load_tokenizer
+    from pipeline.tokenized import holds_split_ids, tokenized_path
+
+    shas = {split: sha256_file(path) for split, path in files.items()}
+    found: dict[Path, str] = {}
+    for d in dict.fromkeys(d.resolve() for d in _tokenizer_dirs(run_dir) if (d / "tokenizer_config.json").is_file()):
+        tokenizer = load_tokenizer(str(d))
+        for split, path in files.items():
+            ids = tokenized_path(path, tokenizer, shas[split])
+            if ids in present and ids not in found and holds_split_ids(ids, path, tokenizer):
+                found[ids] = split
+    return found
 
 
 def private_records(run_dir: Path, files: dict[str, Path] | None = None) -> tuple[dict[str, list[str]], str]:
@@ -222,87 +254,39 @@ def _source_sha(run_dir: Path, key: str) -> str | None:
 # --- the published files ----------------------------------------------------------------
 
 
-def tensor_kind(path: Path) -> str | None:
-    """What binary tensor file `path` is, judged by its content (None: not one). Its name
-    proves nothing: a text file called weights.npy is text."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-        if head.startswith(b"\x93NUMPY"):
-            return "numpy .npy"
-        if head.startswith(b"PK\x03\x04") and zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as z:
-                names = z.namelist()
-            if names and all(n.endswith(".npy") for n in names):
-                return "numpy .npz"
-            if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
-                return "torch zip"
-            return None
-        if len(head) == 9 and head[8:] == b"{":  # safetensors: u64 header length, then its JSON
-            (n,) = struct.unpack("<Q", head[:8])
-            if n <= path.stat().st_size - 8:
-                f.seek(8)
-                try:
-                    json.loads(f.read(n))
-                    return "safetensors"
-                except ValueError:
-                    return None
-    return None
+def published(run_dir: Path) -> Iterator[tuple[str, Path | None, str | None]]:
+    """Every file of the run directory, in name order: (its name relative to the run directory,
+    the path to read, None), or (name, None, why it cannot be read). Symlinks are followed
+    while they stay inside the run directory (a file or folder linked there is published
+    under the link's name too, so it is read under that name: a link to data/ would publish
+    the private splits); one that leaves the run directory or leads nowhere is not followed and
+    named unread, as are sockets, FIFOs and devices, and folders that cannot be listed."""
+    run_dir = Path(run_dir)
+    root = run_dir.resolve()
 
-
-def _skip_reason(path: Path, splits: set[Path]) -> str | None:
-    """Why a file of the run directory is not scanned (None: it is)."""
-    if path in splits:
-        return "private split"
-    if kind := tensor_kind(path):
-        return f"binary tensors ({kind})"
-    return None
-
-
-def _json_strings(obj) -> Iterator[str]:
-    if isinstance(obj, str):
-        yield obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield str(k)
-            yield from _json_strings(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _json_strings(v)
-
-
-def _is_token_ids(type_: pa.DataType) -> bool:
-    return (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and pa.types.is_integer(type_.value_type)
-
-
-def _parquet_documents(path: Path, decode: Callable[[list[list[int]]], list[str]]) -> Iterator[str]:
-    """Each string cell, each integer-list cell decoded as token ids, and the metadata."""
-    for k, v in (pq.read_schema(path).metadata or {}).items():
-        yield k.decode("utf-8", "replace") + "\n" + v.decode("utf-8", "replace")
-    for batch in parquet_batches(path, batch_size=65_536):
-        for col in batch.columns:
-            if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-                yield from (s for s in col.to_pylist() if s)
-            elif _is_token_ids(col.type):
-                yield from decode([ids for ids in col.to_pylist() if ids])
-
-
-def documents(path: Path, decode: Callable[[list[list[int]]], list[str]]) -> Iterator[str]:
-    """The texts a published file holds, by its content: a Parquet file's cells and metadata
-    (token ids through `decode`), a JSON document's strings, anything else as text, HTML
-    unescaped (harmless for other text: only entities change)."""
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == b"PAR1":
-        yield from _parquet_documents(path, decode)
-        return
-    text = path.read_bytes().decode("utf-8", "replace")
-    if text.lstrip()[:1] in ("{", "["):
+    def walk(folder: Path, rel: str, ancestors: frozenset[Path]) -> Iterator[tuple[str, Path | None, str | None]]:
         try:
-            yield from _json_strings(json.loads(text))
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as e:
+            yield rel or ".", None, f"folder could not be listed ({type(e).__name__})"
             return
-        except json.JSONDecodeError:
-            pass
-    yield html.unescape(text)
+        for entry in entries:
+            name, path = f"{rel}/{entry.name}" if rel else entry.name, Path(entry.path)
+            real = Path(os.path.realpath(path))
+            if entry.is_symlink() and not real.exists():
+                yield name, None, "symlink to nothing: not read"
+            elif entry.is_symlink() and not real.is_relative_to(root):
+                yield name, None, "symlink to outside the run directory: not followed"
+            elif real.is_dir():
+                if real in ancestors:  # a link back up the tree: every file below is read already
+                    continue
+                yield from walk(path, name, ancestors | {real})
+            elif real.is_file():
+                yield name, path, None
+            else:
+                yield name, None, "not a regular file (a FIFO, socket or device): not read"
+
+    yield from walk(run_dir, "", frozenset({root}))
 
 
 def _tokenizer_dirs(run_dir: Path) -> Iterator[Path]:
@@ -319,7 +303,7 @@ def _tokenizer_dirs(run_dir: Path) -> Iterator[Path]:
 
 class TokenDecoder:
     """Token ids to text with the run's tokenizer, loaded on the first call (most files
-    hold no ids)."""
+    hold no ids). Rows with an id beyond its vocabulary are not its token ids: skipped."""
 
     def __init__(self, run_dir: Path):
         self.run_dir, self._tok = Path(run_dir), None
@@ -330,13 +314,14 @@ class TokenDecoder:
 
             found = next((d for d in _tokenizer_dirs(self.run_dir) if (d / "tokenizer_config.json").is_file()), None)
             if found is None:
-                raise AuditError(
-                    f"{self.run_dir} holds token ids but no tokenizer to decode them (teacher/model, "
-                    "student/model, or the teacher synthetic/manifest.json names): audit the run that "
-                    "trained the teacher, or copy its tokenizer files into teacher/model"
+                raise Unreadable(
+                    "token ids, and no tokenizer to decode them (teacher/model, student/model, or the teacher "
+                    "synthetic/manifest.json names): audit the run that trained the teacher, or copy its "
+                    "tokenizer files into teacher/model"
                 )
             self._tok = AutoTokenizer.from_pretrained(str(found))
-        return self._tok.batch_decode(rows)
+        vocab = len(self._tok)
+        return self._tok.batch_decode([ids for ids in rows if max(ids, default=0) < vocab])
 
 
 @dataclass
@@ -354,32 +339,49 @@ class AuditResult:
         return bool(self.report["incomplete"])
 
 
-def _values_texts(value) -> Iterator[str]:
-    """The texts of an extra document: a string, or a decoded JSON value's strings."""
-    yield from _json_strings(value)
+def _scan(texts: Iterator[str], scan: "FileScan", notes: Notes, index: RecordIndex) -> None:
+    """Add every text to `scan`; what could not be read goes to `notes`, by kind or exception type
+    (an exception's message could quote the file)."""
+    try:
+        for text in texts:
+            scan.texts += 1
+            scan.add(text, index)
+    except Unreadable as e:
+        notes.cannot(str(e))
+    except Exception as e:
+        notes.cannot(f"could not be read ({type(e).__name__})")
 
 
-def _scan_files(run_dir: Path, index: RecordIndex, splits: set[Path]
+def _scan_files(run_dir: Path, index: RecordIndex, splits: dict[Path, str]
                 ) -> tuple[dict[str, FileScan], dict[str, str], dict[str, str]]:
-    """Scan every file of `run_dir` but the `splits` and binary tensors (named, with why).
-    Returns the scans, what was not scanned by design, and what could not be read (INCOMPLETE)."""
+    """Scan every file of `run_dir` (`published`) by its content but the private `splits`
+    (path -> why). Returns the scans, what was not read by design (the splits, tensors: name ->
+    why), and what could not be read (INCOMPLETE: name -> why)."""
     decode = TokenDecoder(run_dir)
     scans: dict[str, FileScan] = {}
     not_scanned: dict[str, str] = {}
     incomplete: dict[str, str] = {}
-    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
-        rel = str(path.relative_to(run_dir))
+    for name, path, problem in published(run_dir):
+        if problem:
+            incomplete[name] = problem
+            continue
+        if path in splits:  # by the path the stage wrote it at: a link to it is read
+            not_scanned[name] = splits[path]
+            continue
+        notes, scan = Notes(), FileScan()
         try:
-            if reason := _skip_reason(path, splits):
-                not_scanned[rel] = reason
-                continue
-            scan = scans[rel] = FileScan(bytes=path.stat().st_size)
-            for doc in documents(path, decode):
-                scan.add(doc, index)
-        except AuditError as e:  # its message names files and settings, never content
-            incomplete[rel] = str(e)
-        except Exception as e:  # the cause's message could quote the file: name its type only
-            incomplete[rel] = f"could not be read ({type(e).__name__})"
+            scan.bytes = path.stat().st_size
+        except OSError as e:
+            notes.cannot(f"could not be read ({type(e).__name__})")
+        else:
+            _scan(texts_of(path, decode, notes), scan, notes, index)
+        if notes.tensors:
+            not_scanned[name] = (f"binary tensors ({', '.join(sorted(notes.tensors))}): the tensors are not read"
+                                 + ("; its other content is" if scan.texts else ""))
+        if scan.texts or not notes.tensors:
+            scans[name] = scan
+        if notes.unread:
+            incomplete[name] = "; ".join(notes.unread)
     return scans, not_scanned, incomplete
 
 
@@ -401,13 +403,19 @@ def audit_run(
     records, source = private_records(run_dir, splits)
     index = RecordIndex.build(records, span, source)
     del records
-    scans, not_scanned, incomplete = _scan_files(run_dir, index, set(splits.values()))
+    private = {path: "private split" for path in splits.values()}
+    private |= {path: f"private split (the token ids of data/{split}.parquet)"
+                for path, split in tokenized_copies(run_dir, splits).items()}
+    scans, not_scanned, incomplete = _scan_files(run_dir, index, private)
+    decode = TokenDecoder(run_dir)
     for name, docs in (extra or {}).items():
-        scan = scans[name] = FileScan()
+        notes, scan = Notes(), FileScan()
+        scans[name] = scan
         for doc in docs:
-            for text in _values_texts(doc):
-                scan.bytes += len(text.encode())
-                scan.add(text, index)
+            _scan(texts_in(doc, decode, notes), scan, notes, index)
+        scan.bytes = scan.text_bytes
+        if notes.unread:
+            incomplete[name] = "; ".join(notes.unread)
     incomplete |= extra_unread or {}
     leaked = set().union(*(s.records for s in scans.values())) if scans else set()
     report = {

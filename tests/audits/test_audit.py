@@ -4,6 +4,7 @@ runs the real tiny flow with canaries and audits it, Prefect logs included."""
 
 from __future__ import annotations
 
+import gzip
 import html
 import json
 import os
@@ -11,6 +12,7 @@ import shutil
 import stat
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +91,7 @@ def test_clean_run_exits_0_and_writes_counts(run_dir, capsys):
     assert report["total_hits"] == 0 and report["records_source"].startswith("data/{train,validation,test}")
     assert report["span"] == 10 and report["spans_checked"] > 100 and report["bytes_scanned"] > 0
     assert {"report.html", "synthetic/shard-00000.parquet", "teacher/model/config.json"} <= set(report["files"])
+    assert report["incomplete"] == {}  # everything it publishes was read
     for split in ("train", "validation", "test"):
         assert report["not_scanned"][f"data/{split}.parquet"] == "private split"
     for weights in ("teacher/checkpoint/state.pt", "teacher/checkpoint/noise.npy", "teacher/model/model.safetensors"):
@@ -169,6 +172,21 @@ def _plant_in_modified_split(run: Path, secret: str) -> str:
     return "data/validation.parquet"
 
 
+def _secret(run: Path, split: str) -> str:
+    """The first 20 words of a record of `split` (from the split copy)."""
+    return " ".join(words(next(t for t in read_split(run / "data" / f"{split}.parquet")[1] if len(words(t)) >= 20))[:20])
+
+
+def _assert_found(run: Path, secret: str, where: str | list[str], split: str, capsys) -> None:
+    assert main(["audit", str(run)]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads((run / AUDIT).read_text())
+    where = [where] if isinstance(where, str) else where
+    assert report["files_with_hits"] == where and all(report["files"][w]["hits"] >= 11 for w in where)
+    assert report["private_records_found"][split] >= 1 and report["incomplete"] == {}
+    _assert_not_quoted(secret, out, err, (run / AUDIT).read_text())
+
+
 @pytest.mark.parametrize("split", ["train", "validation", "test"])
 @pytest.mark.parametrize("plant", [_plant_in_checkpoint, _plant_in_npy_named_text, _plant_in_data_parquet,
                                    _plant_in_token_ids, _plant_in_modified_split],
@@ -176,19 +194,146 @@ def _plant_in_modified_split(run: Path, secret: str) -> str:
 def test_a_planted_20_word_span_is_found_wherever_it_sits(run_dir, plant, split, capsys):
     """Files are read by what they hold, not by their name or folder; token ids are decoded
     with the run's tokenizer; every split's records are looked for."""
-    secret = " ".join(words(next(t for t in read_split(run_dir / "data" / f"{split}.parquet")[1]
-                                 if len(words(t)) >= 20))[:20])
-    where = plant(run_dir, secret)
-    assert main(["audit", str(run_dir)]) == 1
-    out, err = capsys.readouterr()
-    report = json.loads((run_dir / AUDIT).read_text())
-    assert report["files_with_hits"] == [where] and report["files"][where]["hits"] >= 11
-    assert report["private_records_found"][split] >= 1
-    _assert_not_quoted(secret, out, err, (run_dir / AUDIT).read_text())
+    secret = _secret(run_dir, split)
+    _assert_found(run_dir, secret, plant(run_dir, secret), split, capsys)
+
+
+def _ids(run: Path, text: str) -> list[int]:
+    from pipeline.models.base import load_tokenizer
+
+    return encode_record(load_tokenizer(str(run / "teacher" / "model")), "Stars: 5", text)
+
+
+def _in_unicode_npy(run: Path, secret: str) -> str:
+    np.save(run / "teacher" / "checkpoint" / "notes.npy", np.array(["an ordinary note", secret]))
+    return "teacher/checkpoint/notes.npy"
+
+
+def _in_torch_object(run: Path, secret: str) -> str:
+    torch.save({"note": secret, "weight": torch.zeros(2, 2)}, run / "teacher" / "checkpoint" / "extra.pt")
+    return "teacher/checkpoint/extra.pt"  # read with weights_only=True: its strings, not its tensors
+
+
+def _in_safetensors_metadata(run: Path, secret: str) -> str:
+    save_file({"weight": torch.zeros(2, 2)}, run / "teacher" / "model" / "extra.safetensors", metadata={"note": secret})
+    return "teacher/model/extra.safetensors"
+
+
+def _in_gzip_text(run: Path, secret: str) -> str:
+    (run / "run.log.gz").write_bytes(gzip.compress(f"step 1\n{secret}\n".encode()))
+    return "run.log.gz"
+
+
+def _in_utf16_text(run: Path, secret: str) -> str:
+    (run / "notes.txt").write_text(secret, encoding="utf-16")  # with a BOM
+    return "notes.txt"
+
+
+def _in_utf16_text_without_bom(run: Path, secret: str) -> str:
+    (run / "notes.txt").write_bytes(secret.encode("utf-16-le"))
+    return "notes.txt"
+
+
+def _in_zip_archive(run: Path, secret: str) -> str:
+    with zipfile.ZipFile(run / "export.zip", "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("a.txt", "an ordinary text")
+        z.writestr("b/notes.json", json.dumps({"note": secret}))
+    return "export.zip"
+
+
+def _in_tar_gz(run: Path, secret: str) -> str:
+    import tarfile
+
+    (run.parent / "notes.txt").write_text(secret)
+    with tarfile.open(run / "logs.tar.gz", "w:gz") as tar:
+        tar.add(run.parent / "notes.txt", arcname="notes.txt")
+    return "logs.tar.gz"
+
+
+def _in_list_of_strings(run: Path, secret: str) -> str:
+    pq.write_table(pa.table({"texts": pa.array([["an ordinary text", secret]], pa.list_(pa.string()))}),
+                   run / "synthetic" / "shard-00001.parquet")
+    return "synthetic/shard-00001.parquet"
+
+
+def _in_dictionary_column(run: Path, secret: str) -> str:
+    pq.write_table(pa.table({"text": pa.array(["an ordinary text", secret, secret]).dictionary_encode()}),
+                   run / "synthetic" / "shard-00001.parquet")
+    return "synthetic/shard-00001.parquet"
+
+
+def _in_binary_column(run: Path, secret: str) -> str:
+    pq.write_table(pa.table({"text": pa.array([b"an ordinary text", secret.encode()], pa.binary())}),
+                   run / "synthetic" / "shard-00001.parquet")
+    return "synthetic/shard-00001.parquet"
+
+
+def _in_json_token_ids(run: Path, secret: str) -> str:
+    (run / "synthetic" / "samples.json").write_text(json.dumps({"samples": [{"token_ids": _ids(run, secret)}]}))
+    return "synthetic/samples.json"
+
+
+def _in_arrow_ipc_file(run: Path, secret: str) -> str:
+    table = pa.table({"token_ids": pa.array([_ids(run, secret)], pa.list_(pa.int32()))})
+    with pa.ipc.new_file(run / "synthetic" / "ids.arrow", table.schema) as writer:
+        writer.write_table(table)
+    return "synthetic/ids.arrow"
+
+
+def _in_arrow_ipc_stream(run: Path, secret: str) -> str:
+    table = pa.table({"input_ids": pa.array([_ids(run, "An ordinary text."), _ids(run, secret)], pa.list_(pa.int32()))})
+    with pa.ipc.new_stream(run / "synthetic" / "ids.arrows", table.schema) as writer:
+        writer.write_table(table)
+    return "synthetic/ids.arrows"  # the format of the splits' token-id copies (pipeline/tokenized.py)
+
+
+def _in_a_folder_linked_into_the_run_dir(run: Path, secret: str) -> str:
+    (run / "published").symlink_to(run / "data", target_is_directory=True)  # publishes the private splits
+    return [f"published/{split}.parquet" for split in ("test", "train", "validation")]
+
+
+@pytest.mark.parametrize("plant", [
+    _in_unicode_npy, _in_torch_object, _in_safetensors_metadata, _in_gzip_text, _in_utf16_text,
+    _in_utf16_text_without_bom, _in_zip_archive, _in_tar_gz, _in_list_of_strings, _in_dictionary_column,
+    _in_binary_column, _in_json_token_ids, _in_arrow_ipc_file, _in_arrow_ipc_stream,
+    _in_a_folder_linked_into_the_run_dir,
+], ids=lambda f: f.__name__.removeprefix("_in_"))
+def test_a_planted_span_is_found_by_content_whatever_holds_it(run_dir, plant, capsys):
+    """Issue 38 finding 2: what the audit missed, each found now. Unicode numpy arrays, a torch
+    file's strings (weights_only: never an arbitrary unpickle), safetensors' __metadata__,
+    compressed and archived text, UTF-16, every Arrow type (lists of strings, dictionary-encoded,
+    binary), token ids in JSON and Arrow IPC (decoded with the run's tokenizer), and a folder
+    linked inside the run directory, read under the link's name."""
+    secret = _secret(run_dir, "train")
+    _assert_found(run_dir, secret, plant(run_dir, secret), "train", capsys)
 
 
 def _failing_stage() -> None:
     raise ValueError("an ordinary failure")
+
+
+def test_the_splits_token_id_copies_are_private_like_the_splits_and_an_edited_one_is_read(run_dir, capsys):
+    """The stages keep each split's token ids under data/tokenized/ (pipeline/tokenized.py), as
+    private as the splits and deleted with them: not read while they hold exactly the split's
+    ids (an interrupted run keeps them, and its audit must not cry leak), read once edited."""
+    from pipeline.models.base import load_tokenizer
+    from pipeline.tokenized import IDS_FILE, tokenized_split
+
+    tok = load_tokenizer(str(run_dir / "teacher" / "model"))
+    for split in ("train", "validation"):
+        tokenized_split(run_dir / "data" / f"{split}.parquet", tok)
+    copies = {p.parent.name.split("-")[0]: p for p in (run_dir / "data" / "tokenized").glob(f"*/{IDS_FILE}")}
+    assert main(["audit", str(run_dir)]) == 0
+    report = json.loads((run_dir / AUDIT).read_text())
+    for split, path in copies.items():
+        assert report["not_scanned"][str(path.relative_to(run_dir))] == (
+            f"private split (the token ids of data/{split}.parquet)")
+    shutil.copyfile(copies["validation"], copies["train"])  # the train copy's place, other records' ids
+    assert main(["audit", str(run_dir)]) == 1
+    report = json.loads((run_dir / AUDIT).read_text())
+    assert report["files_with_hits"] == [str(copies["train"].relative_to(run_dir))]
+    assert report["private_records_found"]["validation"] >= 1
+    capsys.readouterr()
 
 
 @flow(name="tiny-published", persist_result=False)
@@ -281,9 +426,53 @@ def _token_ids_without_tokenizer(run: Path) -> str:
     return "synthetic/ids.parquet"
 
 
-@pytest.mark.parametrize("make_unreadable", [_unread_database, _flow_run_json_without_id, _damaged_parquet,
-                                             _token_ids_without_tokenizer],
-                         ids=["no-prefect-database", "flow-run-json-without-id", "damaged-parquet", "no-tokenizer"])
+class _Opaque:
+    """An object only a full unpickle rebuilds (torch.load(weights_only=True) refuses it)."""
+
+
+def _symlink_out_of_the_run_dir(run: Path) -> str:
+    outside = run.parent / "elsewhere"
+    outside.mkdir()
+    (outside / "notes.txt").write_text(_record(run))
+    (run / "linked").symlink_to(outside, target_is_directory=True)
+    return "linked"  # named, never followed: it could be anything on the machine
+
+
+def _dangling_symlink(run: Path) -> str:
+    (run / "gone.txt").symlink_to(run.parent / "nothing-here.txt")
+    return "gone.txt"
+
+
+def _fifo(run: Path) -> str:
+    os.mkfifo(run / "pipe")
+    return "pipe"  # never opened: reading a FIFO blocks
+
+
+def _numpy_object_array(run: Path) -> str:
+    np.save(run / "teacher" / "checkpoint" / "objects.npy", np.array([{"a": 1}, None], dtype=object))
+    return "teacher/checkpoint/objects.npy"  # needs pickle: not loaded
+
+
+def _torch_pickle_of_an_object(run: Path) -> str:
+    torch.save({"weight": torch.zeros(2), "extra": _Opaque()}, run / "teacher" / "checkpoint" / "opaque.pt")
+    return "teacher/checkpoint/opaque.pt"
+
+
+def _zstd_file(run: Path) -> str:
+    (run / "run.log.zst").write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(64))
+    return "run.log.zst"
+
+
+def _unknown_binary(run: Path) -> str:
+    (run / "blob.bin").write_bytes(bytes(range(256)) * 8)
+    return "blob.bin"
+
+
+@pytest.mark.parametrize("make_unreadable", [
+    _unread_database, _flow_run_json_without_id, _damaged_parquet, _token_ids_without_tokenizer,
+    _symlink_out_of_the_run_dir, _dangling_symlink, _fifo, _numpy_object_array, _torch_pickle_of_an_object,
+    _zstd_file, _unknown_binary,
+], ids=lambda f: f.__name__.strip("_"))
 def test_what_cannot_be_read_makes_the_audit_incomplete_never_clean(run_dir, tmp_path, make_unreadable, capsys):
     """Fail closed: a source the run publishes that the audit cannot read exits 3 with
     "INCOMPLETE" and the source named (audit.json's `incomplete` says why), never 0; the rest is
