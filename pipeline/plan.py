@@ -36,6 +36,7 @@ from pipeline.privacy import monitor as dp_monitor
 from pipeline.privacy import private_selection
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, with_pld_epsilons
+from pipeline.privacy.pld import DP_SGD_REPLACE_SENSITIVITY, HISTOGRAM_REPLACE_SENSITIVITY
 from pipeline.stages.adherence import declared_values
 from pipeline.records import CODE_JOINER, prompt_for
 from pipeline.stages.data import PlannedSplit, planned_split
@@ -100,7 +101,8 @@ def _dp_sgd_entry(stage: str, cfg: TeacherConfig, n: int, unit: str) -> tuple[Le
         stage=stage, private=True, epsilon=epsilon, delta=delta,
         accountant=cfg.accountant, mechanism="subsampled_gaussian", noise_multiplier=sigma, sample_rate=q,
         steps=steps_allowed, max_grad_norm=cfg.max_grad_norm, privacy_unit=unit, history=history,
-        validation_monitor=cfg.monitor, note=f"planned: target ε={cfg.target_epsilon}",
+        replace_one_sensitivity=DP_SGD_REPLACE_SENSITIVITY, validation_monitor=cfg.monitor,
+        note=f"planned: target ε={cfg.target_epsilon}",
     ), probability, (t1 - t0, time.perf_counter() - t1)
 
 
@@ -149,7 +151,8 @@ def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
     history = [(sigma, 1.0, 1)]
     return LedgerEntry(stage=CODES_STAGE, private=True, epsilon=epsilon_of(accountant, history, delta),
                        delta=delta, accountant=accountant, mechanism="gaussian", noise_multiplier=sigma,
-                       sample_rate=1.0, steps=1, privacy_unit=unit, history=history, note="planned")
+                       sample_rate=1.0, steps=1, privacy_unit=unit, history=history,
+                       replace_one_sensitivity=HISTOGRAM_REPLACE_SENSITIVITY, note="planned")
 
 
 # The distill fields that only the distillation reads: a DP-SGD student (dp_sgd, dpkd) trains with

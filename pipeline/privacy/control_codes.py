@@ -36,6 +36,7 @@ from pipeline.privacy import noise
 from pipeline.config import CodesConfig, ConfigError, DataConfig
 from pipeline.records import CODE_JOINER, parquet_batches, read_users
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
+from pipeline.privacy.pld import HISTOGRAM_REPLACE_SENSITIVITY  # one count moves between two bins
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.privacy.accountant import (
     DEFAULT_DELTA, CalibrationTimeout, calibrate_sigma, epsilon_of, resolve_delta, weak_delta_warning,
@@ -168,7 +169,8 @@ def _gaussian(exact: np.ndarray, epsilon: float, delta: float, accountant: str, 
     return noisy, LedgerEntry(
         stage=STAGE, private=True, epsilon=epsilon_of(calibrate, history, delta), delta=delta, accountant=calibrate,
         mechanism="gaussian", noise_multiplier=sigma, sample_rate=1.0, steps=1, privacy_unit=unit,
-        epsilon_rdp=epsilon_of("rdp", history, delta), history=history, noise_source=noise.source(secure),
+        epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
+        replace_one_sensitivity=HISTOGRAM_REPLACE_SENSITIVITY, noise_source=noise.source(secure),
         note=f"Gaussian noise (σ={sigma:.4g}) on the {where}; negative counts floored at 0",
     )
 

@@ -75,6 +75,12 @@ class LedgerEntry(BaseModel):
     """dp-accounting's PLD ε for the same history at add/remove: a check of `epsilon` by a second library."""
     history: list[tuple[float, float, int]] = []
     """(σ, q, steps) of each Gaussian mechanism, what the accountant composes."""
+    replace_one_sensitivity: float | None = None
+    """A Gaussian release's L2 sensitivity under replace-one, in units of its add/remove one
+    (the unit σ is relative to), set by the mechanism from what it releases: 2 for DP-SGD (a
+    clipped gradient g replaced by -g), √2 for the histogram (a count moves between two bins),
+    1 for a clipped mean over a fixed number of units (monitor.py, private_selection.py). None
+    in ledgers written before it: read as the figure they were made with (pld.py)."""
     noise_source: str | None = None
     """Where the mechanism's randomness came from (pipeline/privacy/noise.py): OS entropy, a CSPRNG,
     or the test hook's fixed seed, which anyone could regenerate: then the entry is not private."""
@@ -129,7 +135,7 @@ def _pld_epsilons(dp: list[LedgerEntry], delta: float) -> dict[str, float]:
     """dp-accounting's ε of these DP releases: replace-one, and add/remove as a check."""
     from pipeline.privacy import pld  # dp-accounting: only when there is something to account
 
-    gaussians = [(e.mechanism, e.history) for e in dp if e.history]
+    gaussians = [(e.mechanism, e.history, e.replace_one_sensitivity) for e in dp if e.history]
     pure = [e.epsilon for e in dp if e.mechanism == "geometric"]
     return {"epsilon_replace_one": pld.epsilon(gaussians, delta, pld.REPLACE_ONE, pure),
             "epsilon_pld": pld.epsilon(gaussians, delta, pld.ADD_REMOVE, pure)}

@@ -14,7 +14,9 @@ are the first n: one enters and one leaves, which is again one replacement, C/n.
 min(monitor_records, the split's size), and the split sizes are published by the data stage
 (data/manifest.json), as N is in the ledger: they are treated as public, as the teacher's
 δ = 1/(10N) already treats N. (How a record added to data.path moves the seeded split is a
-question for the data stage, the same for the teacher's training split.)
+question for the data stage, the same for the teacher's training split.) Under replace-one
+the sensitivity is the same C/n, so the ledger entry's `replace_one_sensitivity` is 1 and its
+replace-one ε is its add/remove one (pipeline/privacy/pld.py; issue 38 finding 3).
 
 Accounting. The k releases of a stage (one per monitor point, the final one included: the
 stage counts them before training) are k steps of the Gaussian mechanism at sampling rate 1
@@ -37,6 +39,7 @@ import torch
 from pipeline.privacy import noise
 from pipeline.privacy.accountant import CalibrationTimeout, calibrate_sigma, epsilon_of
 from pipeline.privacy.ledger import LedgerEntry
+from pipeline.privacy.pld import MEAN_REPLACE_SENSITIVITY
 
 STAGE_SUFFIX = "-validation"
 """The ledger stage of a DP-SGD stage's validation-loss release: 'teacher-validation'."""
@@ -103,6 +106,7 @@ def gaussian_entry(stage: str, *, z: float, releases: int, delta: float, account
         stage=stage, private=True, epsilon=epsilon_of(accountant, history, delta), delta=delta,
         accountant=accountant, mechanism="gaussian", noise_multiplier=z, sample_rate=1.0, steps=releases,
         privacy_unit=unit, epsilon_rdp=epsilon_of("rdp", history, delta), history=history,
+        replace_one_sensitivity=MEAN_REPLACE_SENSITIVITY,  # one unit replaced moves the mean by C/n, as add/remove
         noise_source=noise.source(secure), note=note,
     )
 

@@ -8,7 +8,7 @@ different (issue 21). Opacus accounts add/remove only; dp-accounting's PLD accou
 `NeighboringRelation.REPLACE_ONE`. Its add/remove figure for the same history is kept too, as
 a check of Opacus' from a second library (the ledger's `epsilon_pld`).
 
-    eps = epsilon([("subsampled_gaussian", [(σ, q, steps)])], delta, REPLACE_ONE, pure=[0.5])
+    eps = epsilon([("subsampled_gaussian", [(σ, q, steps)], 2.0)], delta, REPLACE_ONE, pure=[0.5])
 
 Every ε comes from the accountant; the pure-ε geometric histogram is added by basic
 composition (ε, or 2ε under replace-one: see `pure_epsilon`), as the ledger's total does.
@@ -28,13 +28,26 @@ RELATIONS = (ADD_REMOVE, REPLACE_ONE)
 # dp-accounting's REPLACE_ONE Gaussian (GaussianPrivacyLoss with AdjacencyType.REPLACE: the
 # sum of the remove and the add privacy losses) takes the worst replacement to move the output
 # by 2 sensitivities: right for DP-SGD, where one clipped gradient g (‖g‖ ≤ C) can be replaced
-# by -g. Replacing one record of the control-code histogram moves one count from bin a to bin
-# b: Δ = e_b − e_a, ‖Δ‖₂ = √2, not 2 (tests/privacy/test_pld.py measures it on the released
-# counts). A Gaussian mechanism's privacy depends on sensitivity / σ only, so the histogram is
-# the accountant's REPLACE_ONE Gaussian with noise multiplier σ · 2 / √2 (checked there against
-# Balle and Wang's analytic ε at sensitivity √2).
+# by -g. Other releases move less, so each ledger entry says its own replace-one sensitivity, in
+# units of its add/remove one (the unit its noise multiplier is relative to), set by the
+# mechanism that made it (LedgerEntry.replace_one_sensitivity):
+# - DP-SGD: 2 (g replaced by -g), dp-accounting's own figure.
+# - the Gaussian histogram: replacing one record moves one count from bin a to bin b,
+#   Δ = e_b − e_a, ‖Δ‖₂ = √2 (tests/privacy/test_pld.py measures it on the released counts).
+# - a clipped mean over a fixed number n of units (the validation-loss monitor, private
+#   selection): one unit's clipped value in [0, C] replaced by another moves the mean by at most
+#   C/n, the add/remove sensitivity itself (monitor.py), so 1 (issue 38 finding 3: √2 overstated
+#   it, the demo monitor's 0.708 where 0.480 is right).
+# A Gaussian mechanism's privacy depends on sensitivity / σ only, so a release of replace-one
+# sensitivity s is the accountant's REPLACE_ONE Gaussian with noise multiplier σ · 2 / s.
+# Ledgers written before the field say nothing: their entries keep the figure they were made
+# with (2 for subsampled_gaussian, √2 for gaussian), an upper bound for a mean.
 ACCOUNTANT_REPLACE_SENSITIVITY = 2.0
+DP_SGD_REPLACE_SENSITIVITY = ACCOUNTANT_REPLACE_SENSITIVITY
 HISTOGRAM_REPLACE_SENSITIVITY = math.sqrt(2)
+MEAN_REPLACE_SENSITIVITY = 1.0
+_LEGACY_REPLACE_SENSITIVITY = {"subsampled_gaussian": DP_SGD_REPLACE_SENSITIVITY,
+                               "gaussian": HISTOGRAM_REPLACE_SENSITIVITY}
 
 # The PLD's grid of privacy-loss values. dp-accounting's default, 1e-4, took ~1-3 s per ε
 # and a run asks for a dozen (the plan, the ledger, the dataset's budget): ~30 s of a tiny run's
@@ -42,19 +55,28 @@ HISTOGRAM_REPLACE_SENSITIVITY = math.sqrt(2)
 # ε by at most 2.3e-4 on the airline, tiny and a Yelp-sized history (tests/privacy/test_pld.py).
 VALUE_DISCRETIZATION_INTERVAL = 1e-3
 
-Mechanism = tuple[str, list[tuple[float, float, int]]]
-"""(ledger mechanism, its (σ, q, steps) history): 'subsampled_gaussian' (DP-SGD) or 'gaussian'."""
+Mechanism = tuple[str, list[tuple[float, float, int]]] | tuple[str, list[tuple[float, float, int]], float | None]
+"""(ledger mechanism, its (σ, q, steps) history[, its replace-one sensitivity]): 'subsampled_gaussian'
+(DP-SGD) or 'gaussian' (q = 1). Without the sensitivity (or None): the mechanism's legacy figure."""
 
 
-def _events(mechanism: str, history, relation: str) -> list:
+def replace_sensitivity(mechanism: str, given: float | None = None) -> float:
+    """A release's replace-one sensitivity in units of its add/remove one: `given` (its ledger
+    entry's), else what entries written before the field were accounted with."""
+    return float(given) if given is not None else _LEGACY_REPLACE_SENSITIVITY[mechanism]
+
+
+def _events(mechanism: str, history, relation: str, sensitivity: float | None = None) -> list:
     import dp_accounting as dpa
 
     if mechanism == "subsampled_gaussian":
-        return [dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), int(n))
-                for s, q, n in history]
-    assert mechanism == "gaussian" and all(q == 1.0 for _, q, _ in history), (mechanism, history)
-    scale = ACCOUNTANT_REPLACE_SENSITIVITY / HISTOGRAM_REPLACE_SENSITIVITY if relation == REPLACE_ONE else 1.0
-    return [dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(s * scale), int(n)) for s, _, n in history]
+        wrap = lambda event, q: dpa.PoissonSampledDpEvent(q, event)  # noqa: E731
+    else:
+        assert mechanism == "gaussian" and all(q == 1.0 for _, q, _ in history), (mechanism, history)
+        wrap = lambda event, q: event  # noqa: E731
+    scale = (ACCOUNTANT_REPLACE_SENSITIVITY / replace_sensitivity(mechanism, sensitivity)
+             if relation == REPLACE_ONE else 1.0)
+    return [dpa.SelfComposedDpEvent(wrap(dpa.GaussianDpEvent(s * scale), q), int(n)) for s, q, n in history]
 
 
 def pure_epsilon(epsilon: float, relation: str) -> float:
@@ -70,7 +92,8 @@ def epsilon(mechanisms: list[Mechanism], delta: float, relation: str, pure: Sequ
     `relation`, plus the pure-ε ones by basic composition."""
     if relation not in RELATIONS:
         raise ValueError(f"relation must be one of {RELATIONS}, got {relation!r}")
-    frozen = tuple((mechanism, tuple(tuple(h) for h in history)) for mechanism, history in mechanisms)
+    frozen = tuple((m[0], tuple(tuple(h) for h in m[1]), replace_sensitivity(m[0], m[2] if len(m) > 2 else None))
+                   for m in mechanisms)
     return _epsilon(frozen, float(delta), relation, tuple(pure))
 
 
@@ -92,7 +115,8 @@ def _epsilon(mechanisms: tuple, delta: float, relation: str, pure: tuple[float, 
     """`epsilon`, computed once per process for each history (the plan, the ledger and the
     dataset's budget ask for the same ones)."""
     eps = sum(pure_epsilon(e, relation) for e in pure)
-    events = [ev for mechanism, history in mechanisms for ev in _events(mechanism, history, relation)]
+    events = [ev for mechanism, history, sensitivity in mechanisms
+              for ev in _events(mechanism, history, relation, sensitivity)]
     if not events:
         return eps
     import dp_accounting as dpa

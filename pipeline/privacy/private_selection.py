@@ -16,8 +16,9 @@ Gaussian releases of sensitivity C/n at noise sd z·C/n: the ledger entry's hist
 [(z, 1, k)], calibrated by the accountant for (selection_epsilon, δ) and composed with the
 run's other releases by it (ledger.compose) and across runs (budget.py). n (the number of
 units scored) follows from the split sizes the data stage publishes, as N does: treated as
-public, like N in δ = 1/(10N). The validation and training splits are disjoint; we compose
-sequentially anyway, which holds whatever the split does.
+public, like N in δ = 1/(10N). The same C/n bounds a replacement, so the entry's replace-one
+sensitivity is 1 (monitor.gaussian_entry, pld.py). The validation and training splits are
+disjoint; we compose sequentially anyway, which holds whatever the split does.
 
 The noise comes from a secret generator (pipeline/privacy/noise.py), never from the config's
 seed or torch's global generator. Only the noisy scores are published; the exact ones are

@@ -5,6 +5,7 @@ against analytic results (Balle and Wang's exact Gaussian mechanism, group priva
 
 from __future__ import annotations
 
+import json
 import math
 
 import dp_accounting as dpa
@@ -166,3 +167,89 @@ def test_remembered_gaussian_plds_give_the_accountants_epsilon_exactly(monkeypat
                                       value_discretization_interval=pld.VALUE_DISCRETIZATION_INTERVAL)
         fresh.compose(dpa.ComposedDpEvent([ev for m, h in histories[i] for ev in pld._events(m, h, relation)]))
         assert eps == fresh.get_epsilon(DEMO_DELTA), (i, relation)
+
+
+# --- each release's own replace-one sensitivity (issue 38 finding 3) --------------------------
+
+# configs/demo.yaml with teacher.monitor=dp (`dpdistill plan`): z = 17.8125, 8 releases at q = 1.
+DEMO_MONITOR = [(17.8125, 1.0, 8)]
+
+
+def _pld_direct(sigma: float, steps: int, sensitivity: float, delta: float) -> float:
+    """dp-accounting's Gaussian PLD at the release's own L2 sensitivity (a q = 1 Gaussian is two
+    normals `sensitivity` apart, whatever the adjacency; `steps` of them, one at σ/√steps), on
+    pld.py's grid."""
+    from dp_accounting.pld.privacy_loss_distribution import from_gaussian_mechanism
+
+    composed = from_gaussian_mechanism(sigma / math.sqrt(steps), sensitivity=sensitivity,
+                                       value_discretization_interval=pld.VALUE_DISCRETIZATION_INTERVAL)
+    return composed.get_epsilon_for_delta(delta)
+
+
+def _mechanism_entries() -> dict[str, LedgerEntry]:
+    """The entries each mechanism makes, as it makes them."""
+    import numpy as np
+
+    from pipeline.privacy import control_codes, monitor, noise, private_selection
+
+    _, histogram = control_codes._gaussian(np.zeros(4), 0.5, DEMO_DELTA, "prv", noise.generator("test", secure=False),
+                                           "record", False, "test counts")
+    z, releases = DEMO_MONITOR[0][0], DEMO_MONITOR[0][2]
+    mean = monitor.ledger_entry("teacher", z=z, releases=releases, n=64, clip=10.0, target_epsilon=0.5,
+                                delta=DEMO_DELTA, accountant="prv", unit="record", secure=False)
+    selection = private_selection.ledger_entry(z=z, candidates=releases, n=64, clip=10.0, target_epsilon=0.5,
+                                               delta=DEMO_DELTA, accountant="prv", unit="record", secure=False)
+    return {"histogram": histogram, "monitor": mean, "selection": selection}
+
+
+def test_each_release_replace_one_epsilon_is_dp_accountings_pld_at_its_own_sensitivity():
+    """Replacing one unit moves the control-code histogram by √2 (one count between two bins) and
+    a clipped mean over n units by C/n, its add/remove sensitivity (monitor.py): each mechanism
+    says so in its entry, and its replace-one ε is dp-accounting's PLD of the Gaussian at that
+    sensitivity, computed directly. The demo's monitor: 0.4805, not the histogram's √2 figure
+    0.708; its replace-one ε is its add/remove one."""
+    entries = {k: with_pld_epsilons(e) for k, e in _mechanism_entries().items()}
+    assert entries["histogram"].replace_one_sensitivity == pytest.approx(math.sqrt(2))
+    assert entries["monitor"].replace_one_sensitivity == entries["selection"].replace_one_sensitivity == 1.0
+    for entry in entries.values():
+        (sigma, _, steps), = entry.history
+        direct = _pld_direct(sigma, steps, entry.replace_one_sensitivity, DEMO_DELTA)
+        assert entry.epsilon_replace_one == pytest.approx(direct, rel=1e-9), entry.stage
+        exact = get_epsilon_gaussian(sigma / (math.sqrt(steps) * entry.replace_one_sensitivity), DEMO_DELTA)
+        assert entry.epsilon_replace_one == pytest.approx(exact, rel=2e-3), entry.stage  # Balle and Wang
+    for mean in (entries["monitor"], entries["selection"]):
+        assert mean.epsilon_replace_one == pytest.approx(mean.epsilon_pld, rel=1e-6)
+        assert mean.epsilon_replace_one == pytest.approx(0.4805, abs=1e-3)
+    legacy = pld.epsilon([("gaussian", DEMO_MONITOR)], DEMO_DELTA, pld.REPLACE_ONE)  # √2, as before
+    assert legacy == pytest.approx(0.708, abs=1e-3)
+
+
+def test_dp_sgd_keeps_dp_accountings_own_replace_one_gaussian():
+    """DP-SGD's entry says 2 (g replaced by -g), dp-accounting's REPLACE_ONE Gaussian as it is."""
+    entry = with_pld_epsilons(_entry("teacher", "subsampled_gaussian", TEACHER).model_copy(
+        update={"replace_one_sensitivity": pld.DP_SGD_REPLACE_SENSITIVITY}))
+    accountant = dpa.pld.PLDAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE,
+                                       value_discretization_interval=pld.VALUE_DISCRETIZATION_INTERVAL)
+    (sigma, q, steps), = TEACHER
+    accountant.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps))
+    assert entry.epsilon_replace_one == pytest.approx(accountant.get_epsilon(DEMO_DELTA), rel=1e-9)
+    assert entry.epsilon_replace_one == pytest.approx(3.0396, abs=1e-3)
+
+
+def test_a_ledger_written_before_the_field_reads_as_it_was_made_and_composes_with_new_entries(tmp_path):
+    """Old ledgers have no replace_one_sensitivity: they load, and their entries keep the figure
+    they were made with (√2 for any q = 1 Gaussian, an upper bound for a mean), in a new total too."""
+    from pipeline.privacy.ledger import LEDGER, read_ledger
+
+    monitor = _mechanism_entries()["monitor"]
+    old_json = with_pld_epsilons(monitor).model_dump(mode="json")
+    del old_json["replace_one_sensitivity"]
+    old_json["epsilon_replace_one"] = 0.70798  # what the old code stored
+    (tmp_path / LEDGER).write_text(json.dumps({"entries": [old_json], "total": None}))
+    old = read_ledger(tmp_path / LEDGER).entries[0]
+    assert old.replace_one_sensitivity is None and old.epsilon_replace_one == 0.70798
+    assert with_pld_epsilons(old).epsilon_replace_one == pytest.approx(0.708, abs=1e-3)
+    teacher = with_pld_epsilons(_entry("teacher", "subsampled_gaussian", TEACHER))
+    new_total = compose([teacher, with_pld_epsilons(monitor)], "prv", DEMO_DELTA)
+    old_total = compose([teacher, old], "prv", DEMO_DELTA)
+    assert teacher.epsilon_replace_one < new_total.epsilon_replace_one < old_total.epsilon_replace_one

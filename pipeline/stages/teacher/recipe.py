@@ -68,6 +68,7 @@ from pipeline.privacy.dpsgd import (
     steps_accounted,
 )
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
+from pipeline.privacy.pld import DP_SGD_REPLACE_SENSITIVITY
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 from pipeline.records import read_users
 from pipeline.stages.teacher import ddp as teacher_ddp
@@ -275,7 +276,7 @@ def _ledger_entry(run: Run) -> LedgerEntry:
         mechanism="subsampled_gaussian", noise_multiplier=run.sigma, sample_rate=run.sample_rate, steps=steps,
         max_grad_norm=cfg.max_grad_norm, privacy_unit=unit,
         epsilon_rdp=privacy.epsilon_of("rdp", accounted, run.delta), history=accounted,
-        noise_source=noise.source(cfg.secure_mode),
+        replace_one_sensitivity=DP_SGD_REPLACE_SENSITIVITY, noise_source=noise.source(cfg.secure_mode),
         note=f"{unit}-level DP-SGD ({cfg.mode}, {cfg.grad_sample_mode} clipping) on the private "
         f"training split (N={run.n} {unit}s"
         + ("" if unit == "record" else f", {run.n_records} records; one random record per sampled user per step")
