@@ -376,7 +376,8 @@ def format_canary_report(report: dict) -> str:
 
 def _format_verbatim(audit: dict) -> str:
     head = f"verbatim audit ({audit['span']}-word spans of the private records; Prefect: {audit['extra_sources']}): "
-    found = [f"LEAK: {audit['total_hits']} span(s) in {', '.join(audit['files_with_hits'])}"] if audit["total_hits"] else []
+    found = [f"LEAK: {audit['total_hits']} span(s) in {', '.join(audit['files_with_hits'])}"
+             ] if audit["total_hits"] else []
     if unread := audit.get("incomplete"):
         found.append(f"INCOMPLETE: not (wholly) read: {', '.join(unread)} (canaries.json says why)")
     return head + ("; ".join(found) or "clean")

@@ -352,12 +352,11 @@ def _scan(texts: Iterator[str], scan: "FileScan", notes: Notes, index: RecordInd
         notes.cannot(f"could not be read ({type(e).__name__})")
 
 
-def _scan_files(run_dir: Path, index: RecordIndex, splits: dict[Path, str]
+def _scan_files(run_dir: Path, index: RecordIndex, splits: dict[Path, str], decode: TokenDecoder
                 ) -> tuple[dict[str, FileScan], dict[str, str], dict[str, str]]:
     """Scan every file of `run_dir` (`published`) by its content but the private `splits`
     (path -> why). Returns the scans, what was not read by design (the splits, tensors: name ->
     why), and what could not be read (INCOMPLETE: name -> why)."""
-    decode = TokenDecoder(run_dir)
     scans: dict[str, FileScan] = {}
     not_scanned: dict[str, str] = {}
     incomplete: dict[str, str] = {}
@@ -406,8 +405,8 @@ def audit_run(
     private = {path: "private split" for path in splits.values()}
     private |= {path: f"private split (the token ids of data/{split}.parquet)"
                 for path, split in tokenized_copies(run_dir, splits).items()}
-    scans, not_scanned, incomplete = _scan_files(run_dir, index, private)
-    decode = TokenDecoder(run_dir)
+    decode = TokenDecoder(run_dir)  # loaded once, if anything holds token ids
+    scans, not_scanned, incomplete = _scan_files(run_dir, index, private, decode)
     for name, docs in (extra or {}).items():
         notes, scan = Notes(), FileScan()
         scans[name] = scan

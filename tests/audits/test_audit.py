@@ -174,7 +174,8 @@ def _plant_in_modified_split(run: Path, secret: str) -> str:
 
 def _secret(run: Path, split: str) -> str:
     """The first 20 words of a record of `split` (from the split copy)."""
-    return " ".join(words(next(t for t in read_split(run / "data" / f"{split}.parquet")[1] if len(words(t)) >= 20))[:20])
+    texts = read_split(run / "data" / f"{split}.parquet")[1]
+    return " ".join(words(next(t for t in texts if len(words(t)) >= 20))[:20])
 
 
 def _assert_found(run: Path, secret: str, where: str | list[str], split: str, capsys) -> None:
