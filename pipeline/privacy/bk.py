@@ -39,13 +39,15 @@ runs without a rule of its own:
   0 substituted, so the dtype and the fp32 upcasts are the module's own.
 
 Anything else with trainable parameters of its own is refused by name and class before any
-patching (`bk_problems`, which preflight can call on a model built on the meta device).
+patching (`bk_problems`, which preflight can call on a model built on the meta device). The
+rules, the autograd Functions and the per-use norms are in pipeline/privacy/bk_layers.py; this
+module wraps the model with them and forms the clipped sums.
 
 Exactness guards, each found by an independent check (issue 35):
 - a module called more than once in one forward (a reused layer, an adapter applied twice):
   each call keeps its own factors, and a parameter's per-example norm is that of the SUM of
   its calls' gradients, ‖Σⱼ ∇ⱼ‖² = Σⱼ‖∇ⱼ‖² + 2Σⱼ<ₖ⟨∇ⱼ, ∇ₖ⟩, the cross terms formed
-  ghost-style like the norms (`_Use.dot`);
+  ghost-style like the norms (`Use.dot`);
 - a patched parameter also used outside its layer (F.linear(x, layer.weight) elsewhere):
   autograd would add that use's gradient to `.grad` unclipped, so `backward_clipped` runs its
   backward with every `.grad` set aside and refuses any that autograd filled;
@@ -57,417 +59,22 @@ wrapped model is an error.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from opacus import PrivacyEngine
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
 from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
 from opacus.optimizers import optimizer_fast_gradient_clipping as fgc
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch import nn
-from transformers.pytorch_utils import Conv1D
+
+from pipeline.privacy.bk_layers import (EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED, OTHER_MODES, Keep,
+                                        UnsupportedLayer, Use, elementwise_forward, embedding_forward, layer_rule,
+                                        linear_forward, problem_line, routed_class, trainable_here)
 
 BK = "bk"
-OTHER_MODES = "use teacher.grad_sample_mode=ghost or hooks"
 
-# The rules, by what the layer computes (see the module docstring).
-LINEAR, LINEAR_TRANSPOSED = "linear", "linear (W stored transposed)"
-EMBEDDING, EMBEDDING_ROUTED = "embedding", "embedding (the subclass's own forward around the lookup)"
-SCALE, ONE_PLUS_SCALE, AFFINE_SCALE = "w·s(x) + b", "(1+w)·s(x) + b", "c(x) + w·s(x) + b"
-
-
-# --- one call's per-example gradient of one parameter, kept in factored form -------------------
-
-class _Use:
-    """What one call of a layer leaves for one trainable parameter, in factored form: `sq(grams)`
-    (B,) the squared norm of each example's gradient from this call, `dot(other)` (B,) the
-    inner products with another call's (same parameter), `weighted_sum(coef)` = Σᵢ coefᵢ ∇ᵢ.
-
-    The factors' dim 0 is the example, as the loss's. A layer fed a 2-D input (N, d) with no
-    sequence axis (OPT's MLP and final LayerNorm run on hidden states reshaped from (B, T, d)
-    to (B·T, d)) has N = B·T rows: `by_example` regroups them as (B, T, ·). That is exact
-    when the rows are example-major, as flattening a batch-first (B, T, d) tensor makes them
-    (every decoder family in transformers is batch-first); bk cannot check it, and a model
-    that flattened time-major (T, B, d) rows would be grouped wrongly. A 3-D input, or a row
-    count that is not a multiple of B, is refused."""
-
-    rows: int  # the factors' dim 0
-    flat: bool  # True when the layer's input was 2-D (no sequence axis): rows may be B·T
-
-    def by_example(self, batch: int, name: str) -> None:
-        if self.rows == batch:
-            return
-        if not self.flat or self.rows % batch:
-            raise RuntimeError(
-                f"bk clipping: {name} saw a batch of {self.rows} rows where the loss has {batch} examples "
-                f"(a model that reshapes the batch dimension), so bk cannot tell whose gradient is whose; {OTHER_MODES}")
-        self._regroup(batch)
-        self.rows = batch
-
-
-def _input_gram(a: torch.Tensor, grams: dict) -> torch.Tensor:
-    """a aᵀ per example (B, T, T), computed once for the layers that read the same input (q, k
-    and v; gate and up: 3 of a Llama layer's 14 Gram matrices). Keyed by the input's memory,
-    which the kept uses hold until the norms are formed, so no other tensor can have it."""
-    key = (a.data_ptr(), tuple(a.shape), tuple(a.stride()))
-    if key not in grams:
-        grams[key] = a @ a.transpose(1, 2)
-    return grams[key]
-
-
-def _matmul_dot(a1, g1, a2, g2, grams: dict) -> torch.Tensor:
-    """⟨a1ᵢᵀg1ᵢ, a2ᵢᵀg2ᵢ⟩_F for each example i; aₖ (B, Tₖ, d), gₖ (B, Tₖ, p). Ghost (the
-    Tₖ × Tₖ' Gram matrices) when 2·T·T' < p·d, else through the (B, d, p) per-example gradients."""
-    t1, t2, d, p = a1.shape[1], a2.shape[1], a1.shape[2], g1.shape[2]
-    if 2 * t1 * t2 < p * d:
-        aa = _input_gram(a1, grams) if a2 is a1 else a1 @ a2.transpose(1, 2)  # (B, T, T')
-        return (aa * (g1 @ g2.transpose(1, 2))).sum((1, 2))
-    w1 = torch.einsum("btd,btp->bdp", a1, g1)
-    if a2 is a1 and g2 is g1:
-        return w1.pow(2).sum((1, 2))
-    return (w1 * torch.einsum("btd,btp->bdp", a2, g2)).sum((1, 2))
-
-
-class _MatmulUse(_Use):
-    """A linear map's weight: example i's gradient aᵢᵀgᵢ (d, p), or its transpose for
-    nn.Linear's (p, d) layout; never formed per example unless that is the cheaper way."""
-
-    def __init__(self, a3: torch.Tensor, g3: torch.Tensor, transposed: bool, flat: bool):
-        self.a, self.g, self.transposed = a3, g3, transposed  # (B, T, d), (B, T, p)
-        self.rows, self.flat = a3.shape[0], flat
-
-    def _regroup(self, batch: int) -> None:
-        self.a = self.a.reshape(batch, -1, self.a.shape[-1])
-        self.g = self.g.reshape(batch, -1, self.g.shape[-1])
-
-    def sq(self, grams: dict) -> torch.Tensor:
-        return _matmul_dot(self.a, self.g, self.a, self.g, grams)
-
-    def dot(self, other: _MatmulUse) -> torch.Tensor:
-        return _matmul_dot(self.a, self.g, other.a, other.g, {})
-
-    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        # aᵀ·diag(C)·g: scale the smaller of a and g (for lm_head, a: d=768 beside V=50257)
-        c = coef.view(-1, 1, 1)
-        a, g = (self.a * c, self.g) if self.a.shape[-1] <= self.g.shape[-1] else (self.a, self.g * c)
-        a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])  # (B·T, d), (B·T, p)
-        return a.t() @ g if self.transposed else g.t() @ a
-
-
-class _LookupUse(_Use):
-    """An embedding's weight: example i's gradient has row v = Σ_{t: idᵢₜ = v} gᵢₜ, so
-    ‖∇ᵢ‖² = Σ_{t,s} [idᵢₜ = idᵢₛ] gᵢₜ·gᵢₛ, never a (B, V, d) tensor."""
-
-    def __init__(self, ids2: torch.Tensor, g3: torch.Tensor, shape: torch.Size, flat: bool):
-        self.ids, self.g, self.shape = ids2, g3, shape  # (B, T), (B, T, d)
-        self.rows, self.flat = ids2.shape[0], flat
-
-    def _regroup(self, batch: int) -> None:
-        self.ids, self.g = self.ids.reshape(batch, -1), self.g.reshape(batch, -1, self.g.shape[-1])
-
-    def sq(self, grams: dict) -> torch.Tensor:
-        return self.dot(self)
-
-    def dot(self, other: _LookupUse) -> torch.Tensor:
-        same = self.ids.unsqueeze(2) == other.ids.unsqueeze(1)  # (B, T, T')
-        return ((self.g @ other.g.transpose(1, 2)) * same).sum((1, 2))
-
-    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        rows = (self.g * coef.view(-1, 1, 1)).reshape(-1, self.g.shape[-1])  # (B·T, d)
-        return torch.zeros(self.shape, device=rows.device).index_add_(0, self.ids.reshape(-1), rows)
-
-
-class _VectorUse(_Use):
-    """A bias or a norm weight: the per-example gradients (B, p) are small, formed outright
-    from the per-position ones x3 (B, T, p) by summing over T."""
-
-    def __init__(self, x3: torch.Tensor, flat: bool):
-        self.per = x3[:, 0] if x3.shape[1] == 1 else x3.sum(1)  # (B, p); a view when T = 1
-        self.rows, self.flat = x3.shape[0], flat
-
-    def _regroup(self, batch: int) -> None:
-        self.per = self.per.reshape(batch, -1, self.per.shape[-1]).sum(1)
-
-    def sq(self, grams: dict) -> torch.Tensor:
-        return self.per.pow(2).sum(1)
-
-    def dot(self, other: _VectorUse) -> torch.Tensor:
-        return (self.per * other.per).sum(1)
-
-    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        return coef @ self.per  # (B,) @ (B, p) -> (p,)
-
-
-Keep = Callable[[list], None]  # receives [(parameter, _Use)] from one call's backward
-
-
-def _flat3(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])  # (B, T, ·)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype nn.Linear would compute in here: autocast's (bf16 under precision=bf16) when
-    it is on for x's device, else x's own. The Functions below cast explicitly, once in the
-    forward, and their backward (which autocast does not cover) uses the same dtype, instead
-    of being decorated with torch.amp.custom_fwd for one fixed device type."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-
-
-# --- the layers' autograd Functions: input gradient out, per-example factors kept ---------------
-
-class _LinearFn(torch.autograd.Function):
-    """y = x Wᵀ + b (nn.Linear) or y = x W + b (Conv1D, `transposed`); backward returns the
-    input gradient only and keeps what the clipped sum needs. Under autocast the products run
-    in its dtype (fp32 master weights cast per call); the norms and sums are formed in fp32."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, transposed, keep):
-        dt = _compute_dtype(x)
-        xc = x.to(dt)
-        ctx.save_for_backward(xc, weight)
-        ctx.transposed, ctx.keep, ctx.weight, ctx.bias, ctx.dt = transposed, keep, weight, bias, dt
-        w = (weight if transposed else weight.t()).to(dt)  # (d, p)
-        with torch.autocast(x.device.type, enabled=False):
-            if bias is None:
-                return xc @ w
-            return torch.addmm(bias.to(dt), xc.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        w = (weight if ctx.transposed else weight.t()).to(ctx.dt)  # (d, p)
-        grad_x = g.to(ctx.dt) @ w.t() if ctx.needs_input_grad[0] else None  # autograd casts it to x's dtype
-        a3, g3 = _flat3(x.detach()).float(), _flat3(g).float()  # x is an activation: no graph on it later
-        flat = x.dim() == 2
-        uses = []
-        if ctx.needs_input_grad[1]:
-            uses.append((ctx.weight, _MatmulUse(a3, g3, ctx.transposed, flat)))
-        if ctx.bias is not None and ctx.needs_input_grad[2]:
-            uses.append((ctx.bias, _VectorUse(g3, flat)))
-        ctx.keep(uses)
-        return grad_x, None, None, None, None
-
-
-class _EmbeddingFn(torch.autograd.Function):
-    """y = W[ids]; backward keeps ids and g (`_LookupUse`): the clipped sum is an index-add of
-    the reweighted rows of g."""
-
-    @staticmethod
-    def forward(ctx, ids, weight, padding_idx, keep):
-        ctx.save_for_backward(ids)
-        ctx.weight, ctx.padding_idx, ctx.keep = weight, padding_idx, keep
-        return F.embedding(ids, weight, padding_idx)
-
-    @staticmethod
-    def backward(ctx, g):
-        (ids,) = ctx.saved_tensors
-        ids2 = ids.reshape(ids.shape[0], -1)  # (B, T)
-        g3 = _flat3(g).float()  # (B, T, d)
-        if ctx.padding_idx is not None:  # torch gives the padding row no gradient
-            g3 = g3 * (ids2 != ctx.padding_idx).unsqueeze(-1)
-        use = _LookupUse(ids2, g3, ctx.weight.shape, flat=ids.dim() == 1)
-        ctx.keep([(ctx.weight, use)] if ctx.needs_input_grad[1] else [])
-        return None, None, None, None
-
-
-class _ScaleFn(torch.autograd.Function):
-    """An elementwise scale y = c + w ⊙ s + b (`one_plus`: y = c + (1 + w) ⊙ s + b) on s (B, T, d)
-    (and c, None when 0) computed by the module's own forward; per-example gradients Σₜ gₜ ⊙ sₜ
-    and Σₜ gₜ are d-vectors, formed here. The product runs in fp32 (at least) and the output
-    takes s's dtype, which is the module's own output dtype (s came out of its forward)."""
-
-    @staticmethod
-    def forward(ctx, s, c, weight, bias, one_plus, keep):
-        ctx.save_for_backward(s, weight)
-        ctx.keep, ctx.weight, ctx.bias, ctx.one_plus = keep, weight, bias, one_plus
-        dt = torch.promote_types(s.dtype, torch.float32)  # Gemma's 1 + w would round away in bf16
-        out = s.to(dt) * (weight.to(dt) + 1 if one_plus else weight.to(dt))
-        if c is not None:
-            out = out + c.to(dt)
-        if bias is not None:
-            out = out + bias.to(dt)
-        return out.to(s.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        s, weight = ctx.saved_tensors
-        g3, flat = _flat3(g).float(), g.dim() == 2  # (B, T, d)
-        uses = []
-        if ctx.needs_input_grad[2]:
-            uses.append((ctx.weight, _VectorUse(g3 * _flat3(s.detach()).float(), flat)))
-        if ctx.bias is not None and ctx.needs_input_grad[3]:
-            uses.append((ctx.bias, _VectorUse(g3, flat)))
-        ctx.keep(uses)
-        grad_s = None
-        if ctx.needs_input_grad[0]:
-            scale = weight.float() + 1 if ctx.one_plus else weight.float()
-            grad_s = (g.float() * scale).to(g.dtype)  # autograd casts it to s's dtype
-        return grad_s, (g if ctx.needs_input_grad[1] else None), None, None, None, None
-
-
-# --- what a layer computes: one classification for the wrapper and for preflight ---------------
-
-class UnsupportedLayer(Exception):
-    """bk has no rule for a module; the message says why."""
-
-
-def _trainable_here(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters(recurse=False))
-
-
-def _elementwise_kind(module: nn.Module) -> str:
-    """SCALE, ONE_PLUS_SCALE or AFFINE_SCALE when `module` computes y = c(x) + w ⊙ s(x) + b in
-    its 1-D `weight` w (and 1-D `bias` b), else UnsupportedLayer. Found by running the module's own
-    forward (on a float32 CPU copy: a model built on the meta device has no values) on a
-    probe input at w = 0, 1 and a random r: y(r) must be y(0) + r ⊙ (y(1) - y(0)) to float32
-    rounding, and y(0) = 0 means c = 0 (w·x̂), y(0) = y(1) - y(0) means c = s ((1+w)·x̂)."""
-    params = dict(module.named_parameters(recurse=False))
-    weight, bias = params.get("weight"), params.get("bias")
-    if (weight is None or weight.dim() != 1 or set(params) - {"weight", "bias"}
-            or (bias is not None and bias.shape != weight.shape)
-            or next(module.children(), None) is not None or next(module.buffers(), None) is not None):
-        raise UnsupportedLayer("not a linear map, an embedding lookup, or an elementwise scale c(x) + w·s(x) + b of a "
-                      "leaf module's 1-D weight (and 1-D bias) without buffers")
-    probe = copy.deepcopy(module)
-    probe.__dict__.pop("forward", None)  # a module bk already patched: probe its class's forward
-    if any(p.is_meta for p in probe.parameters()):
-        probe = probe.to_empty(device="cpu")  # the values are substituted below anyway
-    probe = probe.to("cpu", torch.float32).train()  # train: a dropout inside fails the affinity check
-    gen = torch.Generator().manual_seed(0)  # a fixed probe: the same verdict each time, global RNG untouched
-    d = weight.shape[0]
-    x = torch.randn(2, 3, d, generator=gen) * 2 + 0.5  # (2, 3, d), non-zero mean: LayerNorm centres it
-    r, rb = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
-
-    def out(w, b=None):
-        subs = {"weight": w} | ({} if bias is None else {"bias": torch.zeros(d) if b is None else b})
-        return torch.func.functional_call(probe, subs, (x,))
-
-    try:
-        with torch.no_grad():
-            y0, y1, yr, y1_again = out(torch.zeros(d)), out(torch.ones(d)), out(r), out(torch.ones(d))
-            yb = None if bias is None else out(torch.zeros(d), rb)
-    except Exception as e:  # any failure means: not this rule (the message says what happened)
-        raise UnsupportedLayer(f"not an elementwise scale c(x) + w·s(x) + b: its forward raised {type(e).__name__} "
-                      f"on a (2, 3, {d}) probe ({e})") from e
-    if not all(isinstance(y, torch.Tensor) and y.shape == x.shape for y in (y0, y1, yr)):
-        raise UnsupportedLayer("not an elementwise scale c(x) + w·s(x) + b: its output does not have its input's shape")
-    s = y1 - y0  # (2, 3, d)
-    tol = 1e-6 * (1 + max(y.abs().max().item() for y in (y0, y1, yr)))
-
-    def close(a, b):
-        return torch.allclose(a, b, rtol=1e-5, atol=tol)
-
-    if not (torch.equal(y1, y1_again) and close(yr, y0 + r * s) and (yb is None or close(yb, y0 + rb))):
-        raise UnsupportedLayer("not an elementwise scale c(x) + w·s(x) + b: its output is not affine in its weight "
-                      "and bias, or not deterministic")
-    if y0.abs().max() <= tol:
-        return SCALE
-    return ONE_PLUS_SCALE if close(y0, s) else AFFINE_SCALE
-
-
-def layer_rule(module: nn.Module) -> str:
-    """The rule bk clips `module`'s own trainable parameters by (LINEAR, ..., AFFINE_SCALE);
-    raises UnsupportedLayer with the reason when there is none."""
-    if isinstance(module, (nn.Linear, Conv1D)):
-        base = nn.Linear if isinstance(module, nn.Linear) else Conv1D
-        if type(module).forward is not base.forward:  # its forward may use W in any way
-            raise UnsupportedLayer(f"a {base.__name__} subclass with a forward of its own")
-        return LINEAR if base is nn.Linear else LINEAR_TRANSPOSED
-    if isinstance(module, nn.Embedding):
-        if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
-            raise UnsupportedLayer("an embedding with max_norm, sparse or scale_grad_by_freq")
-        return EMBEDDING if type(module).forward is nn.Embedding.forward else EMBEDDING_ROUTED
-    return _elementwise_kind(module)
-
-
-def _problem(name: str, module: nn.Module, reason: str) -> str:
-    return f"{name or 'the model'} ({type(module).__name__}): {reason}; {OTHER_MODES}"
-
-
-def bk_problems(model: nn.Module) -> list[str]:
-    """One line per module with trainable parameters of its own that bk clipping has no rule
-    for, naming its path, its class, the reason and the modes that can run it; [] when bk can
-    clip the model as it stands (its trainable parameters now: apply LoRA or BiTFiT first).
-    Patches nothing and runs no backward; works on a model built on the meta device (only the
-    norm-like modules run, on tiny CPU copies). Tied weights are not checked here: the
-    pipeline unties lm_head before wrapping (GradSampleModuleBookKeeping refuses them)."""
-    problems = []
-    for name, module in model.named_modules():
-        if _trainable_here(module):
-            try:
-                layer_rule(module)
-            except UnsupportedLayer as e:
-                problems.append(_problem(name, module, str(e)))
-    return problems
-
-
-# --- patching: each rule's forward -------------------------------------------------------------
-
-def _linear_forward(module: nn.Module, keep: Keep, transposed: bool):
-    return lambda x: _LinearFn.apply(x, module.weight, module.bias, transposed, keep)
-
-
-def _embedding_forward(module: nn.Embedding, keep: Keep):
-    return lambda ids: _EmbeddingFn.apply(ids, module.weight, module.padding_idx, keep)
-
-
-class _RoutedLookup(nn.Embedding):
-    """nn.Embedding's lookup through bk. Placed in an nn.Embedding subclass's MRO right before
-    nn.Embedding (`_routed_class`), so that the subclass's own forward runs as written (OPT's
-    position ids, Gemma's √d scale) and its `super().forward(ids)` reaches this lookup. A
-    subclass that reads `self.weight` some other way (F.embedding itself) is caught by
-    backward_clipped's check for gradients that bypassed bk."""
-
-    def forward(self, ids):
-        return _EmbeddingFn.apply(ids, self.weight, self.padding_idx, self._bk_keep)
-
-
-_ROUTED: dict[type, type] = {}
-
-
-def _routed_class(cls: type) -> type:
-    """cls with _RoutedLookup between it and nn.Embedding in the MRO: (cls, ..., _RoutedLookup,
-    nn.Embedding, nn.Module). Same name, so messages and reprs read as before."""
-    if cls not in _ROUTED:
-        _ROUTED[cls] = type(cls.__name__, (cls, _RoutedLookup), {"__module__": cls.__module__})
-    return _ROUTED[cls]
-
-
-def _elementwise_forward(module: nn.Module, kind: str, keep: Keep):
-    """The module's own forward run at w = 1 (SCALE: s), w = 0 (ONE_PLUS_SCALE: s; AFFINE_SCALE:
-    c, then w = 1 for c + s) and b = 0, on a stand-in: a shallow copy that shares the module's
-    attributes (eps, shapes) but holds these constants as its parameters, so the module
-    itself is never modified and its hooks do not run twice."""
-    forward_of_class = type(module).forward
-    stand_in = copy.copy(module)
-    stand_in.__dict__.pop("forward", None)
-
-    def own_forward(x, w: float):
-        weight, bias = module.weight, module._parameters.get("bias")
-        consts = {"weight": torch.full_like(weight, w, requires_grad=False)}  # (d,), weight's dtype and device
-        if bias is not None:
-            consts["bias"] = torch.zeros_like(bias, requires_grad=False)
-        stand_in.__dict__["_parameters"] = consts  # never the module's own dict
-        stand_in.__dict__["training"] = module.training
-        return forward_of_class(stand_in, x)
-
-    def forward(x):
-        weight, bias = module.weight, module._parameters.get("bias")
-        if kind == SCALE:
-            return _ScaleFn.apply(own_forward(x, 1.0), None, weight, bias, False, keep)
-        if kind == ONE_PLUS_SCALE:
-            return _ScaleFn.apply(own_forward(x, 0.0), None, weight, bias, True, keep)
-        c = own_forward(x, 0.0)
-        return _ScaleFn.apply(own_forward(x, 1.0) - c, c, weight, bias, False, keep)
-
-    return forward
-
-
-# --- the wrapper ---------------------------------------------------------------------------------
 
 class GradSampleModuleBookKeeping(AbstractGradSampleModule):
     """Opacus' GradSampleModule contract for `grad_sample_mode="bk"`: wraps the model, and
@@ -479,17 +86,17 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction)
         self.max_grad_norm = max_grad_norm
         self.hooks_enabled = True
-        self._kept: list[tuple[str, nn.Parameter, _Use]] = []
+        self._kept: list[tuple[str, nn.Parameter, Use]] = []
         self._undo: list[Callable[[], None]] = []  # restores each patched module
         self.per_sample_gradient_norms: torch.Tensor | None = None
         self._clipping = False  # True only inside backward_clipped: the one backward bk supports
         rules, problems = {}, []
         for name, module in m.named_modules():  # the same classification as bk_problems
-            if _trainable_here(module):
+            if trainable_here(module):
                 try:
                     rules[name] = layer_rule(module)
                 except UnsupportedLayer as e:
-                    problems.append(_problem(name, module, str(e)))
+                    problems.append(problem_line(name, module, str(e)))
         if problems:  # refused before anything is patched
             raise NotImplementedError("bk clipping has no rule for " + (
                 problems[0] if len(problems) == 1 else f"{len(problems)} modules:\n" + "\n".join(problems)))
@@ -519,7 +126,7 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
     def _patch(self, module: nn.Module, rule: str, keep: Keep) -> None:
         if rule == EMBEDDING_ROUTED:
             cls = type(module)
-            module.__class__ = _routed_class(cls)
+            module.__class__ = routed_class(cls)
             module._bk_keep = keep
 
             def undo():
@@ -528,11 +135,11 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
             self._undo.append(undo)
             return
         if rule in (LINEAR, LINEAR_TRANSPOSED):
-            module.forward = _linear_forward(module, keep, transposed=rule == LINEAR_TRANSPOSED)
+            module.forward = linear_forward(module, keep, transposed=rule == LINEAR_TRANSPOSED)
         elif rule == EMBEDDING:
-            module.forward = _embedding_forward(module, keep)
+            module.forward = embedding_forward(module, keep)
         else:
-            module.forward = _elementwise_forward(module, rule, keep)
+            module.forward = elementwise_forward(module, rule, keep)
         self._undo.append(lambda: delattr(module, "forward"))  # the class's own forward again
 
     def _keep_for(self, name: str) -> Keep:
@@ -613,7 +220,7 @@ def _per_example_sq_norms(kept: list, batch: int, device: torch.device) -> torch
     """‖∇ℓᵢ‖² (B,) over every trainable parameter. A parameter with several calls in the forward
     (a reused module) gets the norm of the sum of its calls' gradients: Σⱼ‖∇ⱼ‖² + 2Σⱼ<ₖ⟨∇ⱼ, ∇ₖ⟩."""
     sq = torch.zeros(batch, device=device)
-    calls: dict[int, list[_Use]] = {}  # id(parameter) -> its calls' uses, in backward order
+    calls: dict[int, list[Use]] = {}  # id(parameter) -> its calls' uses, in backward order
     grams: dict = {}  # the layers' input Gram matrices, shared where layers share an input
     for name, param, use in kept:
         use.by_example(batch, name)

@@ -19,8 +19,9 @@ from torch.func import functional_call, grad, vmap
 from families import FAMILIES
 from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.models.base import untie_lm_head
-from pipeline.privacy import bk
-from pipeline.privacy.bk import GradSampleModuleBookKeeping, bk_problems, layer_rule
+from pipeline.privacy import bk_layers as bk
+from pipeline.privacy.bk import GradSampleModuleBookKeeping
+from pipeline.privacy.bk_layers import bk_problems, layer_rule
 from pipeline.models.losses import per_sequence_loss
 
 TEXTS = [  # four lengths: a padded batch
