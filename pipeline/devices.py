@@ -18,7 +18,7 @@ loss scaling, which multiplies the per-example gradients that clipping bounds by
 clipping norm, and so the noise's calibration, would no longer mean what the ledger says.
 bf16 has fp32's exponent range and needs no scaling.
 
-The device is not part of any cache key (flows/pipeline_flow.py): it changes the rounding
+The device is not part of any cache key (flows/tasks.py): it changes the rounding
 of a result, not what was computed, like `threads`. The precision is part of the keys of
 every stage that runs a model: a bf16 teacher is another teacher than an fp32 one.
 """

@@ -156,7 +156,7 @@ def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
 
 
 # The distill fields that only the distillation reads: a DP-SGD student (dp_sgd, dpkd) trains with
-# the teacher section's recipe (flows/pipeline_flow.py dp_student_task), so a value set here is unused.
+# the teacher section's recipe (flows/tasks.py dp_student_task), so a value set here is unused.
 DISTILL_ONLY = ("epochs", "batch_size", "learning_rate", "warmup_fraction", "weight_decay", "patience")
 
 

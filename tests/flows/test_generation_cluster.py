@@ -23,7 +23,8 @@ from distributed import Client
 from prefect import flow, task
 
 from flows.generation import generate_with_workers
-from flows.pipeline_flow import StageRunner, generation_task
+from flows.stage_runner import StageRunner
+from flows.tasks import generation_task
 from pipeline.config import GenerateConfig
 from pipeline.manifest import write_manifest
 from pipeline.privacy.control_codes import CodesResult

@@ -11,7 +11,8 @@ from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
 from prefect.serializers import PickleSerializer
 
 from flows.caching import RESULTS_DIR
-from flows.pipeline_flow import StageRunner, data_task, source_hashes
+from flows.stage_runner import StageRunner
+from flows.tasks import data_task, source_hashes
 from flows.results import (
     StageResultSerializer, UntrustedResultError, check_record, decode_result, encode_result,
 )

@@ -239,7 +239,7 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     appears), naming the field, the current total and the fix; `plan` refuses the same run."""
     from conftest import tiny_pipeline_dict
     from flows.cli import planned_budget
-    from flows.pipeline_flow import _dp_train
+    from flows.tasks import _dp_train
     from pipeline.config import config_from_dict
     from pipeline.plan import make_plan
     from pipeline.privacy.budget import BudgetExceeded, record_digests, records_key, register_records

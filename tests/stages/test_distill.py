@@ -308,7 +308,7 @@ def test_num_synthetic_beyond_the_generation_is_one_clear_error(sharded, tiny_mo
 def test_num_synthetic_changes_only_the_distillation_key(tiny_config):
     """Every size reuses one teacher and one generation; only the student is new. Unset, the
     keys are those from before the setting existed (earlier cached students stay hits)."""
-    from flows.pipeline_flow import dp_student_task, distillation_task, generation_task
+    from flows.tasks import dp_student_task, distillation_task, generation_task
 
     def keys(cfg):
         inputs = {"cfg": cfg, "synthetic": None, "teacher": None, "codes": None, "ledger": [], "base": None,

@@ -1,0 +1,295 @@
+"""The pipeline's stage tasks: each wraps one stage function of pipeline/ as a Prefect task,
+cached under a key of the config it reads and its inputs (flows/caching.py), its result persisted
+as JSON of our result types only (flows/results.py). flows/pipeline_flow.py chains them through
+flows/stage_runner.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from prefect import get_run_logger, task
+
+from flows.caching import PERPLEXITY_DIR, STAGE_DIRS, StageCache
+from flows.generation import generate_with_workers
+from flows.progress import StageProgress
+from flows.results import StageResultSerializer
+from pipeline.config import NODE_FIELDS, PipelineConfig
+from pipeline.devices import Runtime
+from pipeline.manifest import sha256_file
+from pipeline.models.base import BaseModels, build_base_models, resolve_model
+from pipeline.plan import dp_sgd_budgets, make_plan
+from pipeline.privacy import private_selection
+from pipeline.privacy.budget import budget_of, check_max_epsilon
+from pipeline.privacy.control_codes import STAGE as CODES_STAGE
+from pipeline.privacy.control_codes import CodesResult, release_control_codes
+from pipeline.privacy.ledger import LedgerEntry
+from pipeline.privacy.private_selection import PrivateValidation
+from pipeline.records import split_key
+from pipeline.stages.adherence import declared_values
+from pipeline.stages.data import DataResult, format_public_split, prepare_data
+from pipeline.stages.distill import DistillResult, distill
+from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
+from pipeline.stages.generate import PLACEMENT_FIELDS, GenerateResult
+from pipeline.stages.teacher.monitor import TIMING_WINDOW_STEPS
+from pipeline.stages.teacher.recipe import finished_teacher, train_teacher
+from pipeline.stages.teacher.state import KnowledgeDistillation, TeacherResult
+
+
+def _uses_builtin(cfg: PipelineConfig) -> bool:
+    return any(m.startswith("builtin:") for m in (cfg.teacher.model, cfg.distill.student_model))
+
+
+def stage_task(stage: str, config_of: Callable[[PipelineConfig], dict], optional: tuple[str, ...] = ()):
+    """A stage's Prefect task, cached under a key of the config it reads and its inputs
+    (`optional` inputs only when given: flows/caching.py)."""
+    return task(name=stage, cache_policy=StageCache(stage=stage, config_of=config_of, optional=optional),
+                persist_result=True, result_serializer=StageResultSerializer())
+
+
+@stage_task("base-models", lambda cfg: {"base_models": cfg.base_models, "builtin": _uses_builtin(cfg)})
+def base_models_task(cfg: PipelineConfig) -> BaseModels | None:
+    """Build the offline tiny models from public text if a stage names `builtin:...`."""
+    if not _uses_builtin(cfg):
+        return None
+    return build_base_models(cfg.base_models, seed=cfg.seed)
+
+
+def source_hashes(cfg: PipelineConfig) -> dict[str, str]:
+    """sha256 of the private input files: a changed file reruns the data stage and all after."""
+    paths = {"path": cfg.data.path, "test_path": cfg.data.test_path}
+    return {name: sha256_file(Path(p)) for name, p in paths.items() if p is not None and Path(p).is_file()}
+
+
+def _data_key(cfg: PipelineConfig) -> dict:
+    # Whether the splits are deleted after evaluation changes nothing a stage computes.
+    return cfg.data.model_dump(mode="json", exclude={"keep_private_copies"})
+
+
+@stage_task("data", lambda cfg: {"data": _data_key(cfg), "domain": cfg.control_codes.domain})
+def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path) -> DataResult:
+    return prepare_data(cfg.data, run_dir / "data", cfg.control_codes.domain,
+                        split_key(Path(cfg.run_root).resolve()))
+
+
+@stage_task("control-codes", lambda cfg: {
+    "control_codes": cfg.control_codes, "data": _data_key(cfg), "delta": cfg.teacher.target_delta,
+    "accountant": cfg.teacher.accountant, "secure_mode": cfg.teacher.secure_mode,
+})
+def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesResult:
+    """Release the code distribution that prompts generation (exact, or a DP histogram)."""
+    _within_max_epsilon(cfg, data, CODES_STAGE)
+    return release_control_codes(
+        cfg.control_codes,
+        cfg.data,
+        train_path=data.train,
+        out_dir=run_dir / "control_codes",
+        delta=cfg.teacher.target_delta,
+        accountant=cfg.teacher.accountant,
+        secure_mode=cfg.teacher.secure_mode,  # one switch for every DP noise source of the run
+    )
+
+
+def _dp_train(
+    cfg: PipelineConfig, data: DataResult, run_dir: Path, *, stage: str, model: str, epsilon: float,
+    kd: KnowledgeDistillation | None = None,
+) -> TeacherResult:
+    out_dir = run_dir / STAGE_DIRS[stage]  # teacher/, or student/ for the dp-student stage
+    done = finished_teacher(out_dir)
+    if done is not None:
+        get_run_logger().info("%s: already finished in this run directory, reusing it (no new budget spent)", stage)
+        return done
+    _within_max_epsilon(cfg, data, stage)
+    monitor_path = None
+    if cfg.teacher.monitor == "public":  # formatted as the private splits are, so the loss is comparable
+        monitor_path = format_public_split(cfg.data, cfg.teacher.monitor_path,
+                                           run_dir / PUBLIC_MONITOR_DIR / f"{stage}.parquet")
+    with StageProgress(stage, "steps", window=TIMING_WINDOW_STEPS) as progress:
+        return train_teacher(
+            cfg.teacher.model_copy(update={"target_epsilon": epsilon}),
+            train_path=data.train,
+            validation_path=data.validation,
+            base_model=model,
+            out_dir=out_dir,
+            seed=cfg.seed,
+            stage=stage,
+            kd=kd,
+            on_progress=progress,
+            progress_every=cfg.progress_seconds,
+            runtime=Runtime.from_config(cfg),
+            monitor_path=monitor_path,
+        )
+
+
+PUBLIC_MONITOR_DIR = "public_monitor"
+"""Where teacher.monitor=public's records are written as a split, in the run directory."""
+
+
+def _monitor_key(cfg: PipelineConfig) -> dict:
+    """monitor=public: the public file's bytes are an input of the DP-SGD stages (their cache key)."""
+    path = cfg.teacher.monitor_path
+    return {"monitor_sha256": sha256_file(Path(path))} if cfg.teacher.monitor == "public" else {}
+
+
+def _within_max_epsilon(cfg: PipelineConfig, data: DataResult, stage: str) -> None:
+    """Refuse (BudgetExceeded) a DP stage about to compute when it and the run's later DP releases
+    would take its records' budget past privacy.max_epsilon. Called in the task's body: a
+    cached stage spends nothing and never gets here. Before the teacher: the control codes come first."""
+    if cfg.privacy.max_epsilon is None:
+        return
+    plan = make_plan(cfg, timing=False)  # the releases as they will be: σ, q, steps, δ
+    stages = [e.stage for e in plan.entries]
+    planned = plan.entries[stages.index(stage):]
+    total = check_max_epsilon(budget_of(Path(cfg.run_root).resolve(), data.train), planned,
+                              cfg.privacy.max_epsilon, cfg.teacher.accountant, plan.total.delta)
+    if total is not None:
+        get_run_logger().info("%s: with this run, the training records' budget comes to ε = %.4f of "
+                              "privacy.max_epsilon=%g", stage, total.epsilon, cfg.privacy.max_epsilon)
+
+
+def teacher_epsilon(cfg: PipelineConfig) -> float:
+    return dp_sgd_budgets(cfg)["teacher"]  # DPKD: ε/2 (pipeline/plan.py)
+
+
+def _teacher_key(cfg: PipelineConfig) -> dict:
+    return cfg.teacher.model_dump(mode="json", exclude=set(NODE_FIELDS))
+
+
+def _precision(cfg: PipelineConfig) -> dict:
+    """The precision is in the keys of every stage that runs a model (bf16 gives other weights,
+    samples and perplexities); the device and threads are not: they change rounding, not results.
+    fp32 adds nothing, so results cached before the setting existed stay hits (a teacher found
+    again spends no new budget)."""
+    return {} if cfg.precision == "fp32" else {"precision": cfg.precision}
+
+
+@stage_task("teacher", lambda cfg: {"teacher": _teacher_key(cfg), "model": cfg.teacher.model, **_precision(cfg),
+                                    **_monitor_key(cfg)})
+def teacher_task(
+    cfg: PipelineConfig, data: DataResult, base: BaseModels | None, epsilon: float, run_dir: Path
+) -> TeacherResult:
+    return _dp_train(cfg, data, run_dir, stage="teacher", model=resolve_model(cfg.teacher.model, base),
+                     epsilon=epsilon)
+
+
+PRIVATE_SELECTION_FIELDS = {"selection_epsilon", "selection_clip", "selection_records"}
+
+
+def _distill_key(cfg: PipelineConfig, *, reads_synthetic: bool = True) -> dict:
+    """The distill section as a key. `num_synthetic` counts only where synthetic data is read,
+    and only when set: results cached before the setting existed stay hits, and one generation
+    serves every size (its key never holds the distill section). The private selection's
+    settings count only when it is used (select_by=private_validation), for the same reason."""
+    exclude = set() if cfg.distill.select_by == "private_validation" else set(PRIVATE_SELECTION_FIELDS)
+    if not (reads_synthetic and cfg.distill.num_synthetic is not None):
+        exclude.add("num_synthetic")
+    return cfg.distill.model_dump(mode="json", exclude=exclude)
+
+
+def _private_validation(cfg: PipelineConfig, data: DataResult, teacher: TeacherResult) -> PrivateValidation:
+    """select_by=private_validation: the private validation split and the teacher's δ and
+    accountant, for the distillation's accounted release (pipeline/privacy/private_selection.py)."""
+    return PrivateValidation(path=Path(data.validation), delta=teacher.ledger.delta,
+                             accountant=cfg.teacher.accountant, secure_mode=cfg.teacher.secure_mode,
+                             max_length=cfg.teacher.max_length)
+
+
+@stage_task("dp-student", lambda cfg: {"teacher": _teacher_key(cfg), "distill": _distill_key(cfg, reads_synthetic=False),
+                                       **_precision(cfg), **_monitor_key(cfg)})
+def dp_student_task(
+    cfg: PipelineConfig, data: DataResult, base: BaseModels | None, teacher: TeacherResult | None,
+    epsilon: float, run_dir: Path,
+) -> TeacherResult:
+    """Baselines that train the student itself with DP-SGD on the private data."""
+    kd = None
+    if teacher is not None:  # dpkd
+        kd = KnowledgeDistillation(teacher.checkpoint, cfg.distill.alpha, cfg.distill.temperature)
+    return _dp_train(cfg, data, run_dir, stage="dp-student", model=resolve_model(cfg.distill.student_model, base),
+                     epsilon=epsilon, kd=kd)
+
+
+# Where shards are computed (worker count, Dask cluster) changes how fast, not what: shards
+# depend on (seed, shard) alone. The hf engine is left out of the key, as out of the shards'
+# fingerprint: runs generated before generate.engine existed stay cached under engine=hf.
+@stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(
+    mode="json", exclude=set(PLACEMENT_FIELDS) | ({"engine"} if cfg.generate.engine == "hf" else set())),
+                                       **_precision(cfg)})
+def generation_task(
+    cfg: PipelineConfig, teacher: TeacherResult, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path
+) -> GenerateResult:
+    # Only the DP checkpoint and the released control-code counts cross into this stage.
+    with StageProgress("generation", "samples") as progress:
+        return generate_with_workers(  # shards as tasks; over generate.workers processes when > 1
+            cfg.generate,
+            teacher_dir=teacher.checkpoint,
+            control_codes_path=codes.path,
+            ledger=ledger,
+            out_dir=run_dir / "synthetic",
+            seed=cfg.seed,
+            on_progress=progress,
+            progress_every=cfg.progress_seconds,
+            runtime=Runtime.from_config(cfg),
+        )
+
+
+@stage_task("distillation", lambda cfg: {"distill": _distill_key(cfg), **_precision(cfg)}, optional=("data",))
+def distillation_task(
+    cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, run_dir: Path,
+    data: DataResult | None = None,
+) -> DistillResult:
+    """`data`: only with select_by=private_validation, whose release reads the validation split."""
+    if data is not None:
+        _within_max_epsilon(cfg, data, private_selection.STAGE)
+    distill_cfg = cfg.distill
+    if distill_cfg.method == "dp_syn":  # the synthetic data alone, no teacher logits
+        distill_cfg = distill_cfg.model_copy(update={"alpha": 0.0, "beta": 0.0, "teacher_top_k": None,
+                                                     "candidates": []})
+    with StageProgress("distillation", "steps") as progress:
+        return distill(
+            distill_cfg,
+            synthetic_path=synthetic.path,
+            teacher_dir=teacher.checkpoint,
+            student_model=resolve_model(cfg.distill.student_model, base),
+            out_dir=run_dir / "student",
+            seed=cfg.seed,
+            on_progress=progress,
+            progress_every=cfg.progress_seconds,
+            runtime=Runtime.from_config(cfg),
+            private_validation=_private_validation(cfg, data, teacher) if data is not None else None,
+        )
+
+
+# The declared code values that code adherence tries (pipeline/stages/adherence.py) come from the
+# domain, else from the released codes (`codes`, an input): a new domain alone reruns evaluation.
+@stage_task("evaluation", lambda cfg: {"evaluate": cfg.evaluate, "method": cfg.distill.method,
+                                       "domain": cfg.control_codes.domain, **_precision(cfg)})
+def evaluation_task(
+    cfg: PipelineConfig,
+    data: DataResult,
+    base: BaseModels | None,
+    teacher: TeacherResult | None,
+    student: DistillResult | TeacherResult,
+    synthetic: GenerateResult | None,
+    codes: CodesResult | None,
+    run_dir: Path,
+) -> dict:
+    models = {"base_student": resolve_model(cfg.distill.student_model, base)}  # "zero-shot"
+    if teacher is not None:
+        models["base_teacher"] = resolve_model(cfg.teacher.model, base)  # what DP fine-tuning started from
+        models["dp_teacher"] = str(teacher.checkpoint)
+    models[f"student_{cfg.distill.method}"] = str(student.checkpoint)
+    selection = getattr(student, "selection", None)  # a TeacherResult (dp_sgd, dpkd) has none
+    for name, path in (getattr(student, "candidates", None) or {}).items():  # distill.keep_candidates
+        models[f"{CANDIDATE_PREFIX}{name}"] = str(path)
+    out_dir = run_dir / "evaluation"
+    code_values = None
+    if synthetic is not None and codes is not None:  # the DP teacher checks its synthetic text's codes
+        code_values = declared_values(cfg.data, cfg.control_codes.domain, codes.path)
+    metrics = evaluate_models(
+        cfg.evaluate, models=models, test_path=data.test, out_dir=out_dir, seed=cfg.seed,
+        synthetic_path=synthetic.path if synthetic else None, progress_every=cfg.progress_seconds,
+        runtime=Runtime.from_config(cfg), code_values=code_values, adherence_model="dp_teacher",
+        cache_dir=Path(cfg.run_root).resolve() / PERPLEXITY_DIR,  # the base models score once per run root
+        code_columns=cfg.data.code_columns, selection=selection,
+    )
+    return {**metrics, "evaluation_dir": str(out_dir)}
