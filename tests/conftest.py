@@ -33,6 +33,8 @@ from pipeline.stages.data import prepare_data
 from pipeline.stages.generate import generate_synthetic
 from pipeline.models.base import read_public_corpus, tiny_gpt2, train_tokenizer
 
+pytest_plugins = ["gguf_tiny"]  # the tiny GGUF and its wheel (tests/gguf_tiny.py), for tests/models/
+
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = ROOT / "data" / "public" / "wikitext-2-valid.txt"
 YELP_TRAIN = ROOT / "data" / "yelp_sample" / "train.csv"

