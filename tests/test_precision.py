@@ -20,6 +20,7 @@ import pipeline.stages.distill
 import pipeline.stages.evaluate
 import pipeline.stages.generate
 import pipeline.stages.logit_cache
+import pipeline.privacy.bk_layers
 import pipeline.stages.teacher.monitor
 import pipeline.stages.teacher.recipe
 from pipeline.models.base import untie_lm_head
@@ -183,6 +184,8 @@ OBSERVED = [
     (pipeline.stages.generate, "_generate_shard", "generation"), (pipeline.stages.logit_cache, "_write_shard", "logit cache"),
     (pipeline.stages.distill, "distill", "distillation"), (pipeline.stages.evaluate, "perplexity", "evaluation"),
     (pipeline.stages.evaluate, "_adherence", "code adherence"),
+    # bk's rule for a norm layer: its own forward probed once at wrap time, on a float32 CPU copy
+    (pipeline.privacy.bk_layers, "_elementwise_kind", "bk probe"),
 ]
 TRAINING = {"teacher training", "teacher validation", "distillation"}  # fp32 master weights, autocast
 
@@ -248,6 +251,8 @@ def test_tiny_pipeline_in_bf16_on_the_configured_device(splits, tiny_model_dir, 
         by_stage.setdefault(call["stage"], []).append(call)
     outside = {c["module"] for c in by_stage.get(None, [])}
     assert set(by_stage) == {label for _, _, label in OBSERVED}, outside  # no model call outside them
+    probes = by_stage.pop("bk probe")
+    assert all(c["param_devices"] == {torch.device("cpu")} and c["param_dtypes"] == {torch.float32} for c in probes)
     for stage, calls in by_stage.items():
         assert all(c["param_devices"] == {rt.device} and c["input_devices"] <= {rt.device} for c in calls), stage
         if stage in TRAINING:
