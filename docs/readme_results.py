@@ -43,7 +43,11 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 LEDGER_COLUMNS = ("stage", "guarantee", "epsilon", "epsilon_replace_one", "delta", "noise_multiplier",
                   "sample_rate", "steps")
 _PAREN = re.compile(r" \((?:[^()]|\([^()]*\))*\)")  # a parenthesis, with parentheses one level inside it
-_LOG_LINE = re.compile(r"^(\d\d:\d\d:\d\d)(?:\.\d+)? \| (\w+)\s*\| (.*?) - (.*)$")
+# run.log holds Prefect's console format ("00:26:42.123 | INFO    | logger - message") or, for
+# the lines logged before Prefect configures logging, Opacus' basicConfig one
+# ("11/26/2026 00:26:42:INFO:message", no logger name).
+_LOG_LINE = re.compile(r"^(\d\d:\d\d:\d\d)(?:\.\d+)? \| (\w+)\s*\| (.*?) - (.*)$"
+                       r"|^\d\d/\d\d/\d{4} (\d\d:\d\d:\d\d):([A-Z]+):()(.*)$")
 
 
 class ResultsError(Exception):
@@ -67,7 +71,8 @@ def last_lines(run_dir: Path, width: int = 100) -> list[str]:
         text = (run_dir / "run.log").read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         raise ResultsError(f"{run_dir / 'run.log'} not found") from None
-    parsed = [m.groups() for m in map(_LOG_LINE.match, text.splitlines()) if m]
+    parsed = [m.groups()[:4] if m.group(1) else m.groups()[4:]
+              for m in map(_LOG_LINE.match, text.splitlines()) if m]
     first = next((i for i, (_, _, _, msg) in enumerate(parsed)
                   if re.match(r"evaluation: student\w* perplexity", msg)), None)
     if first is None:

@@ -93,6 +93,16 @@ def test_the_block_is_rewritten_from_the_run_and_nothing_else_changes(tmp_path):
     assert readme.read_text() == after  # the same run gives the same block
 
 
+def test_a_run_log_in_the_cli_s_early_format_is_read_too(tmp_path):
+    """`dpdistill run` writes run.log lines in Opacus' basicConfig format ("11/26/2026 00:27:49:INFO:...")
+    when it configured logging first: the same lines come out."""
+    run = fake_run(tmp_path)
+    text = (run / "run.log").read_text().replace("10:20:59.200 | INFO    | pipeline.stages.evaluate - ",
+                                                  "11/26/2026 10:20:59:INFO:")
+    (run / "run.log").write_text(text)
+    assert "10:20:59 INFO  evaluation: student_distil perplexity 225.48" in "\n".join(readme_results.last_lines(run))
+
+
 def test_the_shipped_readme_has_one_block_to_rewrite():
     head, block, tail = _split((ROOT / "README.md").read_text())
     assert "## What you get" in head and "```" in block and "## How it works" in tail
