@@ -609,6 +609,14 @@ class DistillConfig(_Section):
     @model_validator(mode="after")
     def _check_candidates(self) -> "DistillConfig":
         self.candidate_configs()  # each candidate's values, checked at load time (ConfigError: a ValueError)
+        if self.method in ("dpkd", "dp_sgd"):  # one DP-SGD student: the candidates are never trained
+            if "candidates" in self.model_fields_set and self.candidates:
+                log.warning(
+                    "distill.candidates is set, but distill.method=%s trains one DP-SGD student and never reads "
+                    "it%s; set distill.candidates=[]", self.method,
+                    " (its KD loss takes distill.alpha and distill.temperature)" if self.method == "dpkd" else "",
+                )
+            return self
         if len(self.candidates) > 1:
             shadowed = sorted({k for c in self.candidates for k in c} & self.model_fields_set)
             if shadowed:

@@ -110,6 +110,16 @@ def test_a_setting_every_candidate_overrides_is_warned_about(caplog):
     assert len(warned) == 1 and "distill.alpha set, but distill.candidates sets it too" in warned[0]
 
 
+def test_dpkd_says_it_reads_alpha_not_the_candidates(caplog):
+    """DPKD's KD loss takes distill.alpha: the candidates' warning must not claim they are used."""
+    with caplog.at_level("WARNING", logger="pipeline.config"):
+        DistillConfig(method="dpkd", alpha=0.7)  # the default candidates, not set: nothing to say
+        DistillConfig(method="dpkd", alpha=0.7, candidates=[{"alpha": 0.4}, {"alpha": 1.0}])
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "distill.method=dpkd trains one DP-SGD student and never reads it" in warned[0]
+    assert "distill.alpha" in warned[0] and "each candidate's value is used" not in warned[0]
+
+
 def test_spearman_and_the_criterion_study():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
