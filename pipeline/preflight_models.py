@@ -6,7 +6,7 @@
 pipeline/preflight.py checks that the models exist without importing torch; this reads their
 configs and builds each on the meta device (no weights read, no memory), untied and wrapped as
 the DP-SGD stage will, and asks the code that will run it: book-keeping clipping for every
-parameterised layer (pipeline/privacy/bk.py), bitfit for bias terms, the fast decode engine for
+parameterised layer (pipeline/privacy/bk_layers.py), bitfit for bias terms, the fast decode engine for
 the teacher, one tokenizer for teacher and student (the KL and the evaluation compare their
 tokens), the teacher's positions for `teacher.max_length`. A model the user chose is refused
 here, naming the module, its class and the settings that can run it, never minutes later by an
@@ -25,7 +25,7 @@ from pipeline.config import PipelineConfig, TeacherConfig
 from pipeline.models import decoding
 from pipeline.models.base import BUILTIN_PREFIX, load_tokenizer, same_tokenizer, shipped_path, untie_lm_head
 from pipeline.preflight import PreflightError
-from pipeline.privacy.bk import bk_problems
+from pipeline.privacy.bk_layers import bk_problems
 from pipeline.stages.teacher.trainable import bitfit_problem, prepare_trainable
 
 MAX_NAMED = 5  # modules named per model in one message; the count says how many more
