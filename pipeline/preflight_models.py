@@ -26,7 +26,8 @@ from pipeline.models import decoding
 from pipeline.models.base import BUILTIN_PREFIX, load_tokenizer, same_tokenizer, shipped_path, untie_lm_head
 from pipeline.preflight import PreflightError
 from pipeline.privacy.bk_layers import bk_problems
-from pipeline.stages.teacher.trainable import bitfit_problem, prepare_trainable
+from pipeline.privacy.dpsgd import TeacherError
+from pipeline.stages.teacher.trainable import prepare_trainable
 
 MAX_NAMED = 5  # modules named per model in one message; the count says how many more
 
@@ -83,9 +84,10 @@ def _dp_sgd_problems(field: str, name: str, config, t: TeacherConfig) -> list[st
         return [f"{field} {name!r} is a {config.model_type!r} model, not a causal language model; "
                 "name a decoder-only model (GPT-2, Llama, Qwen2, Mistral, Gemma, ...)"]
     untie_lm_head(model)
-    if t.mode == "bitfit" and (problem := bitfit_problem(model)):
-        return [f"{field} {name!r}: {problem}"]
-    model = prepare_trainable(model, t)
+    try:  # bitfit without biases, LoRA target modules the model lacks
+        model = prepare_trainable(model, t)
+    except TeacherError as e:
+        return [f"{field} {name!r}: {e}"]
     if t.grad_sample_mode == "bk":
         problems, clipping = bk_problems(model), "book-keeping clipping (teacher.grad_sample_mode=bk)"
     else:

@@ -63,6 +63,8 @@ def test_what_no_stage_can_run_is_named_with_its_fix(tmp_path, model_dirs):
     bitfit = model_problems(config_from_dict(_cfg(tmp_path, llama, llama, mode="bitfit")))
     assert len(bitfit) == 1 and "teacher.mode=bitfit" in bitfit[0] and "llama model has none" in bitfit[0]
     assert model_problems(config_from_dict(_cfg(tmp_path, llama, llama, mode="lora"))) == []
+    lora = model_problems(config_from_dict(_cfg(tmp_path, llama, llama, mode="lora", lora_target_modules=["nope"])))
+    assert len(lora) == 1 and "teacher.mode=lora" in lora[0] and "set teacher.lora_target_modules" in lora[0], lora
     t5 = model_problems(config_from_dict(_cfg(tmp_path, model_dirs["t5"], model_dirs["t5"])))
     assert any("'t5' model, not a causal language model" in p for p in t5), t5
     assert any("generate.engine=fast cannot decode" in p and "generate.engine=hf" in p for p in t5), t5
