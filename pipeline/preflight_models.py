@@ -23,7 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import PipelineConfig, TeacherConfig
 from pipeline.models import decoding
-from pipeline.models.base import BUILTIN_PREFIX, load_tokenizer, same_tokenizer, shipped_path, untie_lm_head
+from pipeline.models.base import (BUILTIN_PREFIX, load_tokenizer, model_positions, same_tokenizer, shipped_path,
+                                  untie_lm_head)
 from pipeline.preflight import PreflightError
 from pipeline.privacy.bk_layers import bk_problems
 from pipeline.privacy.dpsgd import TeacherError
@@ -47,8 +48,8 @@ def model_problems(cfg: PipelineConfig) -> list[str]:
     problems = []
     if teacher is not None and method in ("distil", "dp_syn", "dpkd"):  # a DP-SGD teacher
         problems += _dp_sgd_problems("teacher.model", cfg.teacher.model, teacher, cfg.teacher)
-        positions = _positions(teacher)
-        if positions is not None and cfg.teacher.max_length > positions:
+        positions = model_positions(teacher, unlimited=cfg.teacher.max_length)
+        if cfg.teacher.max_length > positions:
             problems.append(f"teacher.max_length={cfg.teacher.max_length} exceeds the teacher's {positions} "
                             f"positions; set teacher.max_length <= {positions}")
     if student is not None and method in ("dp_sgd", "dpkd"):  # the student trains with DP-SGD too
@@ -68,11 +69,6 @@ def _config(cfg: PipelineConfig, name: str):
     if name.startswith(BUILTIN_PREFIX) and cfg.base_models.corpus is not None:
         return None
     return AutoConfig.from_pretrained(shipped_path(name))
-
-
-def _positions(config) -> int | None:
-    text = config.get_text_config()
-    return getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None)
 
 
 def _dp_sgd_problems(field: str, name: str, config, t: TeacherConfig) -> list[str]:

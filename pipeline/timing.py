@@ -30,7 +30,8 @@ from pipeline.batching import lm_batch
 from pipeline.config import PipelineConfig
 from pipeline.devices import Runtime
 from pipeline.models import decoding
-from pipeline.models.base import BUILTIN_PREFIX, causal_lm_from_config, shipped_path, tiny_gpt2, untie_lm_head
+from pipeline.models.base import (BUILTIN_PREFIX, causal_lm_from_config, model_positions, shipped_path, tiny_gpt2,
+                                  untie_lm_head)
 from pipeline.models.losses import TopKLogits
 from pipeline.models.scoring import nll_by_owner
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
@@ -52,10 +53,6 @@ def spread(values: list[int], b: int) -> list[int]:
     run's will typically be, its longest near the expected longest of b draws."""
     ordered = sorted(values)
     return [ordered[(2 * i + 1) * len(ordered) // (2 * b)] for i in range(b)]
-
-
-def _n_positions(model) -> int:
-    return getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
 
 
 class StepTimer:
@@ -102,7 +99,7 @@ class StepTimer:
         return self._models[key].train(not inference)
 
     def _ids(self, model, batch: int, length: int) -> torch.Tensor:
-        length = min(length, _n_positions(model))
+        length = min(length, model_positions(model.config))
         return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0)).to(
             self.runtime.device)
 

@@ -481,6 +481,18 @@ def untie_lm_head(model: torch.nn.Module) -> int:
     return added
 
 
+def model_positions(config, unlimited: int | None = None) -> int:
+    """The longest sequence a model of `config` takes: GPT-2's n_positions, the other families'
+    max_position_embeddings (of the text part of a composite config). A config that names
+    neither (positions from ALiBi, say) gives `unlimited`, or a ModelError when none is given."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None) or unlimited
+    if positions is None:
+        raise ModelError(f"the {getattr(config, 'model_type', type(config).__name__)!r} config names no position "
+                         "limit (n_positions or max_position_embeddings)")
+    return positions
+
+
 def tied_head_parameters(config) -> int:
     """What `untie_lm_head` will add to a model of `config`, read from the config alone."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, get_layer_types_and_kwargs
 
+from pipeline.models.base import model_positions
+
 
 class FastDecodeError(ValueError):
     """The fast engine cannot decode this model; the message names it and the fix."""
@@ -316,7 +318,7 @@ def steady_steps(model, rows: int, position: int, steps: int, *, max_length: int
     plan` times (pipeline/timing.py); the tokens and cached keys are random or zero: their
     values cost nothing."""
     config = model.config.get_text_config(decoder=True)
-    n_positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or max_length
+    n_positions = model_positions(config, unlimited=max_length)
     position = max(0, min(position, min(max_length, n_positions) - steps - 1))
     state = _empty_slots(model, rows, max_length)
     state.tokens.random_(0, config.vocab_size)

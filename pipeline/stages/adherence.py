@@ -37,6 +37,7 @@ import torch
 
 from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
+from pipeline.models.base import model_positions
 from pipeline.models.losses import next_token_nll
 from pipeline.records import CODE_JOINER, prompt_for, read_control_codes
 from pipeline.stages.generate import synthetic_head
@@ -147,7 +148,7 @@ def code_adherence(
     is counted in `skipped`.
     """
     model.eval()
-    n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    n_positions = model_positions(model.config)
     columns = list(values)
     scored = {c: list(vals) for c, vals in values.items() if len(vals) >= 2}
     if not scored:  # one declared value per column: nothing to choose between

@@ -51,7 +51,7 @@ from pipeline.stages.generate import synthetic_files, synthetic_ids
 from pipeline.stages.logit_cache import CachedTopK, build_teacher_cache
 from pipeline.models.losses import TopKLogits, distillation_loss, prompt_mask
 from pipeline.manifest import atomic_write_json, write_manifest
-from pipeline.models.base import load_causal_lm, load_tokenizer, same_tokenizer
+from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions, same_tokenizer
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 from pipeline.tokenized import TokenIds
 
@@ -84,10 +84,6 @@ class DistillResult:
     """select_by=private_validation: the noisy validation scores' release, composed into the run's total."""
 
 
-def _n_positions(config) -> int:
-    return getattr(config, "n_positions", None) or config.max_position_embeddings
-
-
 @dataclass
 class _Setup:
     """What every candidate shares: tokenizer, teacher (or its top-k logit cache), synthetic ids."""
@@ -113,7 +109,7 @@ def _setup(cfg: DistillConfig, *, synthetic_path: Path, teacher_dir: Path, stude
     teacher = cache = None
     if cfg.teacher_top_k is None:
         teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(runtime.device)
-        teacher_positions = _n_positions(teacher.config)
+        teacher_positions = model_positions(teacher.config)
     elif cfg.beta > 0:
         raise DistillError(f"distill.beta={cfg.beta} needs teacher hidden states, which the top-k cache "
                            "does not hold; set distill.beta=0 or distill.teacher_top_k=null")
@@ -122,7 +118,7 @@ def _setup(cfg: DistillConfig, *, synthetic_path: Path, teacher_dir: Path, stude
                                     cache_dir=teacher_cache_dir, batch_size=cfg.batch_size,
                                     progress_every=progress_every, runtime=runtime)
         teacher_positions = cache.max_length
-    max_len = min(_n_positions(AutoConfig.from_pretrained(student_model)), teacher_positions)
+    max_len = min(model_positions(AutoConfig.from_pretrained(student_model)), teacher_positions)
     # The shards' ids copied, a batch at a time, into memory-mapped Arrow files: random access
     # for shuffled epochs without the synthetic set in memory. Public; removed at the end.
     scratch = Path(out_dir) / SCRATCH

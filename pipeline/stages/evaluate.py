@@ -53,7 +53,7 @@ from pipeline.stages.downstream import classification_lines, code_classification
 from pipeline.stages.generate import synthetic_head, synthetic_texts
 from pipeline.stages.selection import criterion_study
 from pipeline.manifest import atomic_write_json, hash_paths, private_dir, write_manifest
-from pipeline.models.base import load_causal_lm, load_tokenizer, same_tokenizer
+from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions, same_tokenizer
 from pipeline.models.scoring import nll_by_owner_and_part, token_windows
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 from pipeline.tokenized import ListIds, TokenIds, token_column, tokenized_split
@@ -128,7 +128,7 @@ def perplexity(
     from the same forward passes); `on_windows(done, total)` after each batch of windows (both
     passes: the joined stream's windows, then each record's). `token_ids`: the records'
     `encode_record` ids when already tokenized (pipeline/tokenized.py)."""
-    n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    n_positions = model_positions(model.config)
     if window > n_positions:
         raise ValueError(
             f"evaluate.window={window} exceeds the model's {n_positions} positions; lower evaluate.window"

@@ -56,7 +56,7 @@ from pipeline.devices import CPU_FP32, Runtime
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.manifest import sha256_file, write_manifest
 from pipeline.models import decoding
-from pipeline.models.base import load_causal_lm, load_tokenizer
+from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 
 log = logging.getLogger(__name__)
@@ -327,7 +327,7 @@ def plan_generation(
     if cfg.engine == "fast" and (problem := decoding.fast_decode_problem(model_config, cfg.max_length)):
         raise GenerateError(f"generate.engine=fast cannot decode the teacher {teacher_dir}: {problem}; "
                             "set generate.engine=hf")
-    n_positions = getattr(model_config, "n_positions", None) or model_config.max_position_embeddings
+    n_positions = model_positions(model_config)
     if cfg.max_length > n_positions:
         raise GenerateError(
             f"generate.max_length={cfg.max_length} exceeds the teacher's {n_positions} positions; "

@@ -45,7 +45,7 @@ from pipeline.devices import CPU_FP32, Runtime
 from pipeline.stages.generate import teacher_fingerprint
 from pipeline.models.losses import TopKLogits
 from pipeline.manifest import MANIFEST, sha256_file, write_manifest
-from pipeline.models.base import load_causal_lm, load_tokenizer
+from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,6 @@ def _synthetic_shards(synthetic_path: Path) -> list[Path]:
     if not files or not all(f.is_file() for f in files):
         raise LogitCacheError(f"no synthetic shards in {path}; run the generation stage first")
     return files
-
-
-def _n_positions(config) -> int:
-    return getattr(config, "n_positions", None) or config.max_position_embeddings
 
 
 def _fingerprint_parts(teacher_dir: Path, shards: list[Path], k: int, max_length: int,
@@ -199,7 +195,7 @@ def build_teacher_cache(
     """
     shards = _synthetic_shards(synthetic_path)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(synthetic_path, k)
-    max_length = _n_positions(AutoConfig.from_pretrained(str(teacher_dir)))
+    max_length = model_positions(AutoConfig.from_pretrained(str(teacher_dir)))
     parts = _fingerprint_parts(Path(teacher_dir), shards, k, max_length, runtime.precision)
     fingerprint = _digest(parts)
     outputs = {f"topk_{i}": _cache_shard(cache_dir, f) for i, f in enumerate(shards)}

@@ -40,51 +40,22 @@ from torch.utils.data import DataLoader
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import TeacherConfig
 from pipeline.devices import CPU_FP32, Runtime
-from pipeline.manifest import (
-    MANIFEST,
-    atomic_write_json,
-    manifest_problems,
-    write_manifest,
-)
-from pipeline.models.base import (
-    load_causal_lm,
-    load_tokenizer,
-    same_tokenizer,
-    untie_lm_head,
-)
+from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, write_manifest
+from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions, same_tokenizer, untie_lm_head
 from pipeline.models.losses import per_sequence_distillation_loss, per_sequence_loss
 from pipeline.privacy import accountant as privacy
 from pipeline.privacy import noise
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
-from pipeline.privacy.dpsgd import (
-    CLIPPING,
-    OneRecordPerUser,
-    RankShareSampler,
-    TeacherError,
-    calibrate_noise,
-    noise_only_step,
-    poisson_schedule,
-    shortest_first,
-    steps_accounted,
-)
+from pipeline.privacy.dpsgd import (CLIPPING, OneRecordPerUser, RankShareSampler, TeacherError, calibrate_noise,
+                                    noise_only_step, poisson_schedule, shortest_first, steps_accounted)
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.privacy.pld import DP_SGD_REPLACE_SENSITIVITY
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 from pipeline.records import read_users
 from pipeline.stages.teacher import ddp as teacher_ddp
-from pipeline.stages.teacher.checkpoint import (
-    checkpoint_fingerprint,
-    resume,
-    save_checkpoint,
-)
-from pipeline.stages.teacher.monitor import (
-    TIMING_WINDOW_STEPS,
-    is_monitor_point,
-    monitor_note,
-    monitor_value,
-    publishes_time,
-    setup_monitor,
-)
+from pipeline.stages.teacher.checkpoint import checkpoint_fingerprint, resume, save_checkpoint
+from pipeline.stages.teacher.monitor import (TIMING_WINDOW_STEPS, is_monitor_point, monitor_note, monitor_value,
+                                             publishes_time, setup_monitor)
 from pipeline.stages.teacher.state import KnowledgeDistillation, Run, TeacherResult
 from pipeline.stages.teacher.trainable import prepare_trainable
 from pipeline.tokenized import TokenIds, token_column, tokenized_split
@@ -107,7 +78,7 @@ def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | Non
     if untied := untie_lm_head(model):
         log.info("%s: lm_head untied from the input embedding for DP-SGD (one weight, two uses, would get "
                  "one norm per use): +%d parameters, and the saved model keeps its own head", stage, untied)
-    n_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    n_positions = model_positions(model.config)
     if cfg.max_length > n_positions:
         raise TeacherError(
             f"teacher.max_length={cfg.max_length} exceeds the model's {n_positions} positions; "
