@@ -73,8 +73,6 @@ class Plan:
     other processes were taking the cores, and the times hold only while they do."""
     warnings: list[str] = field(default_factory=list)
     """Allowed but risky choices, said once by `dpdistill plan` and at the start of a run."""
-    untied: dict[str, int] = field(default_factory=dict)
-    """Per DP-SGD stage: parameters its model gains when lm_head is untied (pipeline/models/base.py)."""
 
 
 def dp_sgd_budgets(cfg: PipelineConfig) -> dict[str, float]:
@@ -222,8 +220,7 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
                 total=compose(entries, cfg.teacher.accountant, delta), sampling_probability=probability,
                 batch_size=cfg.teacher.batch_size, n_validation=split.n_validation, accounting_seconds=accounting,
-                warnings=_warnings(cfg),
-                untied={e.stage: e.untied_parameters for e in entries if e.untied_parameters})
+                warnings=_warnings(cfg))
     if timing:
         plan.seconds = estimate_seconds(cfg, plan, split, say)
     return plan
@@ -485,7 +482,7 @@ def format_plan(plan: Plan) -> str:
                 f"(Poisson probability {plan.sampling_probability[e.stage]:.6g}), σ = {e.noise_multiplier:.4f}, "
                 f"{e.steps} steps, ε = {e.epsilon:.4f} at δ = {e.delta:.3g} ({e.accountant} accountant), "
                 f"replace-one ε = {e.epsilon_replace_one:.4f}")
-            if added := plan.untied.get(e.stage):
+            if added := e.untied_parameters:
                 lines.append(f"    lm_head untied from the input embedding for DP-SGD: +{added:,} parameters "
                              "(a tied weight would get one clipping norm per use); the saved model keeps its own head")
         elif e.mechanism == "gaussian":
