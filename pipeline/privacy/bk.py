@@ -165,8 +165,8 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
         if not self.hooks_enabled:  # nothing would be kept: every weight left without a gradient
             raise RuntimeError("bk clipping: backward_clipped with hooks disabled; call enable_hooks() first")
         if per_example_loss.dim() != 1:
-            raise ValueError(f"bk clipping: backward_clipped takes the (B,) per-example losses, got shape "
-                             f"{tuple(per_example_loss.shape)}")
+            raise ValueError(f"bk clipping: backward_clipped takes the (B,) per-example losses, got a "
+                             f"{per_example_loss.dim()}-D tensor")
         batch = per_example_loss.shape[0]
         trainable = [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
         # Set every .grad aside (physical batches of one logical batch accumulate there): after

@@ -46,7 +46,7 @@ class Use:
             return
         if not self.flat or self.rows % batch:
             raise RuntimeError(
-                f"bk clipping: {name} saw a batch of {self.rows} rows where the loss has {batch} examples "
+                f"bk clipping: {name} saw a batch whose rows are not the loss's examples "
                 f"(a model that reshapes the batch dimension), so bk cannot tell whose gradient is whose; {OTHER_MODES}")
         self._regroup(batch)
         self.rows = batch
