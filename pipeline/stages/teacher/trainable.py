@@ -18,21 +18,15 @@ from pipeline.privacy.dpsgd import TeacherError
 ALL_LINEAR = "all-linear"  # peft: every nn.Linear / Conv1D but the output layer
 
 
-def bitfit_problem(model: torch.nn.Module) -> str | None:
-    """Why `mode=bitfit` cannot train `model` (None: it can): it trains bias terms only."""
-    if any(name.endswith(".bias") for name, _ in model.named_parameters()):
-        return None
-    return (f"teacher.mode=bitfit trains bias terms only, and this {model.config.model_type} model has none "
-            "(Llama-shaped families use bias-free linear maps and RMSNorm); use teacher.mode=lora or full")
-
-
 def prepare_trainable(model: torch.nn.Module, cfg: TeacherConfig) -> torch.nn.Module:
     """Freeze what the mode does not train; wrap with LoRA adapters for mode=lora."""
     if cfg.mode == "full":
         return model
     if cfg.mode == "bitfit":
-        if problem := bitfit_problem(model):
-            raise TeacherError(problem)
+        if not any(name.endswith(".bias") for name, _ in model.named_parameters()):
+            raise TeacherError(f"teacher.mode=bitfit trains bias terms only, and this {model.config.model_type} model "
+                               "has none (Llama-shaped families use bias-free linear maps and RMSNorm); use "
+                               "teacher.mode=lora or full")
         for name, p in model.named_parameters():
             p.requires_grad_(name.endswith(".bias"))
         return model
