@@ -162,11 +162,10 @@ def mauve_score(model, tok, synthetic_texts: list[str], real_texts: list[str], b
                 max_length: int = 128, seed: int = 0) -> dict | None:
     """MAUVE between the synthetic and the real texts (the same number of each, at most
     MAUVE_TEXTS) on `model`'s features; None when either side has fewer than 50 texts."""
-    import mauve
-
     n = min(len(synthetic_texts), len(real_texts), MAUVE_TEXTS)
     if n < 50:
         return None
+    import mauve  # needs faiss: imported only when it runs
     p = _last_token_features(model, tok, synthetic_texts[:n], batch_size, max_length)
     q = _last_token_features(model, tok, real_texts[:n], batch_size, max_length)
     result = mauve.compute_mauve(p_features=p, q_features=q, device_id=-1, verbose=False, seed=seed + 25,
