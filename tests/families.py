@@ -25,8 +25,13 @@ embeddings (an nn.Embedding subclass with its own forward) and an embedding padd
 
 from __future__ import annotations
 
+import json
+import math
+import time
 from collections.abc import Callable
+from pathlib import Path
 
+import torch
 import transformers
 from transformers import PreTrainedModel
 
@@ -95,3 +100,84 @@ FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
     "gpt2": gpt2, "llama": llama, "qwen2": qwen2, "mistral": mistral, "gemma": gemma,
     "gpt_neox": gpt_neox, "phi3": phi3, "opt": opt,
 }
+
+
+def save_pair(name: str, tokenizer, root: Path) -> dict[str, Path]:
+    """A teacher of family `name` (seeded) and a student of its family, one layer and half as
+    wide (the head size kept), saved with `tokenizer` under root/name/{teacher,student}."""
+    torch.manual_seed(0)
+    teacher = FAMILIES[name](len(tokenizer), tokenizer.eos_token_id)
+    text = teacher.config.get_text_config()
+    fields = {k: v for k, v in text.to_dict().items() if k != "layer_types"}  # rebuilt for one layer
+    narrow = {"n_embd": 32, "n_layer": 1, "n_head": 2} if text.model_type == "gpt2" else {
+        "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        **({"num_key_value_heads": 1} if hasattr(text, "num_key_value_heads") else {}),
+        **({"word_embed_proj_dim": 32} if text.model_type == "opt" else {})}
+    student = type(teacher)(type(text)(**{**fields, **narrow}))
+    dirs = {}
+    for role, model in (("teacher", teacher), ("student", student)):
+        dirs[role] = root / name / role
+        model.save_pretrained(dirs[role])
+        tokenizer.save_pretrained(dirs[role])
+    return dirs
+
+
+# Opacus' hooks cannot wrap Gemma's and OPT's embeddings: preflight refuses ghost for them (its test)
+NO_GHOST = ("gemma", "opt")
+STEP = {"target_epsilon": 8.0, "epochs": 1, "batch_size": 50, "physical_batch_size": 25, "max_length": 48,
+        "learning_rate": 1e-3}
+
+
+def every_stage(family: str, dirs: dict[str, Path], splits, out: Path, runtime) -> dict[str, float]:
+    """The family's teacher through every stage on `runtime` (device, precision), checked:
+    one DP-SGD step in bk, ghost (where Opacus can) and LoRA with its ledger entry, 16 samples
+    with the fast engine and the hf reference, one distillation epoch of the student (the
+    teacher's logits and the hidden-state MSE across widths), evaluation. Returns each
+    part's wall seconds (tests/stages/test_families.py; bench/family_matrix.py on a GPU)."""
+    from pipeline.config import DistillConfig, EvalConfig, GenerateConfig, TeacherConfig
+    from pipeline.stages.distill import distill
+    from pipeline.stages.evaluate import evaluate_models
+    from pipeline.stages.generate import generate_synthetic, read_synthetic
+    from pipeline.stages.teacher.recipe import train_teacher
+
+    seconds, results = {}, {}
+    modes = {"bk": {}, "ghost": {"grad_sample_mode": "ghost"}, "lora": {"mode": "lora"}}
+    for label, extra in modes.items():
+        if label == "ghost" and family in NO_GHOST:
+            continue
+        t0 = time.perf_counter()
+        results[label] = train_teacher(TeacherConfig(**STEP, **extra), train_path=splits.train,
+                                       validation_path=splits.validation, base_model=str(dirs["teacher"]),
+                                       out_dir=out / f"teacher-{label}", seed=0, runtime=runtime)
+        seconds[f"teacher_{label}"] = time.perf_counter() - t0
+        entry = results[label].ledger
+        assert entry.private and entry.steps >= 1 and 0 < entry.epsilon <= 8.0, (label, entry)
+        assert entry.mechanism == "subsampled_gaussian" and entry.history
+    teacher = results["bk"].checkpoint
+    codes = out / "codes.json"
+    codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))
+    synthetic = {}
+    for engine in ("fast", "hf"):  # empty samples are dropped: up to 16
+        t0 = time.perf_counter()
+        synthetic[engine] = generate_synthetic(
+            GenerateConfig(num_samples=16, batch_size=8, max_length=32, validation_fraction=0.25, engine=engine),
+            teacher_dir=teacher, control_codes_path=codes, ledger=[], out_dir=out / f"synthetic-{engine}", seed=0,
+            runtime=runtime)
+        seconds[f"generation_{engine}"] = time.perf_counter() - t0
+        samples = read_synthetic(synthetic[engine].path)
+        assert 0 < samples.num_rows <= 16 and set(samples["control_code"].to_pylist()) <= {"Category: A", "Category: B"}
+    t0 = time.perf_counter()
+    student = distill(DistillConfig(candidates=[], epochs=1, batch_size=8, learning_rate=1e-3, teacher_top_k=None,
+                                    beta=0.5, eval_every=2),
+                      synthetic_path=synthetic["fast"].path, teacher_dir=teacher, student_model=str(dirs["student"]),
+                      out_dir=out / "student", seed=0, runtime=runtime)
+    seconds["distillation"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    metrics = evaluate_models(EvalConfig(window=32, batch_size=8),
+                              models={"dp_teacher": str(teacher), "student": str(student.checkpoint)},
+                              test_path=splits.test, out_dir=out / "evaluation", seed=0,
+                              synthetic_path=synthetic["fast"].path, runtime=runtime)
+    seconds["evaluation"] = time.perf_counter() - t0
+    for name in ("dp_teacher", "student"):
+        assert math.isfinite(metrics["perplexity"][name]["windowed"]), (name, metrics["perplexity"])
+    return seconds
