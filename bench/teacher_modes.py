@@ -104,6 +104,9 @@ def child(mode: str, a: argparse.Namespace) -> None:
         from pipeline.models.losses import per_sequence_loss
         from pipeline.stages.teacher.trainable import prepare_trainable  # registers the samplers
 
+    from pipeline.devices import Runtime
+
+    autocast = Runtime(torch.device(a.device), a.precision, a.threads).autocast
     torch.manual_seed(0)
     if a.arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -143,7 +146,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
         """One physical batch; the optimizer steps (and DP adds its noise) on the last of a logical batch."""
         if gsm is not None and not last:  # as BatchMemoryManager: DP optimizers accumulate until the last
             optimizer.signal_skip_step(do_skip=True)
-        logits = model(**batch).logits  # (B, T, V)
+        with autocast():  # bf16: as the teacher stage (Runtime.autocast): fp32 master weights
+            logits = model(**batch).logits  # (B, T, V)
         if gsm == "bk":  # one backward of the per-sequence losses; .grad = clipped sum
             per_example = per_sequence_loss(logits, labels)
             model.backward_clipped(per_example)
@@ -216,8 +220,8 @@ class Child:
 
     def __init__(self, mode: str, a: argparse.Namespace):
         self.mode, self.err = mode, tempfile.TemporaryFile("w+")  # a file: stderr cannot block it
-        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "arch", "device", "warmup", "threads", "allocator",
-                                                     "accumulate")]
+        args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "arch", "device", "precision", "warmup", "threads",
+                                                     "allocator", "accumulate")]
         self.proc = subprocess.Popen([sys.executable, __file__, "--one", mode, *args], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
         self.call(None, "READY")
@@ -284,6 +288,8 @@ def main() -> None:
                    help="physical batches per logical step (default 1): a DP step's noise is drawn once per "
                         "logical step, as in the teacher, where a Poisson batch spans several physical ones")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: forward passes under autocast, as the stages run precision=bf16")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every mode's process (default 1)")
     p.add_argument("--allocator", choices=["reuse", "system"], default="reuse",
                    help="reuse: glibc keeps freed memory, as the stages set it (pipeline.devices.reuse_freed_memory); "
@@ -313,7 +319,7 @@ def main() -> None:
     exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
     kv = f" ({a.kv_heads} key/value)" if a.kv_heads != a.heads else ""
     print(f"{a.arch} shape: {a.layers} layers, width {a.width}, {a.heads} heads{kv}, MLP {a.mlp}, vocab {a.vocab}, seq {a.seq}, "
-          f"batch {a.batch}" + (f" x {a.accumulate} physical batches a step" if a.accumulate > 1 else "") + f" | device {a.device}, {a.threads} torch thread(s) per mode | torch "
+          f"batch {a.batch}" + (f" x {a.accumulate} physical batches a step" if a.accumulate > 1 else "") + f" | device {a.device}, {a.precision}, {a.threads} torch thread(s) per mode | torch "
           f"{torch.__version__}, opacus {opacus.__version__} | load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     print(f"Command: `{shlex.join([exe, os.path.relpath(__file__, ROOT), *sys.argv[1:]])}`\n")
     mem = "peak CUDA memory above setup" if a.device == "cuda" else "peak RSS growth"
