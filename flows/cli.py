@@ -315,15 +315,16 @@ def planned_budget(cfg, plan) -> str:
              "overlapping them): " + ("nothing spent yet" if spent is None else
                                       f"ε = {spent.epsilon:.4f} over {len(budget.releases)} DP releases")]
     if total is not None:
+        fixed = "" if total.delta == delta else " (the δ the budget's first run fixed)"
         lines.append(f"    with this run: ε = {total.epsilon:.4f}, replace-one ε = {total.epsilon_replace_one:.4f} "
-                     f"at δ = {delta:.3g}" + ("" if limit is None else f", within privacy.max_epsilon={limit:g}")
+                     f"at δ = {total.delta:.3g}{fixed}" + ("" if limit is None else f", within privacy.max_epsilon={limit:g}")
                      + ("" if spent is None else " (if no stage of it is cached: a cached stage spends nothing)"))
     return "\n".join(lines)
 
 
 def print_dataset_budget(run_dir: Path, ledger) -> None:
     """Every DP release charged to the budget of the run's training records (made on them or on
-    records overlapping them, by any run), composed at this run's δ (pipeline/privacy/budget.py)."""
+    records overlapping them, by any run), composed at the δ its first release fixed (pipeline/privacy/budget.py)."""
     from pipeline.privacy.budget import format_budget, read_budget, stored_total
 
     info = read_run_info(run_dir)
@@ -331,9 +332,9 @@ def print_dataset_budget(run_dir: Path, ledger) -> None:
     if not (budget_id and info.get("run_root")):
         return  # a run from before the dataset budget was kept
     budget = read_budget(Path(info["run_root"]), budget_id)
-    delta = ledger.total.delta if ledger.total else None
     total = None
-    if delta and budget.releases:
+    if ledger.total and budget.releases:
+        delta = budget.delta or ledger.total.delta  # the first release's, fixed (a run's only if none is Gaussian)
         # The total the run's accountant composed at its end, if the releases are still those;
         # else compose now (imports Opacus and torch: seconds).
         total = stored_total(budget, ledger.total.accountant, delta)

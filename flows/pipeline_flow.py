@@ -123,7 +123,7 @@ def _finish(cfg: PipelineConfig, out: Path, run_info: dict, final: PrivacyLedger
     budget = read_budget(Path(cfg.run_root).resolve(), budget_id) if budget_id else None
     dataset = _dataset_total(budget, final.total, cfg.teacher.accountant)
     if dataset is not None:  # kept for `dpdistill ledger show`, which then needs no accountant
-        store_total(Path(cfg.run_root).resolve(), budget_id, cfg.teacher.accountant, final.total.delta, dataset)
+        store_total(Path(cfg.run_root).resolve(), budget_id, cfg.teacher.accountant, dataset.delta, dataset)
     publish_ledger(final, budget, dataset)
     publish_metrics(metrics)
     if "generation" in metrics:
@@ -133,7 +133,7 @@ def _finish(cfg: PipelineConfig, out: Path, run_info: dict, final: PrivacyLedger
 
 
 def _dataset_total(budget, run_total: LedgerTotal | None, accountant: str) -> LedgerTotal | None:
-    """Every release on the dataset composed at this run's δ."""
+    """Every release on the dataset composed at the budget's δ (this run's if it made the first release)."""
     return dataset_total(budget, accountant, run_total.delta) if budget and run_total and budget.releases else None
 
 

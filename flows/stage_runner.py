@@ -34,7 +34,6 @@ class StageRunner:
     def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str]):
         self.cfg, self.run_dir, self.rerun = cfg, run_dir, set(rerun)
         self.budget_id: str | None = None
-        self.run_delta: float | None = None  # δ of this run's first Gaussian release
         self.releases: set[str] = set()  # this run's releases (manifest digests)
         # JSON of our result types only, never a pickle (flows/results.py)
         self.storage = stage_result_storage((Path(cfg.run_root) / RESULTS_DIR).resolve())
@@ -50,24 +49,18 @@ class StageRunner:
         atomic_write_json(self.run_dir / RUN_INFO, read_run_info(self.run_dir) | {"records_id": self.budget_id})
         return self.budget_id
 
-    def _delta(self, budget) -> float | None:
-        """The δ the dataset total is composed at: this run's, else the newest release's."""
-        deltas = [r.entry.delta for r in budget.releases if r.entry.delta]
-        return self.run_delta or (deltas[-1] if deltas else None)
-
     def _record_release(self, stage: str, result, entry: LedgerEntry, part: str = "") -> None:
         """Add this DP release to the dataset's budget; warn when it raises the total that
         earlier runs had spent on the same data. `part` names a second release of the same
         stage run (its validation loss, teacher.monitor=dp), identified by its manifest too."""
         root, sha = Path(self.cfg.run_root).resolve(), self.budget_id
-        if self.run_delta is None and entry.history:
-            self.run_delta = entry.delta
         release_id = manifest_digest(stage_dir_of(result)) + part
         before = read_budget(root, sha)
         earlier = [r for r in before.releases if r.release_id not in self.releases | {release_id}]
         budget, new = record_release(root, sha, release_id=release_id, stage=stage, run_dir=self.run_dir, entry=entry)
         self.releases.add(release_id)
-        if not new or not earlier or (delta := self._delta(budget)) is None:
+        # At the δ the budget's first release fixed, whatever this run's (issue 38 item 4)
+        if not new or not earlier or (delta := budget.delta) is None:
             return
         accountant = self.cfg.teacher.accountant
         was, now = dataset_total(before, accountant, delta), dataset_total(budget, accountant, delta)

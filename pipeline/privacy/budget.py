@@ -5,7 +5,7 @@ with a changed config, trains a new DP model on the same records: the guarantee 
 person in the data is the composition of *all* those releases. This module keeps one
 ledger per set of training records under `run_root/.privacy/` (0600, in a 0700 directory) and
 composes it the way a run's total is composed (`pipeline.privacy.ledger.compose`: Gaussian
-histories jointly through the accountant, pure ε added).
+histories jointly through the accountant, pure ε added), always at the δ its first release fixed.
 
 Keyed by the records, not the file's bytes (issue 21 item 4): a copy of the data with one
 byte changed past the rows used trains on the same records and lands in the same budget.
@@ -24,7 +24,7 @@ releases would take a budget past it.
 
     budget_id = register_records(run_root, split_digests(train_path, records_key(run_root)))
     budget, new = record_release(run_root, budget_id, release_id=digest, stage="teacher", run_dir=run, entry=entry)
-    total = dataset_total(budget, accountant="prv", delta=1e-5)
+    total = dataset_total(budget, accountant="prv", run_delta=1e-5)  # at the δ its first release fixed
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.config import ConfigError
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, current_stage_name, fmt_value
@@ -89,7 +89,21 @@ class DatasetBudget(BaseModel):
     """Keyed digest of the record set (budgets written before issue 21: the training file's sha256)."""
     n_records: int | None = None
     releases: list[Release] = []
+    delta: float | None = None
+    """The δ every total of these records is composed and checked at: the first release's, fixed by
+    the first run that spent on them (a set overlapping earlier ones: its oldest inherited release's).
+    A later run's own δ may differ (a subset's N is smaller, so its δ = 1/(10N) is larger), and the
+    same releases composed at it counted less: 1.798 at δ = 2.63e-4 where the demo's spent 2.066 at
+    δ = 7.0e-5 (issue 38 item 4). None until a release with a δ is recorded."""
     totals: list[StoredTotal] = []
+
+    @model_validator(mode="after")
+    def _first_release_fixes_delta(self) -> "DatasetBudget":
+        # Releases are only ever appended, oldest first: the first one's δ never changes.
+        # Budgets written before the field get it the same way.
+        if self.delta is None:
+            self.delta = next((r.entry.delta for r in self.releases if r.entry.delta), None)
+        return self
 
 
 def budget_path(run_root: Path, budget_id: str) -> Path:
@@ -283,10 +297,11 @@ def record_release(
 
 
 def dataset_total(
-    budget: DatasetBudget, accountant: str, delta: float, planned: list[LedgerEntry] = ()
+    budget: DatasetBudget, accountant: str, run_delta: float, planned: list[LedgerEntry] = ()
 ) -> LedgerTotal | None:
-    """All releases charged to the budget, and the `planned` ones not made yet, composed at
-    `delta` (the current run's δ), as a run's ledger total is. None when there is none."""
+    """All releases charged to the budget, and the `planned` ones not made yet, composed as a
+    run's ledger total is, at the budget's δ (`DatasetBudget.delta`); at `run_delta`, the current
+    run's, only while no release has fixed it. None when there is none."""
     # Named by run, so that the composition names which runs' releases it composes.
     entries = [r.entry.model_copy(update={"stage": f"{r.stage} ({Path(r.run_dir).name})"}) for r in budget.releases]
     entries += [e.model_copy(update={"stage": f"{e.stage} (planned)"}) for e in planned if e.private and e.epsilon]
@@ -298,7 +313,7 @@ def dataset_total(
         # user's data), so mixed releases compose at record level.
         entries = [e.model_copy(update={"privacy_unit": "record"}) for e in entries]
         note = "; user-level releases counted at record level"
-    total = compose(entries, accountant, delta)
+    total = compose(entries, accountant, budget.delta if budget.delta is not None else run_delta)
     n = len(budget.releases)
     return total.model_copy(update={
         "note": f"{n} DP release{'s' * (n != 1)} on these records or records overlapping them, every run "
@@ -311,18 +326,22 @@ class BudgetExceeded(ConfigError):
 
 
 def check_max_epsilon(
-    budget: DatasetBudget, planned: list[LedgerEntry], max_epsilon: float | None, accountant: str, delta: float
+    budget: DatasetBudget, planned: list[LedgerEntry], max_epsilon: float | None, accountant: str, run_delta: float
 ) -> LedgerTotal | None:
-    """The budget's total with the `planned` releases added; BudgetExceeded past `max_epsilon`
-    (add/remove ε, the unit of teacher.target_epsilon)."""
-    total = dataset_total(budget, accountant, delta, planned)
+    """The budget's total with the `planned` releases added, at the budget's δ (`dataset_total`);
+    BudgetExceeded past `max_epsilon` (add/remove ε, the unit of teacher.target_epsilon)."""
+    total = dataset_total(budget, accountant, run_delta, planned)
     if max_epsilon is None or total is None or total.epsilon <= max_epsilon:
         return total
-    spent = dataset_total(budget, accountant, delta)
+    spent = dataset_total(budget, accountant, run_delta)
     now = "nothing yet" if spent is None else (
         f"ε = {spent.epsilon:.4f} (replace-one {fmt_value(spent.epsilon_replace_one)}) over "
         f"{len(budget.releases)} DP release(s) by earlier runs")
     this_run = ", ".join(f"{e.stage} ε = {e.epsilon:.4f}" for e in planned if e.private and e.epsilon)
+    at = f"δ = {total.delta:.3g}"
+    if total.delta != run_delta:
+        at += (f", the δ of these records' budget, fixed by the first run that spent on them (this run's own δ is "
+               f"{run_delta:.3g}: every run is checked at the budget's, so the same releases always count the same)")
     fix = ("lower teacher.target_epsilon (or control_codes.epsilon) so that the total stays within it, reuse a "
            "finished run's outputs instead of training again, or raise privacy.max_epsilon if spending more on "
            "these records is intended")
@@ -331,8 +350,8 @@ def check_max_epsilon(
                "these records is intended")
     raise BudgetExceeded(
         f"privacy.max_epsilon={max_epsilon}: the training records of this run have spent {now} under this "
-        f"run_root, and this run ({this_run}) would bring the total to ε = {total.epsilon:.4f} at δ = "
-        f"{delta:.3g}; refused before training. Fix: {fix} (`dpdistill ledger show RUN_DIR` lists the releases)"
+        f"run_root, and this run ({this_run}) would bring the total to ε = {total.epsilon:.4f} at {at}; "
+        f"refused before training. Fix: {fix} (`dpdistill ledger show RUN_DIR` lists the releases)"
     )
 
 

@@ -297,3 +297,56 @@ def test_digests_streamed_from_a_split_file_match_and_read_budgets_written_befor
                       if hmac.new(key, json.dumps([c, t]).encode(), hashlib.sha256).digest()[15] == 0]
     one = register_records(root, record_digests([codes[ending_in_zero[0]]], [texts[ending_in_zero[0]]], key))
     assert [r.release_id for r in read_budget(root, one).releases] == ["c" * 64]
+
+
+def _release(mechanism: str, sigma: float, q: float, steps: int, delta: float) -> LedgerEntry:
+    history = [(sigma, q, steps)]
+    return LedgerEntry(stage="teacher" if mechanism == "subsampled_gaussian" else "control-codes", private=True,
+                       epsilon=epsilon_of("prv", history, delta), delta=delta, accountant="prv", mechanism=mechanism,
+                       noise_multiplier=sigma, sample_rate=q, steps=steps, privacy_unit="record", history=history,
+                       note="DP")
+
+
+def test_the_budget_is_composed_and_checked_at_the_delta_its_first_run_fixed(tmp_path, capsys):
+    """Issue 38 item 4: the demo's two releases (histogram σ 6.25, teacher σ 1.284, q 1/12, 36 steps)
+    counted ε 2.066 at its δ = 7.0e-5 but 1.798 in a run on a subset of its records at δ = 2.63e-4,
+    so a subset run was checked against privacy.max_epsilon at a δ of its own choosing. The first
+    run fixes the budget's δ: a subset run composes, checks and shows the same releases at it."""
+    from pipeline.privacy.budget import BudgetExceeded, check_max_epsilon, register_records
+
+    demo_delta, subset_delta = 7.0e-5, 2.63e-4
+    root = tmp_path / "runs"
+    full = register_records(root, _digests(root, _records(100)))
+    demo = [_release("gaussian", 6.25, 1.0, 1, demo_delta), _release("subsampled_gaussian", 1.284, 1 / 12, 36, demo_delta)]
+    for i, entry in enumerate(demo):
+        record_release(root, full, release_id=str(i) * 64, stage=entry.stage, run_dir=root / "demo", entry=entry)
+    subset = register_records(root, _digests(root, _records(30, start=10)))
+    budget = read_budget(root, subset)
+    assert budget.delta == read_budget(root, full).delta == demo_delta
+
+    spent = dataset_total(budget, "prv", subset_delta)
+    assert spent.delta == demo_delta and spent.epsilon == pytest.approx(2.066, abs=2e-3)
+    assert compose(demo, "prv", subset_delta).epsilon == pytest.approx(1.798, abs=2e-3)  # the finding's figure
+
+    # A small release planned at the subset's δ: within 2.0 at that δ (the old check passed it),
+    # past it at the budget's δ, and the refusal names both.
+    planned = [_release("gaussian", 40.0, 1.0, 1, subset_delta)]
+    assert dataset_total(budget.model_copy(update={"delta": subset_delta}), "prv", subset_delta, planned).epsilon < 2.0
+    with pytest.raises(BudgetExceeded) as refused:
+        check_max_epsilon(budget, planned, 2.0, "prv", subset_delta)
+    message = str(refused.value)
+    assert "at δ = 7e-05, the δ of these records' budget, fixed by the first run" in message
+    assert "this run's own δ is 0.000263" in message
+
+    # The subset run's release is charged at its own δ, the budget keeps the first one, and
+    # `ledger show` of the subset run totals at it.
+    run = root / "subset-run"
+    run.mkdir()
+    write_ledger(run / "ledger.json", PrivacyLedger(entries=planned, total=compose(planned, "prv", subset_delta)))
+    atomic_write_json(run / "run.json", {"tool": "dpdistill", "run_root": str(root), "records_id": subset})
+    budget, _ = record_release(root, subset, release_id="s" * 64, stage="control-codes", run_dir=run, entry=planned[0])
+    assert budget.delta == demo_delta and json.loads(budget_path(root, subset).read_text())["delta"] == demo_delta
+    assert main(["ledger", "show", str(run)]) == 0
+    total = dataset_total(budget, "prv", subset_delta)
+    assert f"TOTAL: ε = {total.epsilon:.4f}, replace-one ε = {total.epsilon_replace_one:.4g}, δ = 7e-05" \
+        in capsys.readouterr().out
