@@ -10,9 +10,11 @@ histories jointly through the accountant, pure ε added), always at the δ its f
 Keyed by the records, not the file's bytes (issue 21 item 4): a copy of the data with one
 byte changed past the rows used trains on the same records and lands in the same budget.
 Each training record (control code and text) is hashed with HMAC-SHA256 under a secret key
-made once per run_root (`records.key`, 0600), so the stored digests tell nothing about the
-records to someone without the key (no dictionary of guessed reviews can be tested against
-them). A budget is named by the keyed digest of its record set; its digests are kept beside
+made once per run_root, so the stored digests tell nothing about the records to someone
+without the key (no dictionary of guessed reviews can be tested against them). The key lives
+outside the run_root (`key_dir`: ~/.config/dpdistill/keys or $DPDISTILL_KEY_DIR, 0600 in 0700),
+`.privacy/key-id` naming which one: beside the digests, both outliving the deleted splits, it
+made any copy of `.privacy/` a membership oracle (issue 38 item 5). A budget is named by the keyed digest of its record set; its digests are kept beside
 it (`<id>.records`). A release is charged to every budget whose records overlap the ones it
 trained on, and a new budget starts with every earlier release on records it shares: a
 subset, a superset or an overlapping sample of the same data is never a fresh budget.
@@ -32,6 +34,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import os
 import secrets
 import time
 from collections.abc import Iterable, Iterator
@@ -46,7 +50,11 @@ from pipeline.locks import file_lock
 from pipeline.manifest import atomic_write_chunks, atomic_write_json, atomic_write_text, private_dir
 
 BUDGET_DIR = ".privacy"
-KEY_FILE = "records.key"
+KEY_DIR_ENV = "DPDISTILL_KEY_DIR"
+KEY_ID_FILE = "key-id"
+"""In `.privacy/`: which key of `key_dir` is the run_root's. It names the key and is no secret."""
+OLD_KEY_FILE = "records.key"
+"""Where the key was kept before issue 38, beside the digests: moved to `key_dir` on first use."""
 LOCK_FILE = "budgets.lock"
 """One lock for every budget of a run_root: a release may be charged to several at once."""
 
@@ -112,21 +120,74 @@ def budget_path(run_root: Path, budget_id: str) -> Path:
     return Path(run_root) / BUDGET_DIR / f"{budget_id}.json"
 
 
+log = logging.getLogger(__name__)
+
+
+class RecordsKeyError(ConfigError):
+    """The run_root's records key cannot be read where its `.privacy/key-id` says it is."""
+
+
+def key_dir() -> Path:
+    """The folder of the records keys, one `<key id>.key` per run_root: $DPDISTILL_KEY_DIR, else
+    ~/.config/dpdistill/keys. Never under a run_root: a copy of one (a backup, a shared folder)
+    then holds the record digests without the key that tests a record against them."""
+    return Path(os.environ.get(KEY_DIR_ENV) or Path.home() / ".config" / "dpdistill" / "keys")
+
+
+def _key_path(key_id: str) -> Path:
+    if len(key_id) != 32 or any(c not in "0123456789abcdef" for c in key_id):
+        raise RecordsKeyError(f"{BUDGET_DIR}/{KEY_ID_FILE} holds {key_id[:40]!r}, not a key id (32 hex digits)")
+    return key_dir() / f"{key_id}.key"
+
+
+def _read_key(folder: Path) -> bytes:
+    key_id = (folder / KEY_ID_FILE).read_text().strip()
+    path = _key_path(key_id)
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except (OSError, ValueError) as e:
+        raise RecordsKeyError(
+            f"the secret key of the privacy budgets in {folder} cannot be read at {path} ({type(e).__name__}); without "
+            "it their records cannot be recognised, so no release can be recorded or checked against "
+            f"privacy.max_epsilon. Fix: restore {path.name} (mode 0600) into {path.parent}, or set {KEY_DIR_ENV} to "
+            "the folder that holds it (on another machine or in a container: copy it there, never into the run_root)"
+        ) from e
+
+
+def _new_key(folder: Path, key_hex: str) -> None:
+    """Keep `key_hex` in `key_dir` (0600 in 0700), under a new id that `folder`'s key-id names."""
+    key_id = secrets.token_hex(16)
+    path = _key_path(key_id)
+    private_dir(path.parent)
+    atomic_write_text(path, key_hex)  # mkstemp: 0600 whatever the umask
+    atomic_write_text(folder / KEY_ID_FILE, key_id)  # after the key: a key-id always names a written key
+
+
 def records_key(run_root: Path) -> bytes:
-    """The run_root's secret key for record digests, made on first use (0600). Without it the
-    digests in `.privacy/` cannot be tested against guessed records."""
+    """The run_root's secret key for record digests, made on first use, kept in `key_dir`.
+    A run_root whose key sits beside the digests (made before issue 38) has it moved out, once."""
     folder = private_dir(Path(run_root) / BUDGET_DIR)
-    path = folder / KEY_FILE
+    old = folder / OLD_KEY_FILE
     with file_lock(folder / LOCK_FILE):
-        if not path.is_file():
-            atomic_write_text(path, secrets.token_hex(32))  # mkstemp: 0600 whatever the umask
-    return bytes.fromhex(path.read_text().strip())
+        if not (folder / KEY_ID_FILE).is_file():
+            _new_key(folder, old.read_text().strip() if old.is_file() else secrets.token_hex(32))
+        key = _read_key(folder)
+        if old.is_file():
+            old.unlink()
+            log.warning("privacy budget: the records key of %s sat beside the record digests, where a copy of "
+                        "%s/ could test any record for membership; moved to %s (issue 38). Back that folder up apart "
+                        "from the run_root; copies of %s/ made before hold the key: delete them or keep them as "
+                        "private as the data", run_root, BUDGET_DIR, key_dir(), BUDGET_DIR)
+    return key
 
 
 def existing_records_key(run_root: Path) -> bytes | None:
-    """The key if the run_root has one (nothing recorded yet otherwise); creates nothing (`plan`)."""
-    path = Path(run_root) / BUDGET_DIR / KEY_FILE
-    return bytes.fromhex(path.read_text().strip()) if path.is_file() else None
+    """The key if the run_root has one (nothing recorded yet otherwise); creates and moves nothing (`plan`)."""
+    folder = Path(run_root) / BUDGET_DIR
+    if (folder / KEY_ID_FILE).is_file():
+        return _read_key(folder)
+    old = folder / OLD_KEY_FILE  # moved out by the next run that records
+    return bytes.fromhex(old.read_text().strip()) if old.is_file() else None
 
 
 DIGEST = np.dtype("S16")

@@ -186,11 +186,12 @@ def _digests(root, records):
 
 
 def test_a_copy_with_one_byte_changed_past_the_rows_used_lands_in_the_same_budget(tmp_path):
-    """The file's sha256 differs, the training records do not: one budget, and its key is 0600."""
+    """The file's sha256 differs, the training records do not: one budget, and its key is 0600 in
+    a 0700 folder outside the run root."""
     from conftest import YELP_DOMAIN, YELP_TRAIN
     from pipeline.config import DataConfig
     from pipeline.manifest import sha256_file
-    from pipeline.privacy.budget import KEY_FILE, BUDGET_DIR, register_records
+    from pipeline.privacy.budget import BUDGET_DIR, KEY_ID_FILE, key_dir, register_records
     from pipeline.records import read_split, split_key
     from pipeline.stages.data import with_training_split
 
@@ -205,7 +206,9 @@ def test_a_copy_with_one_byte_changed_past_the_rows_used_lands_in_the_same_budge
                                                                       read_split)))
            for p in (YELP_TRAIN, copy)]
     assert ids[0] == ids[1]
-    assert (root / BUDGET_DIR / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    key = key_dir() / f"{(root / BUDGET_DIR / KEY_ID_FILE).read_text()}.key"
+    assert key.stat().st_mode & 0o777 == 0o600 and key.parent.stat().st_mode & 0o777 == 0o700
+    assert not key.resolve().is_relative_to(root.resolve())
     # The stored digests are keyed: the plain sha256 of a record is nowhere in them.
     codes, texts = with_training_split(DataConfig(path=YELP_TRAIN, max_records=120), root, YELP_DOMAIN, read_split)
     stored = (root / BUDGET_DIR / f"{ids[0]}.records").read_text()
@@ -350,3 +353,84 @@ def test_the_budget_is_composed_and_checked_at_the_delta_its_first_run_fixed(tmp
     total = dataset_total(budget, "prv", subset_delta)
     assert f"TOTAL: ε = {total.epsilon:.4f}, replace-one ε = {total.epsilon_replace_one:.4g}, δ = 7e-05" \
         in capsys.readouterr().out
+
+
+# --- the key is not kept beside the digests (issue 38 item 5) ----------------------------
+
+def _is_member(privacy_copy, key: bytes, record: tuple[str, str]) -> bool:
+    """The attack: a candidate record's keyed digest looked up in every `.records` file."""
+    digest = hmac.new(key, json.dumps(list(record)).encode(), hashlib.sha256).hexdigest()[:32]
+    return any(digest in p.read_text().split() for p in privacy_copy.glob("*.records"))
+
+
+def _keys_in(folder) -> list[bytes]:
+    """Every file of `folder` that could be a key: 64 hex digits."""
+    out = []
+    for p in folder.rglob("*"):
+        text = p.read_text().strip() if p.is_file() else ""
+        if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
+            out.append(bytes.fromhex(text))
+    return out
+
+
+def test_a_copy_of_the_privacy_folder_cannot_test_a_record_for_membership(tmp_path):
+    """Issue 38 item 5: `.privacy/records.key` sat beside the HMAC digests of every training
+    record, both outliving the deleted splits: a copy of the folder told whether a candidate
+    record was trained on. Now the copy has no key; with the key (outside the run root) the same
+    attack works, so the test can see it."""
+    import shutil
+
+    from pipeline.privacy import budget
+    from pipeline.privacy.budget import BUDGET_DIR, register_records
+
+    root = tmp_path / "runs"
+    codes, texts = _records(50)
+    register_records(root, _digests(root, (codes, texts)))
+    stolen = tmp_path / "stolen"
+    shutil.copytree(root / BUDGET_DIR, stolen)
+    member, outsider = (codes[7], texts[7]), ("code 1", "review number 5000")
+
+    assert _keys_in(stolen) == []
+    assert not any(_is_member(stolen, key, member) for key in _keys_in(root))  # nor anywhere in the run root
+    key = bytes.fromhex((budget.key_dir() / f"{(stolen / budget.KEY_ID_FILE).read_text()}.key").read_text())
+    assert _is_member(stolen, key, member) and not _is_member(stolen, key, outsider)
+
+
+def test_a_key_kept_beside_the_digests_is_moved_out_once_and_the_budget_kept(tmp_path, caplog):
+    """A run root made before issue 38 keeps its budgets: its key moves to the key folder, once, saying so."""
+    from pipeline.privacy.budget import BUDGET_DIR, KEY_ID_FILE, OLD_KEY_FILE, existing_records_key, key_dir, \
+        record_digests, records_key, register_records
+
+    root = tmp_path / "runs"
+    folder = root / BUDGET_DIR
+    folder.mkdir(parents=True)
+    (folder / OLD_KEY_FILE).write_text("ab" * 32)
+    old = bytes.fromhex("ab" * 32)
+    assert existing_records_key(root) == old and (folder / OLD_KEY_FILE).is_file()  # `plan` moves nothing
+    with caplog.at_level("WARNING", logger="pipeline.privacy.budget"):
+        before = register_records(root, record_digests(*_records(5), old))  # a budget keyed by the old key
+    assert not (folder / OLD_KEY_FILE).exists()
+    assert (key_dir() / f"{(folder / KEY_ID_FILE).read_text()}.key").read_text() == "ab" * 32
+    assert len([r for r in caplog.records if "moved to" in r.getMessage()]) == 1
+    caplog.clear()
+    assert records_key(root) == old and existing_records_key(root) == old and not caplog.records  # once
+    assert register_records(root, _digests(root, _records(5))) == before  # the same budget
+
+
+def test_an_unreadable_key_stops_with_how_to_fix_it(tmp_path, monkeypatch):
+    """A key folder that moved (another machine, a container without its volume): one error
+    naming where the key should be and the variable that points at it, never a fresh key (a
+    fresh one would start every budget of the run root from zero)."""
+    from pipeline.privacy.budget import KEY_DIR_ENV, RecordsKeyError, budget_of, records_key
+
+    root = tmp_path / "runs"
+    key = records_key(root)
+    monkeypatch.setenv(KEY_DIR_ENV, str(tmp_path / "elsewhere"))
+    with pytest.raises(RecordsKeyError) as refused:
+        records_key(root)
+    message = str(refused.value)
+    assert str(tmp_path / "elsewhere") in message and f"set {KEY_DIR_ENV}" in message and "Fix: restore" in message
+    with pytest.raises(RecordsKeyError):
+        budget_of(root, tmp_path / "train.parquet")  # `plan` too
+    monkeypatch.undo()
+    assert records_key(root) == key
