@@ -317,7 +317,8 @@ def planned_budget(cfg, plan) -> str:
     if total is not None:
         fixed = "" if total.delta == delta else " (the δ the budget's first run fixed)"
         lines.append(f"    with this run: ε = {total.epsilon:.4f}, replace-one ε = {total.epsilon_replace_one:.4f} "
-                     f"at δ = {total.delta:.3g}{fixed}" + ("" if limit is None else f", within privacy.max_epsilon={limit:g}")
+                     f"at δ = {total.delta:.3g}{fixed}"
+                     + ("" if limit is None else f", within privacy.max_epsilon={limit:g}")
                      + ("" if spent is None else " (if no stage of it is cached: a cached stage spends nothing)"))
     return "\n".join(lines)
 

@@ -12,10 +12,11 @@ byte changed past the rows used trains on the same records and lands in the same
 Each training record (control code and text) is hashed with HMAC-SHA256 under a secret key
 made once per run_root, so the stored digests tell nothing about the records to someone
 without the key (no dictionary of guessed reviews can be tested against them). The key lives
-outside the run_root (`key_dir`: ~/.config/dpdistill/keys or $DPDISTILL_KEY_DIR, 0600 in 0700),
-`.privacy/key-id` naming which one: beside the digests, both outliving the deleted splits, it
-made any copy of `.privacy/` a membership oracle (issue 38 item 5). A budget is named by the keyed digest of its record set; its digests are kept beside
-it (`<id>.records`). A release is charged to every budget whose records overlap the ones it
+outside the run_root (`key_dir`: ~/.config/dpdistill/keys or $DPDISTILL_KEY_DIR, 0600 in
+0700), `.privacy/key-id` naming which one: beside the digests, both outliving the deleted
+splits, it made any copy of `.privacy/` a membership oracle (issue 38 item 5). A budget is
+named by the keyed digest of its record set; its digests are kept beside it
+(`<id>.records`). A release is charged to every budget whose records overlap the ones it
 trained on, and a new budget starts with every earlier release on records it shares: a
 subset, a superset or an overlapping sample of the same data is never a fresh budget.
 

@@ -320,7 +320,8 @@ def test_the_budget_is_composed_and_checked_at_the_delta_its_first_run_fixed(tmp
     demo_delta, subset_delta = 7.0e-5, 2.63e-4
     root = tmp_path / "runs"
     full = register_records(root, _digests(root, _records(100)))
-    demo = [_release("gaussian", 6.25, 1.0, 1, demo_delta), _release("subsampled_gaussian", 1.284, 1 / 12, 36, demo_delta)]
+    demo = [_release("gaussian", 6.25, 1.0, 1, demo_delta),
+            _release("subsampled_gaussian", 1.284, 1 / 12, 36, demo_delta)]
     for i, entry in enumerate(demo):
         record_release(root, full, release_id=str(i) * 64, stage=entry.stage, run_dir=root / "demo", entry=entry)
     subset = register_records(root, _digests(root, _records(30, start=10)))
