@@ -274,7 +274,8 @@ def print_status(run_dir: Path) -> int:
         state = f"{state}{why}: run the same command again to continue it (log: {run_dir / 'run.log'})"
     print(f"run {run_dir}\nstatus: {state}; started {info.get('started_at')}"
           + (f", finished {info['finished_at']}" if info.get("finished_at") else ""))
-    rows = [("stage", "status", "seconds", "epsilon", "output")]
+    rows = [("stage", "status", "seconds", "epsilon", "replace-one", "output")]
+    entries = {e.stage: e for e in ledger.entries} if ledger is not None else {}
     for name in STAGES:
         if name not in stages:
             continue
@@ -285,12 +286,14 @@ def print_status(run_dir: Path) -> int:
         elif out and s["status"] == "cached":
             out = f"reused from {out}"
         eps = s.get("epsilon")
+        # stages.json written before it was recorded there: the ledger's, if the run got that far
+        replace_one = s.get("epsilon_replace_one", getattr(entries.get(name), "epsilon_replace_one", None))
         rows.append((name, STAGE_WORDS.get(s["status"], s["status"]),
                      f"{s['seconds']:.1f}" if s.get("seconds") is not None else "",
-                     f"{eps:.4f}" if eps else "", out))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+                     f"{eps:.4f}" if eps else "", f"{replace_one:.4f}" if eps and replace_one else "", out))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5])
     if ledger is not None:
         total = ledger.total
         if total:

@@ -155,5 +155,6 @@ class StageRunner:
             finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
             output=str(out) if out else None,
             epsilon=ledger.epsilon if isinstance(ledger, LedgerEntry) else None,
+            epsilon_replace_one=ledger.epsilon_replace_one if isinstance(ledger, LedgerEntry) else None,
         )
         return result

@@ -230,3 +230,27 @@ def test_overrides_are_taken_anywhere_on_the_line_and_unknown_options_still_refu
             parse_args(line)
         assert e.value.code == 2
         assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_status_shows_each_stage_s_replace_one_epsilon_beside_its_epsilon(run_dir):
+    """Issue 38 item 6: the stage column had the add/remove ε only. stages.json keeps both; one
+    written before keeps ε alone, and the ledger's replace-one ε fills in for it."""
+    info = json.loads((run_dir / "stages.json").read_text())
+    info["teacher"]["epsilon_replace_one"] = 3.04
+    (run_dir / "stages.json").write_text(json.dumps(info))
+    rc, out, err, heavy = _cli("status", str(run_dir))
+    assert (rc, heavy) == (0, []), err
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("stage"))
+    assert header.split()[:5] == ["stage", "status", "seconds", "epsilon", "replace-one"]
+    assert next(line for line in lines if line.startswith("teacher")).split()[2:5] == ["12.5", "2.0000", "3.0400"]
+    assert next(line for line in lines if line.startswith("evaluation")).split()[2:4] == ["1.0", "evaluation"]
+
+    del info["teacher"]["epsilon_replace_one"]
+    (run_dir / "stages.json").write_text(json.dumps(info))
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    ledger["entries"][0]["epsilon_replace_one"] = 3.05
+    (run_dir / "ledger.json").write_text(json.dumps(ledger))
+    rc, out, err, _ = _cli("status", str(run_dir))
+    assert rc == 0, err
+    assert next(line for line in out.splitlines() if line.startswith("teacher")).split()[3:5] == ["2.0000", "3.0500"]
