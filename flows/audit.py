@@ -38,7 +38,7 @@ from pipeline.audits.canaries import (
     write_canary_data,
 )
 from pipeline.config import PipelineConfig, config_from_dict
-from pipeline.privacy.ledger import LEDGER, read_ledger
+from pipeline.privacy.ledger import LEDGER, PrivacyLedger, read_ledger
 from pipeline.manifest import atomic_write_json, private_dir
 
 log = logging.getLogger(__name__)
@@ -329,8 +329,6 @@ def canary_audit(
          "rank": {m: exposures[m][i]["rank"] for m in models}}
         for i, c in enumerate(canaries)
     ]
-    ledger = read_ledger(run_dir / LEDGER)
-    teacher = next((e for e in ledger.entries if e.stage in ("teacher", "dp-student", "student") and e.epsilon), None)
     report = {
         "run_dir": str(run_dir),
         "data_copy": made["data_copy"] + " (deleted)",
@@ -341,11 +339,7 @@ def canary_audit(
         "max_exposure_bits": math.log2(n_candidates + 1),
         "format": "my account number is <9 random digits> (the secrets are not written here)",
         "models": models,
-        "epsilon_total": ledger.total.epsilon if ledger.total else None,
-        "delta": ledger.total.delta if ledger.total else None,
-        "epsilon_dp_training": teacher.epsilon if teacher else None,
-        "noise_multiplier": teacher.noise_multiplier if teacher else None,
-        "ledger_complete": ledger.total.complete if ledger.total else None,
+        **ledger_figures(read_ledger(run_dir / LEDGER)),
         "synthetic_samples": len(synthetic),
         "canaries_emitted": sum(e > 0 for e in emitted),
         "by_repetitions": summarise(rows, list(models)),
@@ -359,11 +353,28 @@ def canary_audit(
     return out, report
 
 
+def ledger_figures(ledger: PrivacyLedger) -> dict:
+    """What canaries.json says of the run's guarantee: the total's ε and the DP training's, each
+    add/remove and replace-one (issue 38 item 6), δ, σ and whether every release is DP."""
+    teacher = next((e for e in ledger.entries if e.stage in ("teacher", "dp-student") and e.epsilon), None)
+    total = ledger.total
+    return {
+        "epsilon_total": total.epsilon if total else None,
+        "epsilon_total_replace_one": total.epsilon_replace_one if total else None,
+        "delta": total.delta if total else None,
+        "epsilon_dp_training": teacher.epsilon if teacher else None,
+        "epsilon_dp_training_replace_one": teacher.epsilon_replace_one if teacher else None,
+        "noise_multiplier": teacher.noise_multiplier if teacher else None,
+        "ledger_complete": total.complete if total else None,
+    }
+
+
 def format_canary_report(report: dict) -> str:
     models = list(report["models"])
-    eps = report["epsilon_total"]
+    eps, replace_one = report["epsilon_total"], report.get("epsilon_total_replace_one")  # absent: written before
     head = (f"canary exposure: {report['canaries']} canaries ({report['records_added']} records added), "
-            f"{report['candidates']} candidates each; ledger ε = {eps:.4g}, δ = {report['delta']:.3g}"
+            f"{report['candidates']} candidates each; ledger ε = {eps:.4g}"
+            + ("" if replace_one is None else f" (replace-one {replace_one:.4g})") + f", δ = {report['delta']:.3g}"
             + ("" if report["ledger_complete"] else " (incomplete: not every release is DP)"))
     return "\n".join([
         head,

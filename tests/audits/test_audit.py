@@ -628,6 +628,32 @@ def _watch_modes(folder: Path, seen: dict[str, int], stop: threading.Event) -> N
         time.sleep(0.05)
 
 
+def test_the_canary_report_gives_the_replace_one_epsilon_beside_the_add_remove_one():
+    """Issue 38 item 6: canaries.json and the printed report had the add/remove ε only."""
+    from flows.audit import format_canary_report, ledger_figures
+
+    history = [(1.3, 0.08, 36)]
+    teacher = LedgerEntry(stage="teacher", private=True, epsilon=1.99, epsilon_replace_one=3.04, delta=7e-5,
+                          accountant="prv", mechanism="subsampled_gaussian", noise_multiplier=1.3, sample_rate=0.08,
+                          steps=36, privacy_unit="record", history=history, note="DP-SGD")
+    ledger = PrivacyLedger(entries=[teacher, post_processing("generation", "reads the DP teacher")],
+                           total=compose([teacher], "prv", 7e-5).model_copy(update={"epsilon": 2.07,
+                                                                                    "epsilon_replace_one": 3.17}))
+    figures = ledger_figures(ledger)
+    assert figures["epsilon_total"] == 2.07 and figures["epsilon_total_replace_one"] == 3.17
+    assert figures["epsilon_dp_training"] == 1.99 and figures["epsilon_dp_training_replace_one"] == 3.04
+    report = figures | {
+        "canaries": 2, "records_added": 9, "candidates": 50, "max_exposure_bits": 5.67, "models": {"dp_teacher": "x"},
+        "by_repetitions": {"1": {"canaries": 2, "copies_in_train": 2, "emitted": 0,
+                                 "dp_teacher": {"mean": 1.0, "max": 2.0}}},
+        "synthetic_samples": 10, "canaries_emitted": 0, "run_dir": "runs/tiny", "flow_seconds": 1, "elapsed_seconds": 2,
+        "verbatim_audit": {"span": 10, "extra_sources": "flow run x", "total_hits": 0, "files_with_hits": []},
+    }
+    assert "ledger ε = 2.07 (replace-one 3.17), δ = 7e-05" in format_canary_report(report)
+    del report["epsilon_total_replace_one"]  # a canaries.json written before
+    assert "ledger ε = 2.07, δ = 7e-05" in format_canary_report(report)
+
+
 def test_canary_cli_on_the_tiny_flow_and_audit_with_prefect_logs(prefect_server, tmp_path, capsys):
     """`audit --canaries` runs the real flow on a canaried copy and writes canaries.json
     (exposure per canary and model, ledger ε, the run's verbatim audit; no secret in it or
@@ -664,6 +690,7 @@ def test_canary_cli_on_the_tiny_flow_and_audit_with_prefect_logs(prefect_server,
     assert set(report["by_repetitions"]) == {"1", "8"}
     ledger = read_ledger(run / "ledger.json")
     assert report["epsilon_total"] == pytest.approx(ledger.total.epsilon)
+    assert report["epsilon_total_replace_one"] == pytest.approx(ledger.total.epsilon_replace_one)
     kept = [t for split in ("train", "validation") for t in read_split(run / "data" / f"{split}.parquet")[1]]
     digits = {"".join(words(t)[4:]) for t in kept if t.startswith("my account number is")}
     assert len(digits) == 2
