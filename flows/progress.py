@@ -1,7 +1,8 @@
 """Progress of a long stage: a Prefect progress artifact, and a bar in a terminal.
 
-The library calls `on_progress(info)` with `done`/`total` and aggregates (ε so far, the
-teacher's validation loss, the distillation loss, tokens/s); nothing here ever sees a record.
+The library calls `on_progress(info)` with `done`/`total` and aggregates (ε so far, add/remove and
+replace-one, the teacher's validation loss, the distillation loss, tokens/s); nothing here ever
+sees a record.
 The artifact's updates are timestamped by the server: a DP stage passes `window`
 (pipeline.stages.teacher.TIMING_WINDOW_STEPS) so that none comes between two multiples of it.
 """
@@ -14,7 +15,7 @@ import time
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tqdm import tqdm
 
-_SHOWN = ("loss", "validation_loss", "epsilon", "kl", "tokens_per_second", "samples")
+_SHOWN = ("loss", "validation_loss", "epsilon", "epsilon_replace_one", "kl", "tokens_per_second", "samples")
 
 
 class StageProgress:

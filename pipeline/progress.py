@@ -5,7 +5,7 @@ distillation steps, evaluation windows) calls `ProgressLog.update` after each un
 The first update is logged (the stage is alive: a person can tell a slow run from a hung
 one), then at most one line every `every` seconds, and the last one:
 
-    teacher: 12/300 steps (4%), 0.213 steps/s, ε=1.23, elapsed 56s, ETA 22m 31s
+    teacher: 12/300 steps (4%), 0.213 steps/s, ε=1.230, replace-one ε=1.876, elapsed 56s, ETA 22m 31s
 
 Lines go to the stage's stdlib logger (`pipeline.*`), which flows/ routes into Prefect's
 run logs (terminal and UI); nothing here imports Prefect. A line shows only what the caller

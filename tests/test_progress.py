@@ -68,8 +68,10 @@ def test_eta_counts_only_the_units_made_in_this_run():
     assert eta_seconds(done=60, total=110, made=10, elapsed=20) == 100
     assert eta_seconds(done=0, total=10, made=0, elapsed=5) is None  # nothing to extrapolate yet
     assert eta_seconds(done=10, total=10, made=10, elapsed=5) == 0
-    line = progress_line("teacher", 12, 300, "steps", made=12, elapsed=56.3, values={"ε": "1.230"})
-    assert line == "teacher: 12/300 steps (4%), 0.213 steps/s, ε=1.230, elapsed 56s, ETA 22m 31s"  # 288 steps at 56.3 s / 12
+    line = progress_line("teacher", 12, 300, "steps", made=12, elapsed=56.3,
+                         values={"ε": "1.230", "replace-one ε": "1.876"})
+    assert line == ("teacher: 12/300 steps (4%), 0.213 steps/s, ε=1.230, replace-one ε=1.876, elapsed 56s, "
+                    "ETA 22m 31s")  # 288 steps at 56.3 s / 12
 
 
 def test_lines_are_throttled_but_the_first_and_last_always_shown():
@@ -115,6 +117,23 @@ def test_the_teacher_progress_artifact_moves_only_at_multiples_of_the_window(mon
     assert updates == [round(100 * 20 / 45), round(100 * 40 / 45), 100]
 
 
+def test_the_teacher_progress_bar_shows_both_epsilons(monkeypatch):
+    """Issue 38 item 6: the bar showed the add/remove ε only."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(flows.progress, "create_progress_artifact", lambda **kw: "artifact")
+    monkeypatch.setattr(flows.progress, "update_progress_artifact", lambda artifact_id, progress: None)
+    monkeypatch.setattr(flows.progress.sys, "stderr", Terminal())
+    progress = flows.progress.StageProgress("teacher", "steps", every=0, window=TIMING_WINDOW_STEPS)
+    progress({"done": 20, "total": 45, "epsilon": 1.234, "epsilon_replace_one": 1.876})
+    assert "epsilon=1.234" in progress.bar.postfix and "epsilon_replace_one=1.876" in progress.bar.postfix
+    progress.close()
+
+
 def test_rate_and_eta_leave_out_the_start_up_before_the_first_unit():
     """Dask workers took minutes to start on a busy machine: the ETA after it was 2 h 45 m for
     a 3-minute generation. From the second line on, the rate counts from the first unit."""
@@ -131,8 +150,9 @@ def test_rate_and_eta_leave_out_the_start_up_before_the_first_unit():
 
 # --- the stages ----------------------------------------------------------------------------
 
-TEACHER_LINE = re.compile(  # everything a teacher progress line may say: steps, ε and times
-    r"teacher: (\d+)/(\d+) steps \(\d+%\), [\d.?]+ steps/s, ε=[\d.]+, elapsed [\dmhd ]+s?, ETA [\w ]+")
+TEACHER_LINE = re.compile(  # everything a teacher progress line may say: steps, ε (both adjacencies) and times
+    r"teacher: (\d+)/(\d+) steps \(\d+%\), [\d.?]+ steps/s, ε=([\d.]+), replace-one ε=([\d.]+), "
+    r"elapsed [\dmhd ]+s?, ETA [\w ]+")
 
 
 def test_teacher_logs_steps_rate_epsilon_and_eta_every_window_never_a_batch_size(
@@ -152,16 +172,21 @@ def test_teacher_logs_steps_rate_epsilon_and_eta_every_window_never_a_batch_size
         m = TEACHER_LINE.fullmatch(line)
         assert m, line  # nothing else: no tokens, no batch size (private under Poisson sampling)
         assert int(m.group(2)) == steps
+    # The last line's ε is the ledger's, under both adjacencies (issue 38 item 6)
+    m = TEACHER_LINE.fullmatch(lines[-1])
+    assert (m.group(3), m.group(4)) == (f"{result.ledger.epsilon:.3f}", f"{result.ledger.epsilon_replace_one:.3f}")
     assert not re.search(r"token|batch|records", " ".join(lines))
-    timed = [re.match(r"teacher: step (\d+)/", m) for m in messages]  # log_every's line, with seconds
-    assert [int(m.group(1)) for m in timed if m] == [TIMING_WINDOW_STEPS, steps]
+    timed = [re.match(r"teacher: step (\d+)/\d+ ε=[\d.]+, replace-one ε=[\d.]+ \(", m) for m in messages]
+    assert [int(m.group(1)) for m in timed if m] == [TIMING_WINDOW_STEPS, steps]  # log_every's line, with seconds
     # issue 9 settled what training_log.json holds; progress lines add nothing to it, and
     # its seconds come at the window too, while ε follows log_every; no validation loss at all
     # under the default teacher.monitor=none (issue 21: it was computed from private records)
     history = json.loads((tmp_path / "training_log.json").read_text())["history"]
-    assert all(set(h) <= {"step", "epsilon", "seconds"} for h in history)
+    assert all(set(h) <= {"step", "epsilon", "epsilon_replace_one", "seconds"} for h in history)
     assert [h["step"] for h in history if "seconds" in h] == [TIMING_WINDOW_STEPS, steps]
     assert {3, 6, 9} <= {h["step"] for h in history if "epsilon" in h}
+    assert all(h["epsilon"] < h["epsilon_replace_one"] for h in history if "epsilon" in h)
+    assert history[-1]["epsilon_replace_one"] == pytest.approx(result.ledger.epsilon_replace_one)
     assert not any("validation" in m for m in messages)
 
 

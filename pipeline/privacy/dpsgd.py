@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipeline.config import TeacherConfig
 from pipeline.privacy import accountant as privacy
-from pipeline.privacy import noise
+from pipeline.privacy import noise, pld
 
 
 class TeacherError(ValueError):
@@ -184,3 +184,16 @@ def noise_only_step(model: torch.nn.Module, optimizer, mode: str) -> None:
 
 def steps_accounted(engine: PrivacyEngine) -> int:
     return int(sum(steps for _, _, steps in engine.accountant.history))
+
+
+def epsilon_spent(engine: PrivacyEngine, delta: float) -> tuple[float, float]:
+    """ε spent so far at `delta`, as plain floats: add/remove from the engine's accountant (what
+    teacher.target_epsilon sets) and replace-one from dp-accounting's PLD on the same history (pld.py),
+    shown side by side wherever training shows its ε (issue 38 item 6). The PLD's Gaussian is built
+    once per process: each later call composes only (~20 ms)."""
+    history = [tuple(h) for h in engine.accountant.history]  # (σ, q, steps)
+    if not history:
+        return 0.0, 0.0
+    dp_sgd = ("subsampled_gaussian", history, pld.DP_SGD_REPLACE_SENSITIVITY)
+    replace_one = pld.epsilon([dp_sgd], delta, pld.REPLACE_ONE)
+    return float(engine.get_epsilon(delta)), float(replace_one)

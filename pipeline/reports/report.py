@@ -210,18 +210,24 @@ def _dp_training(run_dir: Path) -> str:
         label = "teacher" if stage == "teacher" else "DP student"
         if val:
             axes[0].plot([h["step"] for h in val], [h["validation_loss"] for h in val], marker="o", label=label)
-        # ε as recorded from the Opacus accountant every log_every steps: never recomputed here.
+        # ε as recorded every log_every steps (Opacus' accountant; replace-one: dp-accounting's
+        # PLD, in logs written since issue 38): never recomputed here.
         eps = [h for h in hist if h.get("epsilon") is not None]
-        eps_ax.plot([h["step"] for h in eps], [h["epsilon"] for h in eps], marker="o", label=label)
+        line, = eps_ax.plot([h["step"] for h in eps], [h["epsilon"] for h in eps], marker="o", label=label)
+        replace_one = [h for h in eps if h.get("epsilon_replace_one") is not None]
+        if replace_one:
+            eps_ax.plot([h["step"] for h in replace_one], [h["epsilon_replace_one"] for h in replace_one],
+                        linestyle="--", color=line.get_color(), label=f"{label}, replace-one")
         rows.append([label, len(hist), train_log.get("monitor", "-"), val[-1]["validation_loss"] if val else None,
-                     eps[-1]["epsilon"] if eps else None])
+                     eps[-1]["epsilon"] if eps else None, eps[-1].get("epsilon_replace_one") if eps else None])
     if monitored:
         axes[0].set(title="Validation loss during DP-SGD", xlabel="step", ylabel="mean token loss")
-    eps_ax.set(title="ε spent (Opacus accountant)", xlabel="step", ylabel="ε", ylim=(0, None))
+    eps_ax.set(title="ε spent (add/remove; dashed: replace-one)", xlabel="step", ylabel="ε", ylim=(0, None))
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    table = _table(["model", "steps", "teacher.monitor", "final validation loss", "ε at the end"], rows)
+    table = _table(["model", "steps", "teacher.monitor", "final validation loss", "ε at the end",
+                    "replace-one ε at the end"], rows)
     modes = {log.get("monitor") for log in logs.values()}
     says = [_MONITOR_SAYS[m] for m in sorted(modes - {None}) if m in _MONITOR_SAYS]
     notes = "".join(_note(s) for s in says) + (_note(_NOT_MONITORED) if not monitored else "")

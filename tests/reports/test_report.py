@@ -39,6 +39,7 @@ def _dp_log(last_epsilon: float, loss0: float, monitor: str = "none") -> dict:
     for h in history:
         if h["step"] % 5 == 0 or h["step"] == 12:
             h["epsilon"] = last_epsilon * (h["step"] / 12) ** 0.5  # recorded values, as the accountant wrote them
+            h["epsilon_replace_one"] = 1.5 * h["epsilon"]
             if monitor != "none":
                 h["validation_loss"] = loss0 - 0.05 * h["step"]
             h["seconds"] = 2.0 * h["step"]
@@ -174,6 +175,22 @@ def test_report_says_the_validation_loss_is_not_monitored_by_default_and_how_to_
     page = write_report(make_run(tmp_path / "dp", "distil", monitor="dp")).read_text()
     assert "Validation loss during DP-SGD" in page and "noisy DP releases" in page
     assert "not monitored" not in page and f"{6.8 - 0.6:.4g}" in page  # the last (final) release
+
+
+def test_the_dp_training_section_shows_the_replace_one_epsilon_beside_the_add_remove_one(tmp_path):
+    """Issue 38 item 6: the ε curve and its table had the add/remove ε only. A training log written
+    before (ε alone) still draws, its replace-one cell empty."""
+    run = make_run(tmp_path, "distil")
+    section = write_report(run).read_text().split("<h2>DP-SGD training</h2>")[1].split("<h2>")[0]
+    assert "<th>ε at the end</th><th>replace-one ε at the end</th>" in section
+    assert f'<td class="num">{2.0:.4g}</td><td class="num">{3.0:.4g}</td>' in section
+    assert "teacher, replace-one" in section  # the dashed curve's legend
+    log = json.loads((run / "teacher" / "training_log.json").read_text())
+    for h in log["history"]:
+        h.pop("epsilon_replace_one", None)
+    _json(run / "teacher" / "training_log.json", log)
+    section = write_report(run).read_text().split("<h2>DP-SGD training</h2>")[1].split("<h2>")[0]
+    assert f'<td class="num">{2.0:.4g}</td><td>-</td>' in section and "teacher, replace-one" not in section
 
 
 def test_report_is_the_same_for_the_same_run(tmp_path):

@@ -274,7 +274,8 @@ def test_a_planted_pickle_checkpoint_is_refused_without_running_it(splits, tiny_
     assert not marker.exists()
 
 
-PUBLIC_STEP_KEYS = {"step", "done", "total", "epsilon", "seconds"}  # teacher.monitor=none, the default
+# teacher.monitor=none, the default
+PUBLIC_STEP_KEYS = {"step", "done", "total", "epsilon", "epsilon_replace_one", "seconds"}
 
 
 def _publications(splits, model_dir, out, caplog):

@@ -25,7 +25,7 @@ from opacus import PrivacyEngine
 from pipeline.config import NODE_FIELDS, TeacherConfig
 from pipeline.manifest import sha256_file
 from pipeline.privacy import noise
-from pipeline.privacy.dpsgd import TeacherError, steps_accounted
+from pipeline.privacy.dpsgd import TeacherError, epsilon_spent, steps_accounted
 from pipeline.stages.teacher.state import KnowledgeDistillation, Run
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ def resume(run: Run) -> None:
     torch.set_rng_state(own["torch_rng"])
     run.history = state["history"]
     run.resumed_from = steps_accounted(run.engine)
-    log.info("%s: resuming at step %d/%d, ε so far %.3f", run.stage, run.resumed_from, run.total_steps,
-             run.engine.get_epsilon(run.delta) if run.resumed_from else 0.0)
+    log.info("%s: resuming at step %d/%d, ε so far %.3f (replace-one %.3f)", run.stage, run.resumed_from,
+             run.total_steps, *epsilon_spent(run.engine, run.delta))
 
 
 def save_checkpoint(run: Run) -> None:

@@ -47,7 +47,7 @@ from pipeline.privacy import accountant as privacy
 from pipeline.privacy import noise
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.privacy.dpsgd import (CLIPPING, OneRecordPerUser, RankShareSampler, TeacherError, calibrate_noise,
-                                    noise_only_step, poisson_schedule, shortest_first, steps_accounted)
+                                    epsilon_spent, noise_only_step, poisson_schedule, shortest_first, steps_accounted)
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.privacy.pld import DP_SGD_REPLACE_SENSITIVITY
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
@@ -218,14 +218,14 @@ def _record_step(run: Run, t0: float) -> dict:
     if run.rank == 0 and is_monitor_point(done, run.steps_allowed, run.cfg.log_every):
         # Plain floats: the history goes into the checkpoint, which is read back with
         # weights_only=True, and that refuses a numpy scalar (the PRV accountant's ε).
-        record["epsilon"] = float(run.engine.get_epsilon(run.delta))
+        record["epsilon"], record["epsilon_replace_one"] = epsilon_spent(run.engine, run.delta)
         if run.monitor is not None:
             record["validation_loss"] = float(monitor_value(run))
     if run.rank == 0 and timed:
         record["seconds"] = round(time.time() - t0, 1)
         loss = f" validation loss {record['validation_loss']:.4f}" if "validation_loss" in record else ""
-        log.info("%s: step %d/%d ε=%.3f%s (%.0f s)", run.stage, done, run.steps_allowed, record["epsilon"], loss,
-                 record["seconds"])
+        log.info("%s: step %d/%d ε=%.3f, replace-one ε=%.3f%s (%.0f s)", run.stage, done, run.steps_allowed,
+                 record["epsilon"], record["epsilon_replace_one"], loss, record["seconds"])
     run.history.append(record)
     return record
 
@@ -320,11 +320,12 @@ def train_teacher(
     the user's public records formatted as a split (pipeline/stages/data.py format_public_split).
 
     `on_progress` receives each logical step's record after the step and its checkpoint:
-    step and done/total steps, plus ε (and the validation loss, per `cfg.monitor`) every `log_every` steps and
+    step and done/total steps, plus ε, add/remove and replace-one (and the validation loss, per `cfg.monitor`)
+    every `log_every` steps and
     elapsed seconds every TIMING_WINDOW_STEPS; never anything computed from a private batch.
     An exception raised there interrupts training like a crash. It is called every step (to
     stop promptly): publish its calls' times only where `publishes_time` (flows/progress.py).
-    A progress line (steps, steps/s, ε spent, elapsed, ETA) is logged every
+    A progress line (steps, steps/s, ε spent under both adjacencies, elapsed, ETA) is logged every
     TIMING_WINDOW_STEPS steps, at most every `progress_every` seconds, and at the end.
 
     `cfg.processes` > 1 outside a process group: runs `ddp_worker` under torchrun
@@ -370,8 +371,9 @@ def train_teacher(
                 if done % cfg.checkpoint_every == 0 and done < run.steps_allowed:
                     save_checkpoint(run)
                 if run.rank == 0 and steps_log.due(done):
-                    spent = record["epsilon"] if "epsilon" in record else run.engine.get_epsilon(run.delta)
-                    steps_log.update(done, values={"ε": f"{spent:.3f}"})
+                    spent = ((record["epsilon"], record["epsilon_replace_one"]) if "epsilon" in record
+                             else epsilon_spent(run.engine, run.delta))
+                    steps_log.update(done, values={"ε": f"{spent[0]:.3f}", "replace-one ε": f"{spent[1]:.3f}"})
                 if on_progress and run.rank == 0:
                     on_progress({**record, "done": done, "total": run.steps_allowed})
                 if done >= run.steps_allowed:
