@@ -275,7 +275,7 @@ def print_status(run_dir: Path) -> int:
     print(f"run {run_dir}\nstatus: {state}; started {info.get('started_at')}"
           + (f", finished {info['finished_at']}" if info.get("finished_at") else ""))
     rows = [("stage", "status", "seconds", "epsilon", "replace-one", "output")]
-    entries = {e.stage: e for e in ledger.entries} if ledger is not None else {}
+    entries = {e.stage: e for e in ledger.entries} if ledger is not None else {}  # for an older stages.json
     for name in STAGES:
         if name not in stages:
             continue
@@ -286,7 +286,6 @@ def print_status(run_dir: Path) -> int:
         elif out and s["status"] == "cached":
             out = f"reused from {out}"
         eps = s.get("epsilon")
-        # stages.json written before it was recorded there: the ledger's, if the run got that far
         replace_one = s.get("epsilon_replace_one", getattr(entries.get(name), "epsilon_replace_one", None))
         rows.append((name, STAGE_WORDS.get(s["status"], s["status"]),
                      f"{s['seconds']:.1f}" if s.get("seconds") is not None else "",
@@ -329,7 +328,7 @@ def planned_budget(cfg, plan) -> str:
 def print_dataset_budget(run_dir: Path, ledger) -> None:
     """Every DP release charged to the budget of the run's training records (made on them or on
     records overlapping them, by any run), composed at the δ its first release fixed (pipeline/privacy/budget.py)."""
-    from pipeline.privacy.budget import format_budget, read_budget, stored_total
+    from pipeline.privacy.budget import dataset_total, format_budget, read_budget, stored_total
 
     info = read_run_info(run_dir)
     budget_id = info.get("records_id") or info.get("dataset_sha256")  # keyed by the file's bytes before issue 21
@@ -340,12 +339,9 @@ def print_dataset_budget(run_dir: Path, ledger) -> None:
     if ledger.total and budget.releases:
         delta = budget.delta or ledger.total.delta  # the first release's, fixed (a run's only if none is Gaussian)
         # The total the run's accountant composed at its end, if the releases are still those;
-        # else compose now (imports Opacus and torch: seconds).
-        total = stored_total(budget, ledger.total.accountant, delta)
-        if total is None:
-            from pipeline.privacy.budget import dataset_total
-
-            total = dataset_total(budget, ledger.total.accountant, delta)
+        # else compose now (dataset_total imports Opacus and torch then: seconds).
+        total = (stored_total(budget, ledger.total.accountant, delta)
+                 or dataset_total(budget, ledger.total.accountant, delta))
     print(f"\nAll releases on this dataset (on these training records or records overlapping them, every run "
           f"under {info['run_root']}; budget {budget_id[:12]}…):")
     print(format_budget(budget, total))
