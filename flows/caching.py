@@ -126,16 +126,24 @@ def stage_key(stage: str, config: dict, inputs: dict[str, Any], seed: int) -> st
 @dataclass
 class StageCache(CachePolicy):
     """Prefect cache policy of one stage: `config_of(cfg)` names the config the stage reads;
-    every task argument but `cfg` and `run_dir` is an input (results count by manifest).
+    every task argument but `cfg`, `run_dir` and `plan` is an input (results count by manifest).
     `optional` inputs count only when not None: an input added after results were cached
-    leaves their keys unchanged where it is unused."""
+    leaves their keys unchanged where it is unused.
+
+    The run's plan (pipeline/plan.py, an argument `plan`) follows from the config and the data,
+    both in the key already; `planned(plan)` names the inputs a stage's key keeps of it: a DP-SGD
+    stage's share of the budget, as "epsilon", the argument that carried it before the plan did,
+    so that results cached then stay hits."""
 
     stage: str = ""
     config_of: Callable[[PipelineConfig], dict] | None = None
     optional: tuple[str, ...] = ()
+    planned: Callable[[Any], dict] | None = None
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str:
         cfg: PipelineConfig = inputs["cfg"]
         others = {k: v for k, v in inputs.items()
-                  if k not in ("cfg", "run_dir") and not (k in self.optional and v is None)}
+                  if k not in ("cfg", "run_dir", "plan") and not (k in self.optional and v is None)}
+        if self.planned is not None:
+            others |= self.planned(inputs["plan"])
         return stage_key(self.stage, self.config_of(cfg) if self.config_of else {}, others, cfg.seed)

@@ -30,11 +30,11 @@ from flows.run_info import RUN_INFO, TOOL, mark_stopped, read_run_info, stop_rea
 from flows.run_log import route_server_output, run_log
 from flows.stage_runner import StageRunner
 from flows.tasks import (base_models_task, codes_task, data_task, distillation_task, dp_student_task, evaluation_task,
-                         generation_task, source_hashes, teacher_epsilon, teacher_task)
+                         generation_task, source_hashes, teacher_task)
 from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.locks import unlock
 from pipeline.manifest import atomic_write_json, atomic_write_text, private_dir
-from pipeline.plan import dp_sgd_budgets, format_plan, make_plan, private_selection_used
+from pipeline.plan import Plan, format_plan, make_plan, private_selection_used
 from pipeline.preflight import require_inputs
 from pipeline.preflight_models import require_models
 from pipeline.privacy.budget import dataset_total, read_budget, store_total
@@ -68,7 +68,8 @@ def dp_distill(
     logger = get_run_logger()
     cfg = load_config(config, overrides) if isinstance(config, str) else config
     # Fail clean before anything is made (scheduled runs never pass through the CLI's check),
-    # then say what the run will spend: the plan reads the data's split and calibrates σ.
+    # then say what the run will spend: the plan reads the data's split and calibrates σ, once
+    # per run: each DP-SGD stage takes its σ, q, steps and δ from it, as privacy.max_epsilon's checks do.
     require_inputs(cfg)
     require_models(cfg)
     plan = make_plan(cfg, timing=False)
@@ -80,13 +81,13 @@ def dp_distill(
     if why:
         logger.info("continuing %s (%s); pass a run directory to start elsewhere", out, why)
     try:  # the lock is held until the flow ends, and dropped by the kernel if it is killed
-        return _run_in(cfg, out, rerun, logger)
+        return _run_in(cfg, out, rerun, logger, plan)
     finally:
         unlock(lock)
 
 
-def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger) -> str:
-    """The flow's body, in the run directory `out` this process holds the lock of."""
+def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger, plan: Plan) -> str:
+    """The flow's body, in the run directory `out` this process holds the lock of; `plan` the run's."""
     private_dir(out)
     atomic_write_text(out / "config.yaml", dump_config(cfg))
     sources = source_hashes(cfg)
@@ -103,7 +104,7 @@ def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger) -> 
     with run_log(out):  # every log line from here on also in out/run.log, tracebacks only there
         logger.info("run directory: %s", out)
         try:
-            final, metrics = _run_stages(cfg, out, rerun or [], sources)
+            final, metrics = _run_stages(cfg, out, rerun or [], sources, plan)
         except BaseException as e:
             status, reason = stop_reason(e)
             mark_stopped(out, status, reason)  # first: an interrupted run may be killed soon after
@@ -143,7 +144,7 @@ def _dp_sgd_entries(result: TeacherResult) -> list[LedgerEntry]:
 
 
 def _run_stages(
-    cfg: PipelineConfig, out: Path, rerun: list[str], sources: dict[str, str]
+    cfg: PipelineConfig, out: Path, rerun: list[str], sources: dict[str, str], plan: Plan
 ) -> tuple[PrivacyLedger, dict]:
     stage = StageRunner(cfg, out, rerun)
     method = cfg.distill.method
@@ -162,25 +163,24 @@ def _run_stages(
         return PrivacyLedger(entries=entries, total=compose(entries, cfg.teacher.accountant, delta))
 
     if method in ("distil", "dp_syn"):
-        codes = stage(CODES_STAGE, codes_task, cfg, data, out)
+        codes = stage(CODES_STAGE, codes_task, cfg, data, plan, out)
         # Releases cached before the ledger took the stage's name say "control_codes": the same release.
         ledger.append(codes.ledger.model_copy(update={"stage": CODES_STAGE}))
         write_ledger(out / LEDGER, typed(ledger))  # the first release: an interrupted run shows what it spent
     if method in ("distil", "dp_syn", "dpkd"):
-        teacher = stage("teacher", teacher_task, cfg, data, base, teacher_epsilon(cfg), out)
+        teacher = stage("teacher", teacher_task, cfg, data, base, plan, out)
         ledger += _dp_sgd_entries(teacher)
         write_ledger(out / LEDGER, typed(ledger))
     if method in ("distil", "dp_syn"):
         synthetic = stage("generation", generation_task, cfg, teacher, codes, ledger, out)
         ledger.append(post_processing("generation", "samples of the DP teacher, prompted by control codes"))
         private = (data,) if private_selection_used(cfg) else ()  # its only private read
-        student = stage("distillation", distillation_task, cfg, synthetic, teacher, base, out, *private)
+        student = stage("distillation", distillation_task, cfg, synthetic, teacher, base, plan, out, *private)
         ledger.append(post_processing("distillation", "trains on synthetic samples and the DP teacher only"))
         if student.selection_ledger is not None:
             ledger.append(student.selection_ledger)
     else:  # dp_sgd, dpkd: the student itself trains on the private data with DP-SGD
-        student_epsilon = dp_sgd_budgets(cfg)["dp-student"]
-        student = stage("dp-student", dp_student_task, cfg, data, base, teacher, student_epsilon, out)
+        student = stage("dp-student", dp_student_task, cfg, data, base, teacher, plan, out)
         ledger += _dp_sgd_entries(student)
     evaluation = stage("evaluation", evaluation_task, cfg, data, base, teacher, student, synthetic, codes, out)
     ledger.append(

@@ -18,7 +18,7 @@ from pipeline.config import NODE_FIELDS, PipelineConfig
 from pipeline.devices import Runtime
 from pipeline.manifest import sha256_file
 from pipeline.models.base import BaseModels, build_base_models, resolve_model
-from pipeline.plan import dp_sgd_budgets, make_plan
+from pipeline.plan import Plan
 from pipeline.privacy import private_selection
 from pipeline.privacy.budget import budget_of, check_max_epsilon
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
@@ -40,10 +40,12 @@ def _uses_builtin(cfg: PipelineConfig) -> bool:
     return any(m.startswith("builtin:") for m in (cfg.teacher.model, cfg.distill.student_model))
 
 
-def stage_task(stage: str, config_of: Callable[[PipelineConfig], dict], optional: tuple[str, ...] = ()):
+def stage_task(stage: str, config_of: Callable[[PipelineConfig], dict], optional: tuple[str, ...] = (),
+               planned: Callable[[Plan], dict] | None = None):
     """A stage's Prefect task, cached under a key of the config it reads and its inputs
-    (`optional` inputs only when given: flows/caching.py)."""
-    return task(name=stage, cache_policy=StageCache(stage=stage, config_of=config_of, optional=optional),
+    (`optional` inputs only when given; of the run's plan, what `planned` names: flows/caching.py)."""
+    return task(name=stage, cache_policy=StageCache(stage=stage, config_of=config_of, optional=optional,
+                                                    planned=planned),
                 persist_result=True, result_serializer=StageResultSerializer())
 
 
@@ -76,9 +78,9 @@ def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path) -> Da
     "control_codes": cfg.control_codes, "data": _data_key(cfg), "delta": cfg.teacher.target_delta,
     "accountant": cfg.teacher.accountant, "secure_mode": cfg.teacher.secure_mode,
 })
-def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesResult:
+def codes_task(cfg: PipelineConfig, data: DataResult, plan: Plan, run_dir: Path) -> CodesResult:
     """Release the code distribution that prompts generation (exact, or a DP histogram)."""
-    _within_max_epsilon(cfg, data, CODES_STAGE)
+    _within_max_epsilon(cfg, data, CODES_STAGE, plan)
     return release_control_codes(
         cfg.control_codes,
         cfg.data,
@@ -91,22 +93,24 @@ def codes_task(cfg: PipelineConfig, data: DataResult, run_dir: Path) -> CodesRes
 
 
 def _dp_train(
-    cfg: PipelineConfig, data: DataResult, run_dir: Path, *, stage: str, model: str, epsilon: float,
+    cfg: PipelineConfig, data: DataResult, run_dir: Path, *, stage: str, model: str, plan: Plan,
     kd: KnowledgeDistillation | None = None,
 ) -> TeacherResult:
+    """The DP-SGD stage `stage` with its σ, q, steps and δ from the run's plan (its share of the
+    budget: DPKD gives ε/2 each to the teacher and the student), calibrated once, at the run's start."""
     out_dir = run_dir / STAGE_DIRS[stage]  # teacher/, or student/ for the dp-student stage
     done = finished_teacher(out_dir)
     if done is not None:
         get_run_logger().info("%s: already finished in this run directory, reusing it (no new budget spent)", stage)
         return done
-    _within_max_epsilon(cfg, data, stage)
+    _within_max_epsilon(cfg, data, stage, plan)
     monitor_path = None
     if cfg.teacher.monitor == "public":  # formatted as the private splits are, so the loss is comparable
         monitor_path = format_public_split(cfg.data, cfg.teacher.monitor_path,
                                            run_dir / PUBLIC_MONITOR_DIR / f"{stage}.parquet")
     with StageProgress(stage, "steps", window=TIMING_WINDOW_STEPS) as progress:
         return train_teacher(
-            cfg.teacher.model_copy(update={"target_epsilon": epsilon}),
+            cfg.teacher,
             train_path=data.train,
             validation_path=data.validation,
             base_model=model,
@@ -118,6 +122,7 @@ def _dp_train(
             progress_every=cfg.progress_seconds,
             runtime=Runtime.from_config(cfg),
             monitor_path=monitor_path,
+            dp_sgd=plan.dp_sgd[stage],
         )
 
 
@@ -131,13 +136,13 @@ def _monitor_key(cfg: PipelineConfig) -> dict:
     return {"monitor_sha256": sha256_file(Path(path))} if cfg.teacher.monitor == "public" else {}
 
 
-def _within_max_epsilon(cfg: PipelineConfig, data: DataResult, stage: str) -> None:
+def _within_max_epsilon(cfg: PipelineConfig, data: DataResult, stage: str, plan: Plan) -> None:
     """Refuse (BudgetExceeded) a DP stage about to compute when it and the run's later DP releases
-    would take its records' budget past privacy.max_epsilon. Called in the task's body: a
-    cached stage spends nothing and never gets here. Before the teacher: the control codes come first."""
+    (the run's `plan`: σ, q, steps, δ as they will be) would take its records' budget past
+    privacy.max_epsilon. Called in the task's body: a cached stage spends nothing and never gets
+    here. Before the teacher: the control codes come first."""
     if cfg.privacy.max_epsilon is None:
         return
-    plan = make_plan(cfg, timing=False)  # the releases as they will be: σ, q, steps, δ
     stages = [e.stage for e in plan.entries]
     planned = plan.entries[stages.index(stage):]
     total = check_max_epsilon(budget_of(Path(cfg.run_root).resolve(), data.train), planned,
@@ -147,8 +152,9 @@ def _within_max_epsilon(cfg: PipelineConfig, data: DataResult, stage: str) -> No
                               "privacy.max_epsilon=%g", stage, total.epsilon, cfg.privacy.max_epsilon)
 
 
-def teacher_epsilon(cfg: PipelineConfig) -> float:
-    return dp_sgd_budgets(cfg)["teacher"]  # DPKD: ε/2 (pipeline/plan.py)
+def _planned_epsilon(stage: str) -> Callable[[Plan], dict]:
+    """What a DP-SGD stage's key holds of the plan: its share of the budget (DPKD: ε/2), as "epsilon"."""
+    return lambda plan: {"epsilon": plan.dp_sgd[stage].target_epsilon}
 
 
 def _teacher_key(cfg: PipelineConfig) -> dict:
@@ -164,12 +170,11 @@ def _precision(cfg: PipelineConfig) -> dict:
 
 
 @stage_task("teacher", lambda cfg: {"teacher": _teacher_key(cfg), "model": cfg.teacher.model, **_precision(cfg),
-                                    **_monitor_key(cfg)})
+                                    **_monitor_key(cfg)}, planned=_planned_epsilon("teacher"))
 def teacher_task(
-    cfg: PipelineConfig, data: DataResult, base: BaseModels | None, epsilon: float, run_dir: Path
+    cfg: PipelineConfig, data: DataResult, base: BaseModels | None, plan: Plan, run_dir: Path
 ) -> TeacherResult:
-    return _dp_train(cfg, data, run_dir, stage="teacher", model=resolve_model(cfg.teacher.model, base),
-                     epsilon=epsilon)
+    return _dp_train(cfg, data, run_dir, stage="teacher", model=resolve_model(cfg.teacher.model, base), plan=plan)
 
 
 PRIVATE_SELECTION_FIELDS = {"selection_epsilon", "selection_clip", "selection_records"}
@@ -195,17 +200,17 @@ def _private_validation(cfg: PipelineConfig, data: DataResult, teacher: TeacherR
 
 
 @stage_task("dp-student", lambda cfg: {"teacher": _teacher_key(cfg), "distill": _distill_key(cfg, reads_synthetic=False),
-                                       **_precision(cfg), **_monitor_key(cfg)})
+                                       **_precision(cfg), **_monitor_key(cfg)}, planned=_planned_epsilon("dp-student"))
 def dp_student_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, teacher: TeacherResult | None,
-    epsilon: float, run_dir: Path,
+    plan: Plan, run_dir: Path,
 ) -> TeacherResult:
     """Baselines that train the student itself with DP-SGD on the private data."""
     kd = None
     if teacher is not None:  # dpkd
         kd = KnowledgeDistillation(teacher.checkpoint, cfg.distill.alpha, cfg.distill.temperature)
     return _dp_train(cfg, data, run_dir, stage="dp-student", model=resolve_model(cfg.distill.student_model, base),
-                     epsilon=epsilon, kd=kd)
+                     plan=plan, kd=kd)
 
 
 # Where shards are computed (worker count, Dask cluster) changes how fast, not what: shards
@@ -234,12 +239,12 @@ def generation_task(
 
 @stage_task("distillation", lambda cfg: {"distill": _distill_key(cfg), **_precision(cfg)}, optional=("data",))
 def distillation_task(
-    cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, run_dir: Path,
-    data: DataResult | None = None,
+    cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, plan: Plan,
+    run_dir: Path, data: DataResult | None = None,
 ) -> DistillResult:
     """`data`: only with select_by=private_validation, whose release reads the validation split."""
     if data is not None:
-        _within_max_epsilon(cfg, data, private_selection.STAGE)
+        _within_max_epsilon(cfg, data, private_selection.STAGE, plan)
     distill_cfg = cfg.distill
     if distill_cfg.method == "dp_syn":  # the synthetic data alone, no teacher logits
         distill_cfg = distill_cfg.model_copy(update={"alpha": 0.0, "beta": 0.0, "teacher_top_k": None,

@@ -4,9 +4,10 @@
     print(format_plan(plan))
 
 Nothing is trained and nothing is written. Every number is the run's own: N from the data
-stage's split (`data.planned_split`), q and steps from the teacher's Poisson schedule, σ from
-the teacher's calibration (`teacher.calibrate_noise`), each ε from the accountant and the total
-from the ledger's `compose`. The same text, without the timing, is the first log line of a run.
+stage's split (`data.planned_split`), q, steps, δ and σ of each DP-SGD stage from
+`dpsgd.plan_dp_sgd` (the stage's own calibration: the flow hands the plan's `dp_sgd` to the stages),
+each ε from the accountant and the total from the ledger's `compose`. The same text, without the
+timing, is the first log line of a run, whose plan this is: made once, handed down.
 
 The time is an estimate, made in seconds: each stage's own step (the teacher's Opacus DP step,
 a distillation step, a sampled `generate` call, an evaluation batch) timed on each configured
@@ -42,7 +43,7 @@ from pipeline.records import CODE_JOINER, prompt_for
 from pipeline.stages.data import PlannedSplit, planned_split
 from pipeline.stages.distill import lockstep_key
 from pipeline.stages.downstream import MAUVE_TEXTS
-from pipeline.privacy.dpsgd import calibrate_noise, poisson_schedule
+from pipeline.privacy.dpsgd import DpSgdPlan, plan_dp_sgd
 from pipeline.stages.teacher.monitor import monitor_points
 from pipeline.timing import StepTimer, spread
 
@@ -66,6 +67,8 @@ class Plan:
     n_validation: int = 0
     seconds: dict[str, tuple[float | None, str]] = field(default_factory=dict)
     """Per stage: (estimated seconds or None, how it was estimated)."""
+    dp_sgd: dict[str, DpSgdPlan] = field(default_factory=dict)
+    """Per DP-SGD stage: its σ, q, steps and δ, which the flow hands the stage (no second calibration)."""
     accounting_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Per DP-SGD stage: seconds of σ's calibration and of one ε, which the stage spends too."""
     cpu_share: float | None = None
@@ -85,23 +88,23 @@ def dp_sgd_budgets(cfg: PipelineConfig) -> dict[str, float]:
     }[cfg.distill.method]
 
 
-def _dp_sgd_entry(stage: str, cfg: TeacherConfig, n: int, unit: str) -> tuple[LedgerEntry, float, tuple[float, float]]:
-    """The stage's planned ledger entry, its Poisson probability, and the seconds its σ calibration
-    and one ε took here (the stage spends them again: the plan's time counts them)."""
-    probability, q, steps = poisson_schedule(n, cfg.batch_size, cfg.epochs, unit)
-    delta = resolve_delta(cfg.target_delta, n)
+def _dp_sgd_entry(stage: str, cfg: TeacherConfig, n: int, unit: str,
+                  epsilon: float) -> tuple[LedgerEntry, DpSgdPlan, tuple[float, float]]:
+    """The stage's planned ledger entry, its σ, q, steps and δ at its share `epsilon` of the budget,
+    and the seconds its σ calibration and one ε took here (the run spends them too: the plan's
+    time counts them)."""
     t0 = time.perf_counter()
-    sigma, steps_allowed = calibrate_noise(cfg, q, steps, delta)
+    dp = plan_dp_sgd(cfg, n, unit, epsilon)
     t1 = time.perf_counter()
-    history = [(sigma, q, steps_allowed)]
-    epsilon = epsilon_of(cfg.accountant, history, delta)
+    history = [(dp.sigma, dp.sample_rate, dp.steps_allowed)]
+    epsilon = epsilon_of(cfg.accountant, history, dp.delta)
     return LedgerEntry(
-        stage=stage, private=True, epsilon=epsilon, delta=delta,
-        accountant=cfg.accountant, mechanism="subsampled_gaussian", noise_multiplier=sigma, sample_rate=q,
-        steps=steps_allowed, max_grad_norm=cfg.max_grad_norm, privacy_unit=unit, history=history,
-        replace_one_sensitivity=DP_SGD_REPLACE_SENSITIVITY, validation_monitor=cfg.monitor,
-        note=f"planned: target ε={cfg.target_epsilon}",
-    ), probability, (t1 - t0, time.perf_counter() - t1)
+        stage=stage, private=True, epsilon=epsilon, delta=dp.delta,
+        accountant=cfg.accountant, mechanism="subsampled_gaussian", noise_multiplier=dp.sigma,
+        sample_rate=dp.sample_rate, steps=dp.steps_allowed, max_grad_norm=cfg.max_grad_norm, privacy_unit=unit,
+        history=history, replace_one_sensitivity=DP_SGD_REPLACE_SENSITIVITY, validation_monitor=cfg.monitor,
+        note=f"planned: target ε={dp.target_epsilon}",
+    ), dp, (t1 - t0, time.perf_counter() - t1)
 
 
 def _monitor_entry(trained: LedgerEntry, cfg: TeacherConfig, n_validation: int) -> LedgerEntry | None:
@@ -204,12 +207,11 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
     if split is None:
         split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
     n, unit = split.n, split.unit
-    entries, probability, accounting = [], {}, {}
+    entries, dp_sgd, accounting = [], {}, {}
     if codes := _codes_entry(cfg, n, unit):
         entries.append(with_pld_epsilons(codes))
     for stage, eps in dp_sgd_budgets(cfg).items():
-        entry, probability[stage], accounting[stage] = _dp_sgd_entry(
-            stage, cfg.teacher.model_copy(update={"target_epsilon": eps}), n, unit)
+        entry, dp_sgd[stage], accounting[stage] = _dp_sgd_entry(stage, cfg.teacher, n, unit, eps)
         entry.untied_parameters = _untied_parameters(cfg, stage)
         entries.append(with_pld_epsilons(entry))
         if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation):
@@ -218,8 +220,10 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
     if selected := _selection_entry(cfg, delta, split.n_validation, unit):
         entries.append(with_pld_epsilons(selected))
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
-                total=compose(entries, cfg.teacher.accountant, delta), sampling_probability=probability,
-                batch_size=cfg.teacher.batch_size, n_validation=split.n_validation, accounting_seconds=accounting,
+                total=compose(entries, cfg.teacher.accountant, delta),
+                sampling_probability={stage: dp.sampling_probability for stage, dp in dp_sgd.items()},
+                batch_size=cfg.teacher.batch_size, n_validation=split.n_validation, dp_sgd=dp_sgd,
+                accounting_seconds=accounting,
                 warnings=_warnings(cfg))
     if timing:
         plan.seconds = estimate_seconds(cfg, plan, split, say)
@@ -315,7 +319,7 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
         scored = min(t.monitor_records or plan.n_validation, plan.n_validation)  # monitor=public: timed at the validation split's size
         monitor = 0.0 if t.monitor == "none" else checks * timer.score(name, scored, t.max_length)
         calibration, one_epsilon = plan.accounting_seconds[entry.stage]
-        accounting = calibration + checks * one_epsilon  # the stage calibrates σ again, and reports ε
+        accounting = calibration + checks * one_epsilon  # the run's plan calibrates σ; the stage reports ε
         out[entry.stage] = (entry.steps * step + monitor + accounting,
                             f"{entry.steps} steps of {records:.0f} (expected) × ≤ {padded} tokens at {step:.3g} s "
                             f"with {t.grad_sample_mode} clipping, validation and σ calibration "

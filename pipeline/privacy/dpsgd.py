@@ -6,7 +6,8 @@ accountant calibrates σ from the target (ε, δ), the sampling rate and the exa
 (`calibrate_noise`, with a deadline: pipeline/privacy/accountant.py); `PrivacyEngine.make_private`
 wraps model, optimizer and the loader; the samplers below draw the Poisson sample from the
 secret generators of pipeline/privacy/noise.py, never from the published seed. `dpdistill plan`
-calls `poisson_schedule` and `calibrate_noise` too, so it shows the run's own q, steps and σ.
+and the flow make one `DpSgdPlan` per DP-SGD stage with `plan_dp_sgd` (schedule, δ and σ, one
+calibration), which the flow hands the stage; a stage called without one makes it the same way.
 
 Clipping (`CLIPPING`, one line each): `bk` (book-keeping, pipeline/privacy/bk.py: one backward
 pass), `ghost` (Opacus ghost clipping, Li et al. 2021: a norm pass, then a reweighted one) or
@@ -133,16 +134,17 @@ def poisson_schedule(n: int, batch_size: int, epochs: int, unit: str = "record")
     return probability, 1.0 / steps_per_epoch, epochs * steps_per_epoch
 
 
-def calibrate_noise(cfg: TeacherConfig, sample_rate: float, steps: int, delta: float) -> tuple[float, int]:
+def calibrate_noise(cfg: TeacherConfig, sample_rate: float, steps: int, delta: float,
+                    target_epsilon: float | None = None) -> tuple[float, int]:
     """(σ for the target (ε, δ) after `steps`, the steps that stay within it), by the accountant.
+    `target_epsilon`: the stage's share of the budget (DPKD's teacher ε/2), else `cfg.target_epsilon`.
 
     Bounded in time (privacy.CALIBRATION_DEADLINE_S): PRV never returns at a very large ε.
     """
+    epsilon = cfg.target_epsilon if target_epsilon is None else target_epsilon
     try:
-        sigma = privacy.calibrate_sigma(cfg.accountant, cfg.target_epsilon, delta, sample_rate, steps)
-        steps_allowed = privacy.max_steps_within_budget(
-            cfg.accountant, sigma, sample_rate, delta, cfg.target_epsilon, steps
-        )
+        sigma = privacy.calibrate_sigma(cfg.accountant, epsilon, delta, sample_rate, steps)
+        steps_allowed = privacy.max_steps_within_budget(cfg.accountant, sigma, sample_rate, delta, epsilon, steps)
     except privacy.CalibrationTimeout as e:
         raise TeacherError(
             f"{e} (q={sample_rate:.4g}, {steps} steps, δ={delta:.3g}; at very large ε the PRV accountant "
@@ -151,11 +153,46 @@ def calibrate_noise(cfg: TeacherConfig, sample_rate: float, steps: int, delta: f
     except Exception as e:  # the accountants fail in several ways on extreme (q, steps)
         raise TeacherError(
             f"the {cfg.accountant} accountant could not calibrate the noise for "
-            f"ε={cfg.target_epsilon}, δ={delta:.3g}, q={sample_rate:.4g}, {steps} steps "
+            f"ε={epsilon}, δ={delta:.3g}, q={sample_rate:.4g}, {steps} steps "
             f"({type(e).__name__}: {e}). Raise teacher.target_epsilon, lower teacher.epochs, "
             "lower teacher.batch_size (a smaller sampling rate), or try teacher.accountant=rdp"
         ) from e
     return sigma, steps_allowed
+
+
+@dataclass(frozen=True)
+class DpSgdPlan:
+    """One DP-SGD training's schedule and noise for its N units: what the flow's plan (made once
+    per run, pipeline/plan.py) hands each DP-SGD stage, and what the stage makes itself with
+    `plan_dp_sgd` when called without one. Either way `plan_dp_sgd` made it, so σ is the same."""
+
+    target_epsilon: float
+    """The stage's share of the budget (DPKD: ε/2 each to the teacher and the student)."""
+    n: int
+    """Privacy units sampled from: records, or users."""
+    unit: str
+    sampling_probability: float
+    """The Poisson loader's probability (1 / ceil(N / batch_size))."""
+    sample_rate: float
+    """q as the accountant records it (1 / steps per epoch: `poisson_schedule`)."""
+    steps: int
+    """Steps the schedule runs: epochs × steps per epoch."""
+    steps_allowed: int
+    """Steps within the target at σ (training stops there if fewer)."""
+    sigma: float
+    delta: float
+
+
+def plan_dp_sgd(cfg: TeacherConfig, n: int, unit: str = "record", target_epsilon: float | None = None) -> DpSgdPlan:
+    """q and steps (`poisson_schedule`), δ (`teacher.target_delta`'s rule) and σ (`calibrate_noise`) of
+    DP-SGD over N units at `target_epsilon` (default `cfg.target_epsilon`): the one calibration of a
+    DP-SGD stage, whether the flow's plan makes it or the stage itself."""
+    epsilon = cfg.target_epsilon if target_epsilon is None else target_epsilon
+    probability, sample_rate, steps = poisson_schedule(n, cfg.batch_size, cfg.epochs, unit)
+    delta = privacy.resolve_delta(cfg.target_delta, n)
+    sigma, steps_allowed = calibrate_noise(cfg, sample_rate, steps, delta, epsilon)
+    return DpSgdPlan(target_epsilon=epsilon, n=n, unit=unit, sampling_probability=probability,
+                     sample_rate=sample_rate, steps=steps, steps_allowed=steps_allowed, sigma=sigma, delta=delta)
 
 
 # One backward for each clipping mode: after it, Opacus' optimizer finds what it expects

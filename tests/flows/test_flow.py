@@ -188,6 +188,53 @@ def test_baselines_run_through_the_same_flow(prefect_server, tmp_path, method):
         assert typed.total.complete and max(t.epsilon, s.epsilon) < typed.total.epsilon <= t.epsilon + s.epsilon
 
 
+def _counting(monkeypatch, owner, name: str, calls: list) -> None:
+    """Count the calls of `owner.name`, and of it under any name a module of ours imported it by."""
+    import sys
+
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(result)
+        return result
+
+    monkeypatch.setattr(owner, name, counted)
+    for module in [m for n, m in sys.modules.items() if n.split(".")[0] in ("flows", "pipeline")]:
+        if getattr(module, name, None) is real:
+            monkeypatch.setattr(module, name, counted)
+
+
+@pytest.mark.parametrize("method", ["distil", "dpkd"])
+def test_the_flow_plans_once_and_hands_each_dp_sgd_stage_its_plan(prefect_server, tmp_path, monkeypatch, method):
+    """Issue 39: the plan the run logs at its start is its only one (privacy.max_epsilon's checks
+    included), and each DP-SGD stage trains with its σ, q, steps and δ, calibrated once: σ is the
+    one the stage would calibrate itself for its share of the budget (DPKD: ε/2 each)."""
+    from conftest import tiny_pipeline_dict
+    from pipeline import plan as plan_module
+    from pipeline.config import config_from_dict
+    from pipeline.plan import dp_sgd_budgets
+    from pipeline.privacy import dpsgd
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["distill"]["method"] = method
+    tree["privacy"] = {"max_epsilon": 100.0}  # every DP stage checks the run's plan before it computes
+    cfg = config_from_dict(tree)
+    plans, calibrations = [], []
+    _counting(monkeypatch, plan_module, "make_plan", plans)
+    _counting(monkeypatch, dpsgd, "calibrate_noise", calibrations)
+    run = Path(dp_distill(cfg))
+    shares = dp_sgd_budgets(cfg)
+    assert len(plans) == 1 and len(calibrations) == len(shares)  # before: 3 plans, 4 (distil) or 8 (dpkd) calibrations
+    plan, ledger = plans[0], read_ledger(run / "ledger.json")
+    for stage, epsilon in shares.items():
+        handed, entry = plan.dp_sgd[stage], ledger.entry(stage)
+        assert handed == dpsgd.plan_dp_sgd(cfg.teacher, plan.n, plan.unit, epsilon)  # the stage's own calibration
+        assert (entry.noise_multiplier, entry.sample_rate, entry.steps, entry.delta) == (
+            handed.sigma, handed.sample_rate, handed.steps_allowed, handed.delta)
+        assert entry.epsilon <= epsilon and f"target ε={epsilon}" in entry.note
+
+
 def test_markdown_table_keeps_every_cell_text_in_its_cell():
     """The key pages of the UI show a table artifact's description only (flows/artifacts.py),
     so it repeats the table: a generated text with Markdown or HTML in it stays literal text

@@ -264,7 +264,7 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     spent = dataset_total(read_budget(root, budget_id), "prv", plan.total.delta)
 
     with pytest.raises(BudgetExceeded) as refused:
-        _dp_train(cfg, data, tmp_path / "run", stage="teacher", model=str(tiny_model_dir), epsilon=8.0)
+        _dp_train(cfg, data, tmp_path / "run", stage="teacher", model=str(tiny_model_dir), plan=plan)
     message = str(refused.value)
     assert "privacy.max_epsilon=10.0" in message and f"ε = {spent.epsilon:.4f}" in message
     assert "Fix: lower teacher.target_epsilon" in message and "raise privacy.max_epsilon" in message

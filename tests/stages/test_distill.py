@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -310,9 +311,11 @@ def test_num_synthetic_changes_only_the_distillation_key(tiny_config):
     keys are those from before the setting existed (earlier cached students stay hits)."""
     from flows.tasks import dp_student_task, distillation_task, generation_task
 
+    plan = SimpleNamespace(dp_sgd={"dp-student": SimpleNamespace(target_epsilon=1.0)})  # what the key reads of it
+
     def keys(cfg):
         inputs = {"cfg": cfg, "synthetic": None, "teacher": None, "codes": None, "ledger": [], "base": None,
-                  "data": None, "epsilon": 1.0, "run_dir": "x"}
+                  "data": None, "plan": plan, "run_dir": "x"}
         return {t.name: t.cache_policy.compute_key(None, inputs, {})
                 for t in (generation_task, distillation_task, dp_student_task)}
 

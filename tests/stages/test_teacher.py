@@ -347,3 +347,34 @@ def test_budget_the_accountant_cannot_meet_is_refused_with_advice(splits, tiny_m
         _teacher(splits, tiny_model_dir, tmp_path, target_epsilon=1e-6, target_delta=1e-8)
     msg = str(err.value)
     assert "teacher.target_epsilon" in msg and "teacher.epochs" in msg and "teacher.batch_size" in msg
+
+
+def test_a_handed_plan_gives_the_sigma_the_stage_calibrates_itself(splits, tiny_model_dir, tmp_path, monkeypatch,
+                                                                   caplog):
+    """The flow hands the stage σ, q, steps and δ from the run's one plan (issue 39): the stage uses
+    them without calibrating again, and they are exactly what it calibrates when called without
+    one (one function, `plan_dp_sgd`). A plan made for other units than the split has is not used."""
+    from pipeline.privacy.dpsgd import plan_dp_sgd
+    from pipeline.stages.teacher import recipe
+
+    calls = []
+    monkeypatch.setattr(recipe, "plan_dp_sgd", lambda *a, **k: calls.append(a) or plan_dp_sgd(*a, **k))
+    cfg, own = _teacher(splits, tiny_model_dir, tmp_path / "own")
+    assert len(calls) == 1  # the stage's own calibration
+    handed = plan_dp_sgd(cfg, splits.n_train, "record", cfg.target_epsilon / 2)  # a DPKD share, say
+    result = train_teacher(cfg, train_path=splits.train, validation_path=splits.validation,
+                           base_model=str(tiny_model_dir), out_dir=tmp_path / "handed", seed=0, dp_sgd=handed)
+    assert len(calls) == 1  # none: the handed plan is used as it is
+    e = result.ledger
+    assert (e.noise_multiplier, e.sample_rate, e.steps, e.delta) == (
+        handed.sigma, handed.sample_rate, handed.steps_allowed, handed.delta)
+    assert e.epsilon <= handed.target_epsilon and f"target ε={handed.target_epsilon}" in e.note
+    assert handed.sigma > own.ledger.noise_multiplier  # half the budget, more noise
+    mine = plan_dp_sgd(cfg, splits.n_train)  # the plan of the stage's own budget: its own σ, to the bit
+    assert (mine.sigma, mine.sample_rate, mine.steps_allowed, mine.delta) == (
+        own.ledger.noise_multiplier, own.ledger.sample_rate, own.ledger.steps, own.ledger.delta)
+
+    stale = dataclasses.replace(mine, n=mine.n + 1, sigma=123.0)
+    assert recipe._schedule(cfg, splits.n_train, "record", stale, "teacher") == mine
+    n = splits.n_train
+    assert f"plan was made for {n + 1} records, but the training split has {n} records" in caplog.text

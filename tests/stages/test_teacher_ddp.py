@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from pipeline.config import TeacherConfig
 from pipeline.privacy.noise import TEST_SEED_ENV
 from pipeline.stages.teacher import ddp as teacher_ddp
-from pipeline.privacy.dpsgd import TeacherError
+from pipeline.privacy.dpsgd import TeacherError, plan_dp_sgd
 from pipeline.stages.teacher.recipe import train_teacher
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,9 @@ def test_two_gloo_processes_account_and_train_like_one(splits, tiny_model_dir, t
     monkeypatch.setenv(TEST_SEED_ENV, "5")
     one = _run(_cfg(), splits, tiny_model_dir, tmp_path / "one")
     progress = []
-    two = _run(_cfg(processes=2), splits, tiny_model_dir, tmp_path / "two", on_progress=progress.append)
+    planned = plan_dp_sgd(_cfg(), splits.n_train)  # as the flow hands it down: every rank takes it, none calibrates
+    two = _run(_cfg(processes=2), splits, tiny_model_dir, tmp_path / "two", on_progress=progress.append,
+               dp_sgd=planned)
 
     a, b = one.ledger, two.ledger
     assert (b.sample_rate, b.noise_multiplier, b.steps, b.epsilon, b.delta) == (
@@ -56,6 +58,7 @@ def test_two_gloo_processes_account_and_train_like_one(splits, tiny_model_dir, t
     assert b.noise_source == a.noise_source and b.noise_source.startswith("TEST HOOK")
     assert [p["done"] for p in progress] == list(range(1, b.steps + 1))  # relayed from rank 0
     assert (tmp_path / "two" / "ddp" / "rank1.log").is_file()
+    assert json.loads((tmp_path / "two" / "ddp" / "args.json").read_text())["args"]["dp_sgd"]["sigma"] == planned.sigma
     assert not (tmp_path / "two" / "checkpoint").exists()
 
     base = load_file(tiny_model_dir / "model.safetensors")

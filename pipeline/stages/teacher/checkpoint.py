@@ -67,12 +67,16 @@ def _load_private(path: Path, fingerprint: str, *, module, optimizer, engine: Pr
 
 def checkpoint_fingerprint(
     cfg: TeacherConfig, base_model: str, train_path: Path, seed: int, sigma: float, kd: KnowledgeDistillation | None,
-    world_size: int = 1, precision: str = "fp32",
+    world_size: int = 1, precision: str = "fp32", target_epsilon: float | None = None,
 ) -> str:
     """What a checkpoint must match to be resumed: same config, data, base model, seed, σ, KD,
     number of data-parallel processes (a DPDDP checkpoint holds wrapped weights and
-    per-rank RNG states) and checkpoint layout (2: per-rank secret generator states)."""
+    per-rank RNG states) and checkpoint layout (2: per-rank secret generator states).
+    `target_epsilon`: the stage's share of the budget, in place of the config's (DPKD: ε/2), as
+    when the flow handed the stage a config rewritten with it: checkpoints made then still resume."""
     spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend", *NODE_FIELDS})
+    if target_epsilon is not None:
+        spec["target_epsilon"] = target_epsilon
     if world_size > 1:
         spec["world_size"] = world_size
     if precision != "fp32":  # not the device: a run may resume on another one

@@ -20,6 +20,7 @@ all-reduce, and the accountant sees the global batch, exactly as in one process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -46,8 +47,8 @@ from pipeline.models.losses import per_sequence_distillation_loss, per_sequence_
 from pipeline.privacy import accountant as privacy
 from pipeline.privacy import noise
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
-from pipeline.privacy.dpsgd import (CLIPPING, OneRecordPerUser, RankShareSampler, TeacherError, calibrate_noise,
-                                    epsilon_spent, noise_only_step, poisson_schedule, shortest_first, steps_accounted)
+from pipeline.privacy.dpsgd import (CLIPPING, DpSgdPlan, OneRecordPerUser, RankShareSampler, TeacherError,
+                                    epsilon_spent, noise_only_step, plan_dp_sgd, shortest_first, steps_accounted)
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.privacy.pld import DP_SGD_REPLACE_SENSITIVITY
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
@@ -91,9 +92,21 @@ def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | Non
     return tok, model, kd_teacher, untied
 
 
+def _schedule(cfg: TeacherConfig, n: int, unit: str, planned: DpSgdPlan | None, stage: str) -> DpSgdPlan:
+    """(σ, q, steps, δ) of this training: the run's plan as handed down (the flow's, calibrated once
+    for the run), else made here the same way (`plan_dp_sgd`). A plan made for other units than
+    the training split has (its file changed after the plan read it) is not used."""
+    if planned is not None and (planned.n, planned.unit) == (n, unit):
+        return planned
+    if planned is not None:
+        log.warning("%s: the run's plan was made for %d %ss, but the training split has %d %ss; calibrating "
+                    "σ for the split", stage, planned.n, planned.unit, n, unit)
+    return plan_dp_sgd(cfg, n, unit, None if planned is None else planned.target_epsilon)
+
+
 def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monitor_path: Path | None,
            base_model: str, out_dir: Path, seed: int, stage: str, kd: KnowledgeDistillation | None,
-           runtime: Runtime) -> Run:
+           runtime: Runtime, planned: DpSgdPlan | None) -> Run:
     """Models, the private data behind secret Poisson sampling, σ, and Opacus' engine."""
     rank, world = _world()
     device = runtime.device  # a data-parallel rank's own: cuda:local_rank on nccl (ddp_worker)
@@ -114,8 +127,8 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
         rngs["monitor"] = noise.generator("monitor", secure=cfg.secure_mode)
     train = records if users is None else OneRecordPerUser(records, users, rngs["user_pick"])
     unit, n = ("record" if users is None else "user"), len(train)
-    sampling_probability, sample_rate, total_steps = poisson_schedule(n, cfg.batch_size, cfg.epochs, unit)
-    delta = privacy.resolve_delta(cfg.target_delta, n)
+    dp = _schedule(cfg, n, unit, planned, stage)
+    sampling_probability, delta, sigma, steps_allowed = dp.sampling_probability, dp.delta, dp.sigma, dp.steps_allowed
     if weak := privacy.weak_delta_warning(delta, n, unit, stage):
         log.warning("%s", weak)
     if not cfg.secure_mode:
@@ -124,7 +137,7 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
             "entropy, unpredictable from anything published but not a cryptographic generator; set "
             "teacher.secure_mode=true (ChaCha20) for a production release", stage,
         )
-    # Poisson sampling set up as make_private would, but here (poisson_schedule says why).
+    # Poisson sampling set up as make_private would, but here (dpsgd.poisson_schedule says why).
     dp_loader = DPDataLoader.from_data_loader(  # wraps the collate for empty batches
         DataLoader(train, batch_size=cfg.batch_size, collate_fn=records.collate))
     # Each rank trains on its share of the global Poisson draw (all of it in one process),
@@ -136,12 +149,11 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
                              arrange=shortest_first(records.lengths(), None if users is None else train))
     poisson_loader = DataLoader(train, batch_sampler=share, collate_fn=dp_loader.collate_fn,
                                 generator=torch.Generator().manual_seed(seed + 1))
-    assert cfg.epochs * len(poisson_loader) == total_steps and dp_loader.sample_rate == sampling_probability
-    sigma, steps_allowed = calibrate_noise(cfg, sample_rate, total_steps, delta)
-    if steps_allowed < total_steps:
+    assert cfg.epochs * len(poisson_loader) == dp.steps and dp_loader.sample_rate == sampling_probability
+    if steps_allowed < dp.steps:
         log.warning(
             "%s: σ=%.4f would exceed ε=%.2f after step %d of %d (calibration tolerance); "
-            "training stops there", stage, sigma, cfg.target_epsilon, steps_allowed, total_steps,
+            "training stops there", stage, sigma, dp.target_epsilon, steps_allowed, dp.steps,
         )
 
     model.train()
@@ -174,8 +186,9 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
         model=model,
         dp_model=dp_model, optimizer=dp_optimizer, loader=loader, engine=engine, rngs=rngs, n=n,
         n_records=len(records), unit=unit, delta=delta, sigma=sigma, sampling_probability=sampling_probability,
-        sample_rate=sample_rate, total_steps=total_steps, steps_allowed=steps_allowed,
-        fingerprint=checkpoint_fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world, runtime.precision),
+        sample_rate=dp.sample_rate, total_steps=dp.steps, steps_allowed=steps_allowed, target_epsilon=dp.target_epsilon,
+        fingerprint=checkpoint_fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world, runtime.precision,
+                                           target_epsilon=dp.target_epsilon),
         monitor=monitor, kd=kd, kd_teacher=kd_teacher, untied_parameters=untied,
     )
 
@@ -235,9 +248,9 @@ def _ledger_entry(run: Run) -> LedgerEntry:
     cfg, steps, epsilon = run.cfg, steps_accounted(run.engine), run.engine.get_epsilon(run.delta)
     assert steps == run.steps_allowed, (steps, run.steps_allowed)
     assert {q for _, q, _ in run.engine.accountant.history} == {run.sample_rate}
-    if epsilon > cfg.target_epsilon:
+    if epsilon > run.target_epsilon:
         raise TeacherError(
-            f"accountant reports ε={epsilon:.4f} above the target {cfg.target_epsilon}; "
+            f"accountant reports ε={epsilon:.4f} above the target {run.target_epsilon}; "
             "refusing to release this teacher"
         )
     accounted = [(run.sigma, run.sample_rate, steps)]
@@ -255,7 +268,7 @@ def _ledger_entry(run: Run) -> LedgerEntry:
         f"q={run.sample_rate:.6g}), lm_head untied from the input embedding"
         + (f" (+{run.untied_parameters} parameters)" if run.untied_parameters else "")
         + f"; σ calibrated by Opacus "
-        f"for target ε={cfg.target_epsilon}"
+        f"for target ε={run.target_epsilon}"
         + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else "")
         + (f"; KD loss (α={kd.alpha}, T={kd.temperature}) from the DP teacher" if kd else "")
         + (f"; data-parallel over {run.world} processes (Opacus DPDDP: each samples its share of the "
@@ -313,6 +326,7 @@ def train_teacher(
     progress_every: float = DEFAULT_EVERY,
     runtime: Runtime = CPU_FP32,
     monitor_path: Path | None = None,
+    dp_sgd: DpSgdPlan | None = None,
 ) -> TeacherResult:
     """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
 
@@ -335,14 +349,18 @@ def train_teacher(
 
     `runtime` (pipeline/devices.py): the device, precision (bf16: forward passes under
     autocast, fp32 master weights and losses) and CPU threads of this process.
+
+    `dp_sgd`: σ, q, steps and δ as the run's plan calibrated them once for this stage's share of
+    the budget (the flow hands them down; DPKD gives each DP-SGD stage ε/2). Without it, they are
+    made from `cfg` (`cfg.target_epsilon`) by the same function, `dpsgd.plan_dp_sgd`.
     """
     paths = dict(train_path=Path(train_path), validation_path=Path(validation_path), base_model=base_model,
                  monitor_path=None if monitor_path is None else Path(monitor_path))
     if (cfg.processes > 1 or cfg.nnodes > 1) and _world()[1] == 1:
         return _train_data_parallel(cfg, out_dir=Path(out_dir), seed=seed, on_progress=on_progress, stage=stage,
-                                    kd=kd, progress_every=progress_every, runtime=runtime, **paths)
+                                    kd=kd, progress_every=progress_every, runtime=runtime, dp_sgd=dp_sgd, **paths)
     runtime.apply_threads()
-    run = _setup(cfg, out_dir=out_dir, seed=seed, stage=stage, kd=kd, runtime=runtime, **paths)
+    run = _setup(cfg, out_dir=out_dir, seed=seed, stage=stage, kd=kd, runtime=runtime, planned=dp_sgd, **paths)
     if run.world > 1 and cfg.nnodes == 1 and run.world != cfg.processes:
         log.warning("%s: teacher.processes=%d but the process group has %d ranks; training on %d",
                     stage, cfg.processes, run.world, run.world)
@@ -350,7 +368,7 @@ def train_teacher(
     log.info(
         "%s: N=%d %ss, q=%.4f, %d steps, σ=%.4f, C=%.2f, target ε=%.2f, δ=%.3g, mode %s, %s clipping, "
         "%d trainable parameters%s", stage, run.n, run.unit, run.sample_rate, run.total_steps, run.sigma,
-        cfg.max_grad_norm, cfg.target_epsilon, run.delta, cfg.mode, cfg.grad_sample_mode,
+        cfg.max_grad_norm, run.target_epsilon, run.delta, cfg.mode, cfg.grad_sample_mode,
         sum(p.numel() for p in run.model.parameters() if p.requires_grad),
         f", data-parallel rank {run.rank} of {run.world}" if run.world > 1 else "",
     )
@@ -383,7 +401,7 @@ def train_teacher(
 
 def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stage: str,
                          kd: KnowledgeDistillation | None, progress_every: float, runtime: Runtime,
-                         **job) -> TeacherResult:
+                         dp_sgd: DpSgdPlan | None, **job) -> TeacherResult:
     """`cfg.processes` ranks under torchrun, each running `ddp_worker`; the result is read
     back from the finished stage, the same TeacherResult as one process returns. Ranks on
     nccl get one GPU each (cuda:local_rank), on gloo the CPU; each its share of the cores."""
@@ -398,7 +416,8 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
             "monitor_path": None if job["monitor_path"] is None else str(job["monitor_path"].resolve()),
             "base_model": job["base_model"], "seed": job["seed"], "progress_every": progress_every,
             "kd": None if kd is None else {"teacher_dir": str(Path(kd.teacher_dir).resolve()), "alpha": kd.alpha,
-                                           "temperature": kd.temperature}}
+                                           "temperature": kd.temperature},
+            "dp_sgd": None if dp_sgd is None else dataclasses.asdict(dp_sgd)}  # every rank the same σ
     teacher_ddp.launch(args, target="pipeline.stages.teacher.recipe:ddp_worker", processes=cfg.processes,
                        backend=cfg.ddp_backend, threads=threads, work=out_dir / teacher_ddp.WORKDIR, stage=stage,
                        on_progress=on_progress, error=TeacherError, nodes=nodes(cfg))
@@ -426,6 +445,7 @@ def ddp_worker(args: dict, on_progress: Callable[[dict], None] | None) -> None:
         seed=args["seed"], on_progress=on_progress, stage=args["stage"],
         progress_every=args.get("progress_every", DEFAULT_EVERY), runtime=runtime,
         kd=None if kd is None else KnowledgeDistillation(Path(kd["teacher_dir"]), kd["alpha"], kd["temperature"]),
+        dp_sgd=DpSgdPlan(**args["dp_sgd"]) if args.get("dp_sgd") else None,
     )
 
 

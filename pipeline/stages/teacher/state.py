@@ -82,6 +82,7 @@ class Run:
     sample_rate: float  # as accounted
     total_steps: int
     steps_allowed: int
+    target_epsilon: float  # this stage's share of the budget (DPKD: ε/2), σ's target
     fingerprint: str
     monitor: Monitor | None  # what the published validation loss is computed on (None: not monitored)
     kd: KnowledgeDistillation | None = None
