@@ -608,7 +608,8 @@ class DistillConfig(_Section):
 
     @model_validator(mode="after")
     def _check_candidates(self) -> "DistillConfig":
-        self.candidate_configs()  # each candidate's values, checked at load time (ConfigError: a ValueError)
+        if self.candidates:  # each candidate's values, checked at load time (ConfigError: a ValueError)
+            self.candidate_configs()
         if self.method in ("dpkd", "dp_sgd"):  # one DP-SGD student: the candidates are never trained
             if "candidates" in self.model_fields_set and self.candidates:
                 log.warning(

@@ -387,11 +387,11 @@ def _private_scorer(cfg: DistillConfig, setup: _Setup, candidates: int,
 
 
 def _select(cfg: DistillConfig, setup: _Setup, logs: dict[str, dict], ckpts: dict[str, Path], *,
-            teacher_dir: Path, synthetic_path: Path, seed: int, runtime: Runtime,
+            settings: dict[str, DistillConfig], teacher_dir: Path, synthetic_path: Path, seed: int, runtime: Runtime,
             scorer: private_selection.Scorer | None) -> dict:
     """Score every candidate's student on texts the DP teacher samples without truncation (and,
     with `scorer`, release their noisy private validation scores) and choose one by
-    `cfg.select_by` (pipeline/stages/selection.py)."""
+    `cfg.select_by` (pipeline/stages/selection.py). `settings`: each candidate's, as trained."""
     teacher = setup.teacher
     if teacher is None:  # logits came from the top-k cache: load the teacher for the criterion
         teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(runtime.device)
@@ -403,7 +403,6 @@ def _select(cfg: DistillConfig, setup: _Setup, logs: dict[str, dict], ckpts: dic
     if scorer is not None:  # the only private read of this stage: noisy scores leave it, nothing else
         for name, value in scorer.release(students, cfg.batch_size, runtime.autocast).items():
             scores[name]["private_validation"] = value
-    settings = dict(cfg.candidate_configs())
     rows = [{"candidate": name, "settings": cfg.candidates[i],
              "alpha": settings[name].alpha, "temperature": settings[name].temperature, "beta": settings[name].beta,
              "kl_skip_tokens": settings[name].kl_skip_tokens, "epochs": settings[name].epochs,
@@ -460,6 +459,7 @@ def distill(
     runtime.apply_threads()
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
+    # Built and validated once, here; every candidate's training and the selection read these.
     candidates = cfg.candidate_configs() if len(cfg.candidates) > 1 else [("", _single(cfg))]
     setup = _setup(cfg, synthetic_path=synthetic_path, teacher_dir=teacher_dir, student_model=student_model,
                    out_dir=out_dir, teacher_cache_dir=teacher_cache_dir, progress_every=progress_every,
@@ -484,8 +484,8 @@ def distill(
         logs = {name: logs[name] for name, _ in candidates}
         selection = None
         if len(candidates) > 1:
-            selection = _select(cfg, setup, logs, ckpts, teacher_dir=teacher_dir, synthetic_path=synthetic_path,
-                                seed=seed, runtime=runtime, scorer=scorer)
+            selection = _select(cfg, setup, logs, ckpts, settings=dict(candidates), teacher_dir=teacher_dir,
+                                synthetic_path=synthetic_path, seed=seed, runtime=runtime, scorer=scorer)
     finally:
         shutil.rmtree(setup.scratch, ignore_errors=True)
     return _save(cfg, out_dir, logs, ckpts, selection, setup, synthetic_path=synthetic_path,

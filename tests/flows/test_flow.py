@@ -209,10 +209,12 @@ def _counting(monkeypatch, owner, name: str, calls: list) -> None:
 def test_the_flow_plans_once_and_hands_each_dp_sgd_stage_its_plan(prefect_server, tmp_path, monkeypatch, method):
     """Issue 39: the plan the run logs at its start is its only one (privacy.max_epsilon's checks
     included), and each DP-SGD stage trains with its σ, q, steps and δ, calibrated once: σ is the
-    one the stage would calibrate itself for its share of the budget (DPKD: ε/2 each)."""
+    one the stage would calibrate itself for its share of the budget (DPKD: ε/2 each). The
+    distillation's candidates are built (and validated) once, by the stage, which trains and
+    selects with them; a DP-SGD student never builds them."""
     from conftest import tiny_pipeline_dict
     from pipeline import plan as plan_module
-    from pipeline.config import config_from_dict
+    from pipeline.config import DistillConfig, config_from_dict
     from pipeline.plan import dp_sgd_budgets
     from pipeline.privacy import dpsgd
 
@@ -220,12 +222,14 @@ def test_the_flow_plans_once_and_hands_each_dp_sgd_stage_its_plan(prefect_server
     tree["distill"]["method"] = method
     tree["privacy"] = {"max_epsilon": 100.0}  # every DP stage checks the run's plan before it computes
     cfg = config_from_dict(tree)
-    plans, calibrations = [], []
+    plans, calibrations, candidates = [], [], []
     _counting(monkeypatch, plan_module, "make_plan", plans)
     _counting(monkeypatch, dpsgd, "calibrate_noise", calibrations)
+    _counting(monkeypatch, DistillConfig, "candidate_configs", candidates)
     run = Path(dp_distill(cfg))
     shares = dp_sgd_budgets(cfg)
     assert len(plans) == 1 and len(calibrations) == len(shares)  # before: 3 plans, 4 (distil) or 8 (dpkd) calibrations
+    assert len(candidates) == (1 if method == "distil" else 0)  # before: 6 calls (2 builds, each validating twice)
     plan, ledger = plans[0], read_ledger(run / "ledger.json")
     for stage, epsilon in shares.items():
         handed, entry = plan.dp_sgd[stage], ledger.entry(stage)
