@@ -27,11 +27,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from families import FAMILIES, every_stage, save_pair  # noqa: E402
+from tests.families import FAMILIES, every_stage, save_pair  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.devices import Runtime  # noqa: E402
 from pipeline.models.base import load_tokenizer  # noqa: E402
