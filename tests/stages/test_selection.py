@@ -6,11 +6,14 @@ import json
 import shutil
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from pipeline.config import ConfigError, DistillConfig, config_from_dict
 from pipeline.models.base import load_causal_lm
+from pipeline.models.scoring import nll_by_owner
 from pipeline.stages.distill import distill
 from pipeline.stages.generate import sample_untruncated
 from pipeline.stages.selection import choose, criterion_study, score_students, spearman
@@ -137,3 +140,144 @@ def test_spearman_and_the_criterion_study():
     assert study["synthetic_validation_ce"]["regret"] == pytest.approx(30.0)
     assert study["synthetic_validation_ce"]["spearman"] == pytest.approx(-1.0)
     assert np.isfinite(study["untruncated_ce"]["spearman"])
+
+
+# --- A planted case where the better candidate has α < 1 (issue 37 item 2) -----------------------
+#
+# The "real" distribution is a tiny model R; the DP teacher is R at temperature 2 (its logits
+# halved: an under-confident teacher); generation samples the teacher at temperature 0.5, which
+# is R exactly, so the synthetic text is better than the teacher that wrote it. The held-out
+# records are R's samples (token ids, so that no re-tokenisation changes their distribution).
+# Three students start as copies of the teacher: α = 0 learns the synthetic text and moves
+# towards R, α = 1 learns the teacher and stays it. α < 1 is better on held-out records.
+#
+# Why teacher_kl cannot choose it: the score is E_{x ~ teacher}[KL(teacher(.|x<t) || student(.|x<t))],
+# ≥ 0 and 0 only for a student equal to the teacher where it samples. It reads the teacher and
+# the student and nothing else, so it ranks candidates by their distance to the teacher; what
+# the held-out records say never enters. α = 1 minimises that distance directly (its loss is the
+# same KL on the synthetic prefixes), so whenever α = 1 fits the teacher better than α < 1 does,
+# the rule keeps α = 1, however much better an α < 1 student predicts real text. It can say no
+# to α = 1 only when α = 1 under-fits the teacher, never because the teacher is wrong.
+
+PLANTED_ALPHAS = (0.0, 0.4, 1.0)
+PLANTED_CODES = {"Category: A": 3, "Category: B": 1}
+
+
+def _tempered(model, factor: float, path, tok):
+    """`model` with its logits multiplied by `factor` (the final layer norm scaled), saved to `path`."""
+    with torch.no_grad():
+        model.transformer.ln_f.weight.mul_(factor)
+        model.transformer.ln_f.bias.mul_(factor)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def _nll(model, rows: list[tuple[list[int], int]], text_only: bool) -> float:
+    """Mean next-token NLL over `rows` (token ids, prompt length); `text_only`: the header left out."""
+    model.eval()
+    total = count = 0.0
+    for ids, n_prompt in rows:
+        x = torch.tensor([ids])
+        nll = -torch.log_softmax(model(x).logits[0, :-1].float(), -1).gather(1, x[0, 1:, None])[:, 0]  # (L-1,)
+        kept = nll[n_prompt - 1:] if text_only else nll
+        total, count = total + float(kept.sum()), count + len(kept)
+    return total / count
+
+
+@pytest.fixture(scope="module")
+def planted(tiny_tokenizer, tmp_path_factory):
+    from pipeline.config import GenerateConfig
+    from pipeline.stages.generate import generate_synthetic
+
+    tmp, tok = tmp_path_factory.mktemp("planted"), tiny_tokenizer
+    torch.manual_seed(0)
+    real = _tempered(make_tiny_model(tok), 20.0, tmp / "real", tok)  # a peaked random model: R
+    teacher = _tempered(load_causal_lm(str(real)), 0.5, tmp / "teacher", tok)  # R at temperature 2
+    codes = tmp / "codes.json"
+    codes.write_text(json.dumps({"counts": PLANTED_CODES}))
+    whole = dict(top_k=0, top_p=1.0, max_length=32, batch_size=100)
+    synthetic = generate_synthetic(GenerateConfig(num_samples=300, temperature=0.5, validation_fraction=0.1, **whole),
+                                   teacher_dir=teacher, control_codes_path=codes, ledger=[], out_dir=tmp / "syn", seed=0)
+    held = generate_synthetic(GenerateConfig(num_samples=400, validation_fraction=0.0, **whole), teacher_dir=real,
+                              control_codes_path=codes, ledger=[], out_dir=tmp / "held", seed=1)
+    table = pq.read_table(held.shards[0])
+    rows = list(zip(table["token_ids"].to_pylist(), table["n_prompt_tokens"].to_pylist()))
+    student = tmp / "student"
+    shutil.copytree(teacher, student)
+    cfg = DistillConfig(candidates=[{"alpha": a} for a in PLANTED_ALPHAS], batch_size=16, epochs=2,
+                        learning_rate=3e-3, eval_every=1000, log_every=1000, selection_samples=64,
+                        keep_candidates=True)  # select_by: the default, the zero-cost rule
+    result = distill(cfg, synthetic_path=synthetic.path, teacher_dir=teacher, student_model=str(student),
+                     out_dir=tmp / "out", seed=0)
+    students = {name: load_causal_lm(str(path)).eval() for name, path in result.candidates.items()}
+    validation, test = rows[:200], rows[200:]
+    return {"selection": result.selection, "students": students, "validation": validation,
+            "teacher": load_causal_lm(str(teacher)).eval(), "tok": tok,
+            "test": {name: _nll(s, test, text_only=False) for name, s in students.items()},
+            "test_text": {name: _nll(s, test, text_only=True) for name, s in students.items()}}
+
+
+def test_the_planted_case_has_its_better_candidate_below_alpha_1(planted):
+    """The premise: on held-out records, whole and with the header left out, every α < 1
+    candidate beats α = 1, which stays the (under-confident) teacher; α = 0 is the best on whole
+    records (on the text alone α = 0 and 0.4 tie)."""
+    for losses in (planted["test"], planted["test_text"]):
+        assert min(losses, key=losses.get) != "alpha=1.0"
+        assert all(losses[f"alpha={a}"] < losses["alpha=1.0"] - 0.2 for a in PLANTED_ALPHAS if a < 1), losses
+    assert min(planted["test"], key=planted["test"].get) == "alpha=0.0"
+    assert planted["selection"]["select_by"] == "teacher_kl"  # the shipped default
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "teacher_kl ranks students by their distance to the DP teacher and reads nothing else, so it "
+    "keeps the student nearest the teacher (α = 1 here) even where the teacher predicts real text "
+    "worse than its own synthetic text does (the argument above this test)"))
+def test_the_zero_cost_rule_keeps_the_better_candidate_below_alpha_1(planted):
+    test = planted["test"]
+    assert planted["selection"]["chosen"] == min(test, key=test.get)
+
+
+def test_what_each_criterion_chooses_in_the_planted_case(planted):
+    """teacher_kl keeps α = 1. synthetic_validation_ce (the CE on held-out synthetic text, which
+    is R's) keeps the best candidate. untruncated_ce keeps an α < 1 candidate, but only through
+    the header: the control-code prompt is given, not sampled from the teacher, and α < 1 learned
+    the synthetic headers; on the sampled positions alone it ranks α = 1 first, as teacher_kl
+    does (CE = KL + the teacher's entropy there). The private route (noisy loss on held-out
+    records) keeps an α < 1 candidate, by many noise sds at ε = 1 over 200 records."""
+    rows, test = planted["selection"]["candidates"], planted["test"]
+    assert choose(rows, "teacher_kl") == "alpha=1.0" == planted["selection"]["chosen"]
+    assert choose(rows, "synthetic_validation_ce") == min(test, key=test.get) == "alpha=0.0"
+    assert choose(rows, "untruncated_ce") != "alpha=1.0"
+
+    from pipeline.records import prompt_for
+    from pipeline.stages.generate import sample_untruncated
+
+    tok, teacher = planted["tok"], planted["teacher"]
+    n_prompt = len(tok.encode(prompt_for("Category: A"), add_special_tokens=False))
+    assert n_prompt == len(tok.encode(prompt_for("Category: B"), add_special_tokens=False))
+    samples = sample_untruncated(teacher, tok, {c: k / 4 for c, k in PLANTED_CODES.items()}, 64, 32, seed=3)
+    sampled_ce = {name: _nll(s, [(ids, n_prompt) for ids in samples], text_only=True)
+                  for name, s in planted["students"].items()}
+    assert min(sampled_ce, key=sampled_ce.get) == "alpha=1.0", sampled_ce
+
+    from pipeline.privacy import private_selection
+    from pipeline.tokenized import TokenIds
+
+    validation = planted["validation"]
+    z, accountant = private_selection.calibrate(1.0, 1e-5, len(PLANTED_ALPHAS), "prv")
+    entry = private_selection.ledger_entry(z=z, candidates=len(PLANTED_ALPHAS), n=len(validation), clip=10.0,
+                                           target_epsilon=1.0, delta=1e-5, accountant=accountant, unit="record",
+                                           secure=False)
+    records = TokenIds(pa.chunked_array([pa.array([ids for ids, _ in validation])]), 64, tok.pad_token_id)
+    scorer = private_selection.Scorer(records, list(range(len(validation))), len(validation), 10.0, z, entry, False)
+    noisy = scorer.release(planted["students"], 32, lambda: torch.autocast("cpu", enabled=False))
+    sd = z * 10.0 / len(validation)
+    assert choose([{"candidate": k, "private_validation": v} for k, v in noisy.items()],
+                  "private_validation") != "alpha=1.0"
+    exact = {}  # the clipped means the noise is added to: a study figure, never released
+    for name, s in planted["students"].items():
+        nll, count = nll_by_owner(s, records, scorer.owners, scorer.n, 32)
+        exact[name] = float((nll / count).clip(0, 10.0).mean())
+    assert min(exact[n] for n in exact if n != "alpha=1.0") < exact["alpha=1.0"] - 5 * sd, (exact, sd)
