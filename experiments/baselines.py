@@ -1,0 +1,469 @@
+"""Baselines as strong as ours (issue 37 items 1-2): every method gets K = 4 candidate settings,
+and two tables compare them, each row repeated with fresh DP noise. Resumable.
+
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/baselines.py --config configs/airline.yaml --plan
+    OMP_NUM_THREADS=1 nohup .venv/bin/python experiments/baselines.py --config configs/airline.yaml \\
+        > runs/confirmation/baselines.log 2>&1 &
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/baselines.py --config configs/reference.yaml
+    .venv/bin/python experiments/baselines.py --config configs/airline.yaml --report-only
+
+The candidates (K = 4 each; "3x": three times the config's value):
+- ours: α ∈ {0, 0.4, 0.7, 1}, all in ONE run (distill.candidates, distill.keep_candidates=true, so
+  that every candidate's student is scored on the test split after the choice): the distillation
+  settings the rule chooses among, the shipped pair's α plus α = 0 (the synthetic text alone) and
+  a point between.
+- DP-SGD: teacher.learning_rate ∈ {config's, 3x} × teacher.epochs ∈ {config's, 3x} at the same ε.
+  The DP-SGD student trains with the `teacher` section's settings (flows/tasks.py dp_student_task,
+  pipeline/plan.py dp_sgd_budgets), so its candidates override teacher.*; more steps at the same
+  ε (more noise per step) is the setting a simply tuned DP-SGD won with on the news corpus.
+- DPKD: distill.alpha ∈ {0.4, 1} × teacher.learning_rate ∈ {config's, 3x}: α because DPKD never had
+  α = 1, the setting ours won with; the learning rate rather than epochs because DPKD's two DP-SGD
+  trainings (its teacher, then its student with the teacher's forward in every step) both read
+  the teacher section, so 3x epochs would triple both, past an hour a run on 2 cores, where the
+  learning rate costs nothing. It applies to DPKD's teacher and student alike: the candidates
+  tune DPKD's whole recipe. Candidates with the same learning rate share one teacher per repeat
+  (the stage cache hands the second the first one's), counted once in the deployable total.
+
+The rows and what each spends (T: ours' composed total at the config's settings, e.g. 1.987 on
+airline; every row is composed to T by the ledger's accountant, pipeline/privacy/ledger.py compose):
+- `ours`: one run at the config's ε, chosen by the zero-cost rule (distill.select_by default). It
+  feeds the oracle table (its best candidate by test perplexity) and the deployable one (its choice).
+- `ourspriv`: the same candidates chosen by select_by=private_validation at the selection ε (the
+  config's distill.selection_epsilon, 0.2, or --selection-epsilon); the teacher's ε is lowered
+  so that codes + teacher + selection compose to T.
+- `dpsgd`, `dpkd`: each candidate one run at T (the oracle rows).
+- `dpsgddep`, `dpkddep`: each candidate one run at the smaller ε at which the K runs and the
+  private choice among them compose to T (bisection on that composed total); then the harness
+  releases each candidate's noisy clipped validation loss (pipeline/privacy/private_selection.py,
+  the release select_by=private_validation makes) and keeps the lowest.
+
+Every run is the Prefect flow in its own run directory (`<name>-<row>-r<k>`, with `-c<i>` for the
+i-th candidate of a DP-SGD or DPKD row). Repeat 1 takes what the stage cache holds; every later
+repeat reruns the stage that draws DP noise and all after it (control-codes for ours, the
+dp-student for DP-SGD, the teacher for a DPKD candidate that trains one, else its dp-student), as
+experiments/confirmation.py does. Finished runs and choices are appended to
+`<run_root>/baselines.jsonl`; a restart skips them and continues a killed run in its own
+directory. Each row's teacher.target_epsilon is found once and kept in
+`<run_root>/baselines_budget.json`. The report (experiments/baselines_report.py) ends with the
+lines `table=oracle ...`, `table=deployable ...` and `rule corpus=NAME candidates=K ...`.
+
+Its data: configs/airline.yaml reads the airline tweets and configs/reference.yaml the Yelp split
+in ../shared/data beside the checkout (not shipped; experiments/shared.py). Without them it exits
+with one line (exit code 2) before any work; `--report-only` needs no data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.baselines_report import K, read_results, report  # noqa: E402
+from experiments.shared import require_data  # noqa: E402  the data in ../shared
+
+OURS_ALPHAS = (0.0, 0.4, 0.7, 1.0)
+DPKD_ALPHAS = (0.4, 1.0)
+SCALE = 3
+"""The second learning rate and number of epochs of a candidate grid: this times the config's."""
+ROWS = ("ours", "dpsgd", "dpsgddep", "ourspriv", "dpkd", "dpkddep")
+"""The order of one repeat's runs: the zero-cost row and the cheap DP-SGD first."""
+METHOD = {"ours": "distil", "ourspriv": "distil", "dpsgd": "dp_sgd", "dpsgddep": "dp_sgd",
+          "dpkd": "dpkd", "dpkddep": "dpkd"}
+SHARED = ("dpsgddep", "dpkddep")
+"""The rows whose K candidate runs and private choice share the total ε."""
+RESULTS, BUDGET = "baselines.jsonl", "baselines_budget.json"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str  # "" for ours, whose candidates live inside one run
+    overrides: tuple[str, ...]
+
+    @property
+    def teacher(self) -> tuple[str, ...]:
+        """Its teacher.* settings: DPKD candidates with the same ones share one teacher per repeat."""
+        return tuple(o for o in self.overrides if o.startswith("teacher."))
+
+
+def candidates(cfg, row: str) -> list[Candidate]:
+    """The row's candidate settings (module docstring), from the config's teacher section."""
+    t = cfg.teacher
+    lrs = (t.learning_rate, SCALE * t.learning_rate)
+    if METHOD[row] == "dp_sgd":
+        return [Candidate(f"lr={lr:g},epochs={e}", (f"teacher.learning_rate={lr:g}", f"teacher.epochs={e}"))
+                for lr in lrs for e in (t.epochs, SCALE * t.epochs)]
+    if METHOD[row] == "dpkd":  # one learning rate's two candidates next to each other: they share its teacher
+        return [Candidate(f"alpha={a},lr={lr:g}", (f"distill.alpha={a}", f"teacher.learning_rate={lr:g}"))
+                for lr in lrs for a in DPKD_ALPHAS]
+    return [Candidate("", ())]
+
+
+def row_overrides(row: str, selection_epsilon: float) -> list[str]:
+    out = [f"distill.method={METHOD[row]}"]
+    if METHOD[row] == "distil":
+        alphas = ", ".join(f"{{alpha: {a}}}" for a in OURS_ALPHAS)
+        out += ["distill.keep_candidates=true", f"distill.candidates=[{alphas}]"]
+    if row == "ourspriv":
+        out += ["distill.select_by=private_validation", f"distill.selection_epsilon={selection_epsilon:g}"]
+    return out
+
+
+# --- the budget: each row's teacher.target_epsilon -----------------------------------------------
+
+def bisect(total_of: Callable[[float], float], target: float, lo: float, hi: float,
+           tol: float = 2e-3, steps: int = 30) -> float:
+    """The largest x found in [lo, hi] with `total_of(x)` ≤ `target` (total_of increasing), stopping
+    once the total is within `tol` below the target. σ is calibrated on a grid, so the total
+    moves in small steps and may never land inside `tol`: the best x below is returned."""
+    if total_of(lo) > target:
+        raise ValueError(f"even x={lo} composes past the total {target}")
+    if total_of(hi) <= target:
+        return hi
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        total = total_of(mid)
+        if total <= target:
+            lo = mid
+            if target - total < tol:
+                break
+        else:
+            hi = mid
+    return lo
+
+
+def unique_releases(planned: list[tuple[Candidate, list]]) -> list:
+    """The DP releases of a row's candidate runs, each once: a teacher that DPKD candidates with the
+    same teacher settings share is one release; every candidate's student is its own."""
+    seen, out = set(), []
+    for cand, entries in planned:
+        for e in entries:
+            if not (e.private and e.epsilon):
+                continue
+            key = ("teacher", cand.teacher) if e.stage == "teacher" else (e.stage, cand.name)
+            if key not in seen:
+                seen.add(key)
+                out.append(e)
+    return out
+
+
+def selection_release(epsilon: float, delta: float, k: int, accountant: str, n: int, unit: str):
+    """The ledger entry of the private choice among `k` candidates (as select_by=private_validation's)."""
+    from pipeline.privacy import private_selection
+
+    z, used = private_selection.calibrate(epsilon, delta, k, accountant)
+    return private_selection.ledger_entry(z=z, candidates=k, n=n, clip=10.0, target_epsilon=epsilon, delta=delta,
+                                          accountant=used, unit=unit, secure=False)
+
+
+class Budget:
+    """T, ours' total at the config's settings, and each row's teacher.target_epsilon x at which the
+    row composes to T: every candidate's own run (oracle rows, ourspriv), or all K candidate runs
+    plus the private choice (SHARED rows). Each total is `dpdistill plan`'s (make_plan on the
+    run's config: σ, q, steps, δ as the run will have them) composed by the ledger's accountant."""
+
+    def __init__(self, config: str, overrides: list[str], selection_epsilon: float):
+        from pipeline.config import load_config
+        from pipeline.stages.data import planned_split
+
+        self.config, self.overrides, self.selection_epsilon = config, overrides, selection_epsilon
+        self.cfg = load_config(config, overrides)
+        self.split = planned_split(self.cfg.data, Path(self.cfg.run_root), self.cfg.control_codes.domain)
+        self.target = self.total("ours", self.cfg.teacher.target_epsilon)
+
+    def run_config(self, row: str, cand: Candidate, x: float):
+        from pipeline.config import load_config
+
+        return load_config(self.config, [*self.overrides, *row_overrides(row, self.selection_epsilon),
+                                         *cand.overrides, f"teacher.target_epsilon={x:.6g}"])
+
+    def total(self, row: str, x: float) -> float:
+        from pipeline.plan import make_plan
+        from pipeline.privacy.ledger import compose
+
+        planned = [(c, make_plan(self.run_config(row, c, x), timing=False, split=self.split)) for c in candidates(self.cfg, row)]
+        accountant, delta = self.cfg.teacher.accountant, planned[0][1].total.delta
+        if row in SHARED:
+            entries = unique_releases([(c, p.entries) for c, p in planned])
+            entries.append(selection_release(self.selection_epsilon, delta, len(planned), accountant,
+                                             self.split.n_validation, self.split.unit))
+            return compose(entries, accountant, delta).epsilon
+        return max(compose(unique_releases([(c, p.entries)]), accountant, delta).epsilon for c, p in planned)
+
+    def epsilons(self, rows: list[str], cache: Path) -> dict[str, float]:
+        """Each row's x, found by bisection once and kept in `cache` under the study's settings."""
+        text = Path(self.config).read_text()
+        key = hashlib.sha256(json.dumps([text, self.overrides, self.selection_epsilon, K,
+                                         self.split.n, self.split.n_validation]).encode()).hexdigest()[:16]
+        kept = json.loads(cache.read_text()) if cache.is_file() else {}
+        found = kept.get(key, {})
+        for row in rows:
+            if row in found:
+                continue
+            if row == "ours":
+                found[row] = self.cfg.teacher.target_epsilon
+            else:
+                print(f"budget: bisecting {row}'s teacher.target_epsilon to a total of {self.target:.4f}", flush=True)
+                found[row] = bisect(lambda x: self.total(row, x), self.target, self.target / 8, 4 * self.target)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(kept | {key: found}, indent=1))
+        return found
+
+
+# --- the schedule ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    row: str
+    repeat: int
+    index: int  # the candidate's place in its row, from 1
+    candidate: Candidate
+    overrides: tuple[str, ...]
+    shares_teacher: bool  # DPKD: an earlier candidate of the repeat trained the teacher it uses
+
+    @property
+    def tag(self) -> str:
+        return f"{self.row}-c{self.index}-r{self.repeat}" if self.candidate.name else f"{self.row}-r{self.repeat}"
+
+    @property
+    def noisy_stage(self) -> str | None:
+        """The stage to rerun, and all after it, for fresh DP noise (None: repeat 1, take what the
+        cache holds). A DPKD candidate reruns its teacher unless the repeat's earlier one just did."""
+        if self.repeat == 1:
+            return None
+        if METHOD[self.row] == "distil":
+            return "control-codes"
+        return "teacher" if METHOD[self.row] == "dpkd" and not self.shares_teacher else "dp-student"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The private choice among a SHARED row's candidate runs of one repeat."""
+
+    row: str
+    repeat: int
+
+
+def schedule(cfg, rows: list[str], repeats: int, epsilons: dict[str, float],
+             selection_epsilon: float) -> list[Run | Choice]:
+    out: list[Run | Choice] = []
+    for k in range(1, repeats + 1):
+        for row in (r for r in ROWS if r in rows):
+            cands = candidates(cfg, row)
+            for i, c in enumerate(cands):
+                overrides = (*row_overrides(row, selection_epsilon), *c.overrides,
+                             f"teacher.target_epsilon={epsilons[row]:.6g}")
+                shares = METHOD[row] == "dpkd" and c.teacher in [e.teacher for e in cands[:i]]
+                out.append(Run(row, k, i + 1, c, overrides, shares))
+            if row in SHARED:
+                out.append(Choice(row, k))
+    return out
+
+
+def _done(results: list[dict], item: Run | Choice) -> bool:
+    if isinstance(item, Choice):
+        return any(r.get("kind") == "selection" and r["row"] == item.row and r["repeat"] == item.repeat
+                   for r in results)
+    return any(r.get("kind", "run") == "run" and r["row"] == item.row and r["repeat"] == item.repeat
+               and r.get("candidate") == (item.candidate.name or None) for r in results)
+
+
+# --- running -----------------------------------------------------------------------------------------
+
+def _stage_output(run_dir: Path, stage: str) -> Path:
+    """Where a stage's outputs are: this run's directory, or the earlier run's whose cache it reused."""
+    return Path(json.loads((run_dir / "stages.json").read_text())[stage]["output"])
+
+
+def result_of(run: Run, run_dir: Path, seconds: float, target_epsilon: float) -> dict:
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    student = next(m for name, m in metrics["perplexity"].items() if name.startswith("student_"))
+    text = student.get("text_only") or {}
+    out = {"kind": "run", "row": run.row, "candidate": run.candidate.name or None, "repeat": run.repeat,
+           "run_dir": str(run_dir), "seconds": round(seconds, 1), "student": student["windowed"],
+           "student_per_record_mean": student.get("per_record_mean"),
+           "student_per_record_token_weighted": student.get("per_record_token_weighted"),
+           "student_text_windowed": text.get("windowed"), "teacher_target_epsilon": target_epsilon,
+           "epsilon": ledger["total"]["epsilon"], "delta": ledger["total"]["delta"]}
+    if sel := metrics.get("selection"):
+        out["selection"] = {"select_by": sel["select_by"], "chosen": sel["chosen"],
+                            "private_validation": sel.get("private_validation"), "candidates": [
+                                {k: c.get(k) for k in ("candidate", "alpha", "teacher_kl", "untruncated_ce",
+                                                       "synthetic_validation_ce", "private_validation",
+                                                       "test_perplexity")} for c in sel["candidates"]]}
+    return out
+
+
+def run_one(config: str, overrides: list[str], run: Run) -> dict:
+    from flows.pipeline_flow import dp_distill
+    from flows.run_info import stages_to_rerun
+    from pipeline.config import load_config
+
+    cfg = load_config(config, [*overrides, *run.overrides])
+    cfg = cfg.model_copy(update={"name": f"{cfg.name}-{run.tag}"})
+    t0 = time.monotonic()
+    rerun = stages_to_rerun(run.noisy_stage, None) if run.noisy_stage else None
+    run_dir = Path(dp_distill(cfg, rerun=rerun))
+    return result_of(run, run_dir, time.monotonic() - t0, cfg.teacher.target_epsilon)
+
+
+def private_choice(config: str, overrides: list[str], choice: Choice, runs: list[dict],
+                   selection_epsilon: float) -> dict:
+    """Release each candidate student's clipped mean validation loss with Gaussian noise (the
+    mechanism of select_by=private_validation, pipeline/privacy/private_selection.py, at
+    `selection_epsilon` over the K scores) and keep the lowest; the row's total composes the K
+    runs' releases (a shared DPKD teacher once) with this one. The validation split is rebuilt
+    from the config and the run root's split key, as experiments/private_selection.py does."""
+    from pipeline.config import load_config
+    from pipeline.devices import Runtime
+    from pipeline.models.base import load_causal_lm, load_tokenizer
+    from pipeline.privacy import private_selection
+    from pipeline.privacy.ledger import compose, read_ledger
+    from pipeline.records import split_key
+    from pipeline.stages.data import prepare_data
+
+    cfg = load_config(config, overrides)
+    t0 = time.monotonic()
+    models = {r["candidate"]: _stage_output(Path(r["run_dir"]), "dp-student") / "model" for r in runs}
+    ledgers = {r["candidate"]: read_ledger(Path(r["run_dir"]) / "ledger.json") for r in runs}
+    delta = next(iter(ledgers.values())).total.delta
+    runtime = Runtime.from_config(cfg)
+    runtime.apply_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = prepare_data(cfg.data, Path(tmp), cfg.control_codes.domain,
+                            split_key(Path(cfg.run_root).resolve(), create=False))
+        spec = private_selection.PrivateValidation(path=Path(data.validation), delta=delta,
+                                                   accountant=cfg.teacher.accountant,
+                                                   secure_mode=cfg.teacher.secure_mode,
+                                                   max_length=cfg.teacher.max_length)
+        tok = load_tokenizer(str(next(iter(models.values()))))
+        scorer = private_selection.setup(spec, tok, candidates=len(models), epsilon=selection_epsilon,
+                                         clip=cfg.distill.selection_clip, limit=cfg.distill.selection_records)
+        students = {n: load_causal_lm(str(p), dtype=runtime.dtype).to(runtime.device).eval() for n, p in models.items()}
+        scores = scorer.release(students, cfg.evaluate.batch_size, runtime.autocast)
+    by_name = {c.name: c for c in candidates(cfg, choice.row)}
+    entries = unique_releases([(by_name[n], ledger.entries) for n, ledger in ledgers.items()]) + [scorer.entry]
+    return {"kind": "selection", "row": choice.row, "repeat": choice.repeat, "chosen": min(scores, key=scores.get),
+            "scores": scores, "selection_epsilon": scorer.entry.epsilon, "noise_sd": scorer.z * scorer.clip / scorer.n,
+            "units": scorer.n, "epsilon": compose(entries, cfg.teacher.accountant, delta).epsilon,
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+# --- --plan --------------------------------------------------------------------------------------------
+
+def _time_key(cfg) -> tuple:
+    """What the plan's time of a run depends on (not its ε, learning rate, α or select_by: the plan
+    leaves the private scoring out), so that runs alike are timed once, alike."""
+    d = cfg.distill
+    return d.method, cfg.teacher.epochs, len(d.candidates) if d.method == "distil" else 0
+
+
+def plan_text(budget: Budget, items: list[Run | Choice], epsilons: dict[str, float], corpus: str) -> str:
+    """The run list and the wall time `dpdistill plan` estimates for each run (from scratch; a
+    DPKD candidate that reuses its repeat's teacher without the teacher stage)."""
+    from pipeline.plan import make_plan
+
+    timed: dict[tuple, dict[str, float]] = {}
+    runs = [i for i in items if isinstance(i, Run)]
+    lines = [f"plan of experiments/baselines.py --config {budget.config} (corpus {corpus}): {len(runs)} runs, "
+             f"{len(items) - len(runs)} private choices; every row composes to ε = {budget.target:.4f}",
+             "row        teacher.target_epsilon  selection ε  candidates"]
+    for row in dict.fromkeys(i.row for i in items):
+        sel = budget.selection_epsilon if row in (*SHARED, "ourspriv") else 0.0
+        lines.append(f"{row:<10} {epsilons[row]:<23.4f} {sel:<12g} "
+                     f"{', '.join(c.name for c in candidates(budget.cfg, row)) or ', '.join(map(str, OURS_ALPHAS))}")
+    lines.append("runs (seconds estimated by `dpdistill plan`'s stage timings on this machine):")
+    total = 0.0
+    for run in runs:
+        cfg = budget.run_config(run.row, run.candidate, epsilons[run.row])
+        key = _time_key(cfg)
+        if key not in timed:
+            print(f"plan: timing a {run.row} run", flush=True)
+            timed[key] = {s: t or 0.0 for s, (t, _) in make_plan(cfg, timing=True, split=budget.split).seconds.items()}
+        stages = timed[key]
+        seconds = sum(s for name, s in stages.items() if not (run.shares_teacher and name == "teacher"))
+        total += seconds
+        flag = "  > 1 h" if seconds > 3600 else ""
+        lines.append(f"  {run.tag:<18} ~{seconds / 60:5.0f} min{flag}  rerun from {run.noisy_stage or '(cache)'}: "
+                     + " ".join(run.overrides))
+    lines.append(f"estimated wall time: ~{total / 3600:.1f} h for {len(runs)} runs (each from scratch but for a "
+                 "DPKD teacher reused within a repeat; cached stages take less; the kept candidates' test "
+                 "perplexities and the private choices' scoring, a minute or two each, are not in it)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
+    p.add_argument("--config", default="configs/airline.yaml")
+    p.add_argument("--corpus", default=None, help="the corpus name of the summary lines (default: the config's name)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, e.g. ours,dpsgd (of {', '.join(ROWS)})")
+    p.add_argument("--repeats", type=int, default=3, help="runs per row, each with fresh DP noise")
+    p.add_argument("--selection-epsilon", type=float, default=None,
+                   help="ε of each private choice (default: the config's distill.selection_epsilon)")
+    p.add_argument("--plan", action="store_true", help="print the runs and their estimated wall time; train nothing")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    from pipeline.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    corpus = args.corpus or cfg.name
+    root = Path(cfg.run_root)
+    results_path = root / RESULTS
+    if args.report_only:
+        print(report(read_results(results_path), corpus))
+        return 0
+    require_data(cfg, "experiments/baselines.py", args.config)
+    rows = [r for r in args.rows.split(",") if r]
+    if unknown := sorted(set(rows) - set(ROWS)):
+        p.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
+    selection_epsilon = args.selection_epsilon or cfg.distill.selection_epsilon
+    budget = Budget(args.config, args.overrides, selection_epsilon)
+    epsilons = budget.epsilons(rows, root / BUDGET)
+    items = schedule(cfg, rows, args.repeats, epsilons, selection_epsilon)
+    if args.plan:
+        print(plan_text(budget, items, epsilons, corpus))
+        return 0
+    failed, t_start = [], time.monotonic()
+    for item in items:
+        results = read_results(results_path)
+        if _done(results, item):
+            continue
+        try:
+            if isinstance(item, Run):
+                print(f"== {item.tag} {item.candidate.name}", flush=True)
+                result = run_one(args.config, args.overrides, item)
+            else:
+                runs = [r for r in results if r.get("kind", "run") == "run" and r["row"] == item.row
+                        and r["repeat"] == item.repeat]
+                if len(runs) < K:
+                    failed.append(f"{item.row} r{item.repeat} choice (candidates missing)")
+                    continue
+                print(f"== {item.row} r{item.repeat}: private choice among {K} candidates", flush=True)
+                result = private_choice(args.config, args.overrides, item, runs, selection_epsilon)
+        except Exception as e:  # name it, go on with the others; a restart retries it
+            print(f"== {item} failed: {e!r}", flush=True)
+            failed.append(str(item))
+            continue
+        with results_path.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"== done: {json.dumps({k: result[k] for k in ('row', 'repeat', 'seconds')})}", flush=True)
+    text = report(read_results(results_path), corpus)
+    (root / "baselines.md").write_text(text)
+    print(text)
+    print(f"this invocation: {time.monotonic() - t_start:.0f} s wall")
+    if failed:
+        print("failed: " + ", ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

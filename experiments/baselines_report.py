@@ -1,0 +1,249 @@
+"""The report of experiments/baselines.py (issue 37): the oracle and deployable tables, the
+selection rules' Spearman ρ and regret, the wall times and the summary lines, computed from the
+harness's jsonl rows alone (no data, no model: tests/test_baselines_harness.py feeds it
+fabricated rows).
+
+A row of the jsonl is one finished run (`"kind": "run"`) or one private choice among a
+deployable row's candidate runs (`"kind": "selection"`):
+
+    {"kind": "run", "row": "dpsgd", "candidate": "lr=0.003,epochs=2", "repeat": 1, "student": 183.0,
+     "epsilon": 1.987, "seconds": 420.0, ...}
+    {"kind": "run", "row": "ours", "candidate": null, "repeat": 1, "student": 160.2, "selection":
+     {"select_by": "teacher_kl", "chosen": "alpha=1.0", "candidates": [{"candidate": "alpha=0.0",
+      "teacher_kl": 0.61, "test_perplexity": 190.3, ...}, ...]}, ...}
+    {"kind": "selection", "row": "dpsgddep", "repeat": 1, "chosen": "lr=0.009,epochs=6",
+     "scores": {"lr=0.003,epochs=2": 4.71, ...}, "selection_epsilon": 0.2, "epsilon": 1.987, ...}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+K = 4
+"""Candidate settings per method."""
+METHODS = ("ours", "dpsgd", "dpkd")
+LABELS = {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}
+ORACLE_ROW = {"ours": "ours", "dpsgd": "dpsgd", "dpkd": "dpkd"}
+"""The runs whose candidates are trained at the full ε (ours: the zero-cost rule's run)."""
+PRIVATE_ROW = {"ours": "ourspriv", "dpsgd": "dpsgddep", "dpkd": "dpkddep"}
+"""The runs whose candidates and private selection share the total ε."""
+
+
+def read_results(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mean_sd(values: list[float]) -> str:
+    """`M±S` (sample sd; nan for one value), `–` for none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+    return f"{statistics.mean(values):.1f}±{sd:.1f}"
+
+
+def _mean(values: list[float | None], digits: int) -> str:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return f"{statistics.mean(values):.{digits}f}" if values else "–"
+
+
+def spearman(x: list[float], y: list[float]) -> float | None:
+    """Spearman's ρ, the pipeline's own (average ranks for ties; None below 3 pairs)."""
+    from pipeline.stages.selection import spearman as rank_correlation
+
+    return rank_correlation(list(x), list(y))
+
+
+def _runs(results: list[dict], row: str) -> list[dict]:
+    return [r for r in results if r.get("kind", "run") == "run" and r["row"] == row]
+
+
+def _by_repeat(runs: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for r in runs:
+        out.setdefault(r["repeat"], []).append(r)
+    return dict(sorted(out.items()))
+
+
+def _candidates(run: dict) -> list[dict]:
+    """An `ours` run's candidates that were scored on the test split."""
+    return [c for c in (run.get("selection") or {}).get("candidates", []) if c.get("test_perplexity") is not None]
+
+
+def oracle(results: list[dict], method: str, k: int = K) -> list[dict]:
+    """Per repeat with all `k` candidates: the best candidate by test perplexity (an upper bound:
+    the test split chooses)."""
+    out = []
+    if method == "ours":
+        for r in _runs(results, "ours"):
+            cands = _candidates(r)
+            if len(cands) == k:
+                best = min(cands, key=lambda c: c["test_perplexity"])
+                out.append({"repeat": r["repeat"], "value": best["test_perplexity"], "candidate": best["candidate"],
+                            "epsilon": r["epsilon"]})
+        return out
+    for repeat, runs in _by_repeat(_runs(results, ORACLE_ROW[method])).items():
+        if len({r["candidate"] for r in runs}) == k:
+            best = min(runs, key=lambda r: r["student"])
+            out.append({"repeat": repeat, "value": best["student"], "candidate": best["candidate"],
+                        "epsilon": max(r["epsilon"] for r in runs)})
+    return out
+
+
+def deployable(results: list[dict], method: str, private: bool) -> list[dict]:
+    """Per repeat: the candidate a procedure that reads no test record chose, its test perplexity,
+    the ε its choice spent and the row's composed total. ours: its own run's choice, by the
+    zero-cost rule or (`private`) by the private validation release; DP-SGD and DPKD: the
+    harness's private choice among the candidate runs (always private)."""
+    out = []
+    if method == "ours":
+        for r in _runs(results, PRIVATE_ROW["ours"] if private else "ours"):
+            sel = r.get("selection") or {}
+            out.append({"repeat": r["repeat"], "value": r["student"], "chosen": sel.get("chosen"),
+                        "selection_epsilon": (sel.get("private_validation") or {}).get("epsilon", 0.0),
+                        "epsilon": r["epsilon"]})
+        return out
+    runs = _runs(results, PRIVATE_ROW[method])
+    for s in (s for s in results if s.get("kind") == "selection" and s["row"] == PRIVATE_ROW[method]):
+        chosen = next(r for r in runs if r["repeat"] == s["repeat"] and r["candidate"] == s["chosen"])
+        out.append({"repeat": s["repeat"], "value": chosen["student"], "chosen": s["chosen"],
+                    "selection_epsilon": s["selection_epsilon"], "epsilon": s["epsilon"]})
+    return sorted(out, key=lambda d: d["repeat"])
+
+
+def _study(scores: dict[str, float], test: dict[str, float], chosen: str) -> dict:
+    names = sorted(scores)
+    return {"spearman": spearman([scores[n] for n in names], [test[n] for n in names]),
+            "regret": test[chosen] - min(test.values()), "chosen": chosen}
+
+
+def rule_study(results: list[dict], method: str = "ours", private: bool = False,
+               criterion: str | None = None) -> list[dict]:
+    """Per repeat: Spearman ρ of a selection's scores against the candidates' test perplexities,
+    and its regret (the chosen candidate's test perplexity minus the best's). ours: its run's
+    own rule (`select_by`, or `criterion` to ask how another would have ranked); DP-SGD and
+    DPKD: the noisy validation scores of the harness's private choice."""
+    out = []
+    if method == "ours":
+        for r in _runs(results, PRIVATE_ROW["ours"] if private else "ours"):
+            cands, sel = _candidates(r), r.get("selection") or {}
+            name = criterion or sel.get("select_by")
+            cands = [c for c in cands if c.get(name) is not None]
+            if len(cands) < 2:
+                continue
+            scores = {c["candidate"]: c[name] for c in cands}
+            chosen = sel["chosen"] if criterion is None else min(scores, key=scores.get)
+            test = {c["candidate"]: c["test_perplexity"] for c in cands}
+            out.append({"repeat": r["repeat"], **_study(scores, test, chosen)})
+        return out
+    runs = _runs(results, PRIVATE_ROW[method])
+    for s in (s for s in results if s.get("kind") == "selection" and s["row"] == PRIVATE_ROW[method]):
+        test = {r["candidate"]: r["student"] for r in runs if r["repeat"] == s["repeat"] and r["candidate"] in s["scores"]}
+        out.append({"repeat": s["repeat"], **_study(s["scores"], test, s["chosen"])})
+    return sorted(out, key=lambda d: d["repeat"])
+
+
+def _each(values: list[dict], key: str = "value", name: str | None = None) -> str:
+    return ", ".join(f"{v[key]:.1f}" + (f" ({v[name]})" if name else "") for v in values)
+
+
+def _eps(values: list[float]) -> str:
+    return ", ".join(f"{e:.3f}" for e in sorted(set(round(v, 3) for v in values))) or "–"
+
+
+def _tables(results: list[dict]) -> list[str]:
+    lines = ["## Oracle: each method's best candidate by test perplexity (an upper bound, not deployable)", "",
+             "| method | repeats | test perplexity (mean ± sd) | each repeat (best candidate) | ε of each run |",
+             "|---|---:|---:|---|---:|"]
+    for m in METHODS:
+        v = oracle(results, m)
+        lines.append(f"| {LABELS[m]} | {len(v)} | {mean_sd([x['value'] for x in v])} | {_each(v, name='candidate')} "
+                     f"| {_eps([x['epsilon'] for x in v])} |")
+    lines += ["", "## Deployable: chosen without the test split, inside the same total ε", "",
+              "| row | repeats | test perplexity (mean ± sd) | each repeat (chosen) | selection ε | total ε |",
+              "|---|---:|---:|---|---:|---:|"]
+    for m, private, label in (("ours", False, "ours (zero-cost rule)"), ("ours", True, "ours (private selection)"),
+                              ("dpsgd", True, "DP-SGD (private selection)"), ("dpkd", True, "DPKD (private selection)")):
+        v = deployable(results, m, private)
+        lines.append(f"| {label} | {len(v)} | {mean_sd([x['value'] for x in v])} | {_each(v, name='chosen')} "
+                     f"| {_eps([x['selection_epsilon'] for x in v])} | {_eps([x['epsilon'] for x in v])} |")
+    return lines
+
+
+def _candidate_table(results: list[dict]) -> list[str]:
+    """Each candidate's test perplexity over the repeats, at the full ε and at the deployable one."""
+    lines = ["", "## Candidates: test perplexity of each (mean ± sd over repeats)", "",
+             "| method | candidate | at the full ε | at the deployable row's ε |", "|---|---|---:|---:|"]
+    for m in METHODS:
+        full: dict[str, list[float]] = {}
+        shared: dict[str, list[float]] = {}
+        if m == "ours":
+            for row, into in (("ours", full), ("ourspriv", shared)):
+                for r in _runs(results, row):
+                    for c in _candidates(r):
+                        into.setdefault(c["candidate"], []).append(c["test_perplexity"])
+        else:
+            for row, into in ((ORACLE_ROW[m], full), (PRIVATE_ROW[m], shared)):
+                for r in _runs(results, row):
+                    into.setdefault(r["candidate"], []).append(r["student"])
+        for name in sorted(set(full) | set(shared)):
+            lines.append(f"| {LABELS[m]} | {name} | {mean_sd(full.get(name, []))} | {mean_sd(shared.get(name, []))} |")
+    return lines
+
+
+def _rule_table(results: list[dict]) -> list[str]:
+    lines = ["", "## Selection on each method's candidates: Spearman ρ against test perplexity and regret", "",
+             "| selection | runs | ρ (mean) | each run | regret (mean ± sd) | each run |", "|---|---:|---:|---|---:|---|"]
+    studies = [(f"ours: {c}" + (" (the rule)" if c == "teacher_kl" else " (would have chosen)"),
+                rule_study(results, "ours", criterion=None if c == "teacher_kl" else c))
+               for c in ("teacher_kl", "untruncated_ce", "synthetic_validation_ce")]
+    studies += [(f"{LABELS[m]}: private validation", rule_study(results, m, private=True)) for m in METHODS]
+    for label, s in studies:
+        rho = ", ".join("–" if x["spearman"] is None else f"{x['spearman']:.2f}" for x in s)
+        lines.append(f"| {label} | {len(s)} | {_mean([x['spearman'] for x in s], 2)} | {rho} "
+                     f"| {mean_sd([x['regret'] for x in s])} | {_each(s, 'regret')} |")
+    return lines
+
+
+def _wall_table(results: list[dict]) -> tuple[list[str], float]:
+    """Each run's wall seconds by row, the private choices' apart; and the total of all."""
+    lines = ["", "## Wall time", "", "| row | runs | seconds each | mean s |", "|---|---:|---|---:|"]
+    for row in ("ours", "ourspriv", "dpsgd", "dpsgddep", "dpkd", "dpkddep"):
+        seconds = [r["seconds"] for r in _runs(results, row)]
+        if seconds:
+            lines.append(f"| {row} | {len(seconds)} | {', '.join(f'{s:.0f}' for s in seconds)} "
+                         f"| {statistics.mean(seconds):.0f} |")
+    choices = [r["seconds"] for r in results if r.get("kind") == "selection"]
+    if choices:
+        lines.append(f"| private choices | {len(choices)} | {', '.join(f'{s:.0f}' for s in choices)} "
+                     f"| {statistics.mean(choices):.0f} |")
+    return lines, sum(r["seconds"] for r in results)
+
+
+def report(results: list[dict], corpus: str) -> str:
+    """The tables, then the summary lines; the last three are the issue's."""
+    wall, total = _wall_table(results)
+    lines = _tables(results) + _candidate_table(results) + _rule_table(results) + wall + [""]
+    runs = [r for r in results if r.get("kind", "run") == "run"]
+    lines.append(f"wall corpus={corpus} runs={len(runs)} selections={len(results) - len(runs)} "
+                 f"seconds={total:.0f} hours={total / 3600:.1f}")
+    dep = {m: mean_sd([x["value"] for x in deployable(results, m, private=True)]) for m in METHODS}
+    lines.append(f"table=deployable-private corpus={corpus} " + " ".join(f"{m}={dep[m]}" for m in METHODS))
+    for m in METHODS:
+        s = rule_study(results, m, private=True)
+        lines.append(f"private corpus={corpus} method={m} candidates={K} spearman={_mean([x['spearman'] for x in s], 2)} "
+                     f"regret={_mean([x['regret'] for x in s], 1)}")
+    oracle_line = {m: mean_sd([x["value"] for x in oracle(results, m)]) for m in METHODS}
+    dep["ours"] = mean_sd([x["value"] for x in deployable(results, "ours", private=False)])
+    rule = rule_study(results, "ours")
+    k = max((len(_candidates(r)) for r in _runs(results, "ours")), default=K)
+    lines.append(f"table=oracle corpus={corpus} " + " ".join(f"{m}={oracle_line[m]}" for m in METHODS))
+    lines.append(f"table=deployable corpus={corpus} " + " ".join(f"{m}={dep[m]}" for m in METHODS))
+    lines.append(f"rule corpus={corpus} candidates={k} spearman={_mean([x['spearman'] for x in rule], 2)} "
+                 f"regret={_mean([x['regret'] for x in rule], 1)}")
+    return "\n".join(lines) + "\n"
