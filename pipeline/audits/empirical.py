@@ -108,12 +108,12 @@ def one_run_audit(scores: Sequence[float], included: Sequence[bool], delta: floa
         raise ValueError(f"{m} scores for {len(included)} canaries")
     pairs = choices(m, grid)
     beta = (1 - confidence) / len(pairs)
-    best = {"epsilon_lower_bound": 0.0, "k_plus": 0, "k_minus": 0, "guesses": 0, "right": 0}
+    tried = []
     for k_plus, k_minus in pairs:
         r, v = guesses(scores, included, k_plus, k_minus)
-        eps = epsilon_lower_bound(m, r, v, delta, beta)
-        if eps > best["epsilon_lower_bound"]:
-            best = {"epsilon_lower_bound": eps, "k_plus": k_plus, "k_minus": k_minus, "guesses": r, "right": v}
+        tried.append({"epsilon_lower_bound": epsilon_lower_bound(m, r, v, delta, beta), "k_plus": k_plus,
+                      "k_minus": k_minus, "guesses": r, "right": v})
+    best = max(tried, key=lambda t: (t["epsilon_lower_bound"], t["guesses"]))  # none above 0: the most guesses
     return {**best, "canaries": m, "included": int(np.sum(included)), "delta": delta, "confidence": confidence,
             "choices_scanned": len(pairs)}
 
