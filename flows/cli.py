@@ -12,6 +12,7 @@
     dpdistill ledger show runs/demo-...                       # a run's privacy ledger
     dpdistill audit runs/demo-... [--span 10]                 # published files vs training records
     dpdistill audit --canaries 8 --config C [key=value ...]   # canary exposure of a fresh run
+    dpdistill audit --empirical runs/demo-...                # empirical ε, membership, extraction
     dpdistill models fetch smollm2-135m                      # a real model into the model cache (cache:smollm2-135m)
     dpdistill models student smollm2-135m --layers 4         # a pruned, healed student of it (flows/cli_models.py)
 
@@ -32,6 +33,7 @@ from pathlib import Path
 # Only light modules here: `--help`, `status`, `ledger show`, `report` and config errors
 # must answer without importing torch, transformers, Opacus or Prefect (tens of seconds on a
 # loaded machine; issue 10). The commands that need them import them in their handlers.
+from flows.cli_audit import add_audit_parser, run_empirical
 from flows.cli_models import add_models_parser, run_models
 from flows.run_info import RUN_INFO, STAGES, STAGES_INFO, TOOL, RunDirError, read_run_info, run_alive, stages_to_rerun
 from pipeline.config import ConfigError, load_config
@@ -161,21 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     ledger = sub.add_parser("ledger", help="inspect a run's privacy ledger")
     ledger.add_argument("action", choices=["show"])
     ledger.add_argument("run_dir", help="a run directory (holding ledger.json)")
-    audit = sub.add_parser(
-        "audit",
-        help="scan what a run publishes for verbatim spans of its training records (exit 1 on a leak, 3 when "
-        "something it publishes could not be read), or with --canaries measure canary exposure of a new run",
-    )
-    audit.add_argument("run_dir", nargs="?", help="a run directory (not with --canaries)")
-    audit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides (with --canaries)")
-    audit.add_argument("--span", type=int, default=10, help="words in a matched span (default 10)")
-    audit.add_argument("--canaries", type=int, metavar="N", help="insert N secret canaries and run the pipeline")
-    audit.add_argument("--config", help="YAML config of the canary run (with --canaries)")
-    audit.add_argument("--repetitions", default="1,1,4,16",
-                       help="copies of each canary, cycled over the canaries (default 1,1,4,16)")
-    audit.add_argument("--candidates", type=int, default=1000, help="random candidates per canary (default 1000)")
-    audit.add_argument("--work-dir", help="a new directory for the secret data copy, 0700 and deleted when the audit "
-                       "ends (default <run_root>/canaries-<time>); the run itself goes under run_root")
+    add_audit_parser(sub)
     add_models_parser(sub)
     return parser
 
@@ -191,6 +179,8 @@ def run_audit(args) -> int:
         print(f"dpdistill audit: error: {msg}", file=sys.stderr)
         return 2
 
+    if args.empirical:
+        return run_empirical(args, usage, user_errors())
     if args.canaries is None:
         if args.config or not args.run_dir or args.overrides:
             return usage("pass one run directory (dpdistill audit RUN_DIR), or --canaries N --config C")

@@ -41,11 +41,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from opacus.utils.batch_memory_manager import BatchMemoryManager
+from pydantic import ValidationError
 
 from pipeline.audits.audit import split_files
 from pipeline.audits.empirical import extraction_figures, membership_figures, one_run_audit
 from pipeline.batching import TokenizedRecords, lm_batch
-from pipeline.config import PipelineConfig, load_config
+from pipeline.config import PipelineConfig, TeacherConfig, load_config
 from pipeline.devices import Runtime
 from pipeline.manifest import MANIFEST, atomic_write_json, private_dir
 from pipeline.models.base import load_causal_lm, load_tokenizer
@@ -242,8 +243,11 @@ def empirical_audit(run_dir: Path, canaries: int = DEFAULT_CANARIES, records: in
     `teacher_overrides`: teacher settings changed for both trainings (e.g. epochs), said in the file."""
     run_dir = Path(run_dir)
     cfg, files, base_model = _inputs(run_dir)
-    teacher = cfg.teacher.model_copy(update={"monitor": "none", "processes": 1, "nnodes": 1,
-                                             **(teacher_overrides or {})})
+    try:  # validated as the config is: a wrong key or value is an error naming it
+        teacher = TeacherConfig.model_validate({**cfg.teacher.model_dump(), **(teacher_overrides or {}),
+                                                "monitor": "none", "processes": 1, "nnodes": 1})
+    except ValidationError as e:
+        raise EmpiricalAuditError(f"teacher overrides {teacher_overrides}: {e}") from None
     t0, runtime = time.time(), Runtime.from_config(cfg)
     private = private_dir(run_dir / PRIVATE)
     work = Path(private / f".empirical-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}")

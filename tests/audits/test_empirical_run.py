@@ -4,11 +4,13 @@ the bound stays below the ledger's ε, and the figures stay in a 0600 private fi
 import json
 import stat
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from conftest import tiny_pipeline_dict
-from pipeline.audits.empirical_run import EMPIRICAL, EmpiricalAuditError, empirical_audit, format_summary
+from flows.cli import main
+from pipeline.audits.empirical_run import EMPIRICAL, EmpiricalAuditError, empirical_audit
 from pipeline.config import config_from_dict
 from pipeline.stages.data import prepare_data
 
@@ -26,26 +28,35 @@ def make_run(tmp_path, model_dir, keep=True):
     return run
 
 
-def test_needs_private_copies(tmp_path, tiny_model_dir):
+def test_needs_private_copies(tmp_path, tiny_model_dir, capsys):
     run = make_run(tmp_path, tiny_model_dir, keep=False)
     for f in ("train", "validation", "test"):
         (run / "data" / f"{f}.parquet").unlink()
     with pytest.raises(EmpiricalAuditError, match="data.keep_private_copies=true"):
         empirical_audit(run)
+    assert main(["audit", "--empirical", str(run)]) == 2
+    assert "data.keep_private_copies=true" in capsys.readouterr().err
+    assert main(["audit", "--empirical", str(run), "generate.num_samples=3"]) == 2
 
 
 def test_noise_off_is_caught_and_dp_stays_below_its_epsilon(tmp_path, tiny_model_dir, capsys):
     run = make_run(tmp_path, tiny_model_dir)
-    path, report = empirical_audit(run, canaries=128, records=40,
-                                   teacher_overrides={"epochs": 30, "learning_rate": 1e-2})
+    assert main(["audit", "--empirical", str(run), "--canaries", "128", "teacher.epochs=30",
+                 "teacher.learning_rate=0.01"]) == 0
+    path = run / "private" / EMPIRICAL
+    report = json.loads(path.read_text())
     dp, off = report["models"]["dp"]["one_run"], report["models"]["noise_off"]["one_run"]
-    print(format_summary(report))
-    assert off["epsilon_lower_bound"] > 0.5, off
+    assert report["teacher_overrides"] == {"epochs": 30, "learning_rate": 0.01}
+    assert off["epsilon_lower_bound"] > 0.5, off  # 1.0 in a trial: 119 of 128 guesses right
     assert dp["epsilon_lower_bound"] < report["audit_training_epsilon"] <= 1.0 + 1e-6, dp
-    assert report["models"]["noise_off"]["membership"]["auc"] > report["models"]["dp"]["membership"]["auc"] - 0.1
-    assert path == run / "private" / EMPIRICAL
+    assert report["models"]["noise_off"]["membership"]["auc"] > report["models"]["dp"]["membership"]["auc"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert [p.name for p in path.parent.iterdir()] == [EMPIRICAL]  # the data copy and models are gone
     printed = capsys.readouterr().out
-    texts = __import__("pyarrow.parquet", fromlist=["x"]).read_table(run / "data" / "train.parquet")["text"].to_pylist()
-    assert not any(t[:40] in printed for t in texts if len(t) >= 40)
+    assert "ε lower bound" in printed and "noise_off" in printed
+    texts = pq.read_table(run / "data" / "train.parquet")["text"].to_pylist()
+    assert not any(t[:30] in printed for t in texts if len(t) >= 30)
+    def lists(x):  # no per-canary or per-record values (texts, coins, scores) in the file: aggregates only
+        return isinstance(x, list) or isinstance(x, dict) and any(map(lists, x.values()))
+    assert not lists(report)
+    assert not (run / "report.html").exists()
