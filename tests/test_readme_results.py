@@ -105,7 +105,7 @@ def test_a_run_log_in_the_cli_s_early_format_is_read_too(tmp_path):
 
 def test_the_shipped_readme_has_one_block_to_rewrite():
     head, block, tail = _split((ROOT / "README.md").read_text())
-    assert "## What you get" in head and "```" in block and "## How it works" in tail
+    assert "## What you get" in head and "```" in block and "## The privacy guarantee" in tail
 
 
 def test_an_unfinished_run_or_a_readme_without_markers_is_one_line_and_changes_nothing(tmp_path, capsys):
