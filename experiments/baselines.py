@@ -67,7 +67,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.baselines_report import K, read_results, report  # noqa: E402
-from experiments.shared import require_data  # noqa: E402  the data in ../shared
+from experiments.shared import append_result, finish, require_data  # noqa: E402  the data in ../shared
 
 OURS_ALPHAS = (0.0, 0.4, 0.7, 1.0)
 DPKD_ALPHAS = (0.4, 1.0)
@@ -453,16 +453,10 @@ def main(argv: list[str]) -> int:
             print(f"== {item} failed: {e!r}", flush=True)
             failed.append(str(item))
             continue
-        with results_path.open("a") as f:
-            f.write(json.dumps(result) + "\n")
+        append_result(results_path, result)
         print(f"== done: {json.dumps({k: result[k] for k in ('row', 'repeat', 'seconds')})}", flush=True)
-    text = report(read_results(results_path), corpus)
-    (root / "baselines.md").write_text(text)
-    print(text)
     print(f"this invocation: {time.monotonic() - t_start:.0f} s wall")
-    if failed:
-        print("failed: " + ", ".join(failed), file=sys.stderr)
-    return 1 if failed else 0
+    return finish(root / "baselines.md", report(read_results(results_path), corpus), failed)
 
 
 if __name__ == "__main__":

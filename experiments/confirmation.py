@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import require_data  # noqa: E402  the data in ../shared
+from experiments.shared import append_result, finish, require_data  # noqa: E402  the data in ../shared
 # (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
 ROWS = {
     "ours": (("distill.method=distil", "distill.keep_candidates=true"), "control-codes"),
@@ -195,15 +195,9 @@ def main(argv: list[str]) -> int:
                 print(f"== {label} run {k} failed: {e!r}", flush=True)
                 failed.append(f"{label} r{k}")
                 continue
-            with results_path.open("a") as f:
-                f.write(json.dumps(result) + "\n")
+            append_result(results_path, result)
             print(f"== {label} run {k}: {result['student']:.1f} ({result['seconds']:.0f} s)", flush=True)
-    text = report(_read(results_path), corpus)
-    (root / "confirmation.md").write_text(text)
-    print(text)
-    if failed:
-        print("failed: " + ", ".join(failed), file=sys.stderr)
-    return 1 if failed else 0
+    return finish(root / "confirmation.md", report(_read(results_path), corpus), failed)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ their license). A study whose config reads a file that is not there exits with o
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -33,3 +34,18 @@ def require_data(cfg, script: str, config: str | None = None) -> None:
            "shipped; put it there, or pass a config of your own data" if shared else "pass a config whose data exists")
     print(f"{script}: {field} {path}{where} is not there: {why}", file=sys.stderr)
     sys.exit(2)
+
+
+def append_result(path: Path, result: dict) -> None:
+    """One finished run (or choice) as a line of the study's jsonl: a restart skips it."""
+    with path.open("a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+def finish(report_path: Path, text: str, failed: list[str]) -> int:
+    """Write and print the study's report, name what failed (a restart retries it); the exit status."""
+    report_path.write_text(text)
+    print(text)
+    if failed:
+        print("failed: " + ", ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
