@@ -70,7 +70,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from torch import nn
 
 from pipeline.privacy.bk_layers import (EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED, OTHER_MODES, Keep,
-                                        UnsupportedLayer, Use, elementwise_forward, embedding_forward, layer_rule,
+                                        SquaredNorms, UnsupportedLayer, Use, elementwise_forward, embedding_forward, layer_rule,
                                         linear_forward, problem_line, routed_class, trainable_here)
 
 BK = "bk"
@@ -219,18 +219,17 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
 def _per_example_sq_norms(kept: list, batch: int, device: torch.device) -> torch.Tensor:
     """‖∇ℓᵢ‖² (B,) over every trainable parameter. A parameter with several calls in the forward
     (a reused module) gets the norm of the sum of its calls' gradients: Σⱼ‖∇ⱼ‖² + 2Σⱼ<ₖ⟨∇ⱼ, ∇ₖ⟩."""
-    sq = torch.zeros(batch, device=device)
+    norms = SquaredNorms(batch, device)
     calls: dict[int, list[Use]] = {}  # id(parameter) -> its calls' uses, in backward order
-    grams: dict = {}  # the layers' input Gram matrices, shared where layers share an input
     for name, param, use in kept:
         use.by_example(batch, name)
-        sq = sq + use.sq(grams)
+        use.add_sq(norms)
         calls.setdefault(id(param), []).append(use)
     for uses in calls.values():
         for j in range(1, len(uses)):
             for k in range(j):
-                sq = sq + 2 * uses[j].dot(uses[k])
-    return sq
+                norms.add(2 * uses[j].dot(uses[k]))
+    return norms.total()
 
 
 class _InPlaceNoise:

@@ -26,8 +26,8 @@ SCALE, ONE_PLUS_SCALE, AFFINE_SCALE = "w·s(x) + b", "(1+w)·s(x) + b", "c(x) + 
 # --- one call's per-example gradient of one parameter, kept in factored form -------------------
 
 class Use:
-    """What one call of a layer leaves for one trainable parameter, in factored form: `sq(grams)`
-    (B,) the squared norm of each example's gradient from this call, `dot(other)` (B,) the
+    """What one call of a layer leaves for one trainable parameter, in factored form: `add_sq(norms)`
+    adds to a `SquaredNorms` the squared norm of each example's gradient from this call, `dot(other)` (B,) the
     inner products with another call's (same parameter), `weighted_sum(coef)` = Σᵢ coefᵢ ∇ᵢ.
 
     The factors' dim 0 is the example, as the loss's. A layer fed a 2-D input (N, d) with no
@@ -52,27 +52,48 @@ class Use:
         self.rows = batch
 
 
-def _input_gram(a: torch.Tensor, grams: dict) -> torch.Tensor:
-    """a aᵀ per example (B, T, T), computed once for the layers that read the same input (q, k
-    and v; gate and up: 3 of a Llama layer's 14 Gram matrices). Keyed by the input's memory,
-    which the kept uses hold until the norms are formed, so no other tensor can have it."""
-    key = (a.data_ptr(), tuple(a.shape), tuple(a.stride()))
-    if key not in grams:
-        grams[key] = a @ a.transpose(1, 2)
-    return grams[key]
+class SquaredNorms:
+    """Σ over uses of each example's squared gradient norm (B,), in as few products as the
+    arithmetic allows: the uses of one input a (q, k and v; gate and up: 7 linear maps of a
+    Llama layer read 4 inputs) add up their output Gram matrices Σⱼ gⱼgⱼᵀ in place, and each
+    input's Gram matrix aaᵀ meets that sum once, ⟨aaᵀ, Σⱼ gⱼgⱼᵀ⟩ = Σⱼ ‖aᵀgⱼ‖² per example.
+    Fewer kernels per layer matter on a GPU, where a step of a 135 M model is launch-bound.
+    An input is keyed by its memory, which the kept uses hold until the norms are formed, so
+    no other tensor can have it."""
+
+    def __init__(self, batch: int, device: torch.device):
+        self.sq = torch.zeros(batch, device=device)
+        self._ghost: dict = {}  # input key -> [a (B, T, d), Σⱼ gⱼgⱼᵀ (B, T, T)]
+
+    def add(self, values: torch.Tensor) -> None:
+        self.sq.add_(values)
+
+    def add_ghost(self, a: torch.Tensor, g: torch.Tensor) -> None:
+        key = (a.data_ptr(), tuple(a.shape), tuple(a.stride()))
+        if (entry := self._ghost.get(key)) is None:
+            self._ghost[key] = [a, g @ g.transpose(1, 2)]
+        else:
+            entry[1].baddbmm_(g, g.transpose(1, 2))
+
+    def total(self) -> torch.Tensor:
+        """The (B,) sums; the Gram matrices are dropped."""
+        for a, gg in self._ghost.values():
+            aa = a @ a.transpose(1, 2)  # (B, T, T)
+            self.sq.add_((aa * gg).sum((1, 2)))
+        self._ghost = {}
+        return self.sq
 
 
-def _matmul_dot(a1, g1, a2, g2, grams: dict) -> torch.Tensor:
-    """⟨a1ᵢᵀg1ᵢ, a2ᵢᵀg2ᵢ⟩_F for each example i; aₖ (B, Tₖ, d), gₖ (B, Tₖ, p). Ghost (the
-    Tₖ × Tₖ' Gram matrices) when 2·T·T' < p·d, else through the (B, d, p) per-example gradients."""
-    t1, t2, d, p = a1.shape[1], a2.shape[1], a1.shape[2], g1.shape[2]
-    if 2 * t1 * t2 < p * d:
-        aa = _input_gram(a1, grams) if a2 is a1 else a1 @ a2.transpose(1, 2)  # (B, T, T')
-        return (aa * (g1 @ g2.transpose(1, 2))).sum((1, 2))
-    w1 = torch.einsum("btd,btp->bdp", a1, g1)
-    if a2 is a1 and g2 is g1:
-        return w1.pow(2).sum((1, 2))
-    return (w1 * torch.einsum("btd,btp->bdp", a2, g2)).sum((1, 2))
+def _ghost_is_cheaper(t1: int, t2: int, d: int, p: int) -> bool:
+    """Ghost (T × T' Gram matrices) when 2·T·T' < p·d, else through the (B, d, p) gradients."""
+    return 2 * t1 * t2 < p * d
+
+
+def _matmul_dot(a1, g1, a2, g2) -> torch.Tensor:
+    """⟨a1ᵢᵀg1ᵢ, a2ᵢᵀg2ᵢ⟩_F for each example i (two calls of one weight); aₖ (B, Tₖ, d), gₖ (B, Tₖ, p)."""
+    if _ghost_is_cheaper(a1.shape[1], a2.shape[1], a1.shape[2], g1.shape[2]):
+        return ((a1 @ a2.transpose(1, 2)) * (g1 @ g2.transpose(1, 2))).sum((1, 2))  # (B, T, T') each
+    return (torch.einsum("btd,btp->bdp", a1, g1) * torch.einsum("btd,btp->bdp", a2, g2)).sum((1, 2))
 
 
 class _MatmulUse(Use):
@@ -87,11 +108,15 @@ class _MatmulUse(Use):
         self.a = self.a.reshape(batch, -1, self.a.shape[-1])
         self.g = self.g.reshape(batch, -1, self.g.shape[-1])
 
-    def sq(self, grams: dict) -> torch.Tensor:
-        return _matmul_dot(self.a, self.g, self.a, self.g, grams)
+    def add_sq(self, norms: SquaredNorms) -> None:
+        t, d, p = self.a.shape[1], self.a.shape[2], self.g.shape[2]
+        if _ghost_is_cheaper(t, t, d, p):
+            norms.add_ghost(self.a, self.g)
+        else:
+            norms.add(torch.einsum("btd,btp->bdp", self.a, self.g).pow(2).sum((1, 2)))
 
     def dot(self, other: _MatmulUse) -> torch.Tensor:
-        return _matmul_dot(self.a, self.g, other.a, other.g, {})
+        return _matmul_dot(self.a, self.g, other.a, other.g)
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         # aᵀ·diag(C)·g: scale the smaller of a and g (for lm_head, a: d=768 beside V=50257)
@@ -112,8 +137,8 @@ class _LookupUse(Use):
     def _regroup(self, batch: int) -> None:
         self.ids, self.g = self.ids.reshape(batch, -1), self.g.reshape(batch, -1, self.g.shape[-1])
 
-    def sq(self, grams: dict) -> torch.Tensor:
-        return self.dot(self)
+    def add_sq(self, norms: SquaredNorms) -> None:
+        norms.add(self.dot(self))
 
     def dot(self, other: _LookupUse) -> torch.Tensor:
         same = self.ids.unsqueeze(2) == other.ids.unsqueeze(1)  # (B, T, T')
@@ -135,8 +160,8 @@ class _VectorUse(Use):
     def _regroup(self, batch: int) -> None:
         self.per = self.per.reshape(batch, -1, self.per.shape[-1]).sum(1)
 
-    def sq(self, grams: dict) -> torch.Tensor:
-        return self.per.pow(2).sum(1)
+    def add_sq(self, norms: SquaredNorms) -> None:
+        norms.add(self.per.pow(2).sum(1))
 
     def dot(self, other: _VectorUse) -> torch.Tensor:
         return (self.per * other.per).sum(1)
@@ -161,6 +186,20 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype; t itself when it already is (no dispatch: these run once per layer call)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _apply_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """x Wᵀ + b (nn.Linear's layout) or x W + b (Conv1D's, `transposed`)."""
+    if not transposed:
+        return F.linear(x, w, b)
+    if b is None:
+        return x @ w
+    return torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
+
+
 # --- the layers' autograd Functions: input gradient out, per-example factors kept ---------------
 
 class _LinearFn(torch.autograd.Function):
@@ -171,21 +210,20 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, transposed, keep):
         dt = _compute_dtype(x)
-        xc = x.to(dt)
+        xc = x if x.dtype == dt else x.to(dt)
         ctx.save_for_backward(xc, weight)
         ctx.transposed, ctx.keep, ctx.weight, ctx.bias, ctx.dt = transposed, keep, weight, bias, dt
-        w = (weight if transposed else weight.t()).to(dt)  # (d, p)
-        with torch.autocast(x.device.type, enabled=False):
-            if bias is None:
-                return xc @ w
-            return torch.addmm(bias.to(dt), xc.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
+        # every operand already in dt, autocast's own dtype when it is on: it casts nothing more
+        return _apply_linear(xc, _as(weight, dt), None if bias is None else _as(bias, dt), transposed)
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        w = (weight if ctx.transposed else weight.t()).to(ctx.dt)  # (d, p)
-        grad_x = g.to(ctx.dt) @ w.t() if ctx.needs_input_grad[0] else None  # autograd casts it to x's dtype
-        a3, g3 = _flat3(x.detach()).float(), _flat3(g).float()  # x is an activation: no graph on it later
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # autograd casts it to x's dtype
+            w = _as(weight, ctx.dt)  # Linear: (p, d), so g W; Conv1D: (d, p), so g Wᵀ
+            grad_x = _as(g, ctx.dt) @ (w.t() if ctx.transposed else w)
+        a3, g3 = _as(_flat3(x.detach()), torch.float32), _as(_flat3(g), torch.float32)  # x: no graph on it later
         flat = x.dim() == 2
         uses = []
         if ctx.needs_input_grad[1]:
