@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import sys
 import tempfile
@@ -78,6 +79,8 @@ def main() -> None:
     ap.add_argument("--shape-of", metavar="DIR", help="random-init teacher and student of this model's shape")
     ap.add_argument("--student-layers", type=int, default=4, help="with --shape-of: the student's layers")
     a = ap.parse_args()
+    # the stages' own progress lines (what a run logs), so a slow stage shows where its time goes
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True)
     overrides = list(a.overrides)
     if a.shape_of:
         shaped = Path(tempfile.mkdtemp(prefix="shape-"))
