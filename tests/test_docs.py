@@ -166,6 +166,13 @@ def test_reference_pages_have_no_dated_headings(name):
     assert not dated, "\n".join(dated)
 
 
+def test_operations_stays_a_reference_a_reader_can_hold():
+    """docs/operations.md says how to operate, not what happened (issue 39: ≤ 700 lines; the
+    measurements go to docs/benchmarks.md with their commands)."""
+    n = len((ROOT / "docs" / "operations.md").read_text(encoding="utf-8").splitlines())
+    assert n <= 700, f"docs/operations.md has {n} lines: move measurements to docs/benchmarks.md"
+
+
 def test_every_path_docs_pipeline_names_exists():
     page = ROOT / "docs" / "pipeline.md"
     text = page.read_text(encoding="utf-8")
