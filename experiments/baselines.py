@@ -7,6 +7,10 @@ and two tables compare them, each row repeated with fresh DP noise. Resumable.
     OMP_NUM_THREADS=1 .venv/bin/python experiments/baselines.py --config configs/reference.yaml
     .venv/bin/python experiments/baselines.py --config configs/airline.yaml --report-only
 
+`--grid k2` runs the smaller grid docs/real_model.md fixed for SmolLM2 before any run (K = 2:
+ours α ∈ {0.4, 1}; DP-SGD's learning rate ∈ {the config's, 4x}; DPKD α ∈ {0.4, 1}); the default,
+`--grid k4`, is the one below.
+
 The candidates (K = 4 each; "3x": three times the config's value):
 - ours: α ∈ {0, 0.4, 0.7, 1}, all in ONE run (distill.candidates, distill.keep_candidates=true, so
   that every candidate's student is scored on the test split after the choice): the distillation
@@ -66,13 +70,33 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.baselines_report import K, read_results, report  # noqa: E402
+from experiments.baselines_report import read_results, report  # noqa: E402
 from experiments.shared import append_result, finish, require_data  # noqa: E402  the data in ../shared
 
-OURS_ALPHAS = (0.0, 0.4, 0.7, 1.0)
-DPKD_ALPHAS = (0.4, 1.0)
-SCALE = 3
-"""The second learning rate and number of epochs of a candidate grid: this times the config's."""
+@dataclass(frozen=True)
+class Grid:
+    """Each method's K candidate settings, as multiples of the config's teacher section."""
+
+    ours_alphas: tuple[float, ...]
+    dpsgd: tuple[tuple[float, int], ...]  # (learning-rate multiple, epochs multiple)
+    dpkd: tuple[tuple[float, float], ...]  # (α, learning-rate multiple); one learning rate's next to each other
+
+    @property
+    def k(self) -> int:
+        assert len(self.ours_alphas) == len(self.dpsgd) == len(self.dpkd), "every method gets K candidates"
+        return len(self.ours_alphas)
+
+
+GRIDS = {
+    # the builtin models (docs/baselines.md): "3x" is three times the config's value
+    "k4": Grid(ours_alphas=(0.0, 0.4, 0.7, 1.0), dpsgd=((1, 1), (1, 3), (3, 1), (3, 3)),
+               dpkd=((0.4, 1), (1.0, 1), (0.4, 3), (1.0, 3))),
+    # SmolLM2 (docs/real_model.md, fixed there before any run): ours α ∈ {0.4, 1}; DP-SGD's
+    # learning rate ∈ {5e-4, 2e-3}, the configs' and 4x; DPKD α ∈ {0.4, 1}
+    "k2": Grid(ours_alphas=(0.4, 1.0), dpsgd=((1, 1), (4, 1)), dpkd=((0.4, 1), (1.0, 1))),
+}
+DEFAULT_GRID = GRIDS["k4"]
+OURS_ALPHAS = DEFAULT_GRID.ours_alphas
 ROWS = ("ours", "dpsgd", "dpsgddep", "ourspriv", "dpkd", "dpkddep")
 """The order of one repeat's runs: the zero-cost row and the cheap DP-SGD first."""
 METHOD = {"ours": "distil", "ourspriv": "distil", "dpsgd": "dp_sgd", "dpsgddep": "dp_sgd",
@@ -93,23 +117,24 @@ class Candidate:
         return tuple(o for o in self.overrides if o.startswith("teacher."))
 
 
-def candidates(cfg, row: str) -> list[Candidate]:
+def candidates(cfg, row: str, grid: Grid = DEFAULT_GRID) -> list[Candidate]:
     """The row's candidate settings (module docstring), from the config's teacher section."""
     t = cfg.teacher
-    lrs = (t.learning_rate, SCALE * t.learning_rate)
     if METHOD[row] == "dp_sgd":
-        return [Candidate(f"lr={lr:g},epochs={e}", (f"teacher.learning_rate={lr:g}", f"teacher.epochs={e}"))
-                for lr in lrs for e in (t.epochs, SCALE * t.epochs)]
-    if METHOD[row] == "dpkd":  # one learning rate's two candidates next to each other: they share its teacher
-        return [Candidate(f"alpha={a},lr={lr:g}", (f"distill.alpha={a}", f"teacher.learning_rate={lr:g}"))
-                for lr in lrs for a in DPKD_ALPHAS]
+        return [Candidate(f"lr={lr * t.learning_rate:g},epochs={e * t.epochs}",
+                          (f"teacher.learning_rate={lr * t.learning_rate:g}", f"teacher.epochs={e * t.epochs}"))
+                for lr, e in grid.dpsgd]
+    if METHOD[row] == "dpkd":  # one learning rate's candidates next to each other: they share its teacher
+        return [Candidate(f"alpha={a},lr={lr * t.learning_rate:g}",
+                          (f"distill.alpha={a}", f"teacher.learning_rate={lr * t.learning_rate:g}"))
+                for a, lr in grid.dpkd]
     return [Candidate("", ())]
 
 
-def row_overrides(row: str, selection_epsilon: float) -> list[str]:
+def row_overrides(row: str, selection_epsilon: float, grid: Grid = DEFAULT_GRID) -> list[str]:
     out = [f"distill.method={METHOD[row]}"]
     if METHOD[row] == "distil":
-        alphas = ", ".join(f"{{alpha: {a}}}" for a in OURS_ALPHAS)
+        alphas = ", ".join(f"{{alpha: {a}}}" for a in grid.ours_alphas)
         out += ["distill.keep_candidates=true", f"distill.candidates=[{alphas}]"]
     if row == "ourspriv":
         out += ["distill.select_by=private_validation", f"distill.selection_epsilon={selection_epsilon:g}"]
@@ -169,11 +194,11 @@ class Budget:
     plus the private choice (SHARED rows). Each total is `dpdistill plan`'s (make_plan on the
     run's config: σ, q, steps, δ as the run will have them) composed by the ledger's accountant."""
 
-    def __init__(self, config: str, overrides: list[str], selection_epsilon: float):
+    def __init__(self, config: str, overrides: list[str], selection_epsilon: float, grid: Grid = DEFAULT_GRID):
         from pipeline.config import load_config
         from pipeline.stages.data import planned_split
 
-        self.config, self.overrides, self.selection_epsilon = config, overrides, selection_epsilon
+        self.config, self.overrides, self.selection_epsilon, self.grid = config, overrides, selection_epsilon, grid
         self.cfg = load_config(config, overrides)
         self.split = planned_split(self.cfg.data, Path(self.cfg.run_root), self.cfg.control_codes.domain)
         self.target = self.total("ours", self.cfg.teacher.target_epsilon)
@@ -181,14 +206,14 @@ class Budget:
     def run_config(self, row: str, cand: Candidate, x: float):
         from pipeline.config import load_config
 
-        return load_config(self.config, [*self.overrides, *row_overrides(row, self.selection_epsilon),
+        return load_config(self.config, [*self.overrides, *row_overrides(row, self.selection_epsilon, self.grid),
                                          *cand.overrides, f"teacher.target_epsilon={x:.6g}"])
 
     def total(self, row: str, x: float) -> float:
         from pipeline.plan import make_plan
         from pipeline.privacy.ledger import compose
 
-        planned = [(c, make_plan(self.run_config(row, c, x), timing=False, split=self.split)) for c in candidates(self.cfg, row)]
+        planned = [(c, make_plan(self.run_config(row, c, x), timing=False, split=self.split)) for c in candidates(self.cfg, row, self.grid)]
         accountant, delta = self.cfg.teacher.accountant, planned[0][1].total.delta
         if row in SHARED:
             entries = unique_releases([(c, p.entries) for c, p in planned])
@@ -200,7 +225,9 @@ class Budget:
     def epsilons(self, rows: list[str], cache: Path) -> dict[str, float]:
         """Each row's x, found by bisection once and kept in `cache` under the study's settings."""
         text = Path(self.config).read_text()
-        key = hashlib.sha256(json.dumps([text, self.overrides, self.selection_epsilon, K,
+        # the k4 grid's key is the one it had before there were grids: studies under way keep their budget
+        grid = [self.grid.k] if self.grid == DEFAULT_GRID else [repr(self.grid)]
+        key = hashlib.sha256(json.dumps([text, self.overrides, self.selection_epsilon, *grid,
                                          self.split.n, self.split.n_validation]).encode()).hexdigest()[:16]
         kept = json.loads(cache.read_text()) if cache.is_file() else {}
         found = kept.get(key, {})
@@ -252,13 +279,13 @@ class Choice:
 
 
 def schedule(cfg, rows: list[str], repeats: int, epsilons: dict[str, float],
-             selection_epsilon: float) -> list[Run | Choice]:
+             selection_epsilon: float, grid: Grid = DEFAULT_GRID) -> list[Run | Choice]:
     out: list[Run | Choice] = []
     for k in range(1, repeats + 1):
         for row in (r for r in ROWS if r in rows):
-            cands = candidates(cfg, row)
+            cands = candidates(cfg, row, grid)
             for i, c in enumerate(cands):
-                overrides = (*row_overrides(row, selection_epsilon), *c.overrides,
+                overrides = (*row_overrides(row, selection_epsilon, grid), *c.overrides,
                              f"teacher.target_epsilon={epsilons[row]:.6g}")
                 shares = METHOD[row] == "dpkd" and c.teacher in [e.teacher for e in cands[:i]]
                 out.append(Run(row, k, i + 1, c, overrides, shares))
@@ -316,7 +343,7 @@ def run_one(config: str, overrides: list[str], run: Run) -> dict:
 
 
 def private_choice(config: str, overrides: list[str], choice: Choice, runs: list[dict],
-                   selection_epsilon: float) -> dict:
+                   selection_epsilon: float, grid: Grid = DEFAULT_GRID) -> dict:
     """Release each candidate student's clipped mean validation loss with Gaussian noise (the
     mechanism of select_by=private_validation, pipeline/privacy/private_selection.py, at
     `selection_epsilon` over the K scores) and keep the lowest; the row's total composes the K
@@ -349,7 +376,7 @@ def private_choice(config: str, overrides: list[str], choice: Choice, runs: list
                                          clip=cfg.distill.selection_clip, limit=cfg.distill.selection_records)
         students = {n: load_causal_lm(str(p), dtype=runtime.dtype).to(runtime.device).eval() for n, p in models.items()}
         scores = scorer.release(students, cfg.evaluate.batch_size, runtime.autocast)
-    by_name = {c.name: c for c in candidates(cfg, choice.row)}
+    by_name = {c.name: c for c in candidates(cfg, choice.row, grid)}
     entries = unique_releases([(by_name[n], ledger.entries) for n, ledger in ledgers.items()]) + [scorer.entry]
     return {"kind": "selection", "row": choice.row, "repeat": choice.repeat, "chosen": min(scores, key=scores.get),
             "scores": scores, "selection_epsilon": scorer.entry.epsilon, "noise_sd": scorer.z * scorer.clip / scorer.n,
@@ -379,7 +406,7 @@ def plan_text(budget: Budget, items: list[Run | Choice], epsilons: dict[str, flo
     for row in dict.fromkeys(i.row for i in items):
         sel = budget.selection_epsilon if row in (*SHARED, "ourspriv") else 0.0
         lines.append(f"{row:<10} {epsilons[row]:<23.4f} {sel:<12g} "
-                     f"{', '.join(c.name for c in candidates(budget.cfg, row)) or ', '.join(map(str, OURS_ALPHAS))}")
+                     f"{', '.join(c.name for c in candidates(budget.cfg, row, budget.grid)) or ', '.join(map(str, budget.grid.ours_alphas))}")
     lines.append("runs (seconds estimated by `dpdistill plan`'s stage timings on this machine):")
     total = 0.0
     for run in runs:
@@ -410,8 +437,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--selection-epsilon", type=float, default=None,
                    help="ε of each private choice (default: the config's distill.selection_epsilon)")
     p.add_argument("--plan", action="store_true", help="print the runs and their estimated wall time; train nothing")
+    p.add_argument("--grid", choices=GRIDS, default="k4",
+                   help="the candidate grid: k4 (the builtin models, docs/baselines.md) or k2 (SmolLM2, docs/real_model.md)")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
+    grid = GRIDS[args.grid]
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -419,16 +449,16 @@ def main(argv: list[str]) -> int:
     root = Path(cfg.run_root)
     results_path = root / RESULTS
     if args.report_only:
-        print(report(read_results(results_path), corpus))
+        print(report(read_results(results_path), corpus, grid.k))
         return 0
     require_data(cfg, "experiments/baselines.py", args.config)
     rows = [r for r in args.rows.split(",") if r]
     if unknown := sorted(set(rows) - set(ROWS)):
         p.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
     selection_epsilon = args.selection_epsilon or cfg.distill.selection_epsilon
-    budget = Budget(args.config, args.overrides, selection_epsilon)
+    budget = Budget(args.config, args.overrides, selection_epsilon, grid)
     epsilons = budget.epsilons(rows, root / BUDGET)
-    items = schedule(cfg, rows, args.repeats, epsilons, selection_epsilon)
+    items = schedule(cfg, rows, args.repeats, epsilons, selection_epsilon, grid)
     if args.plan:
         print(plan_text(budget, items, epsilons, corpus))
         return 0
@@ -444,11 +474,11 @@ def main(argv: list[str]) -> int:
             else:
                 runs = [r for r in results if r.get("kind", "run") == "run" and r["row"] == item.row
                         and r["repeat"] == item.repeat]
-                if len(runs) < K:
+                if len(runs) < grid.k:
                     failed.append(f"{item.row} r{item.repeat} choice (candidates missing)")
                     continue
-                print(f"== {item.row} r{item.repeat}: private choice among {K} candidates", flush=True)
-                result = private_choice(args.config, args.overrides, item, runs, selection_epsilon)
+                print(f"== {item.row} r{item.repeat}: private choice among {grid.k} candidates", flush=True)
+                result = private_choice(args.config, args.overrides, item, runs, selection_epsilon, grid)
         except Exception as e:  # name it, go on with the others; a restart retries it
             print(f"== {item} failed: {e!r}", flush=True)
             failed.append(str(item))
@@ -456,7 +486,7 @@ def main(argv: list[str]) -> int:
         append_result(results_path, result)
         print(f"== done: {json.dumps({k: result[k] for k in ('row', 'repeat', 'seconds')})}", flush=True)
     print(f"this invocation: {time.monotonic() - t_start:.0f} s wall")
-    return finish(root / "baselines.md", report(read_results(results_path), corpus), failed)
+    return finish(root / "baselines.md", report(read_results(results_path), corpus, grid.k), failed)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 
 K = 4
-"""Candidate settings per method."""
+"""Candidate settings per method (experiments/baselines.py's default grid; --grid k2: 2)."""
 METHODS = ("ours", "dpsgd", "dpkd")
 LABELS = {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}
 ORACLE_ROW = {"ours": "ours", "dpsgd": "dpsgd", "dpkd": "dpkd"}
@@ -156,12 +156,12 @@ def _eps(values: list[float]) -> str:
     return ", ".join(f"{e:.3f}" for e in sorted(set(round(v, 3) for v in values))) or "–"
 
 
-def _tables(results: list[dict]) -> list[str]:
+def _tables(results: list[dict], k: int = K) -> list[str]:
     lines = ["## Oracle: each method's best candidate by test perplexity (an upper bound, not deployable)", "",
              "| method | repeats | test perplexity (mean ± sd) | each repeat (best candidate) | ε of each run |",
              "|---|---:|---:|---|---:|"]
     for m in METHODS:
-        v = oracle(results, m)
+        v = oracle(results, m, k)
         lines.append(f"| {LABELS[m]} | {len(v)} | {mean_sd([x['value'] for x in v])} | {_each(v, name='candidate')} "
                      f"| {_eps([x['epsilon'] for x in v])} |")
     lines += ["", "## Deployable: chosen without the test split, inside the same total ε", "",
@@ -225,10 +225,10 @@ def _wall_table(results: list[dict]) -> tuple[list[str], float]:
     return lines, sum(r["seconds"] for r in results)
 
 
-def report(results: list[dict], corpus: str) -> str:
+def report(results: list[dict], corpus: str, k: int = K) -> str:
     """The tables, then the summary lines; the last three are the issue's."""
     wall, total = _wall_table(results)
-    lines = _tables(results) + _candidate_table(results) + _rule_table(results) + wall + [""]
+    lines = _tables(results, k) + _candidate_table(results) + _rule_table(results) + wall + [""]
     runs = [r for r in results if r.get("kind", "run") == "run"]
     lines.append(f"wall corpus={corpus} runs={len(runs)} selections={len(results) - len(runs)} "
                  f"seconds={total:.0f} hours={total / 3600:.1f}")
@@ -236,12 +236,11 @@ def report(results: list[dict], corpus: str) -> str:
     lines.append(f"table=deployable-private corpus={corpus} " + " ".join(f"{m}={dep[m]}" for m in METHODS))
     for m in METHODS:
         s = rule_study(results, m, private=True)
-        lines.append(f"private corpus={corpus} method={m} candidates={K} spearman={_mean([x['spearman'] for x in s], 2)} "
+        lines.append(f"private corpus={corpus} method={m} candidates={k} spearman={_mean([x['spearman'] for x in s], 2)} "
                      f"regret={_mean([x['regret'] for x in s], 1)}")
-    oracle_line = {m: mean_sd([x["value"] for x in oracle(results, m)]) for m in METHODS}
+    oracle_line = {m: mean_sd([x["value"] for x in oracle(results, m, k)]) for m in METHODS}
     dep["ours"] = mean_sd([x["value"] for x in deployable(results, "ours", private=False)])
     rule = rule_study(results, "ours")
-    k = max((len(_candidates(r)) for r in _runs(results, "ours")), default=K)
     lines.append(f"table=oracle corpus={corpus} " + " ".join(f"{m}={oracle_line[m]}" for m in METHODS))
     lines.append(f"table=deployable corpus={corpus} " + " ".join(f"{m}={dep[m]}" for m in METHODS))
     lines.append(f"rule corpus={corpus} candidates={k} spearman={_mean([x['spearman'] for x in rule], 2)} "

@@ -117,6 +117,19 @@ def test_every_method_gets_k_candidates_and_dpkd_candidates_share_a_teacher_by_l
     assert "distill.select_by=private_validation" in baselines.row_overrides("ourspriv", 0.2)
 
 
+def test_the_k2_grid_is_the_one_docs_real_model_md_fixed_before_any_run():
+    grid = baselines.GRIDS["k2"]
+    cfg = _teacher(lr=0.0005, epochs=1)  # configs/smollm2_*.yaml's teacher section
+    assert [c.name for c in baselines.candidates(cfg, "dpsgd", grid)] == ["lr=0.0005,epochs=1", "lr=0.002,epochs=1"]
+    assert [c.name for c in baselines.candidates(cfg, "dpkd", grid)] == ["alpha=0.4,lr=0.0005", "alpha=1.0,lr=0.0005"]
+    assert "distill.candidates=[{alpha: 0.4}, {alpha: 1.0}]" in baselines.row_overrides("ours", 0.2, grid)
+    items = baselines.schedule(cfg, list(baselines.ROWS), 1, {row: 1.0 for row in baselines.ROWS}, 0.2, grid)
+    runs = [i for i in items if isinstance(i, baselines.Run)]
+    assert grid.k == 2 and len(runs) == 1 + 1 + 4 * grid.k
+    # both DPKD candidates have one learning rate: the second reuses the first's teacher
+    assert [r.shares_teacher for r in runs if r.row == "dpkd"] == [False, True]
+
+
 def test_the_schedule_reruns_the_noisy_stage_of_every_later_repeat():
     eps = {row: 1.0 for row in baselines.ROWS}
     items = baselines.schedule(_teacher(), list(baselines.ROWS), 2, eps, 0.2)
