@@ -30,6 +30,10 @@ mode alike. Run from the repository root:
     .venv/bin/python bench/teacher_modes.py --preset smollm2-135m --modes nonprivate full-bk --accumulate 2
                                                               # SmolLM2-135M's shape (Llama), 2 x 8 x 64, on CPU: 11 min on 2 busy cores
 
+`--profile DIR` profiles one more step of each mode into DIR/<mode>.txt: the step's wall against
+its operators' host time and, on CUDA, the GPU's kernel time (a step whose kernels fill a small
+part of its wall waits on the host), and the top operators by each.
+
 Its last line, when bk ran beside non-private: `mode=bk time_ratio=X memory_ratio=Y` (memory:
 tensor peak on CPU, CUDA peak on a GPU), with `--accumulate K` > 1 also `pass_ratio=P`: one
 physical batch's forward, backward and clipping, the optimizer's step and noise left out.
@@ -196,6 +200,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t0)
         print("STEP", flush=True)
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if a.profile:
+        profile_step(step, mode, Path(a.profile), cuda)
     timed = times[a.warmup:]
     result = dict(mode=mode, label=label, trainable=trainable, time=statistics.median(timed), times=timed,
                   mem=(peak - before) / 2**20, first_loss=losses[0])
@@ -215,6 +221,37 @@ def child(mode: str, a: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def profile_step(step, mode: str, out: Path, cuda: bool) -> None:
+    """One more step under torch.profiler, written to out/<mode>.txt: the step's wall time, the host
+    time of its operators and, on CUDA, the time the GPU spent in kernels, which says whether the
+    step waits on the host (kernel time well below the wall) or on the GPU; then the top operators
+    by self host time and, on CUDA, by self GPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    table = prof.key_averages()
+    host = sum(e.self_cpu_time_total for e in table) / 1e6
+    lines = [f"{mode}: one step under the profiler, wall {wall:.3f} s; operators' self host time {host:.3f} s"]
+    sorts = ["self_cpu_time_total"]
+    if cuda:
+        gpu = sum(e.self_device_time_total for e in table) / 1e6
+        lines[0] += f"; GPU kernel time {gpu:.3f} s ({gpu / wall:.0%} of the wall)"
+        sorts.append("self_device_time_total")
+    lines.append(f"operator calls: {sum(e.count for e in table)}")
+    for key in sorts:
+        lines += ["", f"by {key}:", table.table(sort_by=key, row_limit=30, max_name_column_width=60)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{mode}.txt").write_text("\n".join(lines) + "\n")
+    print(lines[0], file=sys.stderr, flush=True)
+
+
 class Child:
     """One mode's process, driven line by line through its stdin/stdout."""
 
@@ -222,6 +259,7 @@ class Child:
         self.mode, self.err = mode, tempfile.TemporaryFile("w+")  # a file: stderr cannot block it
         args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "arch", "device", "precision", "warmup", "threads",
                                                      "allocator", "accumulate")]
+        args += [f"--profile={a.profile}"] if a.profile else []
         self.proc = subprocess.Popen([sys.executable, __file__, "--one", mode, *args], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
         self.call(None, "READY")
@@ -297,6 +335,8 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction,
                    help="keep every mode's process alive and step them round-robin (default: on CPU)")
+    p.add_argument("--profile", metavar="DIR", help="after the timed steps, profile one more step of each mode "
+                   "into DIR/<mode>.txt: host time against GPU kernel time, and the top operators")
     p.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # internal: be one mode's process
     a = p.parse_args()
     for k, v in PRESETS[a.preset].items():
