@@ -76,7 +76,7 @@ def main() -> None:
             trees = {"before": tmp / "before", "now": ROOT}
             run_once(ROOT, tmp / "warm", tmp / "shared" / "base_cache")  # builds the base models both reuse
             rows = {name: [] for name in trees}
-            print(f"| round | tree | wall s | CPU s | load |\n|---|---|---:|---:|---:|")
+            print("| round | tree | wall s | CPU s | load |\n|---|---|---:|---:|---:|")
             for r in range(args.rounds):
                 for name, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
                     wall, cpu = run_once(tree, tmp / f"{name}-{r}", tmp / "shared" / "base_cache")

@@ -45,7 +45,6 @@ import numpy as np
 import torch
 
 from pipeline.stages.adherence import adherence_lines, code_adherence
-from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import EvalConfig
 from pipeline.records import encode_record, prompt_for, read_split
 from pipeline.devices import CPU_FP32, Runtime
@@ -56,7 +55,7 @@ from pipeline.manifest import atomic_write_json, hash_paths, private_dir, write_
 from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions, same_tokenizer
 from pipeline.models.scoring import nll_by_owner_and_part, token_windows
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
-from pipeline.tokenized import ListIds, TokenIds, token_column, tokenized_split
+from pipeline.tokenized import ListIds, token_column, tokenized_split
 
 log = logging.getLogger(__name__)
 

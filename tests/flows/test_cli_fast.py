@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, PrivacyLedger, post_processing, write_ledger
 
-from cli_probe import HEAVY, _cli, child_pythonpath
+from cli_probe import _cli, child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
