@@ -73,6 +73,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.baselines_report import read_results, report  # noqa: E402
 from experiments.shared import append_result, finish, require_data  # noqa: E402  the data in ../shared
 
+
 @dataclass(frozen=True)
 class Grid:
     """Each method's K candidate settings, as multiples of the config's teacher section."""
@@ -213,7 +214,8 @@ class Budget:
         from pipeline.plan import make_plan
         from pipeline.privacy.ledger import compose
 
-        planned = [(c, make_plan(self.run_config(row, c, x), timing=False, split=self.split)) for c in candidates(self.cfg, row, self.grid)]
+        planned = [(c, make_plan(self.run_config(row, c, x), timing=False, split=self.split))
+                   for c in candidates(self.cfg, row, self.grid)]
         accountant, delta = self.cfg.teacher.accountant, planned[0][1].total.delta
         if row in SHARED:
             entries = unique_releases([(c, p.entries) for c, p in planned])
@@ -405,8 +407,8 @@ def plan_text(budget: Budget, items: list[Run | Choice], epsilons: dict[str, flo
              "row        teacher.target_epsilon  selection ε  candidates"]
     for row in dict.fromkeys(i.row for i in items):
         sel = budget.selection_epsilon if row in (*SHARED, "ourspriv") else 0.0
-        lines.append(f"{row:<10} {epsilons[row]:<23.4f} {sel:<12g} "
-                     f"{', '.join(c.name for c in candidates(budget.cfg, row, budget.grid)) or ', '.join(map(str, budget.grid.ours_alphas))}")
+        names = [c.name for c in candidates(budget.cfg, row, budget.grid) if c.name] or budget.grid.ours_alphas
+        lines.append(f"{row:<10} {epsilons[row]:<23.4f} {sel:<12g} {', '.join(map(str, names))}")
     lines.append("runs (seconds estimated by `dpdistill plan`'s stage timings on this machine):")
     total = 0.0
     for run in runs:
@@ -438,7 +440,8 @@ def main(argv: list[str]) -> int:
                    help="ε of each private choice (default: the config's distill.selection_epsilon)")
     p.add_argument("--plan", action="store_true", help="print the runs and their estimated wall time; train nothing")
     p.add_argument("--grid", choices=GRIDS, default="k4",
-                   help="the candidate grid: k4 (the builtin models, docs/baselines.md) or k2 (SmolLM2, docs/real_model.md)")
+                   help="the candidate grid: k4 (the builtin models, docs/baselines.md) or k2 (SmolLM2, "
+                   "docs/real_model.md)")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
     grid = GRIDS[args.grid]

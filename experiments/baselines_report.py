@@ -236,8 +236,8 @@ def report(results: list[dict], corpus: str, k: int = K) -> str:
     lines.append(f"table=deployable-private corpus={corpus} " + " ".join(f"{m}={dep[m]}" for m in METHODS))
     for m in METHODS:
         s = rule_study(results, m, private=True)
-        lines.append(f"private corpus={corpus} method={m} candidates={k} spearman={_mean([x['spearman'] for x in s], 2)} "
-                     f"regret={_mean([x['regret'] for x in s], 1)}")
+        lines.append(f"private corpus={corpus} method={m} candidates={k} "
+                     f"spearman={_mean([x['spearman'] for x in s], 2)} regret={_mean([x['regret'] for x in s], 1)}")
     oracle_line = {m: mean_sd([x["value"] for x in oracle(results, m, k)]) for m in METHODS}
     dep["ours"] = mean_sd([x["value"] for x in deployable(results, "ours", private=False)])
     rule = rule_study(results, "ours")

@@ -70,8 +70,8 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from torch import nn
 
 from pipeline.privacy.bk_layers import (EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED, OTHER_MODES, Keep,
-                                        SquaredNorms, UnsupportedLayer, Use, elementwise_forward, embedding_forward, layer_rule,
-                                        linear_forward, problem_line, routed_class, trainable_here)
+                                        SquaredNorms, UnsupportedLayer, Use, elementwise_forward, embedding_forward,
+                                        layer_rule, linear_forward, problem_line, routed_class, trainable_here)
 
 BK = "bk"
 

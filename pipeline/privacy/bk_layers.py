@@ -90,7 +90,8 @@ def _ghost_is_cheaper(t1: int, t2: int, d: int, p: int) -> bool:
 
 
 def _matmul_dot(a1, g1, a2, g2) -> torch.Tensor:
-    """⟨a1ᵢᵀg1ᵢ, a2ᵢᵀg2ᵢ⟩_F for each example i (two calls of one weight); aₖ (B, Tₖ, d), gₖ (B, Tₖ, p)."""
+    """⟨a1ᵢᵀg1ᵢ, a2ᵢᵀg2ᵢ⟩_F for each example i (two calls of one weight); aₖ (B, Tₖ, d),
+    gₖ (B, Tₖ, p)."""
     if _ghost_is_cheaper(a1.shape[1], a2.shape[1], a1.shape[2], g1.shape[2]):
         return ((a1 @ a2.transpose(1, 2)) * (g1 @ g2.transpose(1, 2))).sum((1, 2))  # (B, T, T') each
     return (torch.einsum("btd,btp->bdp", a1, g1) * torch.einsum("btd,btp->bdp", a2, g2)).sum((1, 2))
@@ -210,7 +211,7 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, transposed, keep):
         dt = _compute_dtype(x)
-        xc = x if x.dtype == dt else x.to(dt)
+        xc = _as(x, dt)
         ctx.save_for_backward(xc, weight)
         ctx.transposed, ctx.keep, ctx.weight, ctx.bias, ctx.dt = transposed, keep, weight, bias, dt
         # every operand already in dt, autocast's own dtype when it is on: it casts nothing more
