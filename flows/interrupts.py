@@ -17,12 +17,19 @@ records the flow run as crashed. After that, or at a second signal, it finishes 
 itself: run.json marked, every child process (temporary server, Dask workers, torchrun
 and its ranks) terminated, then killed, one line, `os._exit`.
 
+A signal can also meet the main thread inside a call whose exceptions Python can only
+report (a `__del__`, a weakref callback, C code that calls back into Python): Python hands
+that exception to `sys.unraisablehook`, which printed it on the terminal before the watcher
+muted it. While a run is on, a signal's exception reported that way goes to run.log only,
+and the watcher ends the run as for a flow that did not unwind.
+
 The run resumes like a killed one: finished stages are cached, the teacher continues from
 its last checkpoint (flows/pipeline_flow.py `find_interrupted_run`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -30,6 +37,7 @@ import sys
 import threading
 
 import psutil
+from prefect.exceptions import TerminationSignal
 
 from flows.run_info import mark_stopped
 from flows.run_log import latest_run_dir, mute_terminal
@@ -82,6 +90,8 @@ class Interrupts:
         self._write.setblocking(False)  # set_wakeup_fd needs a non-blocking fd
         self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
         self._old = {s: signal.signal(s, self._raise) for s in SIGNALS}
+        self._old_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         threading.Thread(target=self._watch, name="dpdistill-interrupts", daemon=True).start()
         return self
 
@@ -89,6 +99,7 @@ class Interrupts:
         for s, handler in self._old.items():
             signal.signal(s, handler)
         signal.set_wakeup_fd(self._old_fd)
+        sys.unraisablehook = self._old_hook
         self._write.close()  # ends the watcher
 
     def _raise(self, signum: int, frame) -> None:
@@ -97,6 +108,16 @@ class Interrupts:
         if not self._raised:
             self._raised = True
             raise Interrupted(signum)
+
+    def _unraisable(self, report) -> None:
+        # In the main thread, at once: the watcher may not have muted the terminal yet.
+        if self.signum is None and not isinstance(report.exc_value, (KeyboardInterrupt, TerminationSignal)):
+            self._old_hook(report)
+            return
+        mute_terminal()
+        logging.getLogger(__name__).warning(
+            "%s: %r", report.err_msg or "Exception ignored in", report.object,
+            exc_info=(report.exc_type, report.exc_value, report.exc_traceback))
 
     def _watch(self) -> None:
         while True:

@@ -163,3 +163,33 @@ def test_a_server_that_does_not_answer_in_time_is_an_error_not_a_hang(tmp_path):
     env = cli_env(tmp_path) | {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}  # never in time
     p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "Timed out while attempting to connect to ephemeral Prefect API server" in p.stderr, p.stderr
+
+
+def test_a_signal_python_can_only_report_stays_off_the_terminal(tmp_path):
+    """A signal that meets the main thread inside a call whose exceptions Python can only
+    report (a `__del__`, a weakref callback, C code: CI once saw Prefect's TerminationSignal
+    raised in an isinstance check called from C) printed "Exception ignored in: … Traceback"
+    on the terminal, before the watcher muted it. It goes to the log file only; the run still
+    ends on its one line, with 143."""
+    probe = f"""if True:
+        import logging, os, signal, time
+        logging.basicConfig(level=logging.INFO)  # a console handler, as Prefect's
+        logging.getLogger().addHandler(logging.FileHandler({str(tmp_path / "run.log")!r}))
+        from flows.interrupts import Interrupts
+
+        class Finalised:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)  # the handler raises here, inside __del__
+
+        with Interrupts(grace_s=1.0):
+            Finalised()
+            time.sleep(30)  # the exception was reported, not raised: the watcher ends the run
+    """
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=cli_env(tmp_path), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 143, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("dpdistill: interrupted (SIGTERM)"), p.stderr[-3000:]
+    logged = (tmp_path / "run.log").read_text()
+    assert "Traceback" in logged and "Interrupted: SIGTERM" in logged, logged
