@@ -39,6 +39,12 @@ class StageRunner:
         self.storage = stage_result_storage((Path(cfg.run_root) / RESULTS_DIR).resolve())
         info_path = run_dir / STAGES_INFO
         self.stages: dict[str, dict] = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        # Stages this run directory already reran by request before it stopped: the same command
+        # continues the run, and forcing them again would redo them (a DP stage would train on the
+        # private data again and spend a new budget). Their results are reused, their records kept.
+        self.forced_before = {s: dict(self.stages[s]) for s in self.rerun
+                              if self.stages.get(s, {}).get("status") == "forced"}
+        self.rerun -= set(self.forced_before)
         self.log = get_run_logger()
 
     def use_records(self, data: DataResult) -> str:
@@ -136,7 +142,11 @@ class StageRunner:
             self._record(stage, status=stop_reason(e)[0], seconds=round(time.time() - t0, 2))
             raise
         out = stage_dir_of(result)
-        if cached:
+        reused = cached and stage in self.forced_before
+        if reused:
+            self.log.info("%s: rerun by request earlier in this run, which finished it before the run stopped: "
+                          "reusing that result, not rerunning it (the same command continues a stopped run)", stage)
+        elif cached:
             where = f"outputs in {out}" if out else "its result"
             self.log.info("%s: cached (same config, inputs, version and seed): reusing %s", stage, where)
         ledger = getattr(result, "ledger", None)
@@ -148,9 +158,12 @@ class StageRunner:
         chosen = getattr(result, "selection_ledger", None)  # the student chosen on the validation split
         if self.budget_id and isinstance(chosen, LedgerEntry) and chosen.epsilon:
             self._record_release(chosen.stage, result, chosen, part=":selection")
+        if reused:
+            self._record(stage, **self.forced_before[stage])  # its status, time and ε as it ran
+            return result
         self._record(
             stage,
-            status="cached" if cached else ("forced" if forced else "ran"),
+            status="cached" if cached else ("forced" if forced or stage in self.forced_before else "ran"),
             seconds=round(time.time() - t0, 2),
             finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
             output=str(out) if out else None,

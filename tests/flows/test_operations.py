@@ -117,13 +117,14 @@ def test_stages_to_rerun():
 
 def test_killed_run_continues_at_the_interrupted_stage(prefect_server, tmp_path, capsys):
     """SIGKILL during teacher training; the same command again continues that run
-    directory: finished stages are reused (the DP control-code release is not redone), the
-    teacher resumes from its checkpoint, and the ledger is the full run's."""
+    directory: finished stages are reused (the DP control-code release is not redone, though
+    the command forces it: it was forced once, in this run), the teacher resumes from its
+    checkpoint, and the ledger is the full run's."""
     tree = tiny_pipeline_dict(tmp_path)
     tree["teacher"] |= {"epochs": 4, "batch_size": 8, "physical_batch_size": 8, "checkpoint_every": 2}
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tree))
-    command = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
+    command = [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--force", "control-codes"]
     env = os.environ | {"PREFECT_API_URL": prefect_server}
 
     proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True,
@@ -152,8 +153,9 @@ def test_killed_run_continues_at_the_interrupted_stage(prefect_server, tmp_path,
     assert done.returncode == 0, done.stderr[-3000:]
     assert [p.name for p in Path(tree["run_root"]).glob("tiny-*")] == [run.name]  # continued, not a new run
     stages = _stages(run)
-    assert stages["data"] == stages["control-codes"] == "cached" and stages["teacher"] == "ran"
+    assert stages["data"] == "cached" and stages["control-codes"] == "forced" and stages["teacher"] == "ran"
     assert (run / "control_codes" / "manifest.json").read_text() == codes_manifest
+    assert "control-codes: rerun by request earlier in this run" in done.stderr + done.stdout
     log = json.loads((run / "teacher" / "training_log.json").read_text())
     assert log["resumed_from_step"] > 0
     teacher = read_ledger(run / "ledger.json").entry("teacher")
