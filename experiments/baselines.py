@@ -216,7 +216,7 @@ class Budget:
 
         planned = [(c, make_plan(self.run_config(row, c, x), timing=False, split=self.split))
                    for c in candidates(self.cfg, row, self.grid)]
-        accountant, delta = self.cfg.teacher.accountant, planned[0][1].total.delta
+        accountant, delta = self.cfg.teacher.accountant, planned[0][1].total.accountant_delta()
         if row in SHARED:
             entries = unique_releases([(c, p.entries) for c, p in planned])
             entries.append(selection_release(self.selection_epsilon, delta, len(planned), accountant,
@@ -363,7 +363,7 @@ def private_choice(config: str, overrides: list[str], choice: Choice, runs: list
     t0 = time.monotonic()
     models = {r["candidate"]: _stage_output(Path(r["run_dir"]), "dp-student") / "model" for r in runs}
     ledgers = {r["candidate"]: read_ledger(Path(r["run_dir"]) / "ledger.json") for r in runs}
-    delta = next(iter(ledgers.values())).total.delta
+    delta = next(iter(ledgers.values())).total.accountant_delta()
     runtime = Runtime.from_config(cfg)
     runtime.apply_threads()
     with tempfile.TemporaryDirectory() as tmp:

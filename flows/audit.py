@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
 
-from flows.run_info import RunDirError
+from flows.run_info import STAGES_INFO, RunDirError
 from pipeline.audits.audit import audit_run, training_texts
 from pipeline.audits.canaries import (
     DEFAULT_CANDIDATES,
@@ -238,9 +238,13 @@ def prefect_sources(run_dir: Path) -> tuple[PrefectDocs | None, str, dict[str, s
 def _models(cfg: PipelineConfig, run_dir: Path) -> dict[str, str]:
     """The models whose exposure is measured: the base models as references, the DP
     teacher (when the method has one) and the final student."""
-    from pipeline.models.base import build_base_models, resolve_model
+    from pipeline.models.base import BaseModels, build_base_models, resolve_model
 
-    base = build_base_models(cfg.base_models, seed=cfg.seed)  # cached: built by the run
+    if cfg.base_models.tokenizer == "dp":  # built by the run, in a run directory (its stages.json says which)
+        built = Path(json.loads((run_dir / STAGES_INFO).read_text())["base-models"]["output"])
+        base = BaseModels(teacher=built / "teacher", student=built / "student")
+    else:
+        base = build_base_models(cfg.base_models, seed=cfg.seed)  # cached: built by the run
     models = {"base_teacher": resolve_model(cfg.teacher.model, base)}
     if (run_dir / "teacher" / "model").is_dir():
         models["dp_teacher"] = str(run_dir / "teacher" / "model")

@@ -39,6 +39,7 @@ from pipeline.stages.teacher.state import TeacherResult
 
 # Where each stage writes inside a run directory (base models live in their own cache).
 STAGE_DIRS = {
+    "base-models": "base_models",  # only a pair with a DP vocabulary is built in the run directory
     "data": "data", "control-codes": "control_codes", "teacher": "teacher", "dp-student": "student",
     "generation": "synthetic", "distillation": "student", "evaluation": "evaluation",
 }

@@ -300,14 +300,14 @@ def planned_budget(cfg, plan) -> str:
 
     root = Path(cfg.run_root).resolve()
     budget = with_training_split(cfg.data, root, cfg.control_codes.domain, lambda train: budget_of(root, train))
-    delta, accountant, limit = plan.total.delta, cfg.teacher.accountant, cfg.privacy.max_epsilon
+    delta, accountant, limit = plan.total.accountant_delta(), cfg.teacher.accountant, cfg.privacy.max_epsilon
     spent = dataset_total(budget, accountant, delta)
     total = check_max_epsilon(budget, plan.entries, limit, accountant, delta)
     lines = [f"  budget of these {budget.n_records} training records under {cfg.run_root} (every run, with records "
              "overlapping them): " + ("nothing spent yet" if spent is None else
                                       f"ε = {spent.epsilon:.4f} over {len(budget.releases)} DP releases")]
     if total is not None:
-        fixed = "" if total.delta == delta else " (the δ the budget's first run fixed)"
+        fixed = "" if total.accountant_delta() == delta else " (the δ the budget's first run fixed)"
         lines.append(f"    with this run: ε = {total.epsilon:.4f}, replace-one ε = {total.epsilon_replace_one:.4f} "
                      f"at δ = {total.delta:.3g}{fixed}"
                      + ("" if limit is None else f", within privacy.max_epsilon={limit:g}")
@@ -327,7 +327,7 @@ def print_dataset_budget(run_dir: Path, ledger) -> None:
     budget = read_budget(Path(info["run_root"]), budget_id)
     total = None
     if ledger.total and budget.releases:
-        delta = budget.delta or ledger.total.delta  # the first release's, fixed (a run's only if none is Gaussian)
+        delta = budget.delta or ledger.total.accountant_delta()  # the first release's, fixed (a run's only if none is Gaussian)
         # The total the run's accountant composed at its end, if the releases are still those;
         # else compose now (dataset_total imports Opacus and torch then: seconds).
         total = (stored_total(budget, ledger.total.accountant, delta)

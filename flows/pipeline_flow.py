@@ -34,7 +34,7 @@ from flows.tasks import (base_models_task, codes_task, data_task, distillation_t
 from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.locks import unlock
 from pipeline.manifest import atomic_write_json, atomic_write_text, private_dir
-from pipeline.plan import Plan, format_plan, make_plan, private_selection_used
+from pipeline.plan import Plan, dp_tokenizer_used, format_plan, make_plan, private_selection_used
 from pipeline.preflight import require_inputs
 from pipeline.preflight_models import require_models
 from pipeline.privacy.budget import dataset_total, read_budget, store_total
@@ -135,7 +135,7 @@ def _finish(cfg: PipelineConfig, out: Path, run_info: dict, final: PrivacyLedger
 
 def _dataset_total(budget, run_total: LedgerTotal | None, accountant: str) -> LedgerTotal | None:
     """Every release on the dataset composed at the budget's δ (this run's if it made the first release)."""
-    return dataset_total(budget, accountant, run_total.delta) if budget and run_total and budget.releases else None
+    return dataset_total(budget, accountant, run_total.accountant_delta()) if budget and run_total and budget.releases else None
 
 
 def _dp_sgd_entries(result: TeacherResult) -> list[LedgerEntry]:
@@ -148,9 +148,6 @@ def _run_stages(
 ) -> tuple[PrivacyLedger, dict]:
     stage = StageRunner(cfg, out, rerun)
     method = cfg.distill.method
-    base = stage("base-models", base_models_task, cfg)
-    data = stage("data", data_task, cfg, sources, out)
-    stage.use_records(data)
     ledger: list[LedgerEntry] = []
     teacher = codes = synthetic = None
 
@@ -161,6 +158,17 @@ def _run_stages(
         # A stage cached by an older version has no replace-one ε yet: computed here, once.
         entries = [e if e.epsilon_replace_one is not None else with_pld_epsilons(e) for e in entries]
         return PrivacyLedger(entries=entries, total=compose(entries, cfg.teacher.accountant, delta))
+
+    if dp_tokenizer_used(cfg):  # the vocabulary is a DP release of the split's words: the data first
+        data = stage("data", data_task, cfg, sources, out)
+        stage.use_records(data)
+        base = stage("base-models", base_models_task, cfg, data, plan, out)
+        ledger.append(base.ledger)
+        write_ledger(out / LEDGER, typed(ledger))
+    else:
+        base = stage("base-models", base_models_task, cfg)
+        data = stage("data", data_task, cfg, sources, out)
+        stage.use_records(data)
 
     if method in ("distil", "dp_syn"):
         codes = stage(CODES_STAGE, codes_task, cfg, data, plan, out)

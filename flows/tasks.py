@@ -17,12 +17,13 @@ from flows.results import StageResultSerializer
 from pipeline.config import NODE_FIELDS, PipelineConfig
 from pipeline.devices import Runtime
 from pipeline.manifest import sha256_file
-from pipeline.models.base import BaseModels, build_base_models, resolve_model
-from pipeline.plan import Plan
+from pipeline.models.base import BaseModels, PrivateVocabulary, build_base_models, resolve_model
+from pipeline.plan import Plan, dp_tokenizer_used
 from pipeline.privacy import private_selection
 from pipeline.privacy.budget import budget_of, check_max_epsilon
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
 from pipeline.privacy.control_codes import CodesResult, release_control_codes
+from pipeline.privacy.dp_vocabulary import STAGE as VOCABULARY_STAGE
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.privacy.private_selection import PrivateValidation
 from pipeline.records import split_key
@@ -49,12 +50,30 @@ def stage_task(stage: str, config_of: Callable[[PipelineConfig], dict], optional
                 persist_result=True, result_serializer=StageResultSerializer())
 
 
-@stage_task("base-models", lambda cfg: {"base_models": cfg.base_models, "builtin": _uses_builtin(cfg)})
-def base_models_task(cfg: PipelineConfig) -> BaseModels | None:
-    """Build the offline tiny models from public text if a stage names `builtin:...`."""
+def _base_models_key(cfg: PipelineConfig) -> dict:
+    key = {"base_models": cfg.base_models.cache_fields() | {"cache_dir": str(cfg.base_models.cache_dir)},
+           "builtin": _uses_builtin(cfg)}
+    if dp_tokenizer_used(cfg):  # a DP release: its δ, accountant and noise source
+        key |= {"delta": cfg.teacher.target_delta, "accountant": cfg.teacher.accountant,
+                "secure_mode": cfg.teacher.secure_mode}
+    return key
+
+
+@stage_task("base-models", _base_models_key, optional=("data",))
+def base_models_task(cfg: PipelineConfig, data: DataResult | None = None, plan: Plan | None = None,
+                     run_dir: Path | None = None) -> BaseModels | None:
+    """Build the offline tiny models from public text if a stage names `builtin:...`; with
+    base_models.tokenizer=dp (then `data` is given), their vocabulary from the private split's
+    words, a DP release (pipeline/privacy/dp_vocabulary.py)."""
     if not _uses_builtin(cfg):
         return None
-    return build_base_models(cfg.base_models, seed=cfg.seed)
+    if data is None:
+        return build_base_models(cfg.base_models, seed=cfg.seed)
+    _within_max_epsilon(cfg, data, VOCABULARY_STAGE, plan)
+    delta = next(e.delta for e in plan.entries if e.stage == VOCABULARY_STAGE)
+    private = PrivateVocabulary(train=data.train, delta=delta, accountant=cfg.teacher.accountant,
+                                secure_mode=cfg.teacher.secure_mode, out=run_dir / STAGE_DIRS["base-models"])
+    return build_base_models(cfg.base_models, seed=cfg.seed, private=private)
 
 
 def source_hashes(cfg: PipelineConfig) -> dict[str, str]:
@@ -146,7 +165,7 @@ def _within_max_epsilon(cfg: PipelineConfig, data: DataResult, stage: str, plan:
     stages = [e.stage for e in plan.entries]
     planned = plan.entries[stages.index(stage):]
     total = check_max_epsilon(budget_of(Path(cfg.run_root).resolve(), data.train), planned,
-                              cfg.privacy.max_epsilon, cfg.teacher.accountant, plan.total.delta)
+                              cfg.privacy.max_epsilon, cfg.teacher.accountant, plan.total.accountant_delta())
     if total is not None:
         get_run_logger().info("%s: with this run, the training records' budget comes to ε = %.4f of "
                               "privacy.max_epsilon=%g", stage, total.epsilon, cfg.privacy.max_epsilon)

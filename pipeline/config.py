@@ -188,6 +188,9 @@ class TinyModelSpec(_Section):
         return self
 
 
+DP_TOKENIZER_FIELDS = ("tokenizer", "tokenizer_epsilon", "tokenizer_max_words")
+
+
 class BaseModelsConfig(_Section):
     """The offline base models that `builtin:teacher` and `builtin:student` name.
 
@@ -214,6 +217,20 @@ class BaseModelsConfig(_Section):
     max_corpus_chars: int | None = Field(
         None, gt=0, description="Use only the first N characters of the training text."
     )
+    tokenizer: Literal["public", "dp"] = Field(
+        "public",
+        description="Where the byte-level BPE vocabulary is learned: 'public', from the public corpus; "
+        "'dp', from a Gaussian-noised, thresholded histogram of the words of the private training split "
+        "(Ponomareva et al. 2022, Algorithm 1), a DP release in the ledger and the budget. 'dp' needs "
+        "base_models.corpus (the pair is then pretrained on the public corpus with that vocabulary).",
+    )
+    tokenizer_epsilon: float = Field(
+        0.5, gt=0, description="tokenizer: dp: ε of the word histogram's Gaussian noise, at the teacher's δ.")
+    tokenizer_max_words: int = Field(
+        64, ge=1, le=100_000,
+        description="tokenizer: dp: distinct words counted per privacy unit (the first ones it uses): the "
+        "histogram's L2 sensitivity is √k; more counts more words per unit, with more noise per word.",
+    )
     teacher: TinyModelSpec = Field(
         default_factory=lambda: TinyModelSpec(n_layer=4, n_embd=256, n_head=8, steps=1500, batch_size=32)
     )
@@ -221,11 +238,23 @@ class BaseModelsConfig(_Section):
         default_factory=lambda: TinyModelSpec(n_layer=2, n_embd=128, n_head=4, steps=800, batch_size=32)
     )
 
+    def cache_fields(self) -> dict:
+        """The fields a build depends on, as JSON: without the DP tokenizer's settings when the
+        tokenizer is public (so that caches made before they existed stay valid) and the cache folder."""
+        unused = {"cache_dir"} | (set(DP_TOKENIZER_FIELDS) if self.tokenizer == "public" else set())
+        return self.model_dump(mode="json", exclude=unused)
+
     @model_validator(mode="after")
     def _shapes_need_a_corpus(self) -> "BaseModelsConfig":
         # Defaults are the shipped pair's recipe, so a dumped config (defaults written out) loads back.
         shaped = [name for name in ("vocab_size", "context_length", "max_corpus_chars", "teacher", "student")
                   if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)]
+        if self.corpus is None and self.tokenizer == "dp":
+            raise ValueError(
+                "base_models.tokenizer=dp learns a new vocabulary, so the pair must be built from scratch, but "
+                "base_models.corpus is not set (the shipped pair has its own public tokenizer): set "
+                "base_models.corpus to a public text file or directory, or set base_models.tokenizer=public"
+            )
         if self.corpus is None and shaped:
             raise ValueError(
                 f"base_models.{shaped[0]} differs from the shipped builtin pair's but base_models.corpus "

@@ -33,6 +33,7 @@ from pipeline.models.base import (BUILTIN_PREFIX, ModelError, base_models_built,
                                   tied_head_parameters)
 from pipeline.privacy.accountant import epsilon_of, resolve_delta
 from pipeline.privacy.control_codes import gaussian_sigma
+from pipeline.privacy.dp_vocabulary import planned_entry as planned_vocabulary_entry
 from pipeline.privacy import monitor as dp_monitor
 from pipeline.privacy import private_selection
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
@@ -137,6 +138,20 @@ def _selection_entry(cfg: PipelineConfig, delta: float, n_validation: int, unit:
         secure=cfg.teacher.secure_mode)
 
 
+def dp_tokenizer_used(cfg: PipelineConfig) -> bool:
+    """Whether the run builds a pair with a DP vocabulary (base_models.tokenizer=dp, a builtin model named)."""
+    return cfg.base_models.tokenizer == "dp" and any(
+        m.startswith("builtin:") for m in (cfg.teacher.model, cfg.distill.student_model))
+
+
+def _tokenizer_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
+    if not dp_tokenizer_used(cfg):
+        return None
+    b = cfg.base_models
+    return planned_vocabulary_entry(b.tokenizer_epsilon, b.tokenizer_max_words,
+                                    resolve_delta(cfg.teacher.target_delta, n), cfg.teacher.accountant, unit)
+
+
 def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
     codes = cfg.control_codes
     if cfg.distill.method not in ("distil", "dp_syn"):
@@ -208,6 +223,8 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
         split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
     n, unit = split.n, split.unit
     entries, dp_sgd, accounting = [], {}, {}
+    if vocabulary := _tokenizer_entry(cfg, n, unit):
+        entries.append(with_pld_epsilons(vocabulary))
     if codes := _codes_entry(cfg, n, unit):
         entries.append(with_pld_epsilons(codes))
     for stage, eps in dp_sgd_budgets(cfg).items():
@@ -489,6 +506,10 @@ def format_plan(plan: Plan) -> str:
             if added := e.untied_parameters:
                 lines.append(f"    lm_head untied from the input embedding for DP-SGD: +{added:,} parameters "
                              "(a tied weight would get one clipping norm per use); the saved model keeps its own head")
+        elif e.delta_threshold:
+            lines.append(f"  tokenizer (base_models.tokenizer=dp): Gaussian word histogram, σ = {e.noise_multiplier:.4f}·√k, "
+                         f"ε = {e.epsilon:.4f} at δ = {e.delta:.3g} ({e.accountant} accountant) plus the threshold's "
+                         f"δ = {e.delta_threshold:.3g}, replace-one ε = {e.epsilon_replace_one:.4f}")
         elif e.mechanism == "gaussian":
             lines.append(f"  control codes: Gaussian histogram, σ = {e.noise_multiplier:.4f}, ε = {e.epsilon:.4f} "
                          f"at δ = {e.delta:.3g} ({e.accountant} accountant), replace-one ε = {e.epsilon_replace_one:.4f}")

@@ -47,6 +47,8 @@ from pipeline.locks import file_lock
 from pipeline.models.cache import CACHE_PREFIX, cached_model_dir, resolve_cache_name
 from pipeline.manifest import MANIFEST, atomic_write_json, hash_paths, sha256_file, write_manifest
 from pipeline.models.scoring import mean_token_nll, token_windows
+from pipeline.privacy.dp_vocabulary import dp_word_counts, train_tokenizer_on_counts
+from pipeline.privacy.ledger import LedgerEntry
 from pipeline.tokenized import ListIds
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,20 @@ class ModelError(ValueError):
 class BaseModels:
     teacher: Path
     student: Path
+    ledger: LedgerEntry | None = None
+    """base_models.tokenizer=dp: the DP release of the word histogram the vocabulary was learned from."""
+
+
+@dataclass(frozen=True)
+class PrivateVocabulary:
+    """What base_models.tokenizer=dp reads and how it is accounted: the private training split,
+    the run's δ and accountant, and the run directory's folder the pair is built in (not the
+    shared cache: it depends on the private split)."""
+    train: Path
+    delta: float
+    accountant: str
+    secure_mode: bool
+    out: Path
 
 
 def _clean_wikitext(text: str) -> str:
@@ -153,7 +169,7 @@ def _cache_key(cfg: BaseModelsConfig) -> str:
     if cfg.corpus is None:  # the shipped pair: keyed by its files
         digests = sorted((n, d["sha256"]) for n, d in hash_paths({"shipped": SHIPPED}).items())
         return "shipped-" + hashlib.sha256(json.dumps(digests).encode()).hexdigest()[:16]
-    spec = cfg.model_dump(mode="json", exclude={"cache_dir", "corpus"})
+    spec = {k: v for k, v in cfg.cache_fields().items() if k != "corpus"}
     spec["corpus_sha256"] = {d.name: sha256_file(d) for d in _documents(Path(cfg.corpus))}
     spec["format"] = 3  # bump when the build procedure changes
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
@@ -164,10 +180,11 @@ def train_tokenizer(paragraphs: list[str], vocab_size: int) -> PreTrainedTokeniz
     bpe.train_from_iterator(
         paragraphs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False
     )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS
-    )
-    return tok
+    return _fast(bpe)
+
+
+def _fast(bpe: ByteLevelBPETokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS)
 
 
 def tiny_gpt2(spec: TinyModelSpec, vocab_size: int, context_length: int, eos_id: int) -> GPT2LMHeadModel:
@@ -286,9 +303,16 @@ def base_models_built(cfg: BaseModelsConfig) -> bool:
     return (cfg.cache_dir / _cache_key(cfg) / MANIFEST).is_file()
 
 
-def build_base_models(cfg: BaseModelsConfig, seed: int = 0) -> BaseModels:
+def build_base_models(cfg: BaseModelsConfig, seed: int = 0, private: PrivateVocabulary | None = None) -> BaseModels:
     """Build (or reuse from the cache) the tokenizer and the tiny teacher and student; with no
-    corpus, install the shipped pair into the cache."""
+    corpus, install the shipped pair into the cache. base_models.tokenizer=dp builds in
+    `private.out`, its vocabulary a DP release of `private.train`'s words."""
+    if cfg.tokenizer == "dp":
+        if private is None:
+            raise ModelError("base_models.tokenizer=dp learns the vocabulary from the private training split, "
+                             "which only `dpdistill run` reads (and accounts); build this pair through a run, or "
+                             "set base_models.tokenizer=public")
+        return _build_dp_pair(cfg, seed, private)
     # Runs with different run_roots can share cache_dir: one builds (through a fixed temp
     # name), the others wait for it and then reuse what it built (pipeline/locks.py).
     with file_lock(Path(cfg.cache_dir) / f".{_cache_key(cfg)}.lock"):
@@ -322,12 +346,52 @@ def _build_base_models(cfg: BaseModelsConfig, seed: int) -> BaseModels:
     return result
 
 
-def _pretrain_pair(cfg: BaseModelsConfig, seed: int, dest: Path) -> dict:
-    """Train the tokenizer and both models on the public corpus into `dest`; their figures."""
+RELEASE = "release.json"  # the DP tokenizer's ledger entry, beside the tokenizer it made
+
+
+def _build_dp_pair(cfg: BaseModelsConfig, seed: int, private: PrivateVocabulary) -> BaseModels:
+    """The pair with a DP vocabulary, in `private.out`. The tokenizer is saved with its ledger
+    entry before pretraining: a run stopped during pretraining reuses that release when it
+    continues rather than making (and publishing part of) a second one."""
+    out = Path(private.out)
+    result = BaseModels(teacher=out / "teacher", student=out / "student")
+    made = out / "tokenizer"
+    if (out / MANIFEST).is_file():
+        return BaseModels(teacher=result.teacher, student=result.student, ledger=_release(made)[0])
+    if not (made / RELEASE).is_file():
+        t0 = time.monotonic()
+        words, entry = dp_word_counts(private.train, epsilon=cfg.tokenizer_epsilon, max_words=cfg.tokenizer_max_words,
+                                      delta=private.delta, accountant=private.accountant,
+                                      secure_mode=private.secure_mode)
+        tok = _fast(train_tokenizer_on_counts(words, cfg.vocab_size))
+        tmp = made.with_name("tokenizer.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(tmp)
+        atomic_write_json(tmp / RELEASE, entry.model_dump(mode="json") | {"seconds": round(time.monotonic() - t0, 1)})
+        tmp.rename(made)
+    entry, seconds = _release(made)
+    tok = AutoTokenizer.from_pretrained(made)
+    info = _pretrain_pair(cfg, seed, out, tok)
+    info["tokenizer"] = {"kind": "dp", "vocabulary": len(tok), "seconds": seconds}
+    write_manifest(out, stage="base_models", inputs={"corpus": Path(cfg.corpus)},  # not the split's hash
+                   outputs={"teacher": result.teacher, "student": result.student, "tokenizer": made},
+                   extra=info | {"ledger": entry.model_dump(mode="json")})
+    return BaseModels(teacher=result.teacher, student=result.student, ledger=entry)
+
+
+def _release(made: Path) -> tuple[LedgerEntry, float]:
+    """The DP tokenizer's ledger entry and the seconds it took, as saved beside it."""
+    release = json.loads((made / RELEASE).read_text())
+    return LedgerEntry.model_validate({k: v for k, v in release.items() if k != "seconds"}), release["seconds"]
+
+
+def _pretrain_pair(cfg: BaseModelsConfig, seed: int, dest: Path, tok=None) -> dict:
+    """Train the tokenizer (unless given one) and both models on the public corpus into `dest`;
+    their figures."""
     torch.manual_seed(seed)
     t0 = time.monotonic()
     train, valid = public_corpus(cfg)
-    tok = train_tokenizer(train, cfg.vocab_size)
+    tok = tok if tok is not None else train_tokenizer(train, cfg.vocab_size)
     ids, valid_ids = encode_paragraphs(tok, train), encode_paragraphs(tok, valid)
     n_blocks = len(ids) // cfg.context_length
     if n_blocks < 1:

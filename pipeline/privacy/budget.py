@@ -401,7 +401,7 @@ def check_max_epsilon(
         f"{len(budget.releases)} DP release(s) by earlier runs")
     this_run = ", ".join(f"{e.stage} ε = {e.epsilon:.4f}" for e in planned if e.private and e.epsilon)
     at = f"δ = {total.delta:.3g}"
-    if total.delta != run_delta:
+    if total.accountant_delta() != run_delta:
         at += (f", the δ of these records' budget, fixed by the first run that spent on them (this run's own δ is "
                f"{run_delta:.3g}: every run is checked at the budget's, so the same releases always count the same)")
     fix = ("lower teacher.target_epsilon (or control_codes.epsilon) so that the total stays within it, reuse a "

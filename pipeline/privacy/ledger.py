@@ -81,6 +81,10 @@ class LedgerEntry(BaseModel):
     clipped gradient g replaced by -g), √2 for the histogram (a count moves between two bins),
     1 for a clipped mean over a fixed number of units (monitor.py, private_selection.py). None
     in ledgers written before it: read as the figure they were made with (pld.py)."""
+    delta_threshold: float | None = None
+    """A release whose very keys are private (the DP tokenizer's words, pipeline/privacy/dp_vocabulary.py):
+    the probability that a key of one unit passes its threshold. Added to δ: the release is
+    (ε, δ + delta_threshold)-DP, and so is any composition it joins (the total's δ includes it)."""
     noise_source: str | None = None
     """Where the mechanism's randomness came from (pipeline/privacy/noise.py): OS entropy, a CSPRNG,
     or the test hook's fixed seed, which anyone could regenerate: then the entry is not private."""
@@ -112,7 +116,15 @@ class LedgerTotal(BaseModel):
     """The same releases composed under replace-one adjacency (see LedgerEntry.epsilon_replace_one)."""
     epsilon_pld: float | None = None
     """dp-accounting's PLD ε of the same releases at add/remove: a check of `epsilon`."""
+    delta_threshold: float | None = None
+    """The part of `delta` that thresholded releases add (LedgerEntry.delta_threshold); the
+    accountants' ε figures are at `delta` minus it. None: nothing added."""
     note: str
+
+    def accountant_delta(self) -> float:
+        """The δ the accountants composed at: what a second composition of the same releases
+        (the dataset's budget, privacy.max_epsilon) starts from."""
+        return self.delta - (self.delta_threshold or 0.0)
 
 
 class PrivacyLedger(BaseModel):
@@ -152,7 +164,8 @@ def with_pld_epsilons(entry: LedgerEntry) -> LedgerEntry:
 
 
 def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> LedgerTotal:
-    """The run's total: Gaussian histories through the accountant, pure-ε ones added."""
+    """The run's total: Gaussian histories through the accountant at `delta`, pure-ε ones
+    added; its δ is `delta` plus each thresholded release's `delta_threshold`."""
     dp = [e for e in entries if e.private and e.epsilon]
     units = {e.privacy_unit for e in dp}
     if len(units) > 1:
@@ -173,6 +186,9 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
     if pure:
         eps += sum(e.epsilon for e in pure)
         parts.append(f"plus basic composition (ε added) of the pure-ε {', '.join(e.stage for e in pure)}")
+    thresholds = [e for e in dp if e.delta_threshold]
+    if thresholds:
+        parts.append(f"δ plus the threshold δ of {', '.join(e.stage for e in thresholds)}")
     not_dp = [e.stage for e in entries if not e.private]
     fixed_noise = [e.stage for e in entries if (e.noise_source or "").startswith(TEST_HOOK)]
     note = (f"(ε, δ)-DP per {next(iter(units), 'record')} for everything this run releases from its training "
@@ -187,7 +203,8 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
     return LedgerTotal(
         epsilon=eps,
         **(_pld_epsilons(dp, delta) if dp else {"epsilon_replace_one": 0.0, "epsilon_pld": 0.0}),
-        delta=delta,
+        delta=delta + sum(e.delta_threshold for e in thresholds),
+        delta_threshold=sum(e.delta_threshold for e in thresholds) or None,
         accountant=used,
         composition="; ".join(parts) or "no DP mechanism",
         complete=not not_dp and not fixed_noise,

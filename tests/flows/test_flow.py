@@ -249,3 +249,37 @@ def test_markdown_table_keeps_every_cell_text_in_its_cell():
     md = markdown_table(rows, ["control_code", "text", "n"]).splitlines()
     assert md[:2] == [r"| control\_code | text | n |", "|---|---|---|"] and len(md) == 3
     assert md[2] == r"| Bars \| Stars: 5.0 | a\|b \<script\>x\</script\> \*em\* line \[l\](u) | 3 |"
+
+
+def test_a_dp_tokenizer_run_learns_its_vocabulary_after_the_data_and_accounts_it(prefect_server, tmp_path):
+    """base_models.tokenizer=dp (issue 38 item 5): the pair is built after the data stage, in
+    the run directory, with a vocabulary that is a DP release of the training split's words;
+    the ledger, the plan and the records' budget carry it, with its threshold's δ in the total;
+    the teacher and student speak that vocabulary; the same config again spends nothing new."""
+    from conftest import tiny_pipeline_dict
+    from pipeline.config import config_from_dict
+    from pipeline.plan import make_plan
+    from pipeline.privacy.budget import read_budget
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["base_models"] |= {"tokenizer": "dp", "tokenizer_epsilon": 8.0, "tokenizer_max_words": 8}
+    cfg = config_from_dict(tree)
+    plan = make_plan(cfg, timing=False)
+    run = Path(dp_distill(cfg))
+    stages = json.loads((run / "stages.json").read_text())
+    assert list(stages)[:2] == ["data", "base-models"]
+    typed = read_ledger(run / "ledger.json")
+    assert [e.stage for e in typed.entries][:3] == ["base-models", "control-codes", "teacher"]
+    vocab, teacher = typed.entry("base-models"), typed.entry("teacher")
+    assert vocab.epsilon == pytest.approx(plan.entries[0].epsilon) and vocab.delta_threshold == teacher.delta
+    assert typed.total.delta == pytest.approx(2 * teacher.delta) and typed.total.accountant_delta() == teacher.delta
+    made = (run / "base_models" / "tokenizer" / "tokenizer.json").read_text()
+    for model in ("teacher/model", "student/model", "base_models/teacher"):
+        assert (run / model / "tokenizer.json").read_text() == made, model
+    budget_id = json.loads((run / "run.json").read_text())["records_id"]
+    assert [r.stage for r in read_budget(Path(cfg.run_root).resolve(), budget_id).releases] == [
+        "base-models", "control-codes", "teacher"]
+
+    again = Path(dp_distill(cfg))
+    assert json.loads((again / "stages.json").read_text())["base-models"]["status"] == "cached"
+    assert len(read_budget(Path(cfg.run_root).resolve(), budget_id).releases) == 3
