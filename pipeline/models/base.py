@@ -180,10 +180,11 @@ def train_tokenizer(paragraphs: list[str], vocab_size: int) -> PreTrainedTokeniz
     bpe.train_from_iterator(
         paragraphs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False
     )
-    return _fast(bpe)
+    return as_fast_tokenizer(bpe)
 
 
-def _fast(bpe: ByteLevelBPETokenizer) -> PreTrainedTokenizerFast:
+def as_fast_tokenizer(bpe: ByteLevelBPETokenizer) -> PreTrainedTokenizerFast:
+    """A trained byte-level BPE as the transformers tokenizer the models are saved with (eos for every special)."""
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS)
 
 
@@ -363,7 +364,7 @@ def _build_dp_pair(cfg: BaseModelsConfig, seed: int, private: PrivateVocabulary)
         words, entry = dp_word_counts(private.train, epsilon=cfg.tokenizer_epsilon, max_words=cfg.tokenizer_max_words,
                                       delta=private.delta, accountant=private.accountant,
                                       secure_mode=private.secure_mode)
-        tok = _fast(train_tokenizer_on_counts(words, cfg.vocab_size))
+        tok = as_fast_tokenizer(train_tokenizer_on_counts(words, cfg.vocab_size))
         tmp = made.with_name("tokenizer.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save_pretrained(tmp)
