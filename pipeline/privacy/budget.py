@@ -404,9 +404,9 @@ def check_max_epsilon(
     if total.accountant_delta() != run_delta:
         at += (f", the δ of these records' budget, fixed by the first run that spent on them (this run's own δ is "
                f"{run_delta:.3g}: every run is checked at the budget's, so the same releases always count the same)")
-    fix = ("lower teacher.target_epsilon (or control_codes.epsilon) so that the total stays within it, reuse a "
-           "finished run's outputs instead of training again, or raise privacy.max_epsilon if spending more on "
-           "these records is intended")
+    fix = ("lower teacher.target_epsilon (or control_codes.epsilon, base_models.tokenizer_epsilon) so that the "
+           "total stays within it, reuse a finished run's outputs instead of training again, or raise "
+           "privacy.max_epsilon if spending more on these records is intended")
     if spent is not None and spent.epsilon >= max_epsilon:
         fix = ("this budget is spent: train on other records, or raise privacy.max_epsilon if spending more on "
                "these records is intended")
