@@ -482,7 +482,9 @@ def run_flow(args, cfg) -> int:
             from flows.pipeline_flow import dp_distill
 
             server.wait()
-            quiet_expected_errors(user_errors())
+            # A signal's traceback too: Prefect logs it as the flow unwinds, maybe before the
+            # watcher thread has muted the terminal (flows/interrupts.py); run.log keeps it.
+            quiet_expected_errors(user_errors() + (KeyboardInterrupt, TerminationSignal))
             rerun = stages_to_rerun(args.rerun_from, args.force)
             run_dir = dp_distill(cfg, run_dir=args.run_dir, rerun=rerun)
         except (KeyboardInterrupt, TerminationSignal) as e:
