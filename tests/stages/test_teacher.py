@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from pipeline.batching import lm_batch
 from pipeline.config import TeacherConfig
-from pipeline.privacy import accountant  # noqa: F401
+import pipeline.privacy.accountant  # noqa: F401  (registers the exact norm samplers on import)
 from pipeline.privacy.noise import TEST_SEED_ENV
 from pipeline.privacy.dpsgd import TeacherError
 from pipeline.models.losses import per_sequence_loss
