@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from pipeline.config import load_config
-from pipeline.models.base import as_fast_tokenizer, load_tokenizer, public_corpus, shipped_path, train_tokenizer
+from pipeline.models.base import load_tokenizer, public_corpus, shipped_path, train_tokenizer
 from pipeline.privacy.accountant import resolve_delta
-from pipeline.privacy.dp_vocabulary import dp_word_counts, train_tokenizer_on_counts, unit_words
+from pipeline.privacy.dp_vocabulary import dp_word_counts, unit_words, weighted_words
 from pipeline.records import read_split, split_key
 from pipeline.stages.data import prepare_data
 
@@ -65,7 +65,7 @@ def main() -> None:
                 t0 = time.monotonic()
                 words, entry = dp_word_counts(data.train, epsilon=eps, max_words=k, delta=delta,
                                               accountant=cfg.teacher.accountant)
-                tok = as_fast_tokenizer(train_tokenizer_on_counts(words, vocab_size))
+                tok = train_tokenizer(weighted_words(words), vocab_size)
                 rows.append((f"dp ε={eps:g} k={k}", f"σ={entry.noise_multiplier:.3g}·√k", len(words), len(tok),
                              time.monotonic() - t0, *encoding(tok, test)))
         print(f"{args.config}: N = {data.n_train} training records, δ = {delta:.3g} (+ the threshold's δ, the same), "

@@ -27,7 +27,7 @@ import math
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +47,7 @@ from pipeline.locks import file_lock
 from pipeline.models.cache import CACHE_PREFIX, cached_model_dir, resolve_cache_name
 from pipeline.manifest import MANIFEST, atomic_write_json, hash_paths, sha256_file, write_manifest
 from pipeline.models.scoring import mean_token_nll, token_windows
-from pipeline.privacy.dp_vocabulary import dp_word_counts, train_tokenizer_on_counts
+from pipeline.privacy.dp_vocabulary import dp_word_counts, weighted_words
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.tokenized import ListIds
 
@@ -175,16 +175,13 @@ def _cache_key(cfg: BaseModelsConfig) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def train_tokenizer(paragraphs: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str | list[str]], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE learned from `texts` (paragraphs, or batches of them: the DP tokenizer's
+    weighted words, pipeline/privacy/dp_vocabulary.py)."""
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(
-        paragraphs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False
     )
-    return as_fast_tokenizer(bpe)
-
-
-def as_fast_tokenizer(bpe: ByteLevelBPETokenizer) -> PreTrainedTokenizerFast:
-    """A trained byte-level BPE as the transformers tokenizer the models are saved with (eos for every special)."""
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS)
 
 
@@ -364,7 +361,7 @@ def _build_dp_pair(cfg: BaseModelsConfig, seed: int, private: PrivateVocabulary)
         words, entry = dp_word_counts(private.train, epsilon=cfg.tokenizer_epsilon, max_words=cfg.tokenizer_max_words,
                                       delta=private.delta, accountant=private.accountant,
                                       secure_mode=private.secure_mode)
-        tok = as_fast_tokenizer(train_tokenizer_on_counts(words, cfg.vocab_size))
+        tok = train_tokenizer(weighted_words(words), cfg.vocab_size)
         tmp = made.with_name("tokenizer.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save_pretrained(tmp)

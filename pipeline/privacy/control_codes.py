@@ -65,14 +65,16 @@ def domain_codes(data: DataConfig, domain: dict[str, list[str]]) -> list[str]:
     return [CODE_JOINER.join(parts) for parts in itertools.product(*per_column)]
 
 
-def gaussian_sigma(epsilon: float, delta: float, accountant: str) -> tuple[float, str]:
-    """(σ of the Gaussian histogram for (ε, δ), the accountant that calibrated it). The Gaussian
-    mechanism is one step of the subsampled Gaussian with q = 1; gdp cannot account it, so rdp does."""
+def gaussian_sigma(epsilon: float, delta: float, accountant: str,
+                   field: str = "control_codes.epsilon") -> tuple[float, str]:
+    """(σ of a Gaussian histogram for (ε, δ), the accountant that calibrated it). The Gaussian
+    mechanism is one step of the subsampled Gaussian with q = 1; gdp cannot account it, so rdp does.
+    `field` names the setting in the error (the DP tokenizer's histogram calibrates here too)."""
     calibrate = "rdp" if accountant == "gdp" else accountant
     try:
         return calibrate_sigma(calibrate, epsilon, delta, sample_rate=1.0, steps=1), calibrate
     except CalibrationTimeout as e:
-        raise ConfigError(f"control_codes.epsilon={epsilon}: {e}; use a smaller control_codes.epsilon") from e
+        raise ConfigError(f"{field}={epsilon}: {e}; use a smaller {field}") from e
 
 
 def _code_counts(train_path: Path) -> Counter:

@@ -2,7 +2,7 @@
 histogram of the private training split (Ponomareva et al. 2022, Algorithm 1).
 
     words, entry = dp_word_counts(train_path, epsilon=0.5, max_words=64, delta=δ, ...)
-    tokenizer = train_tokenizer_on_counts(words, vocab_size)
+    tokenizer = train_tokenizer(weighted_words(words), vocab_size)   # pipeline/models/base.py
 
 A tokenizer trained on the private text as it is would publish its rare words (a name, an
 address) in its vocabulary. Here:
@@ -37,21 +37,19 @@ from collections import Counter
 from pathlib import Path
 
 from scipy.stats import norm
-from tokenizers import ByteLevelBPETokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
 from pipeline.privacy import noise
-from pipeline.privacy.accountant import CalibrationTimeout, calibrate_sigma, epsilon_of
+from pipeline.privacy.accountant import epsilon_of
+from pipeline.privacy.control_codes import gaussian_sigma
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.privacy.pld import HISTOGRAM_REPLACE_SENSITIVITY
-from pipeline.config import ConfigError
 from pipeline.records import parquet_batches, read_users
 
 log = logging.getLogger(__name__)
 
 STAGE = "base-models"
 """The release's name in the ledger and the dataset budget: the flow stage that builds the pair."""
-EOS = "<|endoftext|>"
 _WORDS = ByteLevel(add_prefix_space=False, use_regex=True)  # how ByteLevelBPETokenizer splits text
 
 
@@ -82,16 +80,6 @@ def true_counts(train_path: Path, max_words: int) -> tuple[Counter, int, str]:
     return counts, len(texts), "record" if users is None else "user"
 
 
-def noise_multiplier(epsilon: float, delta: float, accountant: str) -> tuple[float, str]:
-    """(z: the noise's standard deviation over the sensitivity √k, for (ε, δ); the accountant
-    that calibrated it). gdp cannot account a single Gaussian step, so rdp does (as for the codes)."""
-    calibrate = "rdp" if accountant == "gdp" else accountant
-    try:
-        return calibrate_sigma(calibrate, epsilon, delta, sample_rate=1.0, steps=1), calibrate
-    except CalibrationTimeout as e:
-        raise ConfigError(f"base_models.tokenizer_epsilon={epsilon}: {e}; use a larger one") from e
-
-
 def threshold(z: float, max_words: int, delta_threshold: float) -> float:
     """τ: a count of 1 (a word of one unit only) passes with probability δ_τ / 2k."""
     return 1.0 + z * math.sqrt(max_words) * norm.isf(delta_threshold / (2 * max_words))
@@ -100,7 +88,7 @@ def threshold(z: float, max_words: int, delta_threshold: float) -> float:
 def planned_entry(epsilon: float, max_words: int, delta: float, accountant: str, unit: str,
                   note: str = "planned") -> LedgerEntry:
     """The release as the ledger records it (no data read): z, ε and the threshold's δ."""
-    z, calibrate = noise_multiplier(epsilon, delta, accountant)
+    z, calibrate = gaussian_sigma(epsilon, delta, accountant, "base_models.tokenizer_epsilon")  # z: σ over √k
     history = [(z, 1.0, 1)]
     return LedgerEntry(
         stage=STAGE, private=True, epsilon=epsilon_of(calibrate, history, delta), delta=delta,
@@ -135,14 +123,9 @@ def dp_word_counts(train_path: Path, *, epsilon: float, max_words: int, delta: f
     return kept, entry
 
 
-def train_tokenizer_on_counts(words: dict[str, float], vocab_size: int) -> ByteLevelBPETokenizer:
-    """Byte-level BPE merges learned from `words` weighted by their (noisy) counts, rounded:
-    each word is handed to the trainer as often as its count says (post-processing)."""
-    def weighted():
-        for word, count in words.items():
-            if (n := round(count)) > 0:
-                yield [word] * n  # a batch of n texts: 'a' * n would be one word 'aaa…'
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(weighted(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
-                            show_progress=False)
-    return bpe
+def weighted_words(words: dict[str, float]):
+    """The kept words for the BPE trainer, each as often as its noisy count says, rounded
+    (post-processing): batches of n copies ('a' * n would be one word 'aaa…')."""
+    for word, count in words.items():
+        if (n := round(count)) > 0:
+            yield [word] * n

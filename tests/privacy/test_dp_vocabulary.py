@@ -13,8 +13,8 @@ from scipy.stats import norm
 
 from pipeline.config import BaseModelsConfig
 from pipeline.models.base import train_tokenizer
-from pipeline.privacy.dp_vocabulary import (dp_word_counts, planned_entry, threshold, train_tokenizer_on_counts,
-                                            true_counts, unit_words)
+from pipeline.privacy.dp_vocabulary import (dp_word_counts, planned_entry, threshold, true_counts, unit_words,
+                                            weighted_words)
 from pipeline.privacy.ledger import LedgerEntry, compose, with_pld_epsilons
 
 CANARY = "Zqxvbnmwort"
@@ -59,7 +59,7 @@ def test_a_word_of_a_few_records_leaks_from_a_plain_tokenizer_and_not_from_the_d
     words, entry = dp_word_counts(train, epsilon=4.0, max_words=16, delta=1e-5, accountant="prv")
     assert " food" in words and " service" in words  # 300 records: far above τ
     assert not any(CANARY in w for w in words)
-    vocab = train_tokenizer_on_counts(words, vocab_size=400).get_vocab()
+    vocab = train_tokenizer(weighted_words(words), vocab_size=400).get_vocab()
     assert not any(CANARY[1:5] in t for t in vocab)
     assert "Ġfood" in vocab
     assert entry.private and entry.delta_threshold == 1e-5 and entry.noise_source.startswith("os-entropy")
