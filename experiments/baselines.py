@@ -70,8 +70,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.baselines_report import read_results, report  # noqa: E402
-from experiments.shared import append_result, finish, require_data  # noqa: E402  the data in ../shared
+from experiments.baselines_report import report  # noqa: E402
+from experiments.shared import append_result, finish, read_results, require_data  # noqa: E402  the data in ../shared
 
 
 @dataclass(frozen=True)
@@ -452,7 +452,7 @@ def main(argv: list[str]) -> int:
     root = Path(cfg.run_root)
     results_path = root / RESULTS
     if args.report_only:
-        print(report(read_results(results_path), corpus, grid.k))
+        print(report(read_results(results_path, cfg.name), corpus, grid.k))
         return 0
     require_data(cfg, "experiments/baselines.py", args.config)
     rows = [r for r in args.rows.split(",") if r]
@@ -467,7 +467,7 @@ def main(argv: list[str]) -> int:
         return 0
     failed, t_start = [], time.monotonic()
     for item in items:
-        results = read_results(results_path)
+        results = read_results(results_path, cfg.name)
         if _done(results, item):
             continue
         try:
@@ -486,10 +486,10 @@ def main(argv: list[str]) -> int:
             print(f"== {item} failed: {e!r}", flush=True)
             failed.append(str(item))
             continue
-        append_result(results_path, result)
+        append_result(results_path, {"config": cfg.name, **result})
         print(f"== done: {json.dumps({k: result[k] for k in ('row', 'repeat', 'seconds')})}", flush=True)
     print(f"this invocation: {time.monotonic() - t_start:.0f} s wall")
-    return finish(root / "baselines.md", report(read_results(results_path), corpus, grid.k), failed)
+    return finish(root / f"{cfg.name}-baselines.md", report(read_results(results_path, cfg.name), corpus, grid.k), failed)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,8 @@ deployable row's candidate runs (`"kind": "selection"`):
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-from pathlib import Path
 
 K = 4
 """Candidate settings per method (experiments/baselines.py's default grid; --grid k2: 2)."""
@@ -30,12 +28,6 @@ ORACLE_ROW = {"ours": "ours", "dpsgd": "dpsgd", "dpkd": "dpkd"}
 """The runs whose candidates are trained at the full ε (ours: the zero-cost rule's run)."""
 PRIVATE_ROW = {"ours": "ourspriv", "dpsgd": "dpsgddep", "dpkd": "dpkddep"}
 """The runs whose candidates and private selection share the total ε."""
-
-
-def read_results(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def mean_sd(values: list[float]) -> str:

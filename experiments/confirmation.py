@@ -10,11 +10,13 @@ Every run is the Prefect flow with the row's overrides, in its own run directory
 (`<name>-<row>-r<k>`). Repeat 1 takes what the stage cache holds; every later repeat reruns
 each stage that draws DP noise and everything after it (`rerun`: control-codes for the
 distilled rows, dp-student for DP-SGD and DPKD), so that each repeat is an independent draw of
-the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`;
-a restart skips them and continues a killed run in its own directory. The report's table gives
+the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`,
+each line naming its config (two configs may share a run_root); a restart skips them and continues a killed run in its own directory. The report's table gives
 each row's student perplexity windowed, per record (mean, median, token-weighted) and on the text
 alone (the control-code header left out of the targets), and ends with the line
-`corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexities).
+`corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexities); with a cached model as
+the teacher (docs/real_model.md) also `model=NAME corpus=NAME runs=K ours=... zero_shot=M` and one
+`downstream model=NAME corpus=NAME column=COL synthetic_f1=X chance=Y ...` line per code column.
 
 Its data: configs/airline.yaml reads the airline tweets and configs/reference.yaml the Yelp split
 in ../shared/data beside the checkout (not shipped; experiments/shared.py). Without them it exits
@@ -32,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import append_result, finish, require_data  # noqa: E402  the data in ../shared
+from experiments.shared import append_result, finish, read_results, require_data  # noqa: E402  the data in ../shared
 # (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
 ROWS = {
     "ours": (("distill.method=distil", "distill.keep_candidates=true"), "control-codes"),
@@ -45,12 +47,6 @@ ROWS = {
 # The order runs are made in: the rows the claim rests on first, one repeat of each at a time.
 SCHEDULE = (("ours", 1), ("DP-SGD", 1), ("ours", 2), ("DP-SGD", 2), ("ours", 3), ("DP-SGD", 3),
             ("DPKD", 1), ("DP-Syn", 1), ("DPKD", 2), ("DPKD", 3))
-
-
-def _read(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _result(label: str, repeat: int, run_dir: Path, seconds: float) -> dict:
@@ -110,7 +106,7 @@ STUDENT_FIGURES = ("student_per_record_mean", "student_per_record_median", "stud
                    "student_text_per_record_token_weighted")
 
 
-def report(results: list[dict], corpus: str) -> str:
+def report(results: list[dict], corpus: str, model: str | None = None) -> str:
     by_row: dict[str, list[dict]] = {}
     for r in results:
         by_row.setdefault(r["row"], []).append(r)
@@ -154,6 +150,29 @@ def report(results: list[dict], corpus: str) -> str:
     summary = {k: _mean_sd([r["student"] for r in by_row.get(label, [])])
                for k, label in (("ours", "ours"), ("dpsgd", "DP-SGD"), ("dpkd", "DPKD"))}
     out += f"\ncorpus={corpus} ours={summary['ours']} dpsgd={summary['dpsgd']} dpkd={summary['dpkd']}\n"
+    if model:
+        out += model_lines(by_row, model, corpus, summary)
+    return out
+
+
+def model_lines(by_row: dict[str, list[dict]], model: str, corpus: str, summary: dict[str, str]) -> str:
+    """Issue 36's lines: `model=... corpus=... runs=K ours=... dpsgd=... dpkd=... zero_shot=M` (K: the
+    fewest runs of the three rows), then per code column the downstream classifier trained on ours'
+    synthetic text, its macro-F1 (mean over ours' runs) against chance."""
+    ours = by_row.get("ours", [])
+    runs = min((len(by_row.get(label, [])) for label in ("ours", "DP-SGD", "DPKD")), default=0)
+    zero_shot = [r["zero_shot"] for r in ours if r.get("zero_shot") is not None]
+    z = f"{statistics.mean(zero_shot):.1f}" if zero_shot else "–"
+    out = (f"model={model} corpus={corpus} runs={runs} ours={summary['ours']} dpsgd={summary['dpsgd']} "
+           f"dpkd={summary['dpkd']} zero_shot={z}\n")
+    columns = sorted({c for r in ours for c in r.get("downstream", {})})
+    for c in columns:
+        f1 = [r["downstream"][c]["macro_f1"] for r in ours if c in r.get("downstream", {})]
+        first = next(r["downstream"][c] for r in ours if c in r.get("downstream", {}))
+        sd = f"{statistics.stdev(f1):.3f}" if len(f1) > 1 else "nan"
+        ref = first.get("real_reference_macro_f1")
+        out += (f"downstream model={model} corpus={corpus} column={c} synthetic_f1={statistics.mean(f1):.3f} "
+                f"chance={first['chance_macro_f1']:.3f} sd={sd} runs={len(f1)} real_reference={_f(ref, 3)}\n")
     return out
 
 
@@ -166,6 +185,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
     p.add_argument("--config", default="configs/airline.yaml")
     p.add_argument("--corpus", default=None, help="the corpus name of the last line (default: the config's name)")
+    p.add_argument("--model", default=None,
+                   help="the model name of issue 36's last lines (default: the teacher's cache name, "
+                   "e.g. smollm2-135m; none for a builtin teacher)")
     p.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. ours,DP-SGD")
     p.add_argument("--repeats", type=int, default=3, help="runs per row (DP-Syn: 1)")
     p.add_argument("--dpkd-epsilon", type=float, default=3.0, help="DPKD's teacher.target_epsilon (split in two)")
@@ -180,12 +202,13 @@ def main(argv: list[str]) -> int:
     root.mkdir(parents=True, exist_ok=True)
     results_path = root / "confirmation.jsonl"
     corpus = args.corpus or cfg.name
+    model = args.model or (cfg.teacher.model.removeprefix("cache:") if cfg.teacher.model.startswith("cache:") else None)
     wanted = set(args.rows.split(","))
     schedule = [(label, k) for label, k in SCHEDULE if label in wanted and k <= (1 if label == "DP-Syn" else args.repeats)]
     failed = []
     if not args.report_only:
         for label, k in schedule:
-            if any(r["row"] == label and r["repeat"] == k for r in _read(results_path)):
+            if any(r["row"] == label and r["repeat"] == k for r in read_results(results_path, cfg.name)):
                 continue
             extra = list(args.overrides) + ([f"teacher.target_epsilon={args.dpkd_epsilon}"] if label == "DPKD" else [])
             print(f"== {label} run {k}", flush=True)
@@ -195,9 +218,9 @@ def main(argv: list[str]) -> int:
                 print(f"== {label} run {k} failed: {e!r}", flush=True)
                 failed.append(f"{label} r{k}")
                 continue
-            append_result(results_path, result)
+            append_result(results_path, {"config": cfg.name, **result})
             print(f"== {label} run {k}: {result['student']:.1f} ({result['seconds']:.0f} s)", flush=True)
-    return finish(root / "confirmation.md", report(_read(results_path), corpus), failed)
+    return finish(root / f"{cfg.name}-confirmation.md", report(read_results(results_path, cfg.name), corpus, model), failed)
 
 
 if __name__ == "__main__":

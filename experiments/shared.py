@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -34,6 +35,24 @@ def require_data(cfg, script: str, config: str | None = None) -> None:
            "shipped; put it there, or pass a config of your own data" if shared else "pass a config whose data exists")
     print(f"{script}: {field} {path}{where} is not there: {why}", file=sys.stderr)
     sys.exit(2)
+
+
+def read_results(path: Path, config: str | None = None) -> list[dict]:
+    """A study's jsonl, only the lines of the config named `config` (None: every line). Two configs
+    may share a run_root (configs/smollm2_airline.yaml and smollm2_yelp.yaml do): each line names its
+    config; an older line without the name is its run directory's, `<config name>-<row>-...`."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if config is None:
+        return rows
+    return [r for r in rows if r.get("config", _config_of(r)) == config]
+
+
+def _config_of(row: dict) -> str | None:
+    """The config name in a run directory `<config>-<row>[-c<i>]-r<k>-<date>-<time>`; None for none."""
+    m = re.fullmatch(r"(.+)-[a-z]+(?:-c\d+)?-r\d+-\d{8}-\d{6}", Path(row.get("run_dir", "")).name)
+    return m and m.group(1)
 
 
 def append_result(path: Path, result: dict) -> None:

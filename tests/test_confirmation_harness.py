@@ -52,3 +52,33 @@ def test_every_repeat_after_the_first_reruns_the_stages_that_draw_noise():
     assert [k for label, k in confirmation.SCHEDULE if label == "ours"] == [1, 2, 3]
     for label, (overrides, stage) in confirmation.ROWS.items():
         assert stage in ("control-codes", "dp-student"), label
+
+
+def test_two_configs_sharing_a_run_root_keep_their_own_runs(tmp_path):
+    """configs/smollm2_airline.yaml and smollm2_yelp.yaml share runs/real_model: the Yelp study must
+    not take the airline runs for its own and skip every run (it did, before each line named its
+    config); a line written before that is its run directory's."""
+    from experiments.shared import append_result, read_results
+
+    path = tmp_path / "confirmation.jsonl"
+    append_result(path, _run("ours", 1, 179.0, run_dir="/r/smollm2-airline-ours-r1-20261126-031610"))
+    append_result(path, _run("DPKD", 2, 700.0, run_dir="/r/smollm2-airline-dpkd-c2-r2-20261126-093842"))
+    append_result(path, {"config": "smollm2-yelp", **_run("ours", 1, 60.0)})
+    append_result(path, {"config": "airline", "kind": "selection", "row": "dpsgddep", "repeat": 1})
+    assert [r["student"] for r in read_results(path, "smollm2-airline")] == [179.0, 700.0]
+    assert [r["student"] for r in read_results(path, "smollm2-yelp")] == [60.0]
+    assert [r["row"] for r in read_results(path, "airline")] == ["dpsgddep"]
+    assert len(read_results(path)) == 4 and read_results(tmp_path / "none.jsonl", "x") == []
+
+
+def test_with_a_cached_model_the_report_ends_with_the_model_and_downstream_lines():
+    ds = {"sentiment": {"macro_f1": 0.36, "chance_macro_f1": 1 / 3, "real_reference_macro_f1": 0.555}}
+    results = [_run("ours", 1, 178.0, downstream=ds),
+               _run("ours", 2, 180.0, downstream={"sentiment": {**ds["sentiment"], "macro_f1": 0.38}}),
+               _run("DP-SGD", 1, 700.0), _run("DP-SGD", 2, 740.0), _run("DPKD", 1, 750.0)]
+    lines = confirmation.report(results, "airline", "smollm2-135m").strip().splitlines()
+    assert lines[-2] == ("model=smollm2-135m corpus=airline runs=1 ours=179.0±1.4 dpsgd=720.0±28.3 "
+                         "dpkd=750.0±nan zero_shot=500.0")
+    assert lines[-1] == ("downstream model=smollm2-135m corpus=airline column=sentiment synthetic_f1=0.370 "
+                         "chance=0.333 sd=0.014 runs=2 real_reference=0.555")
+    assert not confirmation.report(results, "airline").strip().splitlines()[-1].startswith("downstream")
