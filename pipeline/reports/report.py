@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, read_ledger, table_rows
 from pipeline.manifest import MANIFEST, atomic_write_text
 from pipeline.reports import STAGE_WORDS, privacy_sentence, table_keys
+from pipeline.reports.methods import peers, scored, verdict
 
 log = logging.getLogger(__name__)
 
@@ -460,6 +461,21 @@ def _method(run_dir: Path, metrics: dict | None) -> str | None:
         return None
 
 
+def _methods(run_dir: Path) -> str:
+    """This run's student beside the other methods' runs on the same test split (pipeline/reports/methods.py)."""
+    runs = peers(run_dir)
+    text = verdict(runs)
+    if text is None:
+        return _note("No finished run of another distill.method on the same test split, student and window beside "
+                     "this one in its run root. To see whether distillation pays on this data, run the same config "
+                     "with distill.method=dp_sgd (minutes, no teacher or generation; it spends its own ε on the "
+                     "same records); this section then compares them.")
+    rows = [[r.run + (" (this run)" if r.run == run_dir.name else ""), r.method, r.perplexity, r.epsilon]
+            for r in runs]
+    cls = "warn" if text.count("train the student directly") else "note"
+    return _note(text, cls) + _table(["run", "method", "student windowed test perplexity", "ε (ledger total)"], rows)
+
+
 def _timings(metrics: dict | None) -> str:
     seconds = (metrics or {}).get("seconds")
     if not seconds:
@@ -504,6 +520,7 @@ def write_report(run_dir: Path, writer_alive: bool = False) -> Path:
         ("DP-SGD training", lambda: _dp_training(run_dir)),
         ("Distillation", lambda: _distillation(run_dir)),
         ("Perplexity per model", lambda: _perplexity(metrics)),
+        ("Which method wins on this data", lambda: _methods(run_dir)),
         ("Generation", lambda: _generation(run_dir, metrics)),
         ("Stage timings", lambda: _timings(metrics)),
         ("Config", lambda: _config(run_dir)),
@@ -568,6 +585,8 @@ def write_comparison_report(run_dirs: dict[str, Path], out: Path) -> Path:
     )
     body += ('<div class="table-wrap"><table><tr>' + "".join(f"<th>{_esc(h)}</th>" for h in header + ["report"])
              + f"</tr>{table_rows}</table></div>")
+    if text := verdict([s for run in run_dirs.values() if (s := scored(Path(run))) is not None]):
+        body += _note(text, "warn" if "train the student directly" in text else "note")
     body += _note("ε complete = NO: the run released something not differentially private (the exact control-code "
                   "counts); its ε covers the DP stages only.")
     atomic_write_text(out, _page("dpdistill: perplexity per method", body))

@@ -1,0 +1,142 @@
+"""Which method wins on the user's own data (issue 37 item 5): a run's test perplexity beside the
+finished runs of the other methods (`distill.method`) that sit in the same run root and were
+scored on the same test split (its sha256 in data/manifest.json), with the same student model and
+evaluation window. The report and the comparison page say in words which is ahead, and when
+DP-SGD of the student is, that training the student directly is the better choice for this
+data and model pair.
+
+It reads aggregates only (metrics.json, data/manifest.json's hashes, config.yaml, ledger.json's
+total), as the report does. Choosing a method by these test figures is a choice made by looking
+at the test split (README, "Not protected"), and every run spent its own ε on the same records
+(the dataset budget counts them all): the sentence says both.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+METHOD_WORDS = {"distil": "ours (distillation)", "dp_syn": "DP-Syn (synthetic text alone)",
+                "dp_sgd": "DP-SGD of the student", "dpkd": "DPKD"}
+EPSILON_TOLERANCE = 0.05
+"""Runs whose ledger totals differ by more than this share are compared, but said to be at different ε."""
+
+
+@dataclass(frozen=True)
+class Scored:
+    run: str
+    method: str
+    perplexity: float
+    epsilon: float | None
+    settings: str = ""  # the run's teacher and distill sections: runs that share them are repeats
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _config(run_dir: Path) -> dict:
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _key(run_dir: Path) -> tuple | None:
+    """What two runs must share to be compared: the test split's sha256, the student, the window."""
+    manifest, metrics = _json(run_dir / "data" / "manifest.json"), _json(run_dir / "metrics.json")
+    student = (_config(run_dir).get("distill") or {}).get("student_model")
+    test = ((manifest or {}).get("outputs") or {}).get("test", {}).get("sha256")
+    if not test or not metrics or student is None:
+        return None
+    return test, str(student), metrics.get("window")
+
+
+def scored(run_dir: Path) -> Scored | None:
+    """The run's student figure (windowed test perplexity), or None before its evaluation."""
+    run_dir = Path(run_dir)
+    metrics = _json(run_dir / "metrics.json") or {}
+    method = metrics.get("method")
+    figure = ((metrics.get("perplexity") or {}).get(f"student_{method}") or {}).get("windowed")
+    if method is None or figure is None:
+        return None
+    total = ((_json(run_dir / "ledger.json") or {}).get("total") or {}).get("epsilon")
+    cfg = _config(run_dir)
+    settings = json.dumps({k: cfg.get(k) for k in ("teacher", "distill")}, sort_keys=True, default=str)
+    return Scored(run_dir.name, method, float(figure), total, settings)
+
+
+def peers(run_dir: Path) -> list[Scored]:
+    """The finished runs beside `run_dir` (itself first) that can be compared with it."""
+    run_dir = Path(run_dir)
+    key, this = _key(run_dir), scored(run_dir)
+    if key is None or this is None:
+        return []
+    others = [s for p in sorted(run_dir.parent.iterdir())
+              if p.is_dir() and p != run_dir and _key(p) == key and (s := scored(p)) is not None]
+    return [this, *others]
+
+
+def _same_epsilon(a: float | None, b: float | None) -> bool:
+    return a is None or b is None or abs(a - b) <= EPSILON_TOLERANCE * max(a, b)
+
+
+def _words(method: str) -> str:
+    return METHOD_WORDS.get(method, method)
+
+
+def verdict(runs: list[Scored]) -> str | None:
+    """In words: each method's mean over its runs at the first run's ε, which is ahead, and whether
+    to train the student directly; None when fewer than two methods can be compared."""
+    if not runs:
+        return None
+    same = [r for r in runs if _same_epsilon(r.epsilon, runs[0].epsilon)]
+    by_method: dict[str, list[Scored]] = {}
+    for r in same:
+        by_method.setdefault(r.method, []).append(r)
+    if len(by_method) < 2:
+        return None
+    means = {m: statistics.mean(r.perplexity for r in rs) for m, rs in by_method.items()}
+    sds = {m: statistics.stdev(r.perplexity for r in rs) if len(rs) > 1 else None for m, rs in by_method.items()}
+    ranked = sorted(means, key=means.get)  # best first
+
+    def figure(m: str) -> str:
+        n = len(by_method[m])
+        return f"{_words(m)} {means[m]:.1f}" + (f" ± {sds[m]:.1f} ({n} runs)" if n > 1 else " (1 run)")
+
+    text = ("Students' windowed test perplexity on this test split, with this student, at this run's ε: "
+            + "; ".join(figure(m) for m in ranked) + ".")
+    anchor = "distil" if "distil" in means else ranked[0]
+    clauses, direct = [], []
+    for m in (m for m in ranked if m != anchor):
+        gap = means[m] - means[anchor]  # > 0: the anchor is ahead
+        ahead, behind = (anchor, m) if gap > 0 else (m, anchor)
+        clause = f"{_words(ahead)} is ahead of {_words(behind)} by {100 * abs(gap) / means[behind]:.0f} %"
+        if sds[m] is None or sds[anchor] is None:
+            clause += " (one run of one of them: DP noise alone moves a figure by several per cent; repeat it)"
+        elif abs(gap) <= sds[m] + sds[anchor]:
+            clause += " (inside the runs' spread, the sum of the two sds: a tie)"
+        else:
+            clause += " (more than the runs' spread)"
+            if anchor == "distil" and gap < 0 and m in ("dp_sgd", "dpkd"):
+                direct.append(m)
+        clauses.append(clause)
+    text += " " + "; ".join(clauses) + "."
+    if direct:
+        text += (f" For this data and model pair, train the student directly: distill.method={direct[0]} "
+                 "(docs/pipeline.md, \"When to distil\").")
+    if mixed := [m for m, rs in by_method.items() if len({r.settings for r in rs}) > 1]:
+        text += (" The runs of " + ", ".join(_words(m) for m in mixed) + " differ in their settings: each mean "
+                 "mixes them.")
+    if left := len(runs) - len(same):
+        text += f" Left out: {left} run(s) at another total ε."
+    return text + (" Each run spent its own ε on the same records (the dataset's budget counts them all), and a "
+                   "method chosen by these test figures is chosen by looking at the test split.")
