@@ -71,7 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.baselines_report import report  # noqa: E402
-from experiments.shared import append_result, finish, read_results, require_data  # noqa: E402  the data in ../shared
+from experiments.shared import append_result, finish, read_results, require_data, selection_of  # noqa: E402  the data in ../shared
 
 
 @dataclass(frozen=True)
@@ -322,12 +322,8 @@ def result_of(run: Run, run_dir: Path, seconds: float, target_epsilon: float) ->
            "student_per_record_token_weighted": student.get("per_record_token_weighted"),
            "student_text_windowed": text.get("windowed"), "teacher_target_epsilon": target_epsilon,
            "epsilon": ledger["total"]["epsilon"], "delta": ledger["total"]["delta"]}
-    if sel := metrics.get("selection"):
-        out["selection"] = {"select_by": sel["select_by"], "chosen": sel["chosen"],
-                            "private_validation": sel.get("private_validation"), "candidates": [
-                                {k: c.get(k) for k in ("candidate", "alpha", "teacher_kl", "untruncated_ce",
-                                                       "synthetic_validation_ce", "private_validation",
-                                                       "test_perplexity")} for c in sel["candidates"]]}
+    if metrics.get("selection"):
+        out["selection"] = selection_of(metrics)
     return out
 
 

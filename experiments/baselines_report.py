@@ -62,48 +62,58 @@ def _by_repeat(runs: list[dict]) -> dict[int, list[dict]]:
     return dict(sorted(out.items()))
 
 
-def _candidates(run: dict) -> list[dict]:
-    """An `ours` run's candidates that were scored on the test split."""
-    return [c for c in (run.get("selection") or {}).get("candidates", []) if c.get("test_perplexity") is not None]
+# Which figure a table compares: the windowed test perplexity (the README's), or the same with the
+# control-code header left out of the targets ("text"): (a run's key, an ours candidate's key).
+FIGURES = {"windowed": ("student", "test_perplexity"), "text": ("student_text_windowed", "test_text_perplexity")}
 
 
-def oracle(results: list[dict], method: str, k: int = K) -> list[dict]:
-    """Per repeat with all `k` candidates: the best candidate by test perplexity (an upper bound:
-    the test split chooses)."""
+def _candidates(run: dict, figure: str = "windowed") -> list[dict]:
+    """An `ours` run's candidates that were scored on the test split (by `figure`)."""
+    key = FIGURES[figure][1]
+    return [c for c in (run.get("selection") or {}).get("candidates", []) if c.get(key) is not None]
+
+
+def oracle(results: list[dict], method: str, k: int = K, figure: str = "windowed") -> list[dict]:
+    """Per repeat with all `k` candidates: the best candidate by test perplexity (`figure`; an upper
+    bound: the test split chooses)."""
+    run_key, cand_key = FIGURES[figure]
     out = []
     if method == "ours":
         for r in _runs(results, "ours"):
-            cands = _candidates(r)
+            cands = _candidates(r, figure)
             if len(cands) == k:
-                best = min(cands, key=lambda c: c["test_perplexity"])
-                out.append({"repeat": r["repeat"], "value": best["test_perplexity"], "candidate": best["candidate"],
+                best = min(cands, key=lambda c: c[cand_key])
+                out.append({"repeat": r["repeat"], "value": best[cand_key], "candidate": best["candidate"],
                             "epsilon": r["epsilon"]})
         return out
     for repeat, runs in _by_repeat(_runs(results, ORACLE_ROW[method])).items():
+        runs = [r for r in runs if r.get(run_key) is not None]
         if len({r["candidate"] for r in runs}) == k:
-            best = min(runs, key=lambda r: r["student"])
-            out.append({"repeat": repeat, "value": best["student"], "candidate": best["candidate"],
+            best = min(runs, key=lambda r: r[run_key])
+            out.append({"repeat": repeat, "value": best[run_key], "candidate": best["candidate"],
                         "epsilon": max(r["epsilon"] for r in runs)})
     return out
 
 
-def deployable(results: list[dict], method: str, private: bool) -> list[dict]:
+def deployable(results: list[dict], method: str, private: bool, figure: str = "windowed") -> list[dict]:
     """Per repeat: the candidate a procedure that reads no test record chose, its test perplexity,
     the ε its choice spent and the row's composed total. ours: its own run's choice, by the
     zero-cost rule or (`private`) by the private validation release; DP-SGD and DPKD: the
-    harness's private choice among the candidate runs (always private)."""
+    harness's private choice among the candidate runs (always private). `figure`: the chosen
+    student's windowed test perplexity, or the same on the text alone (None where not recorded)."""
+    run_key = FIGURES[figure][0]
     out = []
     if method == "ours":
         for r in _runs(results, PRIVATE_ROW["ours"] if private else "ours"):
             sel = r.get("selection") or {}
-            out.append({"repeat": r["repeat"], "value": r["student"], "chosen": sel.get("chosen"),
+            out.append({"repeat": r["repeat"], "value": r.get(run_key), "chosen": sel.get("chosen"),
                         "selection_epsilon": (sel.get("private_validation") or {}).get("epsilon", 0.0),
                         "epsilon": r["epsilon"]})
         return out
     runs = _runs(results, PRIVATE_ROW[method])
     for s in (s for s in results if s.get("kind") == "selection" and s["row"] == PRIVATE_ROW[method]):
         chosen = next(r for r in runs if r["repeat"] == s["repeat"] and r["candidate"] == s["chosen"])
-        out.append({"repeat": s["repeat"], "value": chosen["student"], "chosen": s["chosen"],
+        out.append({"repeat": s["repeat"], "value": chosen.get(run_key), "chosen": s["chosen"],
                     "selection_epsilon": s["selection_epsilon"], "epsilon": s["epsilon"]})
     return sorted(out, key=lambda d: d["repeat"])
 
@@ -115,53 +125,72 @@ def _study(scores: dict[str, float], test: dict[str, float], chosen: str) -> dic
 
 
 def rule_study(results: list[dict], method: str = "ours", private: bool = False,
-               criterion: str | None = None) -> list[dict]:
+               criterion: str | None = None, figure: str = "windowed") -> list[dict]:
     """Per repeat: Spearman ρ of a selection's scores against the candidates' test perplexities,
     and its regret (the chosen candidate's test perplexity minus the best's). ours: its run's
     own rule (`select_by`, or `criterion` to ask how another would have ranked); DP-SGD and
-    DPKD: the noisy validation scores of the harness's private choice."""
+    DPKD: the noisy validation scores of the harness's private choice. `figure`: against the
+    windowed test perplexities, or against those on the text alone."""
+    run_key, cand_key = FIGURES[figure]
     out = []
     if method == "ours":
         for r in _runs(results, PRIVATE_ROW["ours"] if private else "ours"):
-            cands, sel = _candidates(r), r.get("selection") or {}
+            cands, sel = _candidates(r, figure), r.get("selection") or {}
             name = criterion or sel.get("select_by")
             cands = [c for c in cands if c.get(name) is not None]
             if len(cands) < 2:
                 continue
             scores = {c["candidate"]: c[name] for c in cands}
             chosen = sel["chosen"] if criterion is None else min(scores, key=scores.get)
-            test = {c["candidate"]: c["test_perplexity"] for c in cands}
+            test = {c["candidate"]: c[cand_key] for c in cands}
+            if chosen not in test:
+                continue
             out.append({"repeat": r["repeat"], **_study(scores, test, chosen)})
         return out
     runs = _runs(results, PRIVATE_ROW[method])
     for s in (s for s in results if s.get("kind") == "selection" and s["row"] == PRIVATE_ROW[method]):
-        test = {r["candidate"]: r["student"] for r in runs if r["repeat"] == s["repeat"] and r["candidate"] in s["scores"]}
+        test = {r["candidate"]: r[run_key] for r in runs if r["repeat"] == s["repeat"]
+                and r["candidate"] in s["scores"] and r.get(run_key) is not None}
+        if len(test) < len(s["scores"]):
+            continue
         out.append({"repeat": s["repeat"], **_study(s["scores"], test, s["chosen"])})
     return sorted(out, key=lambda d: d["repeat"])
 
 
 def _each(values: list[dict], key: str = "value", name: str | None = None) -> str:
-    return ", ".join(f"{v[key]:.1f}" + (f" ({v[name]})" if name else "") for v in values)
+    return ", ".join(("–" if v[key] is None else f"{v[key]:.1f}") + (f" ({v[name]})" if name else "") for v in values)
 
 
 def _eps(values: list[float]) -> str:
     return ", ".join(f"{e:.3f}" for e in sorted(set(round(v, 3) for v in values))) or "–"
 
 
-def _tables(results: list[dict], k: int = K) -> list[str]:
-    lines = ["## Oracle: each method's best candidate by test perplexity (an upper bound, not deployable)", "",
+TEXT_NOTE = ("The same tables with each student's test perplexity on the text alone: the control-code header "
+             "left out of the targets. The distillation KL skips the header (a prompt the teacher was given), so a "
+             "candidate of ours with α < 1, and DP-SGD, which trains on whole records, learn to predict it and the "
+             "windowed figure counts that; the text alone is what the student writes.")
+
+
+def _tables(results: list[dict], k: int = K, figure: str = "windowed") -> list[str]:
+    if figure == "text":
+        title = "## On the text alone: oracle (each method's best candidate by its text-only test perplexity)"
+        lines = [title, "", TEXT_NOTE, ""]
+    else:
+        lines = ["## Oracle: each method's best candidate by test perplexity (an upper bound, not deployable)", ""]
+    lines += [
              "| method | repeats | test perplexity (mean ± sd) | each repeat (best candidate) | ε of each run |",
              "|---|---:|---:|---|---:|"]
     for m in METHODS:
-        v = oracle(results, m, k)
+        v = oracle(results, m, k, figure)
         lines.append(f"| {LABELS[m]} | {len(v)} | {mean_sd([x['value'] for x in v])} | {_each(v, name='candidate')} "
                      f"| {_eps([x['epsilon'] for x in v])} |")
-    lines += ["", "## Deployable: chosen without the test split, inside the same total ε", "",
+    lines += ["", "## Deployable: chosen without the test split, inside the same total ε"
+              + (" (the chosen student on the text alone)" if figure == "text" else ""), "",
               "| row | repeats | test perplexity (mean ± sd) | each repeat (chosen) | selection ε | total ε |",
               "|---|---:|---:|---|---:|---:|"]
     for m, private, label in (("ours", False, "ours (zero-cost rule)"), ("ours", True, "ours (private selection)"),
                               ("dpsgd", True, "DP-SGD (private selection)"), ("dpkd", True, "DPKD (private selection)")):
-        v = deployable(results, m, private)
+        v = deployable(results, m, private, figure)
         lines.append(f"| {label} | {len(v)} | {mean_sd([x['value'] for x in v])} | {_each(v, name='chosen')} "
                      f"| {_eps([x['selection_epsilon'] for x in v])} | {_eps([x['epsilon'] for x in v])} |")
     return lines
@@ -188,13 +217,15 @@ def _candidate_table(results: list[dict]) -> list[str]:
     return lines
 
 
-def _rule_table(results: list[dict]) -> list[str]:
-    lines = ["", "## Selection on each method's candidates: Spearman ρ against test perplexity and regret", "",
+def _rule_table(results: list[dict], figure: str = "windowed") -> list[str]:
+    against = "test perplexity on the text alone" if figure == "text" else "test perplexity"
+    lines = ["", f"## Selection on each method's candidates: Spearman ρ against {against} and regret", "",
              "| selection | runs | ρ (mean) | each run | regret (mean ± sd) | each run |", "|---|---:|---:|---|---:|---|"]
     studies = [(f"ours: {c}" + (" (the rule)" if c == "teacher_kl" else " (would have chosen)"),
-                rule_study(results, "ours", criterion=None if c == "teacher_kl" else c))
+                rule_study(results, "ours", criterion=None if c == "teacher_kl" else c, figure=figure))
                for c in ("teacher_kl", "untruncated_ce", "synthetic_validation_ce")]
-    studies += [(f"{LABELS[m]}: private validation", rule_study(results, m, private=True)) for m in METHODS]
+    studies += [(f"{LABELS[m]}: private validation", rule_study(results, m, private=True, figure=figure))
+                for m in METHODS]
     for label, s in studies:
         rho = ", ".join("–" if x["spearman"] is None else f"{x['spearman']:.2f}" for x in s)
         lines.append(f"| {label} | {len(s)} | {_mean([x['spearman'] for x in s], 2)} | {rho} "
@@ -220,7 +251,8 @@ def _wall_table(results: list[dict]) -> tuple[list[str], float]:
 def report(results: list[dict], corpus: str, k: int = K) -> str:
     """The tables, then the summary lines; the last three are the issue's."""
     wall, total = _wall_table(results)
-    lines = _tables(results, k) + _candidate_table(results) + _rule_table(results) + wall + [""]
+    lines = (_tables(results, k) + _candidate_table(results) + _rule_table(results) + [""]
+             + _tables(results, k, "text") + _rule_table(results, "text") + wall + [""])
     runs = [r for r in results if r.get("kind", "run") == "run"]
     lines.append(f"wall corpus={corpus} runs={len(runs)} selections={len(results) - len(runs)} "
                  f"seconds={total:.0f} hours={total / 3600:.1f}")
@@ -230,6 +262,13 @@ def report(results: list[dict], corpus: str, k: int = K) -> str:
         s = rule_study(results, m, private=True)
         lines.append(f"private corpus={corpus} method={m} candidates={k} "
                      f"spearman={_mean([x['spearman'] for x in s], 2)} regret={_mean([x['regret'] for x in s], 1)}")
+    text_oracle = {m: mean_sd([x["value"] for x in oracle(results, m, k, "text")]) for m in METHODS}
+    text_dep = {m: mean_sd([x["value"] for x in deployable(results, m, m != "ours", "text")]) for m in METHODS}
+    text_rule = rule_study(results, "ours", figure="text")
+    lines.append(f"table=oracle-text corpus={corpus} " + " ".join(f"{m}={text_oracle[m]}" for m in METHODS))
+    lines.append(f"table=deployable-text corpus={corpus} " + " ".join(f"{m}={text_dep[m]}" for m in METHODS))
+    lines.append(f"rule-text corpus={corpus} candidates={k} spearman={_mean([x['spearman'] for x in text_rule], 2)} "
+                 f"regret={_mean([x['regret'] for x in text_rule], 1)}")
     oracle_line = {m: mean_sd([x["value"] for x in oracle(results, m, k)]) for m in METHODS}
     dep["ours"] = mean_sd([x["value"] for x in deployable(results, "ours", private=False)])
     rule = rule_study(results, "ours")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import append_result, finish, read_results, require_data  # noqa: E402  the data in ../shared
+from experiments.shared import append_result, finish, read_results, require_data, selection_of  # noqa: E402  the data in ../shared
 # (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
 ROWS = {
     "ours": (("distill.method=distil", "distill.keep_candidates=true"), "control-codes"),
@@ -64,10 +64,8 @@ def _result(label: str, repeat: int, run_dir: Path, seconds: float) -> dict:
            "zero_shot": ppl["base_student"]["windowed"], "dp_teacher": ppl.get("dp_teacher", {}).get("windowed"),
            "epsilon": ledger["total"]["epsilon"], "delta": ledger["total"]["delta"]}
     if sel := metrics.get("selection"):
-        out["selection"] = {"chosen": sel["chosen"], "candidates": [
-            {k: r.get(k) for k in ("candidate", "teacher_kl", "untruncated_ce", "synthetic_validation_ce",
-                                   "test_perplexity")} for r in sel["candidates"]],
-            "criterion_study": sel.get("criterion_study")}
+        out["selection"] = {**selection_of(metrics), "criterion_study": sel.get("criterion_study"),
+                            "criterion_study_text": sel.get("criterion_study_text")}
     if ds := metrics.get("downstream"):
         out["downstream"] = {c: {"macro_f1": v["synthetic"]["macro_f1"], "accuracy": v["synthetic"]["accuracy"],
                                  "real_reference_macro_f1": (v["real_reference"] or {}).get("macro_f1"),
@@ -134,19 +132,22 @@ def report(results: list[dict], corpus: str, model: str | None = None) -> str:
     out = "\n".join(lines)
     if ours and any("selection" in r for r in ours):
         out += "\n\nSelection in each `ours` run (test perplexity computed after the choice):\n\n"
-        out += "| run | chosen | candidate | teacher_kl | untruncated_ce | synthetic validation CE | test perplexity |\n"
-        out += "|---|---|---|---:|---:|---:|---:|\n"
+        out += ("| run | chosen | candidate | teacher_kl | untruncated_ce | synthetic validation CE | test perplexity "
+                "| text alone |\n")
+        out += "|---|---|---|---:|---:|---:|---:|---:|\n"
         for r in ours:
             for c in r.get("selection", {}).get("candidates", []):
                 out += (f"| r{r['repeat']} | {'→' if c['candidate'] == r['selection']['chosen'] else ''} | "
                         f"{c['candidate']} | {_f(c['teacher_kl'], 4)} | {_f(c['untruncated_ce'], 4)} | "
-                        f"{_f(c['synthetic_validation_ce'], 4)} | {_f(c['test_perplexity'], 1)} |\n")
-        regrets = [(r["selection"]["criterion_study"] or {}).get("teacher_kl", {}).get("regret") for r in ours
-                   if r.get("selection")]
-        regrets = [x for x in regrets if x is not None]
-        if regrets:
-            out += f"\nRegret of the chosen candidate (its test perplexity minus the best candidate's): {_mean_sd(regrets)}"
-            out += f" ({', '.join(f'{x:.1f}' for x in regrets)}).\n"
+                        f"{_f(c['synthetic_validation_ce'], 4)} | {_f(c['test_perplexity'], 1)} "
+                        f"| {_f(c.get('test_text_perplexity'), 1)} |\n")
+        for key, what in (("test_perplexity", "test perplexity"), ("test_text_perplexity", "test perplexity on the "
+                                                                   "text alone")):
+            regrets = [_regret(r["selection"], key) for r in ours if r.get("selection")]
+            regrets = [x for x in regrets if x is not None]
+            if regrets:
+                out += (f"\nRegret of the chosen candidate by {what} (its figure minus the best candidate's): "
+                        f"{_mean_sd(regrets)} ({', '.join(f'{x:.1f}' for x in regrets)}).\n")
     summary = {k: _mean_sd([r["student"] for r in by_row.get(label, [])])
                for k, label in (("ours", "ours"), ("dpsgd", "DP-SGD"), ("dpkd", "DPKD"))}
     out += f"\ncorpus={corpus} ours={summary['ours']} dpsgd={summary['dpsgd']} dpkd={summary['dpkd']}\n"
@@ -174,6 +175,14 @@ def model_lines(by_row: dict[str, list[dict]], model: str, corpus: str, summary:
         out += (f"downstream model={model} corpus={corpus} column={c} synthetic_f1={statistics.mean(f1):.3f} "
                 f"chance={first['chance_macro_f1']:.3f} sd={sd} runs={len(f1)} real_reference={_f(ref, 3)}\n")
     return out
+
+
+def _regret(selection: dict, key: str) -> float | None:
+    """The chosen candidate's figure minus the best candidate's (None unless every candidate has it)."""
+    values = {c["candidate"]: c.get(key) for c in selection.get("candidates", [])}
+    if not values or None in values.values() or selection["chosen"] not in values:
+        return None
+    return values[selection["chosen"]] - min(values.values())
 
 
 def _f(x, digits: int) -> str:

@@ -68,3 +68,23 @@ def finish(report_path: Path, text: str, failed: list[str]) -> int:
     if failed:
         print("failed: " + ", ".join(failed), file=sys.stderr)
     return 1 if failed else 0
+
+
+def selection_of(metrics: dict) -> dict:
+    """An `ours` run's selection: each candidate's criteria and test perplexities, windowed and on
+    the text alone (from the evaluation's per-model figures, for a run evaluated before the
+    selection table carried the latter)."""
+    sel = metrics["selection"]
+    ppl = metrics["perplexity"]
+    student = next((m for name, m in ppl.items() if name.startswith("student_")), {})
+
+    def text(name: str) -> float | None:
+        m = ppl.get(f"candidate {name}") or (student if name == sel["chosen"] else {})
+        return (m.get("text_only") or {}).get("windowed")
+
+    return {"select_by": sel["select_by"], "chosen": sel["chosen"],
+            "private_validation": sel.get("private_validation"), "candidates": [
+                {**{k: c.get(k) for k in ("candidate", "alpha", "teacher_kl", "untruncated_ce",
+                                          "synthetic_validation_ce", "private_validation", "test_perplexity")},
+                 "test_text_perplexity": c.get("test_text_perplexity", text(c["candidate"]))}
+                for c in sel["candidates"]]}

@@ -11,9 +11,11 @@ SELECTION_CRITERIA = ("teacher_kl", "untruncated_ce", "synthetic_validation_ce",
 
 
 def table_keys(selection: dict) -> list[str]:
-    """The columns of a selection table (report, artifact): the criteria computed, then test_perplexity."""
+    """The columns of a selection table (report, artifact): the criteria computed, then test_perplexity
+    (and test_text_perplexity, where the evaluation gave it)."""
     rows = selection["candidates"]
-    return [k for k in SELECTION_CRITERIA if any(r.get(k) is not None for r in rows)] + ["test_perplexity"]
+    text = ["test_text_perplexity"] if any(r.get("test_text_perplexity") is not None for r in rows) else []
+    return [k for k in SELECTION_CRITERIA if any(r.get(k) is not None for r in rows)] + ["test_perplexity", *text]
 
 
 def privacy_sentence(selection: dict) -> str:

@@ -279,10 +279,19 @@ def _selection(metrics: dict | None) -> str:
         "cross-entropy there; synthetic_validation_ce is the CE on the truncated synthetic validation split. "
         f"{privacy_sentence(sel)} test_perplexity (where shown) was computed after "
         "the choice, for the study below, and never used to choose.")
-    study = sel.get("criterion_study") or {}
+    study, text = sel.get("criterion_study") or {}, sel.get("criterion_study_text") or {}
     if study:
-        out += _table(["criterion", "Spearman ρ with test perplexity", "would choose", "regret (perplexity)"],
-                      [[c, v["spearman"], v["chooses"], v["regret"]] for c, v in study.items()])
+        header = ["criterion", "Spearman ρ with test perplexity", "would choose", "regret (perplexity)"]
+        rows = [[c, v["spearman"], v["chooses"], v["regret"]] for c, v in study.items()]
+        if text:
+            header += ["ρ, text alone", "would choose, text alone", "regret, text alone"]
+            rows = [r + [text.get(r[0], {}).get(k) for k in ("spearman", "chooses", "regret")] for r in rows]
+        out += _table(header, rows)
+        if text:
+            out += _note("Text alone: the same test perplexity with the control-code header left out of the "
+                         "targets. The KL skips the header (a prompt the teacher was given, not text it wrote), so only "
+                         "the cross-entropy part, (1 - α), trains the student on it: a candidate with α < 1 can "
+                         "win on the windowed figure by the header alone, a large share of a short record.")
     return out
 
 

@@ -23,8 +23,9 @@ scored again by every run that shares them, are then read back (`PERPLEXITY_CACH
 With the synthetic data, a classifier trained on it predicts the real test split's control
 codes (pipeline/stages/downstream.py): does the synthetic text serve a downstream task? With a
 distillation `selection`, its table gets each candidate's test perplexity where the candidate
-was evaluated (`distill.keep_candidates`), and how each criterion ranks them
-(`pipeline.stages.selection.criterion_study`): a study of the criterion, made after the choice.
+was evaluated (`distill.keep_candidates`), windowed and on the text alone, and how each
+criterion ranks them by each (`pipeline.stages.selection.criterion_study`): a study of the
+criterion, made after the choice.
 
 Only aggregates leave this stage: no text, no per-record value.
 """
@@ -354,16 +355,20 @@ def _save(result: dict, out_dir: Path, test_path: Path) -> dict:
 
 
 def _selection_table(selection: dict, metrics: dict) -> dict:
-    """The distillation's selection with each evaluated candidate's test perplexity (windowed)
-    and the criterion study; the chosen candidate's is the student's."""
+    """The distillation's selection with each evaluated candidate's test perplexity (windowed, and
+    on the text alone: the control-code header left out of the targets) and the criterion study
+    against each; the chosen candidate's figures are the student's."""
     students = [m for name, m in metrics.items() if name.startswith("student_")]
     rows = []
     for row in selection["candidates"]:
         m = metrics.get(f"{CANDIDATE_PREFIX}{row['candidate']}")
         if m is None and row["candidate"] == selection["chosen"] and students:
             m = students[0]
-        rows.append({**row, "test_perplexity": None if m is None else m["windowed"]})
-    return {**selection, "candidates": rows, "criterion_study": criterion_study(rows)}
+        text = (m or {}).get("text_only") or {}
+        rows.append({**row, "test_perplexity": None if m is None else m["windowed"],
+                     "test_text_perplexity": text.get("windowed")})
+    return {**selection, "candidates": rows, "criterion_study": criterion_study(rows),
+            "criterion_study_text": criterion_study(rows, "test_text_perplexity")}
 
 
 def _downstream(synthetic_path: Path, test_codes: list[str], test_texts: list[str], code_columns: list[str],

@@ -142,6 +142,24 @@ def test_spearman_and_the_criterion_study():
     assert np.isfinite(study["untruncated_ce"]["spearman"])
 
 
+def test_the_criterion_study_against_the_text_alone_can_disagree_with_the_windowed_one():
+    """SmolLM2 on the airline tweets (docs/real_model.md, run r1): α = 0.4 won on the windowed
+    figure by the code header alone, which the KL skips; on the text alone α = 1, the rule's
+    choice, was the better candidate. The evaluation records both studies."""
+    from pipeline.stages.evaluate import _selection_table
+
+    selection = {"chosen": "alpha=1.0", "candidates": [
+        {"candidate": "alpha=0.4", "teacher_kl": 1.907, "untruncated_ce": 5.639, "synthetic_validation_ce": 3.172},
+        {"candidate": "alpha=1.0", "teacher_kl": 1.686, "untruncated_ce": 5.757, "synthetic_validation_ce": 3.493}]}
+    metrics = {"candidate alpha=0.4": {"windowed": 158.7, "text_only": {"windowed": 382.2}},
+               "student_distil": {"windowed": 183.1, "text_only": {"windowed": 342.1}}}
+    table = _selection_table(selection, metrics)
+    assert [r["test_text_perplexity"] for r in table["candidates"]] == [382.2, 342.1]
+    assert table["criterion_study"]["teacher_kl"]["regret"] == pytest.approx(24.4)
+    assert table["criterion_study_text"]["teacher_kl"] == {"spearman": None, "chooses": "alpha=1.0", "regret": 0.0}
+    assert table["criterion_study_text"]["untruncated_ce"]["regret"] == pytest.approx(40.1)
+
+
 # --- A planted case where the better candidate has α < 1 (issue 37 item 2) -----------------------
 #
 # The "real" distribution is a tiny model R; the DP teacher is R at temperature 2 (its logits
