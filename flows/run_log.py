@@ -193,7 +193,9 @@ def route_server_output() -> None:
     tests/flows/test_signals.py).
 
     Prefect 3.8.8's `SubprocessASGIServer._run_uvicorn_command` starts it with no stdout or
-    stderr arguments; this replaces it with the same command, its output piped to a thread."""
+    stderr arguments; this replaces it with the same command, its output piped to a thread,
+    run through `flows.server_guard`, which ends the server once this process is gone (a run
+    killed outright left it running)."""
     from prefect.server.api import server
 
     if getattr(server.SubprocessASGIServer, "_dpdistill_routed", False):
@@ -202,7 +204,15 @@ def route_server_output() -> None:
     popen = server.subprocess.Popen
 
     def piped(*args, **kwargs):
-        proc = popen(*args, **kwargs, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        command = list(kwargs.pop("args", None) or args[0])
+        args = args[1:] if args else ()
+        if command[1:3] == ["-m", "uvicorn"]:  # ended when this process is gone (flows/server_guard.py)
+            command[1:3] = ["-m", "flows.server_guard", str(os.getpid())]
+            env = dict(kwargs.get("env") or os.environ)  # this checkout's flows, wherever the run was started
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+            kwargs["env"] = env
+        proc = popen(command, *args, **kwargs, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     errors="replace")
         threading.Thread(target=_log_lines, args=(proc.stdout,), name="prefect-server-output", daemon=True).start()
         # The thread's alone: Prefect reads `stdout` to EOF when the server does not answer
         # in time, which blocked for as long as the server lived (a run that hung).
@@ -220,6 +230,9 @@ def route_server_output() -> None:
     # What it prints, its own PREFECT_SERVER_LOGGING_LEVEL chose (WARNING unless set): pass it all.
     logging.getLogger(SERVER_LOGGER).setLevel(logging.DEBUG)
     server.SubprocessASGIServer._dpdistill_routed = True
+
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding flows/
 
 
 class _WithPopen:

@@ -193,3 +193,31 @@ def test_a_signal_python_can_only_report_stays_off_the_terminal(tmp_path):
     assert p.stderr.strip().splitlines()[-1].startswith("dpdistill: interrupted (SIGTERM)"), p.stderr[-3000:]
     logged = (tmp_path / "run.log").read_text()
     assert "Traceback" in logged and "Interrupted: SIGTERM" in logged, logged
+
+
+def test_a_run_killed_outright_does_not_leave_its_server_running(tmp_path):
+    """SIGKILL (the OOM killer, `kill -9`) gives the run no chance to stop the temporary Prefect
+    server it started: the server lived on as an orphan, polling its database. Now it ends
+    itself once its parent is gone (flows/server_guard.py)."""
+    probe = """if True:
+        import os, signal
+        import flows
+        import prefect.main
+        from prefect.server.api.server import SubprocessASGIServer
+        from flows.cli import EarlyServer
+        early = EarlyServer()
+        early.start()
+        early.wait()
+        print("PID", SubprocessASGIServer().server_process.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=cli_env(tmp_path), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    server = psutil.Process(int(p.stdout.split("PID")[-1]))
+    try:
+        gone, _ = psutil.wait_procs([server], timeout=20)
+        assert gone, "the server outlived the run that started it"
+    finally:
+        if server.is_running():
+            server.kill()
