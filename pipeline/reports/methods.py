@@ -32,7 +32,8 @@ class Scored:
     method: str
     perplexity: float
     epsilon: float | None
-    settings: str = ""  # the run's teacher and distill sections: runs that share them are repeats
+    settings: str = ""
+    text_perplexity: float | None = None  # the same with the control-code header left out of the targets  # the run's teacher and distill sections: runs that share them are repeats
 
 
 def _json(path: Path) -> dict | None:
@@ -65,13 +66,15 @@ def scored(run_dir: Path) -> Scored | None:
     run_dir = Path(run_dir)
     metrics = _json(run_dir / "metrics.json") or {}
     method = metrics.get("method")
-    figure = ((metrics.get("perplexity") or {}).get(f"student_{method}") or {}).get("windowed")
+    student = (metrics.get("perplexity") or {}).get(f"student_{method}") or {}
+    figure = student.get("windowed")
     if method is None or figure is None:
         return None
     total = ((_json(run_dir / "ledger.json") or {}).get("total") or {}).get("epsilon")
     cfg = _config(run_dir)
     settings = json.dumps({k: cfg.get(k) for k in ("teacher", "distill")}, sort_keys=True, default=str)
-    return Scored(run_dir.name, method, float(figure), total, settings)
+    text = (student.get("text_only") or {}).get("windowed")
+    return Scored(run_dir.name, method, float(figure), total, settings, text)
 
 
 def peers(run_dir: Path) -> list[Scored]:
