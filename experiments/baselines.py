@@ -71,7 +71,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.baselines_report import report  # noqa: E402
-from experiments.shared import append_result, finish, read_results, require_data, selection_of  # noqa: E402  the data in ../shared
+from experiments.shared import (  # noqa: E402  the data in ../shared
+    append_result, finish, read_results, refresh_selections, require_data, selection_of)
 
 
 @dataclass(frozen=True)
@@ -439,6 +440,9 @@ def main(argv: list[str]) -> int:
                    help="the candidate grid: k4 (the builtin models, docs/baselines.md) or k2 (SmolLM2, "
                    "docs/real_model.md)")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--refresh", action="store_true",
+                   help="first re-derive each finished run's selection figures from its metrics.json "
+                   "(figures added to the report after the run was recorded)")
     args = p.parse_args(argv)
     grid = GRIDS[args.grid]
     from pipeline.config import load_config
@@ -447,6 +451,8 @@ def main(argv: list[str]) -> int:
     corpus = args.corpus or cfg.name
     root = Path(cfg.run_root)
     results_path = root / RESULTS
+    if args.refresh:
+        print(f"refreshed the selection figures of {refresh_selections(results_path)} recorded run(s)")
     if args.report_only:
         print(report(read_results(results_path, cfg.name), corpus, grid.k))
         return 0
@@ -485,7 +491,8 @@ def main(argv: list[str]) -> int:
         append_result(results_path, {"config": cfg.name, **result})
         print(f"== done: {json.dumps({k: result[k] for k in ('row', 'repeat', 'seconds')})}", flush=True)
     print(f"this invocation: {time.monotonic() - t_start:.0f} s wall")
-    return finish(root / f"{cfg.name}-baselines.md", report(read_results(results_path, cfg.name), corpus, grid.k), failed)
+    text = report(read_results(results_path, cfg.name), corpus, grid.k)
+    return finish(root / f"{cfg.name}-baselines.md", text, failed)
 
 
 if __name__ == "__main__":

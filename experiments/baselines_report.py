@@ -64,7 +64,12 @@ def _by_repeat(runs: list[dict]) -> dict[int, list[dict]]:
 
 # Which figure a table compares: the windowed test perplexity (the README's), or the same with the
 # control-code header left out of the targets ("text"): (a run's key, an ours candidate's key).
-FIGURES = {"windowed": ("student", "test_perplexity"), "text": ("student_text_windowed", "test_text_perplexity")}
+# Or each record scored alone, the records' total NLL over their total tokens ("record"): the
+# windowed figure also scores tokens across record boundaries, which it joins.
+FIGURES = {"windowed": ("student", "test_perplexity"), "text": ("student_text_windowed", "test_text_perplexity"),
+           "record": ("student_per_record_token_weighted", "test_per_record_token_weighted")}
+FIGURE_TITLES = {"text": "On the text alone (the control-code header left out of the targets)",
+                 "record": "Per record, token-weighted (each record scored alone)"}
 
 
 def _candidates(run: dict, figure: str = "windowed") -> list[dict]:
@@ -171,10 +176,15 @@ TEXT_NOTE = ("The same tables with each student's test perplexity on the text al
              "windowed figure counts that; the text alone is what the student writes.")
 
 
+RECORD_NOTE = ("The same tables with each student's per-record test perplexity, token-weighted: each record "
+               "scored alone, the records' total NLL over their total tokens. The windowed figure joins the records "
+               "and also scores tokens across their boundaries; this one does not.")
+
+
 def _tables(results: list[dict], k: int = K, figure: str = "windowed") -> list[str]:
-    if figure == "text":
-        title = "## On the text alone: oracle (each method's best candidate by its text-only test perplexity)"
-        lines = [title, "", TEXT_NOTE, ""]
+    if figure != "windowed":
+        lines = [f"## {FIGURE_TITLES[figure]}: oracle (each method's best candidate by this figure)", "",
+                 TEXT_NOTE if figure == "text" else RECORD_NOTE, ""]
     else:
         lines = ["## Oracle: each method's best candidate by test perplexity (an upper bound, not deployable)", ""]
     lines += [
@@ -185,7 +195,7 @@ def _tables(results: list[dict], k: int = K, figure: str = "windowed") -> list[s
         lines.append(f"| {LABELS[m]} | {len(v)} | {mean_sd([x['value'] for x in v])} | {_each(v, name='candidate')} "
                      f"| {_eps([x['epsilon'] for x in v])} |")
     lines += ["", "## Deployable: chosen without the test split, inside the same total ε"
-              + (" (the chosen student on the text alone)" if figure == "text" else ""), "",
+              + (f" ({FIGURE_TITLES[figure].lower()})" if figure != "windowed" else ""), "",
               "| row | repeats | test perplexity (mean ± sd) | each repeat (chosen) | selection ε | total ε |",
               "|---|---:|---:|---|---:|---:|"]
     for m, private, label in (("ours", False, "ours (zero-cost rule)"), ("ours", True, "ours (private selection)"),
@@ -218,7 +228,8 @@ def _candidate_table(results: list[dict]) -> list[str]:
 
 
 def _rule_table(results: list[dict], figure: str = "windowed") -> list[str]:
-    against = "test perplexity on the text alone" if figure == "text" else "test perplexity"
+    against = {"windowed": "test perplexity", "text": "test perplexity on the text alone",
+               "record": "per-record token-weighted test perplexity"}[figure]
     lines = ["", f"## Selection on each method's candidates: Spearman ρ against {against} and regret", "",
              "| selection | runs | ρ (mean) | each run | regret (mean ± sd) | each run |", "|---|---:|---:|---|---:|---|"]
     studies = [(f"ours: {c}" + (" (the rule)" if c == "teacher_kl" else " (would have chosen)"),
@@ -251,8 +262,10 @@ def _wall_table(results: list[dict]) -> tuple[list[str], float]:
 def report(results: list[dict], corpus: str, k: int = K) -> str:
     """The tables, then the summary lines; the last three are the issue's."""
     wall, total = _wall_table(results)
-    lines = (_tables(results, k) + _candidate_table(results) + _rule_table(results) + [""]
-             + _tables(results, k, "text") + _rule_table(results, "text") + wall + [""])
+    lines = _tables(results, k) + _candidate_table(results) + _rule_table(results) + [""]
+    for figure in ("text", "record"):
+        lines += _tables(results, k, figure) + _rule_table(results, figure) + [""]
+    lines += wall + [""]
     runs = [r for r in results if r.get("kind", "run") == "run"]
     lines.append(f"wall corpus={corpus} runs={len(runs)} selections={len(results) - len(runs)} "
                  f"seconds={total:.0f} hours={total / 3600:.1f}")
@@ -262,13 +275,14 @@ def report(results: list[dict], corpus: str, k: int = K) -> str:
         s = rule_study(results, m, private=True)
         lines.append(f"private corpus={corpus} method={m} candidates={k} "
                      f"spearman={_mean([x['spearman'] for x in s], 2)} regret={_mean([x['regret'] for x in s], 1)}")
-    text_oracle = {m: mean_sd([x["value"] for x in oracle(results, m, k, "text")]) for m in METHODS}
-    text_dep = {m: mean_sd([x["value"] for x in deployable(results, m, m != "ours", "text")]) for m in METHODS}
-    text_rule = rule_study(results, "ours", figure="text")
-    lines.append(f"table=oracle-text corpus={corpus} " + " ".join(f"{m}={text_oracle[m]}" for m in METHODS))
-    lines.append(f"table=deployable-text corpus={corpus} " + " ".join(f"{m}={text_dep[m]}" for m in METHODS))
-    lines.append(f"rule-text corpus={corpus} candidates={k} spearman={_mean([x['spearman'] for x in text_rule], 2)} "
-                 f"regret={_mean([x['regret'] for x in text_rule], 1)}")
+    for figure in ("text", "record"):
+        best = {m: mean_sd([x["value"] for x in oracle(results, m, k, figure)]) for m in METHODS}
+        chosen = {m: mean_sd([x["value"] for x in deployable(results, m, m != "ours", figure)]) for m in METHODS}
+        rule = rule_study(results, "ours", figure=figure)
+        lines.append(f"table=oracle-{figure} corpus={corpus} " + " ".join(f"{m}={best[m]}" for m in METHODS))
+        lines.append(f"table=deployable-{figure} corpus={corpus} " + " ".join(f"{m}={chosen[m]}" for m in METHODS))
+        lines.append(f"rule-{figure} corpus={corpus} candidates={k} spearman={_mean([x['spearman'] for x in rule], 2)} "
+                     f"regret={_mean([x['regret'] for x in rule], 1)}")
     oracle_line = {m: mean_sd([x["value"] for x in oracle(results, m, k)]) for m in METHODS}
     dep["ours"] = mean_sd([x["value"] for x in deployable(results, "ours", private=False)])
     rule = rule_study(results, "ours")

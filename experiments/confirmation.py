@@ -11,7 +11,8 @@ Every run is the Prefect flow with the row's overrides, in its own run directory
 each stage that draws DP noise and everything after it (`rerun`: control-codes for the
 distilled rows, dp-student for DP-SGD and DPKD), so that each repeat is an independent draw of
 the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`,
-each line naming its config (two configs may share a run_root); a restart skips them and continues a killed run in its own directory. The report's table gives
+each line naming its config (two configs may share a run_root); a restart skips them and
+continues a killed run in its own directory. The report's table gives
 each row's student perplexity windowed, per record (mean, median, token-weighted) and on the text
 alone (the control-code header left out of the targets), and ends with the line
 `corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexities); with a cached model as
@@ -34,7 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import append_result, finish, read_results, require_data, selection_of  # noqa: E402  the data in ../shared
+from experiments.shared import (  # noqa: E402  the data in ../shared
+    append_result, finish, read_results, refresh_selections, require_data, selection_of)
 # (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
 ROWS = {
     "ours": (("distill.method=distil", "distill.keep_candidates=true"), "control-codes"),
@@ -201,6 +203,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs per row (DP-Syn: 1)")
     p.add_argument("--dpkd-epsilon", type=float, default=3.0, help="DPKD's teacher.target_epsilon (split in two)")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--refresh", action="store_true",
+                   help="first re-derive each finished run's selection figures from its metrics.json "
+                   "(figures added to the report after the run was recorded)")
     args = p.parse_args(argv)
     from pipeline.config import load_config
 
@@ -210,6 +215,8 @@ def main(argv: list[str]) -> int:
     root = Path(cfg.run_root)
     root.mkdir(parents=True, exist_ok=True)
     results_path = root / "confirmation.jsonl"
+    if args.refresh:
+        print(f"refreshed the selection figures of {refresh_selections(results_path)} recorded run(s)")
     corpus = args.corpus or cfg.name
     model = args.model or (cfg.teacher.model.removeprefix("cache:") if cfg.teacher.model.startswith("cache:") else None)
     wanted = set(args.rows.split(","))
@@ -229,7 +236,8 @@ def main(argv: list[str]) -> int:
                 continue
             append_result(results_path, {"config": cfg.name, **result})
             print(f"== {label} run {k}: {result['student']:.1f} ({result['seconds']:.0f} s)", flush=True)
-    return finish(root / f"{cfg.name}-confirmation.md", report(read_results(results_path, cfg.name), corpus, model), failed)
+    text = report(read_results(results_path, cfg.name), corpus, model)
+    return finish(root / f"{cfg.name}-confirmation.md", text, failed)
 
 
 if __name__ == "__main__":

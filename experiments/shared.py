@@ -55,6 +55,25 @@ def _config_of(row: dict) -> str | None:
     return m and m.group(1)
 
 
+def refresh_selections(path: Path) -> int:
+    """Re-derive the selection figures of every line with a run directory from its metrics.json
+    (`selection_of`: figures added after a line was written); returns how many lines changed."""
+    if not path.is_file():
+        return 0
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    changed = 0
+    for r in rows:
+        metrics = Path(r.get("run_dir", "")) / "metrics.json"
+        if r.get("selection") and metrics.is_file():
+            new = {**r["selection"], **selection_of(json.loads(metrics.read_text()))}
+            changed += new != r["selection"]
+            r["selection"] = new
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+    return changed
+
+
 def append_result(path: Path, result: dict) -> None:
     """One finished run (or choice) as a line of the study's jsonl: a restart skips it."""
     with path.open("a") as f:
@@ -71,20 +90,21 @@ def finish(report_path: Path, text: str, failed: list[str]) -> int:
 
 
 def selection_of(metrics: dict) -> dict:
-    """An `ours` run's selection: each candidate's criteria and test perplexities, windowed and on
-    the text alone (from the evaluation's per-model figures, for a run evaluated before the
-    selection table carried the latter)."""
+    """An `ours` run's selection: each candidate's criteria and test perplexities, windowed, on
+    the text alone and per record token-weighted (from the evaluation's per-model figures, for a
+    run evaluated before the selection table carried the text-alone one)."""
     sel = metrics["selection"]
     ppl = metrics["perplexity"]
     student = next((m for name, m in ppl.items() if name.startswith("student_")), {})
 
-    def text(name: str) -> float | None:
-        m = ppl.get(f"candidate {name}") or (student if name == sel["chosen"] else {})
-        return (m.get("text_only") or {}).get("windowed")
+    def figures(name: str) -> dict:
+        return ppl.get(f"candidate {name}") or (student if name == sel["chosen"] else {})
 
     return {"select_by": sel["select_by"], "chosen": sel["chosen"],
             "private_validation": sel.get("private_validation"), "candidates": [
                 {**{k: c.get(k) for k in ("candidate", "alpha", "teacher_kl", "untruncated_ce",
                                           "synthetic_validation_ce", "private_validation", "test_perplexity")},
-                 "test_text_perplexity": c.get("test_text_perplexity", text(c["candidate"]))}
+                 "test_text_perplexity": c.get("test_text_perplexity",
+                                               (figures(c["candidate"]).get("text_only") or {}).get("windowed")),
+                 "test_per_record_token_weighted": figures(c["candidate"]).get("per_record_token_weighted")}
                 for c in sel["candidates"]]}

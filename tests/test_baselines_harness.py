@@ -116,6 +116,7 @@ def test_on_the_text_alone_the_tables_and_the_rule_use_the_text_only_figures():
     assert "table=oracle-text corpus=airline ours=225.0±7.1 dpsgd=212.0±2.8 dpkd=–" in lines
     assert "rule-text corpus=airline candidates=4 spearman=0.60 regret=15.0" in lines
     assert lines[-1].startswith("rule corpus=airline")  # the issue's three lines stay last
+    assert "table=oracle-record corpus=airline ours=– dpsgd=– dpkd=–" in lines  # not recorded here
     # a run recorded before the text-only figures is left out of those tables, not failed
     del results[0]["selection"]["candidates"][0]["test_text_perplexity"]
     assert [v["repeat"] for v in rep.oracle(results, "ours", figure="text")] == [2]
@@ -234,3 +235,30 @@ def test_without_its_data_the_harness_exits_in_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"experiments/baselines.py: data.path {missing}")
     assert not (tmp_path / "runs").exists()
+
+
+def test_refresh_rederives_the_selection_figures_from_the_run_directory(tmp_path):
+    """`--refresh`: figures the report learned to show after a run was recorded (the text-alone
+    and per-record ones) are read again from the run's metrics.json."""
+    import json
+
+    from experiments.shared import append_result, read_results, refresh_selections
+
+    run = tmp_path / "airline-ours-r1-20261126-023825"
+    run.mkdir()
+    metrics = {"selection": {"select_by": "teacher_kl", "chosen": "alpha=1.0", "candidates": [
+        {"candidate": "alpha=0.4", "teacher_kl": 0.4, "test_perplexity": 87.0},
+        {"candidate": "alpha=1.0", "teacher_kl": 0.2, "test_perplexity": 81.8}]},
+        "perplexity": {"candidate alpha=0.4": {"windowed": 87.0, "per_record_token_weighted": 43.3,
+                                               "text_only": {"windowed": 213.9}},
+                       "student_distil": {"windowed": 81.8, "per_record_token_weighted": 40.0,
+                                          "text_only": {"windowed": 192.9}}}}
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    path = tmp_path / "baselines.jsonl"
+    old = {"kind": "run", "row": "ours", "repeat": 1, "run_dir": str(run), "student": 81.8,
+           "selection": {"chosen": "alpha=1.0", "candidates": [{"candidate": "alpha=0.4", "test_perplexity": 87.0}]}}
+    append_result(path, old)
+    assert refresh_selections(path) == 1 and refresh_selections(path) == 0
+    (row,) = read_results(path, "airline")
+    assert [(c["test_text_perplexity"], c["test_per_record_token_weighted"]) for c in row["selection"]["candidates"]] \
+        == [(213.9, 43.3), (192.9, 40.0)]
