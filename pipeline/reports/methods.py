@@ -132,7 +132,8 @@ def verdict(runs: list[Scored]) -> str | None:
             if anchor == "distil" and gap < 0 and m in ("dp_sgd", "dpkd"):
                 direct.append(m)
         clauses.append(clause)
-    text += " " + "; ".join(clauses) + "."
+    sentence = "; ".join(clauses)
+    text += " " + sentence[0].upper() + sentence[1:] + "."
     if direct:
         text += (f" For this data and model pair, train the student directly: distill.method={direct[0]} "
                  "(docs/pipeline.md, \"When to distil\").")

@@ -51,7 +51,7 @@ def test_only_runs_on_the_same_test_split_student_and_epsilon_are_compared(tmp_p
     _run(tmp_path, "dpsgd", "dp_sgd", 700.0, lr=2e-3)
     _run(tmp_path, "dpsgd-b", "dp_sgd", 720.0)
     text = verdict(peers(ours))
-    assert "ours (distillation) is ahead of DP-SGD of the student by 75 %" in text
+    assert "Ours (distillation) is ahead of DP-SGD of the student by 75 %" in text
     assert "Left out: 1 run(s) at another total ε" in text  # the ε 8 run would have won
     assert "The runs of DP-SGD of the student differ in their settings" in text
     assert "train the student directly" not in text
@@ -70,4 +70,4 @@ def test_the_comparison_page_says_which_method_wins(tmp_path):
     for run in runs.values():  # the page reads a whole ledger; without one, ε is unknown and not compared
         (run / "ledger.json").unlink()
     page = write_comparison_report(runs, tmp_path / "compare.html").read_text()
-    assert "ours (distillation) is ahead of DP-SGD of the student by 12 %" in page
+    assert "Ours (distillation) is ahead of DP-SGD of the student by 12 %" in page
