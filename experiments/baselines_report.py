@@ -104,8 +104,8 @@ def deployable(results: list[dict], method: str, private: bool, figure: str = "w
     """Per repeat: the candidate a procedure that reads no test record chose, its test perplexity,
     the ε its choice spent and the row's composed total. ours: its own run's choice, by the
     zero-cost rule or (`private`) by the private validation release; DP-SGD and DPKD: the
-    harness's private choice among the candidate runs (always private). `figure`: the chosen
-    student's windowed test perplexity, or the same on the text alone (None where not recorded)."""
+    harness's private choice among the candidate runs (always private). `figure` (a key of
+    FIGURES): which of the chosen student's test perplexities (None where not recorded)."""
     run_key = FIGURES[figure][0]
     out = []
     if method == "ours":
@@ -134,8 +134,8 @@ def rule_study(results: list[dict], method: str = "ours", private: bool = False,
     """Per repeat: Spearman ρ of a selection's scores against the candidates' test perplexities,
     and its regret (the chosen candidate's test perplexity minus the best's). ours: its run's
     own rule (`select_by`, or `criterion` to ask how another would have ranked); DP-SGD and
-    DPKD: the noisy validation scores of the harness's private choice. `figure`: against the
-    windowed test perplexities, or against those on the text alone."""
+    DPKD: the noisy validation scores of the harness's private choice. `figure` (a key of
+    FIGURES): against which test perplexities; a repeat missing one of them is left out."""
     run_key, cand_key = FIGURES[figure]
     out = []
     if method == "ours":
