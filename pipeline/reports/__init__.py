@@ -1,5 +1,11 @@
 """What a run shows people: the HTML report and the model cards."""
 
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
 # What the flow records in stages.json (flows/stage_runner.py StageRunner) as people read it,
 # in the report and in `dpdistill status` alike (issue 24: one said "finished", the other "ran").
 STAGE_WORDS = {"ran": "finished", "forced": "finished (forced rerun)", "cached": "cached", "failed": "failed",
@@ -28,3 +34,14 @@ def privacy_sentence(selection: dict) -> str:
             f"{private['noise_sd']:.3g} (only these noisy values are published): a DP release of ε = "
             f"{private['epsilon']:.3g} at δ = {private['delta']:.3g}, in the ledger as 'distillation-selection' "
             "and composed into the total. The other criteria read DP outputs only.")
+
+
+def read_json(path: Path) -> dict | None:
+    """The file's JSON, or None when it is missing or unreadable (a stage may still be writing)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("report: %s is unreadable (%s); its part of the report is skipped", path, type(e).__name__)
+        return None

@@ -20,6 +20,10 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.reports import read_json
+
+DIRECT = "train the student directly"
+"""The words of the verdict's advice; the report shows a verdict holding them as a warning."""
 METHOD_WORDS = {"distil": "ours (distillation)", "dp_syn": "DP-Syn (synthetic text alone)",
                 "dp_sgd": "DP-SGD of the student", "dpkd": "DPKD"}
 EPSILON_TOLERANCE = 0.05
@@ -32,59 +36,43 @@ class Scored:
     method: str
     perplexity: float
     epsilon: float | None
-    settings: str = ""
-    text_perplexity: float | None = None  # the same with the control-code header left out of the targets  # the run's teacher and distill sections: runs that share them are repeats
-
-
-def _json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _config(run_dir: Path) -> dict:
-    try:
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
-def _key(run_dir: Path) -> tuple | None:
-    """What two runs must share to be compared: the test split's sha256, the student, the window."""
-    manifest, metrics = _json(run_dir / "data" / "manifest.json"), _json(run_dir / "metrics.json")
-    student = (_config(run_dir).get("distill") or {}).get("student_model")
-    test = ((manifest or {}).get("outputs") or {}).get("test", {}).get("sha256")
-    if not test or not metrics or student is None:
-        return None
-    return test, str(student), metrics.get("window")
+    settings: str = ""  # the run's teacher and distill sections: runs that share them are repeats
+    text_perplexity: float | None = None  # the same with the control-code header left out of the targets
+    key: tuple | None = None  # what two runs must share to be compared: test split's sha256, student, window
 
 
 def scored(run_dir: Path) -> Scored | None:
-    """The run's student figure (windowed test perplexity), or None before its evaluation."""
+    """The run's student figures (windowed test perplexity, and on the text alone), read once
+    from its files; None before its evaluation."""
     run_dir = Path(run_dir)
-    metrics = _json(run_dir / "metrics.json") or {}
+    metrics = read_json(run_dir / "metrics.json") or {}
     method = metrics.get("method")
     student = (metrics.get("perplexity") or {}).get(f"student_{method}") or {}
-    figure = student.get("windowed")
-    if method is None or figure is None:
+    if method is None or student.get("windowed") is None:
         return None
-    total = ((_json(run_dir / "ledger.json") or {}).get("total") or {}).get("epsilon")
-    cfg = _config(run_dir)
-    settings = json.dumps({k: cfg.get(k) for k in ("teacher", "distill")}, sort_keys=True, default=str)
-    text = (student.get("text_only") or {}).get("windowed")
-    return Scored(run_dir.name, method, float(figure), total, settings, text)
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        cfg = None
+    cfg = cfg if isinstance(cfg, dict) else {}
+    outputs = (read_json(run_dir / "data" / "manifest.json") or {}).get("outputs") or {}
+    test = (outputs.get("test") or {}).get("sha256")
+    student_model = (cfg.get("distill") or {}).get("student_model")
+    key = (test, str(student_model), metrics.get("window")) if test and student_model is not None else None
+    return Scored(run_dir.name, method, float(student["windowed"]),
+                  ((read_json(run_dir / "ledger.json") or {}).get("total") or {}).get("epsilon"),
+                  json.dumps({k: cfg.get(k) for k in ("teacher", "distill")}, sort_keys=True, default=str),
+                  (student.get("text_only") or {}).get("windowed"), key)
 
 
 def peers(run_dir: Path) -> list[Scored]:
     """The finished runs beside `run_dir` (itself first) that can be compared with it."""
     run_dir = Path(run_dir)
-    key, this = _key(run_dir), scored(run_dir)
-    if key is None or this is None:
+    this = scored(run_dir)
+    if this is None or this.key is None:
         return []
     others = [s for p in sorted(run_dir.parent.iterdir())
-              if p.is_dir() and p != run_dir and _key(p) == key and (s := scored(p)) is not None]
+              if p.is_dir() and p != run_dir and (s := scored(p)) is not None and s.key == this.key]
     return [this, *others]
 
 
@@ -135,7 +123,7 @@ def verdict(runs: list[Scored]) -> str | None:
     sentence = "; ".join(clauses)
     text += " " + sentence[0].upper() + sentence[1:] + "."
     if direct:
-        text += (f" For this data and model pair, train the student directly: distill.method={direct[0]} "
+        text += (f" For this data and model pair, {DIRECT}: distill.method={direct[0]} "
                  "(docs/pipeline.md, \"When to distil\").")
     if mixed := [m for m, rs in by_method.items() if len({r.settings for r in rs}) > 1]:
         text += (" The runs of " + ", ".join(_words(m) for m in mixed) + " differ in their settings: each mean "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -29,8 +28,8 @@ from matplotlib.figure import Figure
 
 from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, read_ledger, table_rows
 from pipeline.manifest import MANIFEST, atomic_write_text
-from pipeline.reports import STAGE_WORDS, privacy_sentence, table_keys
-from pipeline.reports.methods import peers, scored, verdict
+from pipeline.reports import STAGE_WORDS, privacy_sentence, read_json, table_keys
+from pipeline.reports.methods import DIRECT, peers, scored, verdict
 
 log = logging.getLogger(__name__)
 
@@ -95,27 +94,16 @@ def _svg(fig: Figure, name: str) -> str:
     return f"<figure>{svg[svg.index('<svg'):]}</figure>"  # no XML declaration or DOCTYPE inside HTML
 
 
-def _read_json(path: Path) -> dict | None:
-    """The file's JSON, or None when it is missing or unreadable (a stage may still be writing)."""
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("report: %s is unreadable (%s); its part of the report is skipped", path, type(e).__name__)
-        return None
-
-
 # ---------------------------------------------------------------- the sections of a run report
 
 def _flow_stages(run_dir: Path, writer_alive: bool) -> str | None:
     """The stage table from stages.json, the flow's own record of each stage (None: no such file,
     e.g. a directory made by hand). A failed, interrupted or cached stage often has no manifest in
     this directory, so the manifests alone would call it "not run"."""
-    stages = _read_json(run_dir / "stages.json")
+    stages = read_json(run_dir / "stages.json")
     if not isinstance(stages, dict):
         return None
-    running = (_read_json(run_dir / "run.json") or {}).get("status") == "running" and writer_alive
+    running = (read_json(run_dir / "run.json") or {}).get("status") == "running" and writer_alive
     rows, warnings = [], []
     for name, s in stages.items():
         status = s.get("status")
@@ -146,7 +134,7 @@ def _overview(run_dir: Path, metrics: dict | None, writer_alive: bool) -> str:
         return head + table
     rows = []
     for stage in STAGES:
-        manifest = _read_json(run_dir / stage / MANIFEST)
+        manifest = read_json(run_dir / stage / MANIFEST)
         if manifest is not None:
             rows.append([stage, "finished", manifest.get("finished_at")])
         elif (run_dir / stage).is_dir():
@@ -195,7 +183,7 @@ _NOT_MONITORED = (
 def _dp_training(run_dir: Path) -> str:
     logs = {}
     for stage in ("teacher", "student"):
-        train_log = _read_json(run_dir / stage / "training_log.json")
+        train_log = read_json(run_dir / stage / "training_log.json")
         if train_log is not None and train_log.get("history") and _is_dp_log(train_log):
             logs[stage] = train_log
     if not logs:
@@ -236,7 +224,7 @@ def _dp_training(run_dir: Path) -> str:
 
 
 def _distillation(run_dir: Path) -> str:
-    train_log = _read_json(run_dir / "student" / "training_log.json")
+    train_log = read_json(run_dir / "student" / "training_log.json")
     if train_log is None or not train_log.get("history"):
         return _note("No finished distillation log (student/training_log.json) in this run.")
     if _is_dp_log(train_log):
@@ -481,7 +469,7 @@ def _methods(run_dir: Path) -> str:
                      "same records); this section then compares them.")
     rows = [[r.run + (" (this run)" if r.run == run_dir.name else ""), r.method, r.perplexity, r.text_perplexity,
              r.epsilon] for r in runs]
-    cls = "warn" if "train the student directly" in text else "note"
+    cls = "warn" if DIRECT in text else "note"
     header = ["run", "method", "student windowed test perplexity", "on the text alone", "ε (ledger total)"]
     return _note(text, cls) + _table(header, rows) + _note(
         "On the text alone: the control-code header left out of the targets. The two figures can rank the methods "
@@ -526,7 +514,7 @@ def write_report(run_dir: Path, writer_alive: bool = False) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist; pass the directory a run wrote")
-    metrics = _read_json(run_dir / "metrics.json")
+    metrics = read_json(run_dir / "metrics.json")
     sections = [
         ("Run", lambda: _overview(run_dir, metrics, writer_alive)),
         ("Privacy ledger", lambda: _privacy(run_dir)),
@@ -548,7 +536,7 @@ def write_report(run_dir: Path, writer_alive: bool = False) -> Path:
 # ---------------------------------------------------------------- several runs side by side
 
 def _run_row(label: str, run: Path, out_dir: Path) -> dict:
-    metrics = _read_json(run / "metrics.json") or {}
+    metrics = read_json(run / "metrics.json") or {}
     ppl = metrics.get("perplexity") or {}
     method = metrics.get("method")
     total = read_ledger(run / LEDGER).total if (run / LEDGER).exists() else None
@@ -599,7 +587,7 @@ def write_comparison_report(run_dirs: dict[str, Path], out: Path) -> Path:
     body += ('<div class="table-wrap"><table><tr>' + "".join(f"<th>{_esc(h)}</th>" for h in header + ["report"])
              + f"</tr>{table_rows}</table></div>")
     if text := verdict([s for run in run_dirs.values() if (s := scored(Path(run))) is not None]):
-        body += _note(text, "warn" if "train the student directly" in text else "note")
+        body += _note(text, "warn" if DIRECT in text else "note")
     body += _note("ε complete = NO: the run released something not differentially private (the exact control-code "
                   "counts); its ε covers the DP stages only.")
     atomic_write_text(out, _page("dpdistill: perplexity per method", body))
