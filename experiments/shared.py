@@ -57,27 +57,37 @@ def _config_of(row: dict) -> str | None:
 
 def refresh_selections(path: Path) -> int:
     """Re-derive the selection figures of every line with a run directory from its metrics.json
-    (`selection_of`: figures added after a line was written); returns how many lines changed."""
-    if not path.is_file():
-        return 0
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    changed = 0
-    for r in rows:
-        metrics = Path(r.get("run_dir", "")) / "metrics.json"
-        if r.get("selection") and metrics.is_file():
-            new = {**r["selection"], **selection_of(json.loads(metrics.read_text()))}
-            changed += new != r["selection"]
-            r["selection"] = new
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    (`selection_of`: figures added after a line was written); returns how many lines changed.
+    Under the file's lock, which `append_result` takes too: a study running beside this keeps
+    the line it appends."""
+    from pipeline.locks import file_lock
+
+    with file_lock(_lock_of(path)):
+        rows = read_results(path)
+        changed = 0
+        for r in rows:
+            metrics = Path(r.get("run_dir", "")) / "metrics.json"
+            if r.get("selection") and metrics.is_file():
+                new = {**r["selection"], **selection_of(json.loads(metrics.read_text()))}
+                changed += new != r["selection"]
+                r["selection"] = new
+        if changed:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(tmp, path)
     return changed
 
 
 def append_result(path: Path, result: dict) -> None:
     """One finished run (or choice) as a line of the study's jsonl: a restart skips it."""
-    with path.open("a") as f:
+    from pipeline.locks import file_lock
+
+    with file_lock(_lock_of(path)), path.open("a") as f:
         f.write(json.dumps(result) + "\n")
+
+
+def _lock_of(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
 
 
 def finish(report_path: Path, text: str, failed: list[str]) -> int:
