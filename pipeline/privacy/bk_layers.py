@@ -68,6 +68,13 @@ class SquaredNorms:
     def add(self, values: torch.Tensor) -> None:
         self.sq.add_(values)
 
+    def add_dot(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """sq += ⟨xᵢ, yᵢ⟩ for each example i, over everything after dim 0: one batched product
+        instead of a multiply, a sum and an add (three kernels, ~270 times a step on a 30-layer
+        Llama, where a GPU step of a small model waits on the host)."""
+        b = self.sq.shape[0]
+        self.sq.view(b, 1, 1).baddbmm_(x.reshape(b, 1, -1), y.reshape(b, -1, 1))
+
     def add_ghost(self, a: torch.Tensor, g: torch.Tensor) -> None:
         key = (a.data_ptr(), tuple(a.shape), tuple(a.stride()))
         if (entry := self._ghost.get(key)) is None:
@@ -78,8 +85,7 @@ class SquaredNorms:
     def total(self) -> torch.Tensor:
         """The (B,) sums; the Gram matrices are dropped."""
         for a, gg in self._ghost.values():
-            aa = a @ a.transpose(1, 2)  # (B, T, T)
-            self.sq.add_((aa * gg).sum((1, 2)))
+            self.add_dot(a @ a.transpose(1, 2), gg)  # ⟨aaᵀ, Σⱼ gⱼgⱼᵀ⟩, (B, T, T) each
         self._ghost = {}
         return self.sq
 
@@ -162,7 +168,7 @@ class _VectorUse(Use):
         self.per = self.per.reshape(batch, -1, self.per.shape[-1]).sum(1)
 
     def add_sq(self, norms: SquaredNorms) -> None:
-        norms.add(self.per.pow(2).sum(1))
+        norms.add_dot(self.per, self.per)
 
     def dot(self, other: _VectorUse) -> torch.Tensor:
         return (self.per * other.per).sum(1)
@@ -429,12 +435,19 @@ def elementwise_forward(module: nn.Module, kind: str, keep: Keep):
     stand_in = copy.copy(module)
     stand_in.__dict__.pop("forward", None)
 
-    def own_forward(x, w: float):
+    made: dict = {}  # the constants, made once per (w, the weight's dtype and device, a bias or not)
+
+    def constants(w: float) -> dict:
         weight, bias = module.weight, module._parameters.get("bias")
-        consts = {"weight": torch.full_like(weight, w, requires_grad=False)}  # (d,), weight's dtype and device
-        if bias is not None:
-            consts["bias"] = torch.zeros_like(bias, requires_grad=False)
-        stand_in.__dict__["_parameters"] = consts  # never the module's own dict
+        key = (w, weight.dtype, weight.device, bias is None)
+        if (consts := made.get(key)) is None:
+            consts = made[key] = {"weight": torch.full_like(weight, w, requires_grad=False)}  # (d,)
+            if bias is not None:
+                consts["bias"] = torch.zeros_like(bias, requires_grad=False)
+        return consts
+
+    def own_forward(x, w: float):
+        stand_in.__dict__["_parameters"] = constants(w)  # never the module's own dict
         stand_in.__dict__["training"] = module.training
         return forward_of_class(stand_in, x)
 
