@@ -435,11 +435,11 @@ def elementwise_forward(module: nn.Module, kind: str, keep: Keep):
     stand_in = copy.copy(module)
     stand_in.__dict__.pop("forward", None)
 
-    made: dict = {}  # the constants, made once per (w, the weight's dtype and device, a bias or not)
+    made: dict = {}  # the constants, made once per (w, the weight's shape, dtype and device, a bias or not)
 
     def constants(w: float) -> dict:
         weight, bias = module.weight, module._parameters.get("bias")
-        key = (w, weight.dtype, weight.device, bias is None)
+        key = (w, weight.shape, weight.dtype, weight.device, bias is None)
         if (consts := made.get(key)) is None:
             consts = made[key] = {"weight": torch.full_like(weight, w, requires_grad=False)}  # (d,)
             if bias is not None:
