@@ -149,7 +149,7 @@ def verdict(runs: list[Scored]) -> str | None:
         text += (" " + " and ".join(_words(m) for m in untuned) + " trained the student with ours' `teacher` "
                  "settings unchanged (learning rate, epochs, batch), which were chosen for the teacher; a small "
                  "student often needs others (on the real pair of docs/real_model.md, four times the learning rate "
-                 "cut DP-SGD's perplexity 3.6-fold): try a few before reading this as a win.")
+                 "cut DP-SGD's perplexity about 3-fold): try a few before reading this as a win.")
     if mixed := [m for m, rs in by_method.items() if len({r.settings for r in rs}) > 1]:
         text += (" The runs of " + ", ".join(_words(m) for m in mixed) + " differ in their settings: each mean "
                  "mixes them.")
