@@ -77,6 +77,8 @@ class Plan:
     other processes were taking the cores, and the times hold only while they do."""
     warnings: list[str] = field(default_factory=list)
     """Allowed but risky choices, said once by `dpdistill plan` and at the start of a run."""
+    selection_noise_sd: float | None = None
+    """select_by=private_validation: the sd (nats) of the noise on each candidate's score."""
 
 
 def dp_sgd_budgets(cfg: PipelineConfig) -> dict[str, float]:
@@ -231,17 +233,20 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
         entry, dp_sgd[stage], accounting[stage] = _dp_sgd_entry(stage, cfg.teacher, n, unit, eps)
         entry.untied_parameters = _untied_parameters(cfg, stage)
         entries.append(with_pld_epsilons(entry))
-        if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation):
+        if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation_units):
             entries.append(with_pld_epsilons(monitored))
     delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
-    if selected := _selection_entry(cfg, delta, split.n_validation, unit):
+    selection_sd = None
+    if selected := _selection_entry(cfg, delta, split.n_validation_units, unit):
         entries.append(with_pld_epsilons(selected))
+        scored = min(cfg.distill.selection_records or split.n_validation_units, split.n_validation_units)
+        selection_sd = selected.noise_multiplier * cfg.distill.selection_clip / max(scored, 1)
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
                 total=compose(entries, cfg.teacher.accountant, delta),
                 sampling_probability={stage: dp.sampling_probability for stage, dp in dp_sgd.items()},
                 batch_size=cfg.teacher.batch_size, n_validation=split.n_validation, dp_sgd=dp_sgd,
                 accounting_seconds=accounting,
-                warnings=_warnings(cfg))
+                warnings=_warnings(cfg), selection_noise_sd=selection_sd)
     if timing:
         plan.seconds = estimate_seconds(cfg, plan, split, say)
     return plan
@@ -492,6 +497,17 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _selection_odds(sd: float, unit: str) -> str:
+    """How well noisy scores of sd `sd` tell two candidates 10 % apart in perplexity: the better
+    one is kept with probability Φ(ln 1.1 / (√2·sd)) (both scores carry independent noise)."""
+    gap = math.log(1.1)
+    kept = 0.5 * (1 + math.erf(gap / (math.sqrt(2) * sd) / math.sqrt(2)))
+    return (f"of two candidates 10 % apart in validation perplexity ({gap:.3f} nats of mean loss), the private "
+            f"choice keeps the better with probability {kept:.2f} (0.50 is a coin toss): more validation "
+            f"{unit}s (data.validation_fraction), a larger distill.selection_epsilon or fewer candidates narrow its "
+            "noise; select_by=teacher_kl reads no private record")
+
+
 def format_plan(plan: Plan) -> str:
     lines = [f"plan of run {plan.name!r}: nothing trained or written yet",
              f"  N = {plan.n} training {plan.unit}s (after the data config's filtering and split), "
@@ -510,6 +526,11 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"  tokenizer (base_models.tokenizer=dp): Gaussian word histogram, σ = {e.noise_multiplier:.4f}·√k, "
                          f"ε = {e.epsilon:.4f} at δ = {e.delta:.3g} ({e.accountant} accountant) plus the threshold's "
                          f"δ = {e.delta_threshold:.3g}, replace-one ε = {e.epsilon_replace_one:.4f}")
+        elif e.mechanism == "gaussian" and e.stage != CODES_STAGE:  # the DP monitor's, the private selection's
+            lines.append(f"  {e.stage}: Gaussian release: {e.note}; ε = {e.epsilon:.4f} at δ = {e.delta:.3g} "
+                         f"({e.accountant} accountant), replace-one ε = {e.epsilon_replace_one:.4f}")
+            if e.stage == private_selection.STAGE and plan.selection_noise_sd:
+                lines.append("    " + _selection_odds(plan.selection_noise_sd, plan.unit))
         elif e.mechanism == "gaussian":
             lines.append(f"  control codes: Gaussian histogram, σ = {e.noise_multiplier:.4f}, ε = {e.epsilon:.4f} "
                          f"at δ = {e.delta:.3g} ({e.accountant} accountant), replace-one ε = {e.epsilon_replace_one:.4f}")

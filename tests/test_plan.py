@@ -3,6 +3,7 @@ without training or writing anything, and without Prefect (issue 10)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -16,12 +17,13 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT, tiny_pipeline_dict
+from conftest import ROOT, YELP_TRAIN, tiny_pipeline_dict
 from cli_probe import child_pythonpath
 from pipeline.config import config_from_dict
 from pipeline.devices import CPU_FP32, Runtime, cpu_has_native_bf16, slow_bf16_warning
 from pipeline.models.base import SHIPPED, causal_lm_from_config
-from pipeline.plan import _new_tokens, _typical_lengths, ignored_distill_settings, make_plan, padded_tokens
+from pipeline.plan import (_new_tokens, _typical_lengths, format_plan, ignored_distill_settings, make_plan,
+                           padded_tokens)
 from pipeline.privacy.control_codes import release_control_codes
 from pipeline.privacy.ledger import compose
 from pipeline.stages.data import prepare_data
@@ -241,3 +243,30 @@ def test_a_dp_sgd_student_says_which_distill_settings_it_does_not_read(tmp_path,
         assert (ignored_distill_settings(cfg) is not None) == warned, method
     del tree["distill"]["epochs"], tree["distill"]["learning_rate"]
     assert ignored_distill_settings(config_from_dict(tree)) is None  # the defaults are nobody's choice
+
+
+def test_the_monitor_and_the_private_selection_are_named_and_counted_in_validation_users(tmp_path, tiny_model_dir):
+    """`dpdistill plan` printed both releases as 'control codes: Gaussian histogram', and at user
+    level sized them by validation records (SmolLM2 airline: noise sd 1.51 planned, 2.76 in the run,
+    over 77 users, not 141 records). Here 120 reviews of 30 users, 4 each: 3 validation users, 12 records."""
+    with open(YELP_TRAIN, newline="") as f:
+        rows = list(csv.reader(f))[1:121]
+    path = tmp_path / "users.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label1", "label2", "author"])
+        w.writerows(r + [f"user{i % 30}"] for i, r in enumerate(rows))
+    tree = _tree(tmp_path, tiny_model_dir)
+    tree["data"] = {"path": str(path), "user_column": "author", "validation_fraction": 0.1, "test_fraction": 0.1}
+    tree["teacher"].update(monitor="dp", batch_size=8, physical_batch_size=8)
+    tree["distill"].update(select_by="private_validation", candidates=[{"alpha": 0.4}, {"alpha": 1.0}])
+    plan = make_plan(config_from_dict(tree), timing=False)
+    text = format_plan(plan)
+    assert text.count("control codes:") == 1
+    [monitor] = [line for line in text.splitlines() if line.startswith("  teacher-validation: Gaussian release")]
+    [selection] = [line for line in text.splitlines() if line.startswith("  distillation-selection: Gaussian release")]
+    assert "over the first 3 validation users" in monitor and "over the first 3 validation users" in selection
+    entry = {e.stage: e for e in plan.entries}["distillation-selection"]
+    assert plan.selection_noise_sd == pytest.approx(entry.noise_multiplier * 10 / 3)
+    assert f"z·10/3 = {plan.selection_noise_sd:.4g}" in selection
+    assert "the private choice keeps the better with probability 0.50" in text  # sd ~ 50 nats: a coin toss

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from pipeline.config import DataConfig
 from pipeline.manifest import MANIFEST, atomic_write_json, missing_outputs, write_manifest
 from pipeline.records import (CODE_JOINER, ROW_GROUP, TOKENIZED_DIR, DataError, code_name, column_type_problem,
-                              parquet_batches, read_batches, read_split, read_table, split_key)
+                              parquet_batches, read_batches, read_split, read_table, read_users, split_key)
 
 log = logging.getLogger(__name__)
 
@@ -546,6 +546,9 @@ class PlannedSplit:
     unit: str
     """'record' or 'user'."""
     n_validation: int
+    """Validation records."""
+    n_validation_units: int
+    """Validation units (records, or users): what the DP monitor's and the private selection's means are over."""
     test_codes: list[str]
     test_texts: list[str]
     """Held out and never trained on; the plan times evaluation by their token count only, a
@@ -567,8 +570,11 @@ def planned_split(cfg: DataConfig, run_root: Path, code_domain: dict[str, list[s
         manifest = json.loads((Path(result.train).parent / "manifest.json").read_text())
         users = manifest["n_train_users"]
         codes, texts = read_split(result.test)
+        validation_users = read_users(Path(result.validation))
         return PlannedSplit(n=result.n_train if users is None else users, unit="record" if users is None else "user",
-                            n_validation=result.n_validation, test_codes=codes, test_texts=texts)
+                            n_validation=result.n_validation,
+                            n_validation_units=result.n_validation if validation_users is None else len(set(validation_users)),
+                            test_codes=codes, test_texts=texts)
     return _planned(cfg, code_domain, run_root, read)
 
 
