@@ -59,6 +59,21 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 
 
+def yelp_by_users(out: Path, users: int = 30, records: int = 120) -> Path:
+    """The first `records` Yelp training reviews attributed round-robin to `users` users, as a
+    CSV with a user column `author` (user-level data without the airline corpus)."""
+    import csv
+
+    with open(YELP_TRAIN, newline="") as f:
+        rows = list(csv.reader(f))[1:records + 1]
+    path = Path(out) / "users.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label1", "label2", "author"])
+        w.writerows(r + [f"user{i % users}"] for i, r in enumerate(rows))
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     random.seed(0)

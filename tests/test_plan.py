@@ -3,7 +3,6 @@ without training or writing anything, and without Prefect (issue 10)."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -17,7 +16,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT, YELP_TRAIN, tiny_pipeline_dict
+from conftest import ROOT, tiny_pipeline_dict, yelp_by_users
 from cli_probe import child_pythonpath
 from pipeline.config import config_from_dict
 from pipeline.devices import CPU_FP32, Runtime, cpu_has_native_bf16, slow_bf16_warning
@@ -249,15 +248,8 @@ def test_the_monitor_and_the_private_selection_are_named_and_counted_in_validati
     """`dpdistill plan` printed both releases as 'control codes: Gaussian histogram', and at user
     level sized them by validation records (SmolLM2 airline: noise sd 1.51 planned, 2.76 in the run,
     over 77 users, not 141 records). Here 120 reviews of 30 users, 4 each: 3 validation users, 12 records."""
-    with open(YELP_TRAIN, newline="") as f:
-        rows = list(csv.reader(f))[1:121]
-    path = tmp_path / "users.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["text", "label1", "label2", "author"])
-        w.writerows(r + [f"user{i % 30}"] for i, r in enumerate(rows))
     tree = _tree(tmp_path, tiny_model_dir)
-    tree["data"] = {"path": str(path), "user_column": "author", "validation_fraction": 0.1, "test_fraction": 0.1}
+    tree["data"] = {"path": str(yelp_by_users(tmp_path)), "user_column": "author", "validation_fraction": 0.1, "test_fraction": 0.1}
     tree["teacher"].update(monitor="dp", batch_size=8, physical_batch_size=8)
     tree["distill"].update(select_by="private_validation", candidates=[{"alpha": 0.4}, {"alpha": 1.0}])
     plan = make_plan(config_from_dict(tree), timing=False)

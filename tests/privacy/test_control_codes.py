@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from collections import Counter
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import YELP_DOMAIN as DOMAIN
-from conftest import YELP_TEST, YELP_TRAIN
+from conftest import YELP_TEST, YELP_TRAIN, yelp_by_users
 from pipeline.privacy.control_codes import domain_codes, release_control_codes
 from pipeline.config import CodesConfig, DataConfig, TeacherConfig
 from pipeline.records import DataError, read_split, read_users
@@ -101,13 +100,7 @@ def test_code_outside_the_declared_domain_is_refused(tmp_path):
 def with_users(tmp_path_factory):
     """120 Yelp reviews attributed to 30 users (4 each), as a CSV with a user column."""
     out = tmp_path_factory.mktemp("users")
-    with open(YELP_TRAIN, newline="") as f:
-        rows = list(csv.reader(f))[1:121]
-    path = out / "users.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["text", "label1", "label2", "author"])
-        w.writerows(r + [f"user{i % 30}"] for i, r in enumerate(rows))
+    path = yelp_by_users(out)
     cfg = DataConfig(path=path, user_column="author", validation_fraction=0.1, test_fraction=0.1)
     return cfg, prepare_data(cfg, out / "data")
 
