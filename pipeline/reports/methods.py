@@ -30,6 +30,11 @@ EPSILON_TOLERANCE = 0.05
 """Runs whose ledger totals differ by more than this share are compared, but said to be at different ε."""
 
 
+TRAINING = ("learning_rate", "epochs", "batch_size", "max_grad_norm", "weight_decay", "mode")
+"""The `teacher` settings a DP-SGD or DPKD student trains with (its ε is set apart: a study may
+give each row its own, to match totals)."""
+
+
 @dataclass(frozen=True)
 class Scored:
     run: str
@@ -39,6 +44,7 @@ class Scored:
     settings: str = ""  # the run's teacher and distill sections: runs that share them are repeats
     text_perplexity: float | None = None  # the same with the control-code header left out of the targets
     key: tuple | None = None  # what two runs must share to be compared: test split's sha256, student, window
+    training: str = ""  # the teacher section's TRAINING settings, which a DP-SGD or DPKD student trains with
 
 
 def scored(run_dir: Path) -> Scored | None:
@@ -59,10 +65,12 @@ def scored(run_dir: Path) -> Scored | None:
     test = (outputs.get("test") or {}).get("sha256")
     student_model = (cfg.get("distill") or {}).get("student_model")
     key = (test, str(student_model), metrics.get("window")) if test and student_model is not None else None
+    teacher = cfg.get("teacher") if isinstance(cfg.get("teacher"), dict) else {}
     return Scored(run_dir.name, method, float(student["windowed"]),
                   ((read_json(run_dir / "ledger.json") or {}).get("total") or {}).get("epsilon"),
                   json.dumps({k: cfg.get(k) for k in ("teacher", "distill")}, sort_keys=True, default=str),
-                  (student.get("text_only") or {}).get("windowed"), key)
+                  (student.get("text_only") or {}).get("windowed"), key,
+                  json.dumps({k: teacher.get(k) for k in TRAINING}, sort_keys=True, default=str))
 
 
 def peers(run_dir: Path) -> list[Scored]:
@@ -84,24 +92,14 @@ def _words(method: str) -> str:
     return METHOD_WORDS.get(method, method)
 
 
-TRAINING = ("learning_rate", "epochs", "batch_size", "max_grad_norm", "weight_decay", "mode")
-"""The `teacher` settings a DP-SGD or DPKD student trains with (its ε is set apart: a study may
-give each row its own, to match totals)."""
-
-
-def _teacher_settings(run: Scored) -> str:
-    teacher = (json.loads(run.settings or "{}") or {}).get("teacher") or {}
-    return json.dumps({k: teacher.get(k) for k in TRAINING}, sort_keys=True)
-
-
 def _untuned_baselines(by_method: dict[str, list[Scored]], anchor: str, means: dict[str, float]) -> list[str]:
     """The DP-SGD and DPKD rows behind ours whose every run used ours' teacher section as it
     stands: their student trained at settings chosen for the teacher, not tuned for itself."""
     if anchor != "distil":
         return []
-    ours = {_teacher_settings(r) for r in by_method[anchor]}
+    ours = {r.training for r in by_method[anchor]}
     return [m for m in ("dp_sgd", "dpkd") if m in by_method and means[m] > means[anchor]
-            and {_teacher_settings(r) for r in by_method[m]} <= ours]
+            and {r.training for r in by_method[m]} <= ours]
 
 
 def verdict(runs: list[Scored]) -> str | None:
