@@ -128,16 +128,19 @@ def private_selection_used(cfg: PipelineConfig) -> bool:
     return d.method == "distil" and d.select_by == "private_validation" and len(d.candidates) > 1
 
 
-def _selection_entry(cfg: PipelineConfig, delta: float, n_validation: int, unit: str) -> LedgerEntry | None:
-    """select_by=private_validation: the planned entry of the candidates' noisy scores, as the stage makes it."""
+def _selection_entry(cfg: PipelineConfig, delta: float, n_validation: int,
+                     unit: str) -> tuple[LedgerEntry, float] | None:
+    """select_by=private_validation: the planned entry of the candidates' noisy scores, as the stage
+    makes it, and the sd (nats) of the noise on each score."""
     if not private_selection_used(cfg):
         return None
     d = cfg.distill
+    n = min(d.selection_records or n_validation, n_validation)
     z, accountant = private_selection.calibrate(d.selection_epsilon, delta, len(d.candidates), cfg.teacher.accountant)
-    return private_selection.ledger_entry(
-        z=z, candidates=len(d.candidates), n=min(d.selection_records or n_validation, n_validation),
-        clip=d.selection_clip, target_epsilon=d.selection_epsilon, delta=delta, accountant=accountant, unit=unit,
-        secure=cfg.teacher.secure_mode)
+    entry = private_selection.ledger_entry(
+        z=z, candidates=len(d.candidates), n=n, clip=d.selection_clip, target_epsilon=d.selection_epsilon,
+        delta=delta, accountant=accountant, unit=unit, secure=cfg.teacher.secure_mode)
+    return entry, z * d.selection_clip / max(n, 1)
 
 
 def dp_tokenizer_used(cfg: PipelineConfig) -> bool:
@@ -236,11 +239,9 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
         if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation_units):
             entries.append(with_pld_epsilons(monitored))
     delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
-    selection_sd = None
-    if selected := _selection_entry(cfg, delta, split.n_validation_units, unit):
+    selected, selection_sd = _selection_entry(cfg, delta, split.n_validation_units, unit) or (None, None)
+    if selected:
         entries.append(with_pld_epsilons(selected))
-        scored = min(cfg.distill.selection_records or split.n_validation_units, split.n_validation_units)
-        selection_sd = selected.noise_multiplier * cfg.distill.selection_clip / max(scored, 1)
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
                 total=compose(entries, cfg.teacher.accountant, delta),
                 sampling_probability={stage: dp.sampling_probability for stage, dp in dp_sgd.items()},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import csv
 import json
 import os
 import random
@@ -62,8 +63,6 @@ warnings.filterwarnings("ignore", message="Secure RNG turned off")
 def yelp_by_users(out: Path, users: int = 30, records: int = 120) -> Path:
     """The first `records` Yelp training reviews attributed round-robin to `users` users, as a
     CSV with a user column `author` (user-level data without the airline corpus)."""
-    import csv
-
     with open(YELP_TRAIN, newline="") as f:
         rows = list(csv.reader(f))[1:records + 1]
     path = Path(out) / "users.csv"
