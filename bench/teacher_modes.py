@@ -8,6 +8,7 @@ memory the steps add:
 
   non-private full   plain AdamW on the mean per-sequence loss: the baseline, ratio 1.00
   DP full, bk        book-keeping clipping (pipeline/privacy/bk.py), one backward: the project default
+  DP full, bk, fp32 factors  the same with bf16 layers' factors upcast and multiplied in fp32, as on a CPU
   DP full, ghost     Opacus ghost clipping, two backward passes
   DP full, hooks     Opacus per-sample gradients
   DP bitfit, ghost   bias terms only
@@ -73,6 +74,8 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
     "full-ghost": ("DP full, ghost (Opacus, two backward passes)", "full", "ghost"),
     "full-hooks": ("DP full, per-sample hooks", "full", "hooks"),
     "full-bk": ("DP full, book-keeping (default, one backward)", "full", "bk"),
+    # bk as on a CPU: layers run in bf16 upcast their factors and bk multiplies them in fp32
+    "full-bk-fp32": ("DP full, book-keeping, fp32 factors", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
     "lora-ghost": ("DP lora r=8 (default targets), ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
@@ -102,6 +105,10 @@ def child(mode: str, a: argparse.Namespace) -> None:
 
         reuse_freed_memory()
     label, teacher_mode, gsm = MODES[mode]
+    if mode == "full-bk-fp32":
+        from pipeline.privacy import bk_layers
+
+        bk_layers.SPLIT_DEVICES = set()
     if mode == "full-ghost-nosamplers":  # the teacher stage registers the Conv1D samplers: not imported here
         assert Conv1D not in GradSampleModuleFastGradientClipping.NORM_SAMPLERS
     else:

@@ -14,6 +14,12 @@ more on the loss reweighted by the clipping factors. Book-keeping needs one:
    gradient. The embedding's sum is an index-add of the reweighted output gradients, never
    a (B, T, V) one-hot. The norm weights' and the biases' per-example gradients are
    d-vectors: formed in the backward and reweighted.
+3. On a CUDA GPU, linear layers run in bf16 keep a and g in bf16 and the products run on the
+   16-bit units with fp32 products and sums (exact per product). The clipped sum's rescaled
+   factor Cᵢaᵢ is not a bf16 value: it is split into two bf16 terms, and the split's bound
+   (2⁻¹⁵‖aᵢ‖_F‖gᵢ‖_F, squared and summed over layers) is added to ‖∇ℓᵢ‖ before Cᵢ is
+   formed, so each example's part stays within C (`_MatmulUse.weighted_sum`). Elsewhere a
+   and g are upcast once and everything runs in fp32, as Opacus' formula says.
 
 The result lands in `p.grad` as Σᵢ Cᵢ ∇ℓᵢ, exactly what Opacus' fast-gradient-clipping
 optimizers expect after ghost clipping's second backward, so Opacus' sampling, accountant,
@@ -69,9 +75,10 @@ from opacus.optimizers import optimizer_fast_gradient_clipping as fgc
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch import nn
 
-from pipeline.privacy.bk_layers import (EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED, OTHER_MODES, Keep,
-                                        SquaredNorms, UnsupportedLayer, Use, elementwise_forward, embedding_forward,
-                                        layer_rule, linear_forward, problem_line, routed_class, trainable_here)
+from pipeline.privacy.bk_layers import (EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED, OTHER_MODES,
+                                        SPLIT_ERROR, Keep, SquaredNorms, UnsupportedLayer, Use, elementwise_forward,
+                                        embedding_forward, layer_rule, linear_forward, problem_line, routed_class,
+                                        trainable_here)
 
 BK = "bk"
 
@@ -79,7 +86,8 @@ BK = "bk"
 class GradSampleModuleBookKeeping(AbstractGradSampleModule):
     """Opacus' GradSampleModule contract for `grad_sample_mode="bk"`: wraps the model, and
     after `backward_clipped(per_example_loss)` every trainable parameter's `.grad` holds
-    Σᵢ Cᵢ ∇ℓᵢ (Cᵢ = min(1, max_grad_norm / (‖∇ℓᵢ‖ + 1e-6)))."""
+    Σᵢ Cᵢ ∇ℓᵢ (Cᵢ = min(1, max_grad_norm / (‖∇ℓᵢ‖ + 1e-6)), with bf16 factors on a GPU
+    ‖∇ℓᵢ‖ plus the split's bound: point 3 above)."""
 
     def __init__(self, m: nn.Module, *, batch_first=True, loss_reduction="mean", strict=True,
                  max_grad_norm: float = 1.0, **_):
@@ -191,7 +199,10 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
                 "so that gradient would be added unclipped and break the DP guarantee; use each trainable "
                 f"parameter only through its own module, or freeze it ({OTHER_MODES} may handle such a model)"
             )
-        norms = _per_example_sq_norms(kept, batch, per_example_loss.device).sqrt()  # (B,)
+        sq, split_sq = _per_example_sq_norms(kept, batch, per_example_loss.device)  # (B,) each
+        # With bf16 factors each example's clipped part may exceed Cᵢ‖∇ℓᵢ‖ by the split's error,
+        # at most Cᵢ·SPLIT_ERROR·√(split_sq) (_MatmulUse.weighted_sum): clip by the sum of the two.
+        norms = sq.sqrt() + SPLIT_ERROR * split_sq.sqrt()
         coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
         # Call by call, dropping each call's a and g as soon as its sums are formed: the
         # gradients grow while the kept activations shrink, so the peak stays near the larger
@@ -216,8 +227,10 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
         self.hooks_enabled = False
 
 
-def _per_example_sq_norms(kept: list, batch: int, device: torch.device) -> torch.Tensor:
-    """‖∇ℓᵢ‖² (B,) over every trainable parameter. A parameter with several calls in the forward
+def _per_example_sq_norms(kept: list, batch: int,
+                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """‖∇ℓᵢ‖² (B,) over every trainable parameter, and the split error's squared scale (B,),
+    zero unless a layer kept bf16 factors. A parameter with several calls in the forward
     (a reused module) gets the norm of the sum of its calls' gradients: Σⱼ‖∇ⱼ‖² + 2Σⱼ<ₖ⟨∇ⱼ, ∇ₖ⟩."""
     norms = SquaredNorms(batch, device)
     calls: dict[int, list[Use]] = {}  # id(parameter) -> its calls' uses, in backward order
@@ -229,7 +242,7 @@ def _per_example_sq_norms(kept: list, batch: int, device: torch.device) -> torch
         for j in range(1, len(uses)):
             for k in range(j):
                 norms.add(2 * uses[j].dot(uses[k]))
-    return norms.total()
+    return norms.total(), norms.split_sq
 
 
 class _InPlaceNoise:

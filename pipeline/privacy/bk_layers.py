@@ -63,6 +63,7 @@ class SquaredNorms:
 
     def __init__(self, batch: int, device: torch.device):
         self.sq = torch.zeros(batch, device=device)
+        self.split_sq = torch.zeros(batch, device=device)  # Σ over split uses of (‖aᵢ‖_F ‖gᵢ‖_F)²
         self._ghost: dict = {}  # input key -> [a (B, T, d), Σⱼ gⱼgⱼᵀ (B, T, T)]
 
     def add(self, values: torch.Tensor) -> None:
@@ -78,14 +79,16 @@ class SquaredNorms:
     def add_ghost(self, a: torch.Tensor, g: torch.Tensor) -> None:
         key = (a.data_ptr(), tuple(a.shape), tuple(a.stride()))
         if (entry := self._ghost.get(key)) is None:
-            self._ghost[key] = [a, g @ g.transpose(1, 2)]
-        else:
+            self._ghost[key] = [a, _mm32(g, g.transpose(1, 2))]
+        elif g.dtype == torch.float32:
             entry[1].baddbmm_(g, g.transpose(1, 2))
+        else:  # bf16 factors: the product in fp32 first (an in-place baddbmm keeps one dtype)
+            entry[1].add_(_mm32(g, g.transpose(1, 2)))
 
     def total(self) -> torch.Tensor:
         """The (B,) sums; the Gram matrices are dropped."""
         for a, gg in self._ghost.values():
-            self.add_dot(a @ a.transpose(1, 2), gg)  # ⟨aaᵀ, Σⱼ gⱼgⱼᵀ⟩, (B, T, T) each
+            self.add_dot(_mm32(a, a.transpose(1, 2)), gg)  # ⟨aaᵀ, Σⱼ gⱼgⱼᵀ⟩, (B, T, T) each
         self._ghost = {}
         return self.sq
 
@@ -105,11 +108,18 @@ def _matmul_dot(a1, g1, a2, g2) -> torch.Tensor:
 
 class _MatmulUse(Use):
     """A linear map's weight: example i's gradient aᵢᵀgᵢ (d, p), or its transpose for
-    nn.Linear's (p, d) layout; never formed per example unless that is the cheaper way."""
+    nn.Linear's (p, d) layout; never formed per example unless that is the cheaper way.
+
+    a and g are fp32, or bf16 where the layer ran in autocast's bf16 on a device with bf16
+    matrix units (`split_products`): then every product of two factors is formed from the
+    bf16 values with fp32 products and sums (`_mm32`, exact products as in fp32, at the
+    16-bit units' rate), and the clipped sum's one rescaled factor, which is not a bf16 value,
+    is split into two bf16 terms (`weighted_sum`)."""
 
     def __init__(self, a3: torch.Tensor, g3: torch.Tensor, transposed: bool, flat: bool):
         self.a, self.g, self.transposed = a3, g3, transposed  # (B, T, d), (B, T, p)
         self.rows, self.flat = a3.shape[0], flat
+        self.split = a3.dtype == torch.bfloat16
 
     def _regroup(self, batch: int) -> None:
         self.a = self.a.reshape(batch, -1, self.a.shape[-1])
@@ -120,17 +130,34 @@ class _MatmulUse(Use):
         if _ghost_is_cheaper(t, t, d, p):
             norms.add_ghost(self.a, self.g)
         else:
-            norms.add(torch.einsum("btd,btp->bdp", self.a, self.g).pow(2).sum((1, 2)))
+            norms.add(torch.einsum("btd,btp->bdp", self.a.float(), self.g.float()).pow(2).sum((1, 2)))
+        if self.split:  # the bound on weighted_sum's split error (bk.py, backward_clipped)
+            norms.split_sq.add_(_sq_frobenius(self.a) * _sq_frobenius(self.g))
 
     def dot(self, other: _MatmulUse) -> torch.Tensor:
-        return _matmul_dot(self.a, self.g, other.a, other.g)
+        return _matmul_dot(self.a.float(), self.g.float(), other.a.float(), other.g.float())
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        # aᵀ·diag(C)·g: scale the smaller of a and g (for lm_head, a: d=768 beside V=50257)
+        """aᵀ·diag(C)·g: scale the smaller of a and g (for lm_head, a: d=576 beside V=49,152).
+        With bf16 factors the scaled one x = C·a (fp32) is split as hi = bf16(x) and
+        lo = bf16(x − hi), |x − hi − lo| ≤ 2⁻¹⁶|x| elementwise, and the sum is the two bf16
+        products' sum: example i's part then differs from Cᵢaᵢᵀgᵢ by at most
+        2⁻¹⁶·Cᵢ‖aᵢ‖_F‖gᵢ‖_F, which backward_clipped adds to the norm it clips by."""
         c = coef.view(-1, 1, 1)
-        a, g = (self.a * c, self.g) if self.a.shape[-1] <= self.g.shape[-1] else (self.a, self.g * c)
-        a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])  # (B·T, d), (B·T, p)
-        return a.t() @ g if self.transposed else g.t() @ a
+        scale_a = self.a.shape[-1] <= self.g.shape[-1]
+        x, other = (self.a, self.g) if scale_a else (self.g, self.a)
+        x = x.float() * c
+        x, other = x.reshape(-1, x.shape[-1]), other.reshape(-1, other.shape[-1])  # (B·T, ·)
+
+        def product(scaled: torch.Tensor) -> torch.Tensor:
+            a, g = (scaled, other) if scale_a else (other, scaled)
+            return _mm32(a.t(), g) if self.transposed else _mm32(g.t(), a)
+
+        if not self.split:
+            return product(x)
+        hi = x.to(torch.bfloat16)
+        lo = (x - hi.float()).to(torch.bfloat16)  # x − hi is exact in fp32 (Sterbenz)
+        return product(hi).add_(product(lo))
 
 
 class _LookupUse(Use):
@@ -193,6 +220,37 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+# Devices whose bf16 matrix products can return fp32 (torch.mm/bmm's out_dtype): there a linear
+# layer run in bf16 keeps its factors in bf16 and bk's products run on the 16-bit units. On an
+# H100 its fp32 products ran as SIMT sgemm, 40 % of bk's GPU time at SmolLM2's shape
+# (docs/benchmarks.md). Elsewhere the factors are upcast once and multiplied in fp32.
+SPLIT_DEVICES = {"cuda"}
+
+# |x − hi − lo| ≤ 2⁻¹⁶|x| for hi = bf16(x), lo = bf16(x − hi) (8-bit significands, round to
+# nearest); twice that, for margin.
+SPLIT_ERROR = 2.0**-15
+
+
+def split_products(a: torch.Tensor, g: torch.Tensor) -> bool:
+    return a.dtype == g.dtype == torch.bfloat16 and a.device.type in SPLIT_DEVICES
+
+
+def _mm32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x @ y (2-D or batched 3-D) in fp32: fp32 factors as they are; bf16 factors with fp32
+    products and sums, which is exact per product (two 8-bit significands fit fp32's 24), on
+    the GPU's 16-bit units (out_dtype), else by upcasting."""
+    if x.dtype == torch.float32:
+        return x @ y
+    if x.device.type == "cuda":
+        return (torch.mm if x.dim() == 2 else torch.bmm)(x, y, out_dtype=torch.float32)
+    return x.float() @ y.float()
+
+
+def _sq_frobenius(t: torch.Tensor) -> torch.Tensor:
+    """‖tᵢ‖²_F for each example i of t (B, ·, ·), in fp32."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1, dtype=torch.float32).square()
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in dtype; t itself when it already is (no dispatch: these run once per layer call)."""
     return t if t.dtype == dtype else t.to(dtype)
@@ -230,13 +288,15 @@ class _LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # autograd casts it to x's dtype
             w = _as(weight, ctx.dt)  # Linear: (p, d), so g W; Conv1D: (d, p), so g Wᵀ
             grad_x = _as(g, ctx.dt) @ (w.t() if ctx.transposed else w)
-        a3, g3 = _as(_flat3(x.detach()), torch.float32), _as(_flat3(g), torch.float32)  # x: no graph on it later
+        a3, g3 = _flat3(x.detach()), _flat3(g)  # x: no graph on it later
+        if not split_products(a3, g3):  # else kept in bf16, half the memory (_MatmulUse)
+            a3, g3 = _as(a3, torch.float32), _as(g3, torch.float32)
         flat = x.dim() == 2
         uses = []
         if ctx.needs_input_grad[1]:
             uses.append((ctx.weight, _MatmulUse(a3, g3, ctx.transposed, flat)))
         if ctx.bias is not None and ctx.needs_input_grad[2]:
-            uses.append((ctx.bias, _VectorUse(g3, flat)))
+            uses.append((ctx.bias, _VectorUse(_as(g3, torch.float32), flat)))
         ctx.keep(uses)
         return grad_x, None, None, None, None
 

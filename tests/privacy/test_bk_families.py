@@ -254,6 +254,62 @@ def test_bk_follows_the_models_dtype_under_bf16_autocast(tiny_tokenizer, family)
     dp_model._close()
 
 
+def test_the_split_sum_of_bf16_factors_stays_within_its_bound():
+    """_MatmulUse.weighted_sum with bf16 factors: each example's part within
+    2⁻¹⁶·Cᵢ‖aᵢ‖_F‖gᵢ‖_F of the exact Cᵢaᵢᵀgᵢ (float64, from the same bf16 values), also where
+    the tokens' gradients cancel, so that the error is large beside ‖aᵢᵀgᵢ‖ itself. bf16(C·a)
+    alone, without its low part, is ~2⁻⁹ off and fails this."""
+    torch.manual_seed(0)
+    a = torch.randn(2, 6, 5).bfloat16()
+    g = torch.randn(2, 6, 9).bfloat16()
+    g[1, 1::2] = -g[1, ::2]  # example 1: a pairwise-cancelling gradient
+    a[1, 1::2] = a[1, ::2]
+    coef = torch.tensor([0.3141592, 0.0271828])
+    for i in range(2):
+        for transposed in (False, True):
+            use = bk._MatmulUse(a[i:i + 1], g[i:i + 1], transposed, flat=False)
+            assert use.split
+            exact = coef[i].double() * (a[i].double().t() @ g[i].double())  # (d, p)
+            got = use.weighted_sum(coef[i:i + 1]).double()
+            err = (got - (exact if transposed else exact.t())).norm()
+            bound = 2.0**-16 * coef[i] * a[i].double().norm() * g[i].double().norm()
+            assert err <= bound, (i, transposed, err, bound)
+    assert (a[1].double().t() @ g[1].double()).norm() < 1e-6  # the cancelling case is one
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_bf16_factors_clip_like_fp32_factors_and_no_example_exceeds_the_bound(tiny_tokenizer, family, monkeypatch):
+    """On a GPU a layer run in bf16 keeps bf16 factors and bk's products run on the 16-bit units
+    (bk_layers.SPLIT_DEVICES); forced here on the CPU, where _mm32 upcasts (the same arithmetic:
+    exact products, fp32 sums). Against the same bf16 forward with fp32 factors: the same clipped
+    sum to well within bf16's rounding, factors no larger (the split's bound is added to each
+    norm), and each example's own clipped part, from a batch of one, no larger than C."""
+    torch.manual_seed(0)
+    model = FAMILIES[family](len(tiny_tokenizer))
+    untie_lm_head(model)
+    batch, labels = _batch(tiny_tokenizer)
+    clip = 1e-3  # below every example's norm: every example clipped
+
+    def clipped(split: bool, rows=slice(None)):
+        monkeypatch.setattr(bk, "SPLIT_DEVICES", {"cuda", "cpu"} if split else {"cuda"})
+        for p in model.parameters():
+            p.grad = None
+        dp_model = GradSampleModuleBookKeeping(model, max_grad_norm=clip)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = dp_model(**{k: v[rows] for k, v in batch.items()}).logits
+        coef = dp_model.backward_clipped(per_sequence_loss(logits, labels[rows]))
+        dp_model._close()
+        return torch.cat([p.grad.flatten() for p in model.parameters()]).double(), coef
+
+    fp32, coef32 = clipped(split=False)
+    split, coef = clipped(split=True)
+    assert (coef < coef32).all() and ((coef32 - coef) / coef32).max() < 1e-3, (coef, coef32)
+    assert (split - fp32).norm() / fp32.norm() < 1e-3
+    for i in range(len(TEXTS)):
+        alone, _ = clipped(split=True, rows=slice(i, i + 1))
+        assert alone.norm() <= clip * (1 + 1e-6), (i, alone.norm())
+
+
 class _SplitsTheBatch(nn.Module):
     """Runs its Linear on (2B, T/2, d): bk cannot tell which rows are whose."""
 
