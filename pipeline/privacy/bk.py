@@ -17,7 +17,7 @@ more on the loss reweighted by the clipping factors. Book-keeping needs one:
 3. On a CUDA GPU, linear layers run in bf16 keep a and g in bf16 and the products run on the
    16-bit units with fp32 products and sums (exact per product). The clipped sum's rescaled
    factor Cᵢaᵢ is not a bf16 value: it is split into two bf16 terms, and the split's bound
-   (2⁻¹⁵‖aᵢ‖_F‖gᵢ‖_F, squared and summed over layers) is added to ‖∇ℓᵢ‖ before Cᵢ is
+   (2⁻¹⁵‖aᵢ‖_F‖gᵢ‖_F, summed over a weight's calls, squared and summed over weights) is added to ‖∇ℓᵢ‖ before Cᵢ is
    formed, so each example's part stays within C (`_MatmulUse.weighted_sum`). Elsewhere a
    and g are upcast once and everything runs in fp32, as Opacus' formula says.
 
@@ -242,6 +242,10 @@ def _per_example_sq_norms(kept: list, batch: int,
         for j in range(1, len(uses)):
             for k in range(j):
                 norms.add(2 * uses[j].dot(uses[k]))
+        # The split errors of one parameter's calls land on the same entries: their bounds add;
+        # different parameters' errors are orthogonal: their squares add.
+        if bounds := [b for use in uses if (b := use.split_bound()) is not None]:
+            norms.split_sq.add_(sum(bounds).square())
     return norms.total(), norms.split_sq
 
 

@@ -41,6 +41,11 @@ class Use:
     rows: int  # the factors' dim 0
     flat: bool  # True when the layer's input was 2-D (no sequence axis): rows may be B·T
 
+    def split_bound(self) -> torch.Tensor | None:
+        """The scale (B,) of weighted_sum's error beyond fp32 rounding: only _MatmulUse's
+        bf16 factors have one."""
+        return None
+
     def by_example(self, batch: int, name: str) -> None:
         if self.rows == batch:
             return
@@ -63,7 +68,7 @@ class SquaredNorms:
 
     def __init__(self, batch: int, device: torch.device):
         self.sq = torch.zeros(batch, device=device)
-        self.split_sq = torch.zeros(batch, device=device)  # Σ over split uses of (‖aᵢ‖_F ‖gᵢ‖_F)²
+        self.split_sq = torch.zeros(batch, device=device)  # Σ over parameters of (Σ over calls of split_bound)²
         self._ghost: dict = {}  # input key -> [a (B, T, d), Σⱼ gⱼgⱼᵀ (B, T, T)]
 
     def add(self, values: torch.Tensor) -> None:
@@ -131,8 +136,11 @@ class _MatmulUse(Use):
             norms.add_ghost(self.a, self.g)
         else:
             norms.add(torch.einsum("btd,btp->bdp", self.a.float(), self.g.float()).pow(2).sum((1, 2)))
-        if self.split:  # the bound on weighted_sum's split error (bk.py, backward_clipped)
-            norms.split_sq.add_(_sq_frobenius(self.a) * _sq_frobenius(self.g))
+
+    def split_bound(self) -> torch.Tensor | None:
+        """‖aᵢ‖_F‖gᵢ‖_F (B,) with bf16 factors: weighted_sum's error for example i is at most
+        2⁻¹⁶·Cᵢ times this. None with fp32 factors."""
+        return (_sq_frobenius(self.a) * _sq_frobenius(self.g)).sqrt() if self.split else None
 
     def dot(self, other: _MatmulUse) -> torch.Tensor:
         return _matmul_dot(self.a.float(), self.g.float(), other.a.float(), other.g.float())

@@ -277,6 +277,22 @@ def test_the_split_sum_of_bf16_factors_stays_within_its_bound():
     assert (a[1].double().t() @ g[1].double()).norm() < 1e-6  # the cancelling case is one
 
 
+def test_the_split_bounds_of_one_weights_calls_add_before_squaring():
+    """Two calls of one weight put their split errors on the same entries (‖E₁ + E₂‖ ≤ b₁ + b₂);
+    two weights' errors are orthogonal (√(b₁² + b₂²))."""
+    from pipeline.privacy.bk import _per_example_sq_norms
+
+    torch.manual_seed(0)
+    uses = [bk._MatmulUse(torch.randn(3, 4, 5).bfloat16(), torch.randn(3, 4, 6).bfloat16(), False, False)
+            for _ in range(2)]
+    b1, b2 = (u.split_bound() for u in uses)
+    w, v = nn.Parameter(torch.zeros(6, 5)), nn.Parameter(torch.zeros(6, 5))
+    _, same = _per_example_sq_norms([("w", w, uses[0]), ("w", w, uses[1])], 3, torch.device("cpu"))
+    _, apart = _per_example_sq_norms([("w", w, uses[0]), ("v", v, uses[1])], 3, torch.device("cpu"))
+    torch.testing.assert_close(same, (b1 + b2).square())
+    torch.testing.assert_close(apart, b1.square() + b2.square())
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_bf16_factors_clip_like_fp32_factors_and_no_example_exceeds_the_bound(tiny_tokenizer, family, monkeypatch):
     """On a GPU a layer run in bf16 keeps bf16 factors and bk's products run on the 16-bit units
