@@ -154,7 +154,7 @@ class _MatmulUse(Use):
         c = coef.view(-1, 1, 1)
         scale_a = self.a.shape[-1] <= self.g.shape[-1]
         x, other = (self.a, self.g) if scale_a else (self.g, self.a)
-        x = x.float() * c
+        x = x * c  # fp32 (a bf16 factor times the fp32 coefficients promotes)
         x, other = x.reshape(-1, x.shape[-1]), other.reshape(-1, other.shape[-1])  # (B·T, ·)
 
         def product(scaled: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,7 @@ class _MatmulUse(Use):
         if not self.split:
             return product(x)
         hi = x.to(torch.bfloat16)
-        lo = (x - hi.float()).to(torch.bfloat16)  # x − hi is exact in fp32 (Sterbenz)
+        lo = x.sub_(hi).to(torch.bfloat16)  # x − hi, in place: exact in fp32 (Sterbenz)
         return product(hi).add_(product(lo))
 
 
