@@ -17,9 +17,10 @@ more on the loss reweighted by the clipping factors. Book-keeping needs one:
 3. On a CUDA GPU, linear layers run in bf16 keep a and g in bf16 and the products run on the
    16-bit units with fp32 products and sums (exact per product). The clipped sum's rescaled
    factor Cᵢaᵢ is not a bf16 value: it is split into two bf16 terms, and the split's bound
-   (2⁻¹⁵‖aᵢ‖_F‖gᵢ‖_F, summed over a weight's calls, squared and summed over weights) is added to ‖∇ℓᵢ‖ before Cᵢ is
-   formed, so each example's part stays within C (`_MatmulUse.weighted_sum`). Elsewhere a
-   and g are upcast once and everything runs in fp32, as Opacus' formula says.
+   (2⁻¹⁵‖aᵢ‖_F‖gᵢ‖_F, summed over a weight's calls, squared and summed over weights) is
+   added to ‖∇ℓᵢ‖ before Cᵢ is formed, so each example's part stays within C
+   (`_MatmulUse.weighted_sum`). Elsewhere a and g are upcast once and everything runs in
+   fp32, as Opacus' formula says.
 
 The result lands in `p.grad` as Σᵢ Cᵢ ∇ℓᵢ, exactly what Opacus' fast-gradient-clipping
 optimizers expect after ghost clipping's second backward, so Opacus' sampling, accountant,
