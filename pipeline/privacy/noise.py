@@ -8,8 +8,10 @@ else (splits, prompts, dropout) keeps following `seed`.
 
 Two sources, both keyed from `os.urandom`:
 
-- default: torch's mt19937 seeded with 64 secret bits. Unpredictable from anything
-  published, fast, but not a cryptographic generator.
+- default: torch's mt19937 with its whole state (624 words, 19,937 bits that count) from secret bytes
+  (`manual_seed` would keep only a seed's low 32 bits: 2³² streams, few enough to try them
+  all). Unpredictable from anything published, fast, but not a cryptographic generator.
+  A CUDA generator (Philox) takes its 64-bit seed whole.
 - `secure=True`: `ChaCha20Normal`, a ChaCha20 keystream (the `cryptography` package) with
   a 256-bit key, turned into uniforms and Box–Muller Gaussians in float64. Opacus' own
   secure mode needs torchcsprng, which has no release for current torch; here the noise
@@ -55,9 +57,7 @@ def _secret_bytes(n: int, purpose: str, rank: int = 0) -> bytes:
         return os.urandom(n)
     log.warning("%s is set: the %s randomness is fixed and anyone can regenerate it; NOT private "
                 "(for tests only)", TEST_SEED_ENV, purpose)
-    digest = hashlib.sha256(f"{seed}:{purpose}:{rank}".encode()).digest()
-    assert n <= len(digest)
-    return digest[:n]
+    return hashlib.shake_256(f"{seed}:{purpose}:{rank}".encode()).digest(n)
 
 
 def source(secure: bool) -> str:
@@ -67,7 +67,15 @@ def source(secure: bool) -> str:
         return f"{TEST_HOOK} fixed seed ({TEST_SEED_ENV}={seed}): reproducible, NOT private"
     if secure:
         return "csprng: ChaCha20 keyed with 256 bits from os.urandom (Box–Muller Gaussians, float64)"
-    return "os-entropy: torch mt19937 seeded from os.urandom (not a CSPRNG)"
+    return "os-entropy: torch mt19937, its 624-word state from os.urandom (not a CSPRNG)"
+
+
+def legacy_source(secure: bool) -> str:
+    """What a resumed teacher's generators came from when its checkpoint does not say: before
+    they were keyed whole (`keyed_mt19937`), torch's ones were seeded with `manual_seed`."""
+    if secure or _test_seed() is not None:
+        return source(secure)
+    return "os-entropy: torch mt19937 seeded by manual_seed, 32 secret bits (not a CSPRNG; an older checkpoint)"
 
 
 class ChaCha20Normal:
@@ -125,8 +133,38 @@ def generator(purpose: str, *, secure: bool, rank: int = 0, device: torch.device
     if secure:
         return ChaCha20Normal(_secret_bytes(32, purpose, rank))
     g = torch.Generator(device=device)
-    g.manual_seed(int.from_bytes(_secret_bytes(8, purpose, rank), "little"))
+    if g.device.type == "cpu":
+        keyed_mt19937(g, _secret_bytes(4 * MT_WORDS, purpose, rank))
+    else:  # CUDA's Philox: the 64-bit seed is its whole key
+        g.manual_seed(int.from_bytes(_secret_bytes(8, purpose, rank), "little"))
     return g
+
+
+MT_WORDS = 624  # mt19937's state: 624 32-bit words
+_MT_STATE = slice(24, 24 + 8 * MT_WORDS)  # where they sit in a CPU generator's state, one per uint64
+
+
+def keyed_mt19937(g: torch.Generator, key: bytes) -> None:
+    """Set a CPU generator's whole mt19937 state from 2,496 bytes (624 words; an all-zero state,
+    an all-zero key is refused). `manual_seed` fills the state from the seed's low 32 bits
+    only, so 64 secret bits there were 32. The state layout is torch's CPUGeneratorImplState
+    (uint64 seed, int left, int seeded, uint64 next, uint64 state[624], the normal caches): a
+    freshly seeded state with its words replaced. Checked each time against numpy's MT19937
+    keyed alike: the generator's first 64-bit draw must be that generator's first two words."""
+    words = np.frombuffer(key, dtype=np.uint32)
+    if words.shape != (MT_WORDS,) or not words.any():
+        raise ValueError(f"mt19937 needs {4 * MT_WORDS} bytes, not all zero")
+    g.manual_seed(0)  # left = 1, seeded = 1, next = 0, normal caches empty: the first draw twists the state
+    state = g.get_state()
+    state[_MT_STATE] = torch.from_numpy(words.astype(np.uint64).view(np.uint8).copy())
+    g.set_state(state)
+    reference = np.random.MT19937(0)
+    reference.state = {"bit_generator": "MT19937", "state": {"key": words.copy(), "pos": MT_WORDS}}
+    first = (int(reference.random_raw()) << 32 | int(reference.random_raw())) & (2**63 - 1)
+    if int(torch.empty(1, dtype=torch.int64).random_(generator=g)) != first:
+        raise RuntimeError("torch's CPU generator state has a layout pipeline/privacy/noise.py does not "
+                           "know, so it cannot key it; use teacher.secure_mode=true")
+    g.set_state(state)
 
 
 def uniform(gen: Generator, n: int) -> torch.Tensor:

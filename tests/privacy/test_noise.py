@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from opacus.optimizers import optimizer as opacus_optimizer
@@ -68,3 +69,45 @@ def test_randbelow_covers_the_range(secure, monkeypatch):
     monkeypatch.setenv(noise.TEST_SEED_ENV, "0")
     g = noise.generator("user_pick", secure=secure)
     assert {noise.randbelow(g, 3) for _ in range(200)} == {0, 1, 2}
+
+
+def test_mt19937_takes_every_secret_bit(monkeypatch):
+    """The attack on `manual_seed`: it keeps a seed's low 32 bits, so two secrets differing only
+    above them give one stream, and 2³² guesses recover any. `generator()` keys the whole
+    624-word state: secrets differing in their last byte give different streams (from the
+    624th word on: mt19937 reads its state in order)."""
+    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5 + 2**32)
+    assert torch.equal(torch.randn(8, generator=a), torch.randn(8, generator=b))  # why manual_seed is not used
+    key = bytearray(range(256)) * 9 + bytearray(range(192))  # 2,496 bytes
+    other = key[:-1] + bytes([key[-1] ^ 1])
+    draws = []
+    for secret in (bytes(key), bytes(other)):
+        monkeypatch.setattr(noise, "_secret_bytes", lambda n, purpose, rank=0, s=secret: s[:n])
+        draws.append(torch.randn(1000, generator=noise.generator("noise", secure=False)))
+    assert not torch.equal(*draws)
+
+
+def test_keyed_mt19937_is_numpys_mt19937_on_the_same_words():
+    """An independent reference: numpy's MT19937 with the same 624 words gives the same 32-bit
+    outputs (torch's 64-bit draw is two of them, high word first)."""
+    key = bytes(range(256)) * 9 + bytes(range(192))
+    g = torch.Generator()
+    noise.keyed_mt19937(g, key)
+    ours = torch.empty(300, dtype=torch.int64).random_(generator=g).tolist()
+    reference = np.random.MT19937(0)
+    reference.state = {"bit_generator": "MT19937",
+                       "state": {"key": np.frombuffer(key, dtype=np.uint32).copy(), "pos": noise.MT_WORDS}}
+    raw = [int(reference.random_raw()) for _ in range(600)]
+    assert ours == [(raw[2 * i] << 32 | raw[2 * i + 1]) & (2**63 - 1) for i in range(300)]
+    with pytest.raises(ValueError, match="not all zero"):
+        noise.keyed_mt19937(g, bytes(4 * noise.MT_WORDS))
+    with pytest.raises(ValueError, match="2496 bytes"):
+        noise.keyed_mt19937(g, key[:32])
+
+
+def test_the_test_hook_fixes_the_mt19937_generators_too(monkeypatch):
+    monkeypatch.setenv(noise.TEST_SEED_ENV, "3")
+    a, b = noise.generator("noise", secure=False, rank=2), noise.generator("noise", secure=False, rank=2)
+    assert torch.equal(torch.randn(8, generator=a), torch.randn(8, generator=b))
+    assert not torch.equal(torch.randn(8, generator=noise.generator("poisson", secure=False, rank=2)),
+                           torch.randn(8, generator=noise.generator("noise", secure=False, rank=2)))

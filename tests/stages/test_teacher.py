@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from pipeline.batching import lm_batch
 from pipeline.config import TeacherConfig
 import pipeline.privacy.accountant  # noqa: F401  (registers the exact norm samplers on import)
+from pipeline.privacy import noise
 from pipeline.privacy.noise import TEST_SEED_ENV
 from pipeline.privacy.dpsgd import TeacherError
 from pipeline.models.losses import per_sequence_loss
@@ -228,6 +229,32 @@ def test_resume_after_crash_continues_the_same_budget(splits, tiny_model_dir, tm
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
     assert not (tmp_path / "cut" / "checkpoint").exists()  # removed once the stage finished
     assert whole.ledger.noise_source.startswith("TEST HOOK")  # and the ledger says so
+
+
+def test_a_checkpoint_from_before_whole_keying_resumes_and_the_ledger_says_so(splits, tiny_model_dir, tmp_path,
+                                                                              monkeypatch):
+    """Checkpoints record what their generators came from. One written before the mt19937
+    generators were keyed whole (pipeline/privacy/noise.py; no `noise_source` in it) holds
+    streams seeded from 32 secret bits: the resumed run's ledger says that, not today's keying."""
+    monkeypatch.delenv(TEST_SEED_ENV, raising=False)
+
+    def crash_at_2(record):
+        if record["step"] == 2:
+            raise _Crash
+
+    opts = dict(batch_size=10, physical_batch_size=10, epochs=1, checkpoint_every=1, monitor="dp", log_every=1)
+    with pytest.raises(_Crash):
+        _teacher(splits, tiny_model_dir, tmp_path, on_progress=crash_at_2, **opts)
+    path = tmp_path / "checkpoint" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["noise_source"] == noise.source(False)
+    del state["noise_source"]
+    torch.save(state, path)
+    _, resumed = _teacher(splits, tiny_model_dir, tmp_path, **opts)
+    assert resumed.resumed_from_step >= 1
+    assert resumed.ledger.noise_source == noise.legacy_source(False) != noise.source(False)
+    assert "32 secret bits" in resumed.ledger.noise_source
+    assert resumed.monitor_ledger.noise_source == noise.legacy_source(False)
 
 
 def test_same_seed_gives_other_noise_unless_the_test_hook_fixes_it(splits, tiny_model_dir, tmp_path, monkeypatch):

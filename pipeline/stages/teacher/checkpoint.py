@@ -101,6 +101,10 @@ def resume(run: Run) -> None:
         noise.set_state(rng, own[f"{name}_rng"])
     torch.set_rng_state(own["torch_rng"])
     run.history = state["history"]
+    # A checkpoint made before the generators were keyed whole (pipeline/privacy/noise.py) says nothing
+    run.noise_source = state.get("noise_source") or noise.legacy_source(run.cfg.secure_mode)
+    if run.noise_source != noise.source(run.cfg.secure_mode):
+        log.warning("%s: the checkpoint's generators came from %s; the ledger says so", run.stage, run.noise_source)
     run.resumed_from = steps_accounted(run.engine)
     log.info("%s: resuming at step %d/%d, ε so far %.3f (replace-one %.3f)", run.stage, run.resumed_from,
              run.total_steps, *epsilon_spent(run.engine, run.delta))
@@ -118,5 +122,6 @@ def save_checkpoint(run: Run) -> None:
         return
     _save_private(run.checkpoint_path, lambda f: run.engine.save_checkpoint(
         path=f, module=run.dp_model, optimizer=run.optimizer,
-        checkpoint_dict={"fingerprint": run.fingerprint, "rank_rngs": rank_rngs, "history": run.history},
+        checkpoint_dict={"fingerprint": run.fingerprint, "rank_rngs": rank_rngs, "history": run.history,
+                         "noise_source": run.noise_source or noise.source(run.cfg.secure_mode)},
     ))

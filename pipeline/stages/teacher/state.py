@@ -90,6 +90,8 @@ class Run:
     untied_parameters: int = 0  # what untying lm_head from the input embedding added
     history: list[dict] = field(default_factory=list)
     resumed_from: int = 0
+    # what the generators' streams came from, as the checkpoint they resumed from says (None: made now)
+    noise_source: str | None = None
 
     @property
     def checkpoint_path(self) -> Path:
