@@ -9,13 +9,16 @@ memory the steps add:
   non-private full   plain AdamW on the mean per-sequence loss: the baseline, ratio 1.00
   DP full, bk        book-keeping clipping (pipeline/privacy/bk.py), one backward: the project default
   DP full, bk, fp32 factors  the same with bf16 layers' factors upcast and multiplied in fp32, as on a CPU
+  DP full, bk, Opacus' noise draw  the same noise drawn whole into a new tensor and added (Opacus'
+                     `_generate_noise`), not added in place chunk by chunk (pipeline/privacy/noise.py add_gaussian_)
   DP full, ghost     Opacus ghost clipping, two backward passes
   DP full, hooks     Opacus per-sample gradients
   DP bitfit, ghost   bias terms only
   DP lora, ghost     LoRA r=8 on the project default targets (None: peft's, ["c_attn"] for GPT-2)
   DP full, ghost without pipeline.privacy.accountant's Conv1D/LayerNorm norm samplers (never imported there)
 
-DP rows call PrivacyEngine.make_private as pipeline/stages/teacher/recipe.py does (pipeline/privacy/bk.py's engine, Opacus' plus mode bk), with noise_multiplier=1.0,
+DP rows call PrivacyEngine.make_private as pipeline/stages/teacher/recipe.py does (pipeline/privacy/bk.py's engine, Opacus' plus mode bk;
+its secret noise generator), with noise_multiplier=1.0,
 max_grad_norm=1.0 and poisson_sampling=False (a fixed batch). lm_head is untied in every row.
 Each mode runs in its own fresh process (`--one MODE`); memory is CUDA max_memory_allocated
 above what was allocated before the first step, or on CPU the growth of the process' peak RSS
@@ -76,6 +79,7 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
     "full-bk": ("DP full, book-keeping (default, one backward)", "full", "bk"),
     # bk as on a CPU: layers run in bf16 upcast their factors and bk multiplies them in fp32
     "full-bk-fp32": ("DP full, book-keeping, fp32 factors", "full", "bk"),
+    "full-bk-opacus-noise": ("DP full, book-keeping, Opacus' noise draw", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
     "lora-ghost": ("DP lora r=8 (default targets), ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
@@ -95,6 +99,7 @@ def child(mode: str, a: argparse.Namespace) -> None:
     from pipeline.batching import IGNORE, lm_batch
     from pipeline.config import TeacherConfig
     from pipeline.models.base import untie_lm_head
+    from pipeline.privacy import noise
 
     from pipeline.privacy.bk import BookKeepingPrivacyEngine as PrivacyEngine  # Opacus' engine plus mode "bk"
 
@@ -109,6 +114,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
         from pipeline.privacy import bk_layers
 
         bk_layers.SPLIT_DEVICES = set()
+    if mode == "full-bk-opacus-noise":  # bk's optimizer then takes Opacus' noise path
+        noise.cpu_draw = lambda *args: False
     if mode == "full-ghost-nosamplers":  # the teacher stage registers the Conv1D samplers: not imported here
         assert Conv1D not in GradSampleModuleFastGradientClipping.NORM_SAMPLERS
     else:
@@ -145,7 +152,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
     if gsm is not None:
         private = dict(module=model, optimizer=optimizer, noise_multiplier=1.0, max_grad_norm=1.0,
                        data_loader=DataLoader(TensorDataset(ids, lengths), batch_size=a.batch),
-                       poisson_sampling=False, grad_sample_mode=gsm)
+                       poisson_sampling=False, grad_sample_mode=gsm,
+                       noise_generator=noise.generator("noise", secure=False, device=a.device))
         engine = PrivacyEngine(accountant="prv", secure_mode=False)
         if gsm == "ghost":
             private["criterion"] = torch.nn.CrossEntropyLoss(ignore_index=IGNORE)

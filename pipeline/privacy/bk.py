@@ -76,6 +76,7 @@ from opacus.optimizers import optimizer_fast_gradient_clipping as fgc
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch import nn
 
+from pipeline.privacy import noise
 from pipeline.privacy.bk_layers import (EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED, OTHER_MODES,
                                         SPLIT_ERROR, Keep, SquaredNorms, UnsupportedLayer, Use, elementwise_forward,
                                         embedding_forward, layer_rule, linear_forward, problem_line, routed_class,
@@ -254,7 +255,8 @@ class _InPlaceNoise:
     """Opacus' fast-gradient-clipping optimizer step (accumulate, noise, scale) without its
     two full copies of the gradient: the clipped sum bk formed in `.grad` becomes
     `summed_grad` itself (Opacus deep-copies it), and the noise is added to it in place
-    (Opacus allocates the noised sum anew). The same arithmetic and the same noise draws
+    (Opacus allocates the noised sum anew; on a CPU pipeline/privacy/noise.py add_gaussian_
+    also skips the draw's own temporaries). The same arithmetic and the same noise draws
     (Opacus' `_generate_noise`, through pipeline/privacy/noise.py's dispatcher), so the same
     update (tests/stages/test_teacher.py trains bk and ghost to the same weights); peak memory
     drops by up to twice the model's gradient size. Data-parallel ranks other than 0 add no
@@ -278,8 +280,11 @@ class _InPlaceNoise:
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-            p.summed_grad.add_(fgc._generate_noise(std=std, reference=p.summed_grad, generator=self.generator,
-                                                    secure_mode=self.secure_mode))
+            if std != 0 and noise.cpu_draw(self.generator, p.summed_grad, self.secure_mode):
+                noise.add_gaussian_(p.summed_grad, std, self.generator)  # Opacus' draw, no temporaries
+            else:
+                p.summed_grad.add_(fgc._generate_noise(std=std, reference=p.summed_grad, generator=self.generator,
+                                                        secure_mode=self.secure_mode))
             p.grad = p.summed_grad.view_as(p)
             _mark_as_processed(p.summed_grad)
 

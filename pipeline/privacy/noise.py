@@ -211,6 +211,40 @@ def secure_gaussian(gen: ChaCha20Normal, std: float, shape, dtype=torch.float64,
     return total.view(*shape).to(device=device, dtype=dtype)
 
 
+# --- DP-SGD's noise on a CPU, added in place -------------------------------------------
+
+NOISE_CHUNK = 1 << 20  # values drawn into the scratch buffer at a time (4 MB)
+_scratch: list = []  # [the buffer], made on first use
+
+
+def cpu_draw(generator, reference: torch.Tensor, secure_mode: bool) -> bool:
+    """Whether `add_gaussian_` can add a DP step's noise to `reference`: torch's CPU generator
+    and a contiguous fp32 CPU tensor."""
+    return (isinstance(generator, torch.Generator) and generator.device.type == "cpu" and not secure_mode
+            and reference.device.type == "cpu" and reference.dtype == torch.float32 and reference.is_contiguous())
+
+
+def add_gaussian_(out: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
+    """out += N(0, std²) noise: the same values, and the same generator state after, as Opacus'
+    `_generate_noise` (`torch.normal(0, std, out.shape, generator=gen)`), without its two
+    temporaries the size of the parameter (zeros, then the draw) and the third pass that adds
+    them. The noise is drawn NOISE_CHUNK values at a time into a scratch buffer and added while
+    it is in cache. Equal because torch's mt19937 normal fill of n ≥ 16 values draws n
+    uniforms and transforms them 16 at a time, the last 16 again when n is not a multiple of
+    16: chunks of a multiple of 16, with a short tail folded into the last chunk, consume the
+    stream as one call does (tests/privacy/test_noise.py checks it bit for bit)."""
+    assert cpu_draw(gen, out, False)
+    flat, n = out.view(-1), out.numel()
+    if not _scratch or _scratch[0].numel() != NOISE_CHUNK + 16:
+        _scratch[:] = [torch.empty(NOISE_CHUNK + 16)]
+    i = 0
+    while i < n:
+        m = n - i if n - i < NOISE_CHUNK + 16 else NOISE_CHUNK  # never a last chunk under 16 values
+        flat[i:i + m].add_(_scratch[0][:m].normal_(0.0, std, generator=gen))
+        i += m
+    return out
+
+
 # --- Opacus: route our CSPRNG through the optimizers' noise function --------------------
 # Opacus' DP optimizers call the module-level `_generate_noise(std, reference, generator,
 # secure_mode)`, which needs a torch.Generator. The dispatcher handles a ChaCha20Normal

@@ -111,3 +111,20 @@ def test_the_test_hook_fixes_the_mt19937_generators_too(monkeypatch):
     assert torch.equal(torch.randn(8, generator=a), torch.randn(8, generator=b))
     assert not torch.equal(torch.randn(8, generator=noise.generator("poisson", secure=False, rank=2)),
                            torch.randn(8, generator=noise.generator("noise", secure=False, rank=2)))
+
+
+@pytest.mark.parametrize("n", [5, 16, 100, 4096 * 3 + 5, 4096 * 3 + 15, 4096 * 3 + 16, 4096 * 4])
+def test_noise_added_in_place_is_opacus_noise_bit_for_bit(n, monkeypatch):
+    """bk adds the DP noise chunk by chunk into the clipped sum (add_gaussian_): the same values
+    and the same generator state after as Opacus' `_generate_noise`, for sizes around the chunk
+    (4,096 here) and its 16-value blocks, so every clipping mode draws the same noise."""
+    monkeypatch.setattr(noise, "NOISE_CHUNK", 4096)
+    gen = noise.generator("noise", secure=False)
+    state = gen.get_state()
+    base = torch.linspace(-1, 1, n)
+    ours = noise.add_gaussian_(base.clone(), 2.0, gen)
+    after = gen.get_state()
+    gen.set_state(state)
+    reference = base + opacus_optimizer._generate_noise(std=2.0, reference=base, generator=gen)
+    assert torch.equal(ours, reference) and torch.equal(after, gen.get_state())
+    assert not torch.equal(ours, base)
