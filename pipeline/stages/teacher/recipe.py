@@ -133,7 +133,7 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
         log.warning("%s", weak)
     if not cfg.secure_mode:
         log.warning(
-            "%s: secure_mode is off: DP noise and sampling come from torch's mt19937 seeded from OS "
+            "%s: secure_mode is off: DP noise and sampling come from torch's mt19937 keyed from OS "
             "entropy, unpredictable from anything published but not a cryptographic generator; set "
             "teacher.secure_mode=true (ChaCha20) for a production release", stage,
         )
