@@ -168,10 +168,15 @@ def keyed_mt19937(g: torch.Generator, key: bytes) -> None:
 
 
 def uniform(gen: Generator, n: int) -> torch.Tensor:
-    """n uniforms in [0, 1) from either kind of generator (on the CPU)."""
+    """n float64 uniforms in [0, 1), 53 random bits each, from either kind of generator (on the
+    CPU). Not torch's default float32 (24 bits): the Poisson sample's `u < q` would then include
+    each unit with probability q rounded up to a multiple of 2⁻²⁴, not the q accounted, and the
+    geometric mechanism's inverse CDF (control_codes.py) would cut its noise off at 24·ln 2 / ε
+    (34 at ε = 0.5), making a count 35 above the truth possible for one neighbour and impossible
+    for the other."""
     if isinstance(gen, ChaCha20Normal):
         return gen.uniform(n)
-    return torch.rand(n, generator=gen)
+    return torch.rand(n, generator=gen, dtype=torch.float64)
 
 
 def normal(gen: Generator, std: float, n: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import YELP_DOMAIN as DOMAIN
 from conftest import YELP_TEST, YELP_TRAIN, yelp_by_users
@@ -205,3 +206,26 @@ def test_two_sided_geometric_noise_has_the_laplace_like_law(secure):
     assert abs((k == 0).mean() - p0) < 5 * math.sqrt(p0 * (1 - p0) / n)
     assert abs((k == 1).mean() - (k == -1).mean()) < 0.005
     assert abs((k == 1).mean() / (k == 0).mean() - math.exp(-eps)) < 0.02
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_the_geometric_tail_is_not_cut_where_float32_uniforms_cut_it(secure, monkeypatch):
+    """The attack on a truncated tail: with float32 uniforms (torch's default) the inverse CDF
+    never gave a geometric above floor(24·ln 2 / ε) + 1 = 34 at ε = 0.5, so a noisy count 34
+    above the truth was impossible for one neighbour and possible for the other (infinite
+    privacy loss, about 10⁻⁸ a cell). The uniforms now carry 53 bits (multiples of 2⁻⁵³, some
+    not of 2⁻²⁴), and the smallest one they can give reaches floor(53·ln 2 / ε) + 1 = 74."""
+    import math
+
+    from pipeline.privacy import control_codes, noise
+
+    u = noise.uniform(noise.generator("control_codes", secure=secure), 4000)
+    assert u.dtype == torch.float64 and 0 <= u.min() and u.max() < 1
+    grid53 = u * 2.0**53 - (0.5 if secure else 0.0)  # ChaCha's are centred in their 2⁻⁵³ cells
+    assert torch.equal(grid53, grid53.round())
+    assert (u * 2.0**24 != (u * 2.0**24).round()).float().mean() > 0.99
+    eps = 0.5
+    largest = torch.tensor([1.0 - 2.0**-53, 0.0], dtype=torch.float64)  # u = 2⁻⁵³ and u = 1
+    monkeypatch.setattr(noise, "uniform", lambda gen, n: largest)
+    assert control_codes._two_sided_geometric(eps, 1, None).tolist() == [math.floor(53 * math.log(2) / eps)]
+    assert math.floor(53 * math.log(2) / eps) + 1 == 74 > math.floor(24 * math.log(2) / eps) + 1 == 34
