@@ -145,8 +145,8 @@ _MT_STATE = slice(24, 24 + 8 * MT_WORDS)  # where they sit in a CPU generator's 
 
 
 def keyed_mt19937(g: torch.Generator, key: bytes) -> None:
-    """Set a CPU generator's whole mt19937 state from 2,496 bytes (624 words; an all-zero state,
-    an all-zero key is refused). `manual_seed` fills the state from the seed's low 32 bits
+    """Set a CPU generator's whole mt19937 state from 2,496 bytes (624 words; an all-zero key is
+    refused). `manual_seed` fills the state from the seed's low 32 bits
     only, so 64 secret bits there were 32. The state layout is torch's CPUGeneratorImplState
     (uint64 seed, int left, int seeded, uint64 next, uint64 state[624], the normal caches): a
     freshly seeded state with its words replaced. Checked each time against numpy's MT19937
@@ -172,8 +172,8 @@ def uniform(gen: Generator, n: int) -> torch.Tensor:
     CPU). Not torch's default float32 (24 bits): the Poisson sample's `u < q` would then include
     each unit with probability q rounded up to a multiple of 2⁻²⁴, not the q accounted, and the
     geometric mechanism's inverse CDF (control_codes.py) would cut its noise off at 24·ln 2 / ε
-    (34 at ε = 0.5), making a count 35 above the truth possible for one neighbour and impossible
-    for the other."""
+    (34 at ε = 0.5), making some noisy counts possible under one neighbouring dataset and
+    impossible under the other."""
     if isinstance(gen, ChaCha20Normal):
         return gen.uniform(n)
     return torch.rand(n, generator=gen, dtype=torch.float64)

@@ -123,5 +123,5 @@ def save_checkpoint(run: Run) -> None:
     _save_private(run.checkpoint_path, lambda f: run.engine.save_checkpoint(
         path=f, module=run.dp_model, optimizer=run.optimizer,
         checkpoint_dict={"fingerprint": run.fingerprint, "rank_rngs": rank_rngs, "history": run.history,
-                         "noise_source": run.noise_source or noise.source(run.cfg.secure_mode)},
+                         "noise_source": run.noise_source},
     ))

@@ -189,7 +189,8 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
         sample_rate=dp.sample_rate, total_steps=dp.steps, steps_allowed=steps_allowed, target_epsilon=dp.target_epsilon,
         fingerprint=checkpoint_fingerprint(cfg, base_model, Path(train_path), seed, sigma, kd, world, runtime.precision,
                                            target_epsilon=dp.target_epsilon),
-        monitor=monitor, kd=kd, kd_teacher=kd_teacher, untied_parameters=untied,
+        monitor=monitor, noise_source=noise.source(cfg.secure_mode), kd=kd, kd_teacher=kd_teacher,
+        untied_parameters=untied,
     )
 
 
@@ -260,7 +261,7 @@ def _ledger_entry(run: Run) -> LedgerEntry:
         mechanism="subsampled_gaussian", noise_multiplier=run.sigma, sample_rate=run.sample_rate, steps=steps,
         max_grad_norm=cfg.max_grad_norm, privacy_unit=unit,
         epsilon_rdp=privacy.epsilon_of("rdp", accounted, run.delta), history=accounted,
-        replace_one_sensitivity=DP_SGD_REPLACE_SENSITIVITY, noise_source=run.noise_source or noise.source(cfg.secure_mode),
+        replace_one_sensitivity=DP_SGD_REPLACE_SENSITIVITY, noise_source=run.noise_source,
         note=f"{unit}-level DP-SGD ({cfg.mode}, {cfg.grad_sample_mode} clipping) on the private "
         f"training split (N={run.n} {unit}s"
         + ("" if unit == "record" else f", {run.n_records} records; one random record per sampled user per step")
@@ -287,7 +288,7 @@ def _save(run: Run, entry: LedgerEntry, *, train_path: Path, validation_path: Pa
     out_dir, ckpt, curve = run.out_dir, run.out_dir / "model", _validation_curve(run.history)
     final_loss = curve[-1][1] if curve else None
     monitor_entry = run.monitor.entry if run.monitor is not None else None
-    if monitor_entry is not None and run.noise_source is not None:  # its generator resumed with the others
+    if monitor_entry is not None:  # its generator resumed with the others
         monitor_entry = monitor_entry.model_copy(update={"noise_source": run.noise_source})
     result = TeacherResult(checkpoint=ckpt, ledger=entry, validation_curve=curve, validation_loss=final_loss,
                            resumed_from_step=run.resumed_from, monitor_ledger=monitor_entry)

@@ -85,13 +85,12 @@ class Run:
     target_epsilon: float  # this stage's share of the budget (DPKD: ε/2), σ's target
     fingerprint: str
     monitor: Monitor | None  # what the published validation loss is computed on (None: not monitored)
+    noise_source: str  # what the generators' streams came from (a resumed run: as its checkpoint says)
     kd: KnowledgeDistillation | None = None
     kd_teacher: torch.nn.Module | None = None
     untied_parameters: int = 0  # what untying lm_head from the input embedding added
     history: list[dict] = field(default_factory=list)
     resumed_from: int = 0
-    # what the generators' streams came from, as the checkpoint they resumed from says (None: made now)
-    noise_source: str | None = None
 
     @property
     def checkpoint_path(self) -> Path:
