@@ -28,13 +28,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--one-term", action="store_true",
-                   help="the clipped sum as one bf16 product bounded by 2^-7 (teacher_modes' full-bk-onesum trial)")
     a = p.parse_args()
-    if a.one_term:
-        from teacher_modes import one_term_sums  # bench/, the script's own directory
-
-        one_term_sums()
 
     import torch
     import transformers

@@ -80,80 +80,10 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
     # bk as on a CPU: layers run in bf16 upcast their factors and bk multiplies them in fp32
     "full-bk-fp32": ("DP full, book-keeping, fp32 factors", "full", "bk"),
     "full-bk-opacus-noise": ("DP full, book-keeping, Opacus' noise draw", "full", "bk"),
-    # a trial, not the library: the clipped sum from one bf16 term, bounded by 2⁻⁷ instead of 2⁻¹⁵
-    "full-bk-onesum": ("DP full, book-keeping, one bf16 term per clipped sum", "full", "bk"),
-    # a trial: the clipped sum's scale-and-split as one compiled kernel (torch.compile) on a GPU
-    "full-bk-fused-split": ("DP full, book-keeping, scale and split in one compiled kernel", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
     "lora-ghost": ("DP lora r=8 (default targets), ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
 }
-
-
-def one_term_sums() -> None:
-    """Mode full-bk-onesum: bk's clipped sum of bf16 factors as ONE bf16 product, bf16(C·x)ᵀg, with
-    a bound 2⁻⁷ (twice bf16's rounding, 2⁻⁸) in place of the split's 2⁻¹⁵: what the second
-    product of the split costs, and how much smaller the clipping factors get for it."""
-    import torch
-
-    from pipeline.privacy import bk, bk_layers
-
-    bk.SPLIT_ERROR = 2.0**-7
-
-    def weighted_sum(self, coef):
-        if not self.split:
-            return split_sum(self, coef)
-        scale_a = self.a.shape[-1] <= self.g.shape[-1]
-        x, other = (self.a, self.g) if scale_a else (self.g, self.a)
-        x = (x * coef.view(-1, 1, 1)).to(torch.bfloat16).reshape(-1, x.shape[-1])
-        other = other.reshape(-1, other.shape[-1])
-        a, g = (x, other) if scale_a else (other, x)
-        return bk_layers._mm32(a.t(), g) if self.transposed else bk_layers._mm32(g.t(), a)
-
-    split_sum = bk_layers._MatmulUse.weighted_sum
-    bk_layers._MatmulUse.weighted_sum = weighted_sum
-
-
-def fused_split_sums() -> None:
-    """Mode full-bk-fused-split: bk's clipped sum with the same hi/lo split, the same bound, but
-    x·C, its bf16 rounding and the rounding of the rest formed by one compiled kernel (reading the
-    bf16 factor once) instead of four elementwise passes over an fp32 temporary."""
-    import torch
-
-    import torch._inductor.config
-
-    from pipeline.privacy import bk_layers
-
-    # without it inductor drops the bf16 round trip of `hi` and lo comes out 0 (seen on a CPU)
-    torch._inductor.config.emulate_precision_casts = True
-
-    def eager(x, c):
-        y = x.float() * c
-        hi = y.to(torch.bfloat16)
-        return hi, (y - hi.float()).to(torch.bfloat16)
-
-    scale_split = torch.compile(eager, dynamic=True, fullgraph=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x, c = torch.randn(999, 576, device=device).to(torch.bfloat16), torch.rand(999, 1, device=device)
-    if not all(torch.equal(u, v) for u, v in zip(scale_split(x, c), eager(x, c))):
-        raise SystemExit("full-bk-fused-split: the compiled split differs from the eager one")
-
-    def weighted_sum(self, coef):
-        if not self.split:
-            return split_sum(self, coef)
-        scale_a = self.a.shape[-1] <= self.g.shape[-1]
-        x, other = (self.a, self.g) if scale_a else (self.g, self.a)
-        hi, lo = scale_split(x.reshape(-1, x.shape[-1]), coef.repeat_interleave(x.shape[1]).view(-1, 1))
-        other = other.reshape(-1, other.shape[-1])
-
-        def product(scaled):
-            a, g = (scaled, other) if scale_a else (other, scaled)
-            return bk_layers._mm32(a.t(), g) if self.transposed else bk_layers._mm32(g.t(), a)
-
-        return product(hi).add_(product(lo))
-
-    split_sum = bk_layers._MatmulUse.weighted_sum
-    bk_layers._MatmulUse.weighted_sum = weighted_sum
 
 
 def child(mode: str, a: argparse.Namespace) -> None:
@@ -184,10 +114,6 @@ def child(mode: str, a: argparse.Namespace) -> None:
         from pipeline.privacy import bk_layers
 
         bk_layers.SPLIT_DEVICES = set()
-    if mode == "full-bk-onesum":
-        one_term_sums()
-    if mode == "full-bk-fused-split":
-        fused_split_sums()
     if mode == "full-bk-opacus-noise":  # bk's optimizer then takes Opacus' noise path
         noise.cpu_draw = lambda *args: False
     if mode == "full-ghost-nosamplers":  # the teacher stage registers the Conv1D samplers: not imported here
@@ -330,7 +256,8 @@ def profile_step(step, mode: str, out: Path, cuda: bool) -> None:
     lines = [f"{mode}: one step under the profiler, wall {wall:.3f} s; operators' self host time {host:.3f} s"]
     sorts = ["self_cpu_time_total"]
     if cuda:
-        gpu = sum(e.self_device_time_total for e in table) / 1e6
+        # kernels only: an operator's self device time is its kernels' again (as the table's total)
+        gpu = sum(e.self_device_time_total for e in table if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
         lines[0] += f"; GPU kernel time {gpu:.3f} s ({gpu / wall:.0%} of the wall)"
         sorts.append("self_device_time_total")
     lines.append(f"operator calls: {sum(e.count for e in table)}")
