@@ -201,15 +201,17 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
                 "so that gradient would be added unclipped and break the DP guarantee; use each trainable "
                 f"parameter only through its own module, or freeze it ({OTHER_MODES} may handle such a model)"
             )
-        sq, split_sq = _per_example_sq_norms(kept, batch, per_example_loss.device)  # (B,) each
-        # With bf16 factors each example's clipped part may exceed Cᵢ‖∇ℓᵢ‖ by the split's error,
-        # at most Cᵢ·SPLIT_ERROR·√(split_sq) (_MatmulUse.weighted_sum): clip by the sum of the two.
-        norms = sq.sqrt() + SPLIT_ERROR * split_sq.sqrt()
-        coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        # Call by call, dropping each call's a and g as soon as its sums are formed: the
-        # gradients grow while the kept activations shrink, so the peak stays near the larger
-        # of the two instead of their sum. Backward order: lm_head's large g goes first.
-        with torch.no_grad():
+        # Autocast off whoever calls: under it matmul and bmm would form the norms and sums in
+        # bf16, and a norm rounded down clips by less than C.
+        with torch.no_grad(), torch.autocast(per_example_loss.device.type, enabled=False):
+            sq, split_sq = _per_example_sq_norms(kept, batch, per_example_loss.device)  # (B,) each
+            # With bf16 factors each example's clipped part may exceed Cᵢ‖∇ℓᵢ‖ by the split's error,
+            # at most Cᵢ·SPLIT_ERROR·√(split_sq) (_MatmulUse.weighted_sum): clip by the sum of the two.
+            norms = sq.sqrt() + SPLIT_ERROR * split_sq.sqrt()
+            coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            # Call by call, dropping each call's a and g as soon as its sums are formed: the
+            # gradients grow while the kept activations shrink, so the peak stays near the larger
+            # of the two instead of their sum. Backward order: lm_head's large g goes first.
             while kept:
                 _, param, use = kept.pop(0)
                 grad = use.weighted_sum(coef).to(param.dtype)

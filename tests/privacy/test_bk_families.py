@@ -254,6 +254,28 @@ def test_bk_follows_the_models_dtype_under_bf16_autocast(tiny_tokenizer, family)
     dp_model._close()
 
 
+def test_backward_clipped_under_autocast_forms_its_norms_in_fp32(tiny_tokenizer):
+    """A caller that keeps autocast on around backward_clipped (the teacher stage does not) gets
+    the same factors and clipped sums as one that leaves it first: under autocast matmul and bmm
+    would form the norms in bf16, and a norm rounded down clips by less than C."""
+    model = FAMILIES["llama"](len(tiny_tokenizer))
+    untie_lm_head(model)
+    batch, labels = _batch(tiny_tokenizer)
+    dp_model = GradSampleModuleBookKeeping(model, max_grad_norm=1e-3)
+    results = []
+    for inside in (False, True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = per_sequence_loss(dp_model(**batch).logits, labels)
+            coef = dp_model.backward_clipped(loss) if inside else None
+        coef = dp_model.backward_clipped(loss) if not inside else coef
+        results.append((coef, [p.grad.clone() for p in model.parameters()]))
+    (coef_out, grads_out), (coef_in, grads_in) = results
+    assert torch.equal(coef_in, coef_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads_in, grads_out))
+    dp_model._close()
+
+
 def test_the_split_sum_of_bf16_factors_stays_within_its_bound():
     """_MatmulUse.weighted_sum with bf16 factors: each example's part within
     2⁻¹⁶·Cᵢ‖aᵢ‖_F‖gᵢ‖_F of the exact Cᵢaᵢᵀgᵢ (float64, from the same bf16 values), also where
