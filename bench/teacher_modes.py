@@ -50,6 +50,7 @@ import json
 import os
 import resource
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -214,6 +215,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         print("STEP", flush=True)
+    else:  # stdin closed without "done": the driver is gone and nobody would read a result
+        return
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if a.profile:
         profile_step(step, mode, Path(a.profile), cuda)
@@ -286,15 +289,21 @@ class Child:
         self.call(None, "READY")
 
     def call(self, command: str | None, expect: str) -> str:
-        if command:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        try:
+            if command:
+                self.proc.stdin.write(command + "\n")
+                self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:  # the process is gone
+            line = ""
         if not line.startswith(expect):
             self.proc.kill()
-            self.proc.wait()
+            code = self.proc.wait()
             self.err.seek(0)
-            raise RuntimeError((self.err.read().strip().splitlines() or ["no output"])[-1])
+            last = (self.err.read().strip().splitlines() or ["no output"])[-1]
+            if code == -signal.SIGKILL:  # what the kernel's OOM killer sends
+                last = f"the {self.mode} process was killed (SIGKILL: out of memory? `dmesg | tail`); {last}"
+            raise RuntimeError(last)
         return line
 
 
