@@ -42,6 +42,24 @@ MAX_DEFAULT_THREADS = 4  # beyond this, the tiny-to-small models here gain littl
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that compute bf16 natively
 
 
+@contextlib.contextmanager
+def ieee_fp32_products():
+    """fp32 matrix products in IEEE fp32 on CUDA and on the CPU (oneDNN) inside, whatever
+    `torch.set_float32_matmul_precision`, `allow_tf32` or the per-backend settings say, and the
+    caller's settings back after. DP clipping runs in it: with TF32's 10-bit significand (or
+    oneDNN's bf16 mode on a CPU) a per-example norm rounded down clips by less than C. Only
+    the per-backend API is written, so a caller who used either API reads its own back."""
+    backends = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    saved = [b.fp32_precision for b in backends]
+    try:
+        for b in backends:
+            b.fp32_precision = "ieee"
+        yield
+    finally:
+        for b, value in zip(backends, saved):
+            b.fp32_precision = value
+
+
 class DeviceError(ValueError):
     """The configured device or precision is not available on this machine; says what to set."""
 

@@ -76,6 +76,7 @@ from opacus.optimizers import optimizer_fast_gradient_clipping as fgc
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch import nn
 
+from pipeline.devices import ieee_fp32_products
 from pipeline.privacy import noise
 from pipeline.privacy.bk_layers import (EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED, OTHER_MODES,
                                         SPLIT_ERROR, Keep, SquaredNorms, UnsupportedLayer, Use, elementwise_forward,
@@ -201,9 +202,10 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
                 "so that gradient would be added unclipped and break the DP guarantee; use each trainable "
                 f"parameter only through its own module, or freeze it ({OTHER_MODES} may handle such a model)"
             )
-        # Autocast off whoever calls: under it matmul and bmm would form the norms and sums in
-        # bf16, and a norm rounded down clips by less than C.
-        with torch.no_grad(), torch.autocast(per_example_loss.device.type, enabled=False):
+        # Autocast off and fp32 products in full fp32 whoever calls: under autocast matmul and bmm
+        # would form the norms and sums in bf16, under TF32 (or oneDNN's bf16 mode on a CPU) with a
+        # 10-bit (8-bit) significand, and a norm rounded down clips by less than C.
+        with torch.no_grad(), torch.autocast(per_example_loss.device.type, enabled=False), ieee_fp32_products():
             sq, split_sq = _per_example_sq_norms(kept, batch, per_example_loss.device)  # (B,) each
             # With bf16 factors each example's clipped part may exceed Cᵢ‖∇ℓᵢ‖ by the split's error,
             # at most Cᵢ·SPLIT_ERROR·√(split_sq) (_MatmulUse.weighted_sum): clip by the sum of the two.

@@ -92,6 +92,32 @@ def test_dp_training_changes_weights_and_saves_safetensors(splits, tiny_model_di
     assert (tmp_path / "manifest.json").is_file() and (tmp_path / "accountant_state.pt").is_file()
 
 
+@pytest.mark.parametrize("mode", ["ghost", "hooks", "bk"])
+def test_every_clipping_mode_clips_in_ieee_fp32_whatever_the_caller_set(splits, tiny_model_dir, tmp_path, mode,
+                                                                       monkeypatch):
+    """A process that let fp32 products run in TF32 (CUDA) or bf16 (a CPU's oneDNN), for speed,
+    elsewhere: each mode's per-example norms and clipped sums (Opacus' too, in its backward and
+    in the optimizer's step) still run in IEEE fp32, and the process's setting comes back after."""
+    from pipeline.stages.teacher import recipe
+
+    cuda, mkldnn = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+    seen = []
+    clip = recipe.CLIPPING[mode]
+
+    def spy(*args):
+        seen.append((cuda.fp32_precision, mkldnn.fp32_precision))
+        return clip(*args)
+
+    monkeypatch.setitem(recipe.CLIPPING, mode, spy)
+    mkldnn.fp32_precision = "bf16"
+    try:
+        _teacher(splits, tiny_model_dir, tmp_path, grad_sample_mode=mode)
+        assert seen and set(seen) == {("ieee", "ieee")}
+        assert mkldnn.fp32_precision == "bf16"
+    finally:
+        mkldnn.fp32_precision = "none"
+
+
 @pytest.mark.parametrize("mode", ["ghost", "bk"])
 def test_empty_poisson_batches_still_count_as_steps(splits, tiny_model_dir, tmp_path, mode):
     """With q = 1/N about a third of the logical batches are empty; each is a noise-only step."""

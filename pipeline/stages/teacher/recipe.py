@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import TeacherConfig
-from pipeline.devices import CPU_FP32, Runtime
+from pipeline.devices import CPU_FP32, Runtime, ieee_fp32_products
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, write_manifest
 from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions, same_tokenizer, untie_lm_head
 from pipeline.models.losses import per_sequence_distillation_loss, per_sequence_loss
@@ -215,8 +215,9 @@ def _step(run: Run, ids: torch.Tensor, lengths: torch.Tensor) -> None:
             logits[:, :-1, :vocab].float(), t_logits[:, :-1, :vocab].float(), labels, alpha=run.kd.alpha,
             temperature=run.kd.temperature,
         )  # (B,)
-    CLIPPING[run.cfg.grad_sample_mode](run.dp_model, run.optimizer, per_example)
-    run.optimizer.step()
+    with ieee_fp32_products():  # every mode's per-example norms and clipped sums in IEEE fp32
+        CLIPPING[run.cfg.grad_sample_mode](run.dp_model, run.optimizer, per_example)
+        run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
 
 
