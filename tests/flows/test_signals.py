@@ -134,6 +134,8 @@ def test_the_temporary_servers_own_lines_go_through_logging(tmp_path):
         early.wait()
         server = SubprocessASGIServer()
         pid = server.server_process.pid
+        server.server_process.terminate()  # Prefect's stop() kills after 5 s: under load, before
+        server.server_process.wait(120)    # the server's last line (seen once beside three studies)
         server.stop()
         for t in threading.enumerate():
             if t.name == "prefect-server-output":
