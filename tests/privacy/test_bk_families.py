@@ -276,30 +276,36 @@ def test_backward_clipped_under_autocast_forms_its_norms_in_fp32(tiny_tokenizer)
     dp_model._close()
 
 
-@pytest.mark.parametrize("setting", ["global", "legacy", "per-backend"])
+_CUDA_MM, _ONEDNN_MM = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+FAST_FP32 = {  # how a process lets fp32 products run faster: (set it, back to the default by the same API)
+    "global": (lambda: torch.set_float32_matmul_precision("medium"),
+               lambda: torch.set_float32_matmul_precision("highest")),
+    "legacy": (lambda: setattr(_CUDA_MM, "allow_tf32", True), lambda: setattr(_CUDA_MM, "allow_tf32", False)),
+    "per-backend": (lambda: setattr(_ONEDNN_MM, "fp32_precision", "bf16"),
+                    lambda: setattr(_ONEDNN_MM, "fp32_precision", "none")),
+}
+
+
+@pytest.mark.parametrize("setting", list(FAST_FP32))
 def test_backward_clipped_forms_its_products_in_ieee_fp32_whatever_the_caller_set(tiny_tokenizer, setting,
                                                                                     monkeypatch):
     """A caller (or a library it imports) that lets fp32 products run in TF32 on CUDA or in bf16 on
     a CPU's oneDNN would have bk's Gram matrices and clipped sums formed with 10 or 8 significand
     bits: a norm rounded down clips by less than C. Inside backward_clipped every fp32 product is
-    IEEE fp32; the caller's own settings come back after, read through the API it used."""
-    cuda, mkldnn = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+    IEEE fp32; the caller's own settings come back after, read through the API it used (mixing
+    the two APIs raises on reading)."""
     seen = []
     mm32 = bk._mm32
 
     def spy(x, y):
-        seen.append((cuda.fp32_precision, mkldnn.fp32_precision))
+        seen.append((_CUDA_MM.fp32_precision, _ONEDNN_MM.fp32_precision))
         return mm32(x, y)
 
     monkeypatch.setattr(bk, "_mm32", spy)
+    make_fast, restore = FAST_FP32[setting]
+    make_fast()
     try:
-        if setting == "global":
-            torch.set_float32_matmul_precision("medium")
-        elif setting == "legacy":
-            cuda.allow_tf32 = True
-        else:
-            mkldnn.fp32_precision = "bf16"
-        before = (cuda.fp32_precision, mkldnn.fp32_precision)
+        before = (_CUDA_MM.fp32_precision, _ONEDNN_MM.fp32_precision)
         assert before != ("ieee", "ieee")
         model = FAMILIES["llama"](len(tiny_tokenizer))
         untie_lm_head(model)
@@ -308,18 +314,13 @@ def test_backward_clipped_forms_its_products_in_ieee_fp32_whatever_the_caller_se
         dp_model.backward_clipped(per_sequence_loss(dp_model(**batch).logits, labels))
         dp_model._close()
         assert seen and set(seen) == {("ieee", "ieee")}
-        assert (cuda.fp32_precision, mkldnn.fp32_precision) == before
+        assert (_CUDA_MM.fp32_precision, _ONEDNN_MM.fp32_precision) == before
         if setting == "legacy":
-            assert cuda.allow_tf32 is True
+            assert _CUDA_MM.allow_tf32 is True
         if setting == "global":
             assert torch.get_float32_matmul_precision() == "medium"
-    finally:  # back to the defaults, through the API that left them (mixing the two raises on reading)
-        if setting == "global":
-            torch.set_float32_matmul_precision("highest")
-        elif setting == "legacy":
-            cuda.allow_tf32 = False
-        else:
-            mkldnn.fp32_precision = "none"
+    finally:
+        restore()
 
 
 def test_the_split_sum_of_bf16_factors_stays_within_its_bound():
