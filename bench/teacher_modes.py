@@ -248,7 +248,7 @@ def profile_step(step, mode: str, out: Path, cuda: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=True) as prof:
+    with profile(activities=activities, record_shapes=cuda) as prof:  # shapes: for the CUDA table below
         t0 = time.perf_counter()
         step()
         if cuda:
