@@ -46,7 +46,7 @@ i-th candidate of a DP-SGD or DPKD row). Repeat 1 takes what the stage cache hol
 repeat reruns the stage that draws DP noise and all after it (control-codes for ours, the
 dp-student for DP-SGD, the teacher for a DPKD candidate that trains one, else its dp-student), as
 experiments/confirmation.py does. Finished runs and choices are appended to
-`<run_root>/baselines.jsonl`; a restart skips them and continues a killed run in its own
+`<run_root>/baselines.jsonl` (or the file `--results` names); a restart skips them and continues a killed run in its own
 directory. Each row's teacher.target_epsilon is found once and kept in
 `<run_root>/baselines_budget.json`. The report (experiments/baselines_report.py) ends with the
 lines `table=oracle ...`, `table=deployable ...` and `rule corpus=NAME candidates=K ...`.
@@ -439,6 +439,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--grid", choices=GRIDS, default="k4",
                    help="the candidate grid: k4 (the builtin models, docs/baselines.md) or k2 (SmolLM2, "
                    "docs/real_model.md)")
+    p.add_argument("--results", type=Path, default=None, help="the study's jsonl of finished runs (default: <run_root>/baselines.jsonl); name a tracked file, e.g. docs/results/NAME.jsonl, and commit it as runs finish: a run root is not tracked, and a new checkout that lacks it would run every finished run again")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--refresh", action="store_true",
                    help="first re-derive each finished run's selection figures from its metrics.json "
@@ -450,7 +451,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     corpus = args.corpus or cfg.name
     root = Path(cfg.run_root)
-    results_path = root / RESULTS
+    results_path = args.results or root / RESULTS
     if args.refresh:
         print(f"refreshed the selection figures of {refresh_selections(results_path)} recorded run(s)")
     if args.report_only:

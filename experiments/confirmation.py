@@ -10,9 +10,10 @@ Every run is the Prefect flow with the row's overrides, in its own run directory
 (`<name>-<row>-r<k>`). Repeat 1 takes what the stage cache holds; every later repeat reruns
 each stage that draws DP noise and everything after it (`rerun`: control-codes for the
 distilled rows, dp-student for DP-SGD and DPKD), so that each repeat is an independent draw of
-the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`,
-each line naming its config (two configs may share a run_root); a restart skips them and
-continues a killed run in its own directory. The report's table gives
+the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`
+(or the file `--results` names: a tracked one outlives the run root), each line naming its config
+(two configs may share a run_root); a restart skips them and continues a killed run in its own
+directory. The report's table gives
 each row's student perplexity windowed, per record (mean, median, token-weighted) and on the text
 alone (the control-code header left out of the targets), and ends with the line
 `corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexities); with a cached model as
@@ -140,8 +141,8 @@ def report(results: list[dict], corpus: str, model: str | None = None) -> str:
         for r in ours:
             for c in r.get("selection", {}).get("candidates", []):
                 out += (f"| r{r['repeat']} | {'→' if c['candidate'] == r['selection']['chosen'] else ''} | "
-                        f"{c['candidate']} | {_f(c['teacher_kl'], 4)} | {_f(c['untruncated_ce'], 4)} | "
-                        f"{_f(c['synthetic_validation_ce'], 4)} | {_f(c['test_perplexity'], 1)} "
+                        f"{c['candidate']} | {_f(c.get('teacher_kl'), 4)} | {_f(c.get('untruncated_ce'), 4)} | "
+                        f"{_f(c.get('synthetic_validation_ce'), 4)} | {_f(c['test_perplexity'], 1)} "
                         f"| {_f(c.get('test_text_perplexity'), 1)} |\n")
         for key, what in (("test_perplexity", "test perplexity"), ("test_text_perplexity", "test perplexity on the "
                                                                    "text alone")):
@@ -202,6 +203,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. ours,DP-SGD")
     p.add_argument("--repeats", type=int, default=3, help="runs per row (DP-Syn: 1)")
     p.add_argument("--dpkd-epsilon", type=float, default=3.0, help="DPKD's teacher.target_epsilon (split in two)")
+    p.add_argument("--results", type=Path, default=None, help="the study's jsonl of finished runs (default: <run_root>/confirmation.jsonl); name a tracked file, e.g. docs/results/NAME.jsonl, and commit it as runs finish: a run root is not tracked, and a new checkout that lacks it would run every finished run again")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--refresh", action="store_true",
                    help="first re-derive each finished run's selection figures from its metrics.json "
@@ -214,7 +216,7 @@ def main(argv: list[str]) -> int:
         require_data(cfg, "experiments/confirmation.py", args.config)
     root = Path(cfg.run_root)
     root.mkdir(parents=True, exist_ok=True)
-    results_path = root / "confirmation.jsonl"
+    results_path = args.results or root / "confirmation.jsonl"
     if args.refresh:
         print(f"refreshed the selection figures of {refresh_selections(results_path)} recorded run(s)")
     corpus = args.corpus or cfg.name

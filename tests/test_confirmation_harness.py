@@ -82,3 +82,21 @@ def test_with_a_cached_model_the_report_ends_with_the_model_and_downstream_lines
     assert lines[-1] == ("downstream model=smollm2-135m corpus=airline column=sentiment synthetic_f1=0.370 "
                          "chance=0.333 sd=0.014 runs=2 real_reference=0.555")
     assert not confirmation.report(results, "airline").strip().splitlines()[-1].startswith("downstream")
+
+
+def test_the_results_file_can_be_a_tracked_one_outside_the_run_root(tmp_path, capsys):
+    """A run root is not tracked: `--results` names the file the finished runs go to and are read
+    from (docs/results/ in this repo), so a new checkout does not lose them or run them again. A
+    line without the figures the selection criteria carry (transcribed from the docs) still reports."""
+    from experiments.shared import append_result
+
+    path = tmp_path / "kept" / "yelp.jsonl"
+    path.parent.mkdir()
+    sel = {"chosen": "alpha=1.0", "candidates": [{"candidate": "alpha=1.0", "test_perplexity": 201.0}]}
+    append_result(path, {"config": "smollm2-yelp", **_run("ours", 1, 201.0, selection=sel)})
+    root = tmp_path / "root"
+    assert confirmation.main(["--config", "configs/smollm2_yelp.yaml", f"run_root={root}", "--results", str(path),
+                              "--report-only", "--corpus", "yelp"]) == 0
+    out = capsys.readouterr().out
+    assert "corpus=yelp ours=201.0±nan dpsgd=– dpkd=–" in out and "| r1 | → | alpha=1.0 | – | – | – | 201.0 |" in out
+    assert not (root / "confirmation.jsonl").exists()
