@@ -46,9 +46,9 @@ i-th candidate of a DP-SGD or DPKD row). Repeat 1 takes what the stage cache hol
 repeat reruns the stage that draws DP noise and all after it (control-codes for ours, the
 dp-student for DP-SGD, the teacher for a DPKD candidate that trains one, else its dp-student), as
 experiments/confirmation.py does. Finished runs and choices are appended to
-`<run_root>/baselines.jsonl` (or the file `--results` names); a restart skips them and continues a killed run in its own
-directory. Each row's teacher.target_epsilon is found once and kept in
-`<run_root>/baselines_budget.json`. The report (experiments/baselines_report.py) ends with the
+`<run_root>/baselines.jsonl` (or the file `--results` names); a restart skips them and
+continues a killed run in its own directory. Each row's teacher.target_epsilon is found once
+and kept in `<run_root>/baselines_budget.json`. The report (experiments/baselines_report.py) ends with the
 lines `table=oracle ...`, `table=deployable ...` and `rule corpus=NAME candidates=K ...`.
 
 Its data: configs/airline.yaml reads the airline tweets and configs/reference.yaml the Yelp split
@@ -439,7 +439,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--grid", choices=GRIDS, default="k4",
                    help="the candidate grid: k4 (the builtin models, docs/baselines.md) or k2 (SmolLM2, "
                    "docs/real_model.md)")
-    p.add_argument("--results", type=Path, default=None, help="the study's jsonl of finished runs (default: <run_root>/baselines.jsonl); name a tracked file, e.g. docs/results/NAME.jsonl, and commit it as runs finish: a run root is not tracked, and a new checkout that lacks it would run every finished run again")
+    p.add_argument("--results", type=Path, default=None,
+                   help="the study's jsonl of finished runs (default: <run_root>/baselines.jsonl); name a tracked "
+                   "file, e.g. docs/results/NAME.jsonl, and commit it as runs finish: a run root is not "
+                   "tracked, and a new checkout without it would run every finished run again")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--refresh", action="store_true",
                    help="first re-derive each finished run's selection figures from its metrics.json "

@@ -203,7 +203,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. ours,DP-SGD")
     p.add_argument("--repeats", type=int, default=3, help="runs per row (DP-Syn: 1)")
     p.add_argument("--dpkd-epsilon", type=float, default=3.0, help="DPKD's teacher.target_epsilon (split in two)")
-    p.add_argument("--results", type=Path, default=None, help="the study's jsonl of finished runs (default: <run_root>/confirmation.jsonl); name a tracked file, e.g. docs/results/NAME.jsonl, and commit it as runs finish: a run root is not tracked, and a new checkout that lacks it would run every finished run again")
+    p.add_argument("--results", type=Path, default=None,
+                   help="the study's jsonl of finished runs (default: <run_root>/confirmation.jsonl); name a tracked "
+                   "file, e.g. docs/results/NAME.jsonl, and commit it as runs finish: a run root is not "
+                   "tracked, and a new checkout without it would run every finished run again")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--refresh", action="store_true",
                    help="first re-derive each finished run's selection figures from its metrics.json "

@@ -214,7 +214,8 @@ def test_every_clipping_mode_trains_the_same_teacher(splits, tiny_model_dir, tmp
     assert other.ledger.epsilon == ghost.ledger.epsilon and other.ledger.steps == ghost.ledger.steps
     want, got = _weights(ghost.checkpoint), _weights(other.checkpoint)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     assert any(not torch.equal(want[k], v) for k, v in _weights(tiny_model_dir).items() if k in want)
 
 
