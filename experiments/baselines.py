@@ -48,8 +48,8 @@ dp-student for DP-SGD, the teacher for a DPKD candidate that trains one, else it
 experiments/confirmation.py does. Finished runs and choices are appended to
 `<run_root>/baselines.jsonl` (or the file `--results` names); a restart skips them and
 continues a killed run in its own directory. Each row's teacher.target_epsilon is found once
-and kept in `<run_root>/baselines_budget.json`. The report (experiments/baselines_report.py) ends with the
-lines `table=oracle ...`, `table=deployable ...` and `rule corpus=NAME candidates=K ...`.
+and kept in `<run_root>/baselines_budget.json`. The report (experiments/baselines_report.py)
+ends with the lines `table=oracle ...`, `table=deployable ...` and `rule corpus=NAME candidates=K ...`.
 
 Its data: configs/airline.yaml reads the airline tweets and configs/reference.yaml the Yelp split
 in ../shared/data beside the checkout (not shipped; experiments/shared.py). Without them it exits
@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.baselines_report import report  # noqa: E402
 from experiments.shared import (  # noqa: E402  the data in ../shared
-    append_result, finish, read_results, refresh_selections, require_data, selection_of)
+    add_results_option, append_result, finish, read_results, refresh_selections, require_data, selection_of)
 
 
 @dataclass(frozen=True)
@@ -439,10 +439,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--grid", choices=GRIDS, default="k4",
                    help="the candidate grid: k4 (the builtin models, docs/baselines.md) or k2 (SmolLM2, "
                    "docs/real_model.md)")
-    p.add_argument("--results", type=Path, default=None,
-                   help="the study's jsonl of finished runs (default: <run_root>/baselines.jsonl); name a tracked "
-                   "file, e.g. docs/results/NAME.jsonl, and commit it as runs finish: a run root is not "
-                   "tracked, and a new checkout without it would run every finished run again")
+    add_results_option(p, RESULTS)
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--refresh", action="store_true",
                    help="first re-derive each finished run's selection figures from its metrics.json "

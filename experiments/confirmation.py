@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.shared import (  # noqa: E402  the data in ../shared
-    append_result, finish, read_results, refresh_selections, require_data, selection_of)
+    add_results_option, append_result, finish, read_results, refresh_selections, require_data, selection_of)
 # (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
 ROWS = {
     "ours": (("distill.method=distil", "distill.keep_candidates=true"), "control-codes"),
@@ -203,10 +203,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. ours,DP-SGD")
     p.add_argument("--repeats", type=int, default=3, help="runs per row (DP-Syn: 1)")
     p.add_argument("--dpkd-epsilon", type=float, default=3.0, help="DPKD's teacher.target_epsilon (split in two)")
-    p.add_argument("--results", type=Path, default=None,
-                   help="the study's jsonl of finished runs (default: <run_root>/confirmation.jsonl); name a tracked "
-                   "file, e.g. docs/results/NAME.jsonl, and commit it as runs finish: a run root is not "
-                   "tracked, and a new checkout without it would run every finished run again")
+    add_results_option(p, "confirmation.jsonl")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--refresh", action="store_true",
                    help="first re-derive each finished run's selection figures from its metrics.json "

@@ -78,6 +78,16 @@ def refresh_selections(path: Path) -> int:
     return changed
 
 
+def add_results_option(p, default_name: str) -> None:
+    """`--results FILE`: where a study's finished runs go and are read from (default
+    `<run_root>/<default_name>`). A run root is not tracked: a tracked file, committed as runs
+    finish, keeps them when a new checkout lacks the run root."""
+    p.add_argument("--results", type=Path, default=None,
+                   help=f"the study's jsonl of finished runs (default: <run_root>/{default_name}); name a tracked "
+                   "file, e.g. docs/results/NAME.jsonl, and commit it as runs finish: a run root is not "
+                   "tracked, and a new checkout without it would run every finished run again")
+
+
 def append_result(path: Path, result: dict) -> None:
     """One finished run (or choice) as a line of the study's jsonl: a restart skips it."""
     from pipeline.locks import file_lock
