@@ -135,3 +135,44 @@ def test_a_plain_backward_is_an_error_not_a_missing_gradient(tiny_tokenizer):
     assert all(p.grad is None for p in model.parameters())
     bk.backward_clipped(per_sequence_loss(bk(**batch).logits, labels))  # the intended call still works
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("physical", [1, 3])
+@pytest.mark.parametrize("device_path", ["cpu-fused", "generic"])
+def test_the_fused_step_is_opacus_step_bit_for_bit(physical, device_path, monkeypatch):
+    """bk's optimizer step (pipeline/privacy/bk.py _InPlaceNoise: the last physical batch's sum,
+    the noise and the mean in one pass) gives Opacus' ghost optimizer's weights bit for bit, and
+    leaves the noise generator where Opacus leaves it: one or three physical batches a step,
+    parameters around the chunk size (4,096 here) and its 16-value blocks, two steps, Adam on
+    top; `generic` is the path off the CPU draw (secure mode, a GPU): add, noise, divide."""
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+
+    from pipeline.privacy import noise
+    from pipeline.privacy.bk import _BookKeepingOptimizer
+
+    monkeypatch.setattr(noise, "NOISE_CHUNK", 4096)
+    if device_path == "generic":
+        monkeypatch.setattr(noise, "cpu_draw", lambda *args: False)
+    shapes = [(3, 4096 + 5), (4096 * 2 + 16,), (7,)]
+    torch.manual_seed(0)
+    start = [torch.randn(s) for s in shapes]
+    grads = [[[torch.randn(s) for s in shapes] for _ in range(physical)] for _ in range(2)]
+    results = {}
+    for cls in (DPOptimizerFastGradientClipping, _BookKeepingOptimizer):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        gen = noise.generator("noise", secure=False)
+        gen.manual_seed(1234)
+        optimizer = cls(torch.optim.Adam(params, lr=0.1), noise_multiplier=1.3, max_grad_norm=0.7,
+                        expected_batch_size=5, loss_reduction="mean", generator=gen)
+        for step in grads:
+            for i, batch in enumerate(step):
+                for p, g in zip(params, batch):
+                    p.grad = g.clone()
+                    p._processed = False  # opacus' flag: the backward's clipped sum is fresh
+                optimizer.signal_skip_step(do_skip=i < physical - 1)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        results[cls] = ([p.detach() for p in params], gen.get_state())
+    (want, want_state), (got, got_state) = results.values()
+    assert all(torch.equal(a, b) for a, b in zip(want, got)) and torch.equal(want_state, got_state)
+    assert not all(torch.equal(a, b) for a, b in zip(start, got))
