@@ -257,16 +257,14 @@ def _per_example_sq_norms(kept: list, batch: int,
 
 class _InPlaceNoise:
     """Opacus' fast-gradient-clipping optimizer step (accumulate, noise, scale) without its
-    two full copies of the gradient and with one pass where it makes three: the clipped sum
-    bk formed in `.grad` becomes `summed_grad` itself (Opacus deep-copies it); on the step
-    that is not skipped, the last physical batch's sum, the noise and the division by the
-    expected batch size are applied chunk by chunk while the chunk is in cache (on a CPU,
-    pipeline/privacy/noise.py add_gaussian_, which also skips the draw's own temporaries;
-    elsewhere one after the other, in place). The same operations in the same order and the
-    same noise draws (Opacus' `_generate_noise`, through pipeline/privacy/noise.py's
-    dispatcher), so the same update bit for bit (tests/privacy/test_bk.py); peak memory drops
-    by up to twice the model's gradient size. Data-parallel ranks other than 0 add no noise,
-    as in Opacus."""
+    two full copies of the gradient: the clipped sum bk formed in `.grad` becomes
+    `summed_grad` itself (Opacus deep-copies it), and the noise is added to it in place
+    (Opacus allocates the noised sum anew; on a CPU pipeline/privacy/noise.py add_gaussian_
+    also skips the draw's own temporaries). The same arithmetic and the same noise draws
+    (Opacus' `_generate_noise`, through pipeline/privacy/noise.py's dispatcher), so the same
+    update (tests/stages/test_teacher.py trains bk and ghost to the same weights); peak memory
+    drops by up to twice the model's gradient size. Data-parallel ranks other than 0 add no
+    noise, as in Opacus."""
 
     def accumulate(self):
         for p in self.params:
@@ -278,49 +276,21 @@ class _InPlaceNoise:
     def zero_grad(self, set_to_none: bool = False):
         super().zero_grad(True)  # never zero .grad in place: it may be this step's summed_grad
 
-    def pre_step(self, closure=None):
-        """Opacus' pre_step (accumulate; then skip, or add the noise and scale), with the step's
-        accumulate, add_noise and scale_grad fused in `_noised_mean`."""
-        if self._check_skip_next_step():
-            self.accumulate()
-            self._is_last_step_skipped = True
-            return False
-        self._noised_mean()
-        if self.step_hook:
-            self.step_hook(self)
-        self._is_last_step_skipped = False
-        return True
-
     def add_noise(self):
-        raise NotImplementedError("bk's optimizer adds the noise in pre_step (_noised_mean)")
-
-    def _noised_mean(self):
-        rank0 = getattr(self, "rank", 0) == 0  # DistributedDPOptimizerFastGradientClipping: noise on rank 0
+        if getattr(self, "rank", 0) != 0:  # DistributedDPOptimizerFastGradientClipping, rank > 0
+            for p in self.params:
+                p.grad = p.summed_grad.view_as(p)
+            return
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
-        divisor = self.expected_batch_size * self.accumulated_iterations if self.loss_reduction == "mean" else None
         for p in self.params:
-            plus = None if p.summed_grad is None else p.grad  # this physical batch's clipped sum
-            if p.summed_grad is None:
-                p.summed_grad = p.grad
-            if rank0:
-                _check_processed_flag(p.summed_grad)
-            if rank0 and std != 0 and noise.cpu_draw(self.generator, p.summed_grad, self.secure_mode) and (
-                    plus is None or plus.is_contiguous()):
-                noise.add_gaussian_(p.summed_grad, std, self.generator, plus, divisor)  # one pass
+            _check_processed_flag(p.summed_grad)
+            if std != 0 and noise.cpu_draw(self.generator, p.summed_grad, self.secure_mode):
+                noise.add_gaussian_(p.summed_grad, std, self.generator)  # Opacus' draw, no temporaries
             else:
-                if plus is not None:
-                    p.summed_grad.add_(plus)
-                if rank0:
-                    p.summed_grad.add_(fgc._generate_noise(std=std, reference=p.summed_grad, generator=self.generator,
-                                                            secure_mode=self.secure_mode))
-                if divisor is not None:
-                    p.summed_grad.div_(divisor)
+                p.summed_grad.add_(fgc._generate_noise(std=std, reference=p.summed_grad, generator=self.generator,
+                                                        secure_mode=self.secure_mode))
             p.grad = p.summed_grad.view_as(p)
-            if rank0:
-                _mark_as_processed(p.summed_grad)
-
-    def scale_grad(self):
-        pass  # done in _noised_mean
+            _mark_as_processed(p.summed_grad)
 
 
 class _BookKeepingOptimizer(_InPlaceNoise, DPOptimizerFastGradientClipping):

@@ -229,8 +229,7 @@ def cpu_draw(generator, reference: torch.Tensor, secure_mode: bool) -> bool:
             and reference.device.type == "cpu" and reference.dtype == torch.float32 and reference.is_contiguous())
 
 
-def add_gaussian_(out: torch.Tensor, std: float, gen: torch.Generator, plus: torch.Tensor | None = None,
-                  divisor: int | None = None) -> torch.Tensor:
+def add_gaussian_(out: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
     """out += N(0, std²) noise: the same values, and the same generator state after, as Opacus'
     `_generate_noise` (`torch.normal(0, std, out.shape, generator=gen)`), without its two
     temporaries the size of the parameter (zeros, then the draw) and the third pass that adds
@@ -238,25 +237,15 @@ def add_gaussian_(out: torch.Tensor, std: float, gen: torch.Generator, plus: tor
     it is in cache. Equal because torch's mt19937 normal fill of n ≥ 16 values draws n
     uniforms and transforms them 16 at a time, the last 16 again when n is not a multiple of
     16: chunks of a multiple of 16, with a short tail folded into the last chunk, consume the
-    stream as one call does (tests/privacy/test_noise.py checks it bit for bit).
-
-    With `plus` and `divisor`, out = ((out + plus) + noise) / divisor, each chunk in turn: the
-    DP step's last accumulation, its noise and its mean (Opacus' accumulate, add_noise and
-    scale_grad, three passes over the gradient) in one, the same operations in the same order."""
-    assert cpu_draw(gen, out, False) and (plus is None or (plus.shape == out.shape and plus.is_contiguous()))
+    stream as one call does (tests/privacy/test_noise.py checks it bit for bit)."""
+    assert cpu_draw(gen, out, False)
     flat, n = out.view(-1), out.numel()
-    extra = None if plus is None else plus.view(-1)
     if not _scratch or _scratch[0].numel() != NOISE_CHUNK + 16:
         _scratch[:] = [torch.empty(NOISE_CHUNK + 16)]
     i = 0
     while i < n:
         m = n - i if n - i < NOISE_CHUNK + 16 else NOISE_CHUNK  # never a last chunk under 16 values
-        chunk = flat[i:i + m]
-        if extra is not None:
-            chunk.add_(extra[i:i + m])
-        chunk.add_(_scratch[0][:m].normal_(0.0, std, generator=gen))
-        if divisor is not None:
-            chunk.div_(divisor)
+        flat[i:i + m].add_(_scratch[0][:m].normal_(0.0, std, generator=gen))
         i += m
     return out
 

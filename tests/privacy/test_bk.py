@@ -139,12 +139,12 @@ def test_a_plain_backward_is_an_error_not_a_missing_gradient(tiny_tokenizer):
 
 @pytest.mark.parametrize("physical", [1, 3])
 @pytest.mark.parametrize("device_path", ["cpu-fused", "generic"])
-def test_the_fused_step_is_opacus_step_bit_for_bit(physical, device_path, monkeypatch):
-    """bk's optimizer step (pipeline/privacy/bk.py _InPlaceNoise: the last physical batch's sum,
-    the noise and the mean in one pass) gives Opacus' ghost optimizer's weights bit for bit, and
-    leaves the noise generator where Opacus leaves it: one or three physical batches a step,
-    parameters around the chunk size (4,096 here) and its 16-value blocks, two steps, Adam on
-    top; `generic` is the path off the CPU draw (secure mode, a GPU): add, noise, divide."""
+def test_bk_optimizer_step_is_opacus_step_bit_for_bit(physical, device_path, monkeypatch):
+    """bk's optimizer step (pipeline/privacy/bk.py _InPlaceNoise: the clipped sum kept without a
+    copy, the noise added in place chunk by chunk) gives Opacus' ghost optimizer's weights bit
+    for bit, and leaves the noise generator where Opacus leaves it: one or three physical
+    batches a step, parameters around the chunk size (4,096 here) and its 16-value blocks, two
+    steps, Adam on top; `generic` is the path off the CPU draw (secure mode, a GPU)."""
     from opacus.optimizers import DPOptimizerFastGradientClipping
 
     from pipeline.privacy import noise
