@@ -7,6 +7,9 @@ and two tables compare them, each row repeated with fresh DP noise. Resumable.
     OMP_NUM_THREADS=1 .venv/bin/python experiments/baselines.py --config configs/reference.yaml
     .venv/bin/python experiments/baselines.py --config configs/airline.yaml --report-only
 
+`--ours-from FILE` takes the ours row from experiments/confirmation.py's results where those runs
+are this grid's (the SmolLM2 configs' own candidates are the k2 grid's α under the rule).
+
 `--grid k2` runs the smaller grid docs/real_model.md fixed for SmolLM2 before any run (K = 2:
 ours α ∈ {0.4, 1}; DP-SGD's learning rate ∈ {the config's, 4x}; DPKD α ∈ {0.4, 1}); the default,
 `--grid k4`, is the one below.
@@ -383,6 +386,40 @@ def private_choice(config: str, overrides: list[str], choice: Choice, runs: list
             "seconds": round(time.monotonic() - t0, 1)}
 
 
+# --- ours' row from the confirmation study ---------------------------------------------------------
+
+def ours_from_confirmation(lines: list[dict], grid: Grid, source: str) -> list[dict]:
+    """experiments/confirmation.py's `ours` runs as this study's `ours` row: the same runs where
+    the confirmation ran the grid's candidates under the zero-cost rule and kept them (scored each
+    on the test split). On the SmolLM2 configs, whose default candidates are the k2 grid's α, its
+    three runs are that row; running them again would spend three hours to repeat them. Raises
+    ValueError naming the run whose candidates or rule differ."""
+    out = []
+    for r in (r for r in lines if r.get("row") == "ours"):
+        sel = r.get("selection") or {}
+        alphas = [c.get("alpha") for c in sel.get("candidates", [])]
+        scored = all(c.get("test_perplexity") is not None for c in sel.get("candidates", []))
+        if alphas != list(grid.ours_alphas) or sel.get("select_by") != "teacher_kl" or not scored:
+            raise ValueError(f"ours run {r.get('repeat')} of {source} chose by {sel.get('select_by')} among α "
+                             f"{alphas}{'' if scored else ' (not all scored on the test split)'}; this grid's "
+                             f"ours row is α {list(grid.ours_alphas)} by teacher_kl, each scored: run it instead")
+        keep = ("config", "repeat", "run_dir", "seconds", "student", "student_per_record_mean",
+                "student_per_record_token_weighted", "student_text_windowed", "epsilon", "delta", "selection",
+                "transcribed")
+        out.append({"kind": "run", "row": "ours", "candidate": None, **{k: r[k] for k in keep if k in r},
+                    "source": f"{source}: experiments/confirmation.py's ours run {r['repeat']}"})
+    return out
+
+
+def take_ours(path: Path, source: Path, config: str, grid: Grid) -> int:
+    """Append to the study's results the confirmation's ours runs it does not hold yet; returns how many."""
+    have = {r["repeat"] for r in read_results(path, config) if r.get("row") == "ours"}
+    new = [r for r in ours_from_confirmation(read_results(source, config), grid, str(source)) if r["repeat"] not in have]
+    for r in new:
+        append_result(path, {"config": config, **r})
+    return len(new)
+
+
 # --- --plan --------------------------------------------------------------------------------------------
 
 def _time_key(cfg) -> tuple:
@@ -440,6 +477,10 @@ def main(argv: list[str]) -> int:
                    help="the candidate grid: k4 (the builtin models, docs/baselines.md) or k2 (SmolLM2, "
                    "docs/real_model.md)")
     add_results_option(p, RESULTS)
+    p.add_argument("--ours-from", type=Path, default=None, metavar="FILE",
+                   help="take the ours row's runs from experiments/confirmation.py's results FILE (its ours runs, "
+                   "where they ran this grid's candidates under the rule: the SmolLM2 configs' k2) instead of "
+                   "running them")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--refresh", action="store_true",
                    help="first re-derive each finished run's selection figures from its metrics.json "
@@ -452,6 +493,11 @@ def main(argv: list[str]) -> int:
     corpus = args.corpus or cfg.name
     root = Path(cfg.run_root)
     results_path = args.results or root / RESULTS
+    if args.ours_from:
+        try:
+            print(f"took {take_ours(results_path, args.ours_from, cfg.name, grid)} ours run(s) from {args.ours_from}")
+        except ValueError as e:
+            p.error(str(e))
     if args.refresh:
         print(f"refreshed the selection figures of {refresh_selections(results_path)} recorded run(s)")
     if args.report_only:

@@ -153,7 +153,8 @@ def rule_study(results: list[dict], method: str = "ours", private: bool = False,
             out.append({"repeat": r["repeat"], **_study(scores, test, chosen)})
         return out
     runs = _runs(results, PRIVATE_ROW[method])
-    for s in (s for s in results if s.get("kind") == "selection" and s["row"] == PRIVATE_ROW[method]):
+    for s in (s for s in results if s.get("kind") == "selection" and s["row"] == PRIVATE_ROW[method]
+              and s.get("scores")):  # a choice transcribed without its scores has no ρ
         test = {r["candidate"]: r[run_key] for r in runs if r["repeat"] == s["repeat"]
                 and r["candidate"] in s["scores"] and r.get(run_key) is not None}
         if len(test) < len(s["scores"]):
@@ -245,18 +246,21 @@ def _rule_table(results: list[dict], figure: str = "windowed") -> list[str]:
 
 
 def _wall_table(results: list[dict]) -> tuple[list[str], float]:
-    """Each run's wall seconds by row, the private choices' apart; and the total of all."""
+    """Each run's wall seconds by row, the private choices' apart; and the total of all. A line
+    transcribed without its seconds counts as a run and shows "–"."""
+    def each(items: list[dict]) -> str:
+        seconds = [r.get("seconds") for r in items]
+        known = [s for s in seconds if s is not None]
+        shown = ", ".join("–" if s is None else f"{s:.0f}" for s in seconds)
+        return f"| {len(items)} | {shown} | {f'{statistics.mean(known):.0f}' if known else '–'} |"
+
     lines = ["", "## Wall time", "", "| row | runs | seconds each | mean s |", "|---|---:|---|---:|"]
     for row in ("ours", "ourspriv", "dpsgd", "dpsgddep", "dpkd", "dpkddep"):
-        seconds = [r["seconds"] for r in _runs(results, row)]
-        if seconds:
-            lines.append(f"| {row} | {len(seconds)} | {', '.join(f'{s:.0f}' for s in seconds)} "
-                         f"| {statistics.mean(seconds):.0f} |")
-    choices = [r["seconds"] for r in results if r.get("kind") == "selection"]
-    if choices:
-        lines.append(f"| private choices | {len(choices)} | {', '.join(f'{s:.0f}' for s in choices)} "
-                     f"| {statistics.mean(choices):.0f} |")
-    return lines, sum(r["seconds"] for r in results)
+        if runs := _runs(results, row):
+            lines.append(f"| {row} {each(runs)}")
+    if choices := [r for r in results if r.get("kind") == "selection"]:
+        lines.append(f"| private choices {each(choices)}")
+    return lines, sum(r.get("seconds") or 0.0 for r in results)
 
 
 def report(results: list[dict], corpus: str, k: int = K) -> str:

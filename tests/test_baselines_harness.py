@@ -5,6 +5,7 @@ same total (bisection on the ledger's composition). No data, no training."""
 from __future__ import annotations
 
 import math
+import re
 import os
 import subprocess
 import sys
@@ -262,3 +263,49 @@ def test_refresh_rederives_the_selection_figures_from_the_run_directory(tmp_path
     (row,) = read_results(path, "airline")
     assert [(c["test_text_perplexity"], c["test_per_record_token_weighted"]) for c in row["selection"]["candidates"]] \
         == [(213.9, 43.3), (192.9, 40.0)]
+
+
+def test_ours_row_is_taken_from_the_confirmation_only_where_it_ran_the_grid(tmp_path):
+    """`--ours-from`: the confirmation's ours runs (α 0.4 and 1 under the rule, each scored) are the
+    k2 grid's ours row, and the report's oracle and deployable rows read them; runs of other
+    candidates, another rule or unscored candidates are refused, naming the run."""
+    import json
+
+    from experiments.shared import append_result, read_results
+
+    def confirmation(k, tests, chosen, select_by="teacher_kl", alphas=(0.4, 1.0)):
+        cands = [{"candidate": f"alpha={a}", "alpha": a, "test_perplexity": t} for a, t in zip(alphas, tests)]
+        return {"config": "smollm2-yelp", "row": "ours", "repeat": k, "seconds": 5900.0, "epsilon": 1.986,
+                "delta": 5e-5, "student": tests[alphas.index(float(chosen.split("=")[1]))],
+                "selection": {"select_by": select_by, "chosen": chosen, "candidates": cands}}
+
+    source, study = tmp_path / "confirmation.jsonl", tmp_path / "baselines.jsonl"
+    for line in (confirmation(1, [210.3, 203.7], "alpha=1.0"), confirmation(2, [196.0, 199.0], "alpha=1.0"),
+                 {"config": "smollm2-yelp", "row": "DP-SGD", "repeat": 1, "student": 370.6},
+                 {**confirmation(1, [80.0, 79.0], "alpha=1.0"), "config": "smollm2-airline"}):
+        append_result(source, line)
+    k2 = baselines.GRIDS["k2"]
+    assert baselines.take_ours(study, source, "smollm2-yelp", k2) == 2
+    assert baselines.take_ours(study, source, "smollm2-yelp", k2) == 0  # once
+    rows = read_results(study, "smollm2-yelp")
+    assert [(r["kind"], r["row"], r["candidate"], r["repeat"]) for r in rows] == [("run", "ours", None, 1),
+                                                                                  ("run", "ours", None, 2)]
+    assert [x["value"] for x in rep.oracle(rows, "ours", k=2)] == [203.7, 196.0]
+    assert [x["value"] for x in rep.deployable(rows, "ours", private=False)] == [203.7, 199.0]
+    # runs and a choice transcribed from the docs, without their seconds or noisy scores, still report
+    transcribed = [{"kind": "run", "row": "dpsgddep", "candidate": c, "repeat": 1, "student": v, "epsilon": 1.56}
+                   for c, v in (("lr=0.0005,epochs=1", 373.1), ("lr=0.002,epochs=1", 286.2))]
+    transcribed.append({"kind": "selection", "row": "dpsgddep", "repeat": 1, "chosen": "lr=0.002,epochs=1",
+                        "selection_epsilon": 0.2, "epsilon": 1.98})
+    text = rep.report(rows + transcribed, "smollm2-yelp", 2)
+    assert "table=deployable corpus=smollm2-yelp ours=201.3±3.3 dpsgd=286.2±nan dpkd=–" in text
+    assert "| dpsgddep | 2 | –, – | – |" in text
+    for bad, why in ((confirmation(3, [1.0, 2.0], "alpha=1.0", select_by="untruncated_ce"), "untruncated_ce"),
+                     (confirmation(3, [1.0, 2.0], "alpha=1.0", alphas=(0.0, 1.0)), "[0.0, 1.0]"),
+                     (confirmation(3, [1.0, None], "alpha=0.4"), "not all scored")):
+        other = tmp_path / f"bad-{why}.jsonl"
+        other.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(ValueError, match="ours run 3 .*" + re.escape(why)):
+            baselines.take_ours(study, other, "smollm2-yelp", k2)
+    with pytest.raises(ValueError, match="ours run 1"):  # the k4 grid's ours row is not the confirmation's
+        baselines.take_ours(tmp_path / "k4.jsonl", source, "smollm2-yelp", baselines.GRIDS["k4"])
