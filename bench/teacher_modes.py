@@ -99,6 +99,7 @@ def child(mode: str, a: argparse.Namespace) -> None:
 
     from pipeline.batching import IGNORE, lm_batch
     from pipeline.config import TeacherConfig
+    from pipeline.devices import adamw
     from pipeline.models.base import untie_lm_head
     from pipeline.privacy import noise
 
@@ -148,7 +149,7 @@ def child(mode: str, a: argparse.Namespace) -> None:
     lengths = torch.full((a.batch,), a.seq)  # every row full length
     batch = {k: v.to(a.device) for k, v in lm_batch(ids, lengths).items()}
     labels = batch.pop("labels")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], 1e-4)  # the pipeline's
     criterion = None
     if gsm is not None:
         private = dict(module=model, optimizer=optimizer, noise_multiplier=1.0, max_grad_norm=1.0,

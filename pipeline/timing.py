@@ -28,7 +28,7 @@ import torch
 
 from pipeline.batching import lm_batch
 from pipeline.config import PipelineConfig
-from pipeline.devices import Runtime
+from pipeline.devices import Runtime, adamw
 from pipeline.models import decoding
 from pipeline.models.base import (BUILTIN_PREFIX, causal_lm_from_config, model_positions, shipped_path, tiny_gpt2,
                                   untie_lm_head)
@@ -213,7 +213,7 @@ class StepTimer:
         model = copy.deepcopy(self.model(name))
         untie_lm_head(model)
         model = prepare_trainable(model, t).to(self.runtime.device).train()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate)
+        optimizer = adamw([p for p in model.parameters() if p.requires_grad], t.learning_rate, t.weight_decay)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2, dtype=torch.long)),
                                              batch_size=4)
         with warnings.catch_warnings():  # "Secure RNG turned off": this noise only costs time
@@ -238,7 +238,7 @@ class StepTimer:
         d = self.cfg.distill
         s_model = self.model(student)
         t_model = self.model(teacher, inference=True) if teacher else None
-        optimizer = torch.optim.AdamW(s_model.parameters(), lr=d.learning_rate)
+        optimizer = adamw(s_model.parameters(), d.learning_rate, d.weight_decay)
         vocab, batch = s_model.config.vocab_size, len(lengths)
 
         def seconds(b: int) -> float:

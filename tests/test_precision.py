@@ -283,3 +283,29 @@ def test_no_stage_names_the_cpu(path):
              if (isinstance(node, ast.Constant) and node.value == "cpu" and id(node) not in allowed)
              or (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cpu")]
     assert not found, f"{path} names the CPU on lines {found}; use the runtime's device"
+
+
+def test_every_training_stage_steps_with_the_fused_adamw_the_same_update():
+    """pipeline/devices.py adamw: fused on a CPU (one pass per parameter, bench/adamw.py), the loop's
+    update to float rounding over steps with weight decay; unfused where a parameter is not a
+    floating-point CPU/CUDA tensor. No training stage builds torch's AdamW itself."""
+    from pipeline.devices import adamw
+
+    torch.manual_seed(0)
+    start = [torch.randn(40, 30), torch.randn(30)]
+    a, b = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    fused, loop = adamw(a, 1e-2, 0.1), torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, foreach=False)
+    assert fused.defaults["fused"] and not adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-2) \
+        .defaults["fused"]
+    for _ in range(5):
+        grads = [torch.randn_like(t) for t in start]
+        for ps, opt in ((a, fused), (b, loop)):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+    for x, y, s in zip(a, b, start):
+        assert not torch.equal(x, s)
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    built = [str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").rglob("*.py")
+             if "torch.optim.AdamW(" in p.read_text() and p.name != "devices.py"]
+    assert built == [], f"{built} build AdamW themselves: use pipeline.devices.adamw"

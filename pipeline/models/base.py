@@ -43,6 +43,7 @@ from transformers import (
 from transformers.activations import GELUTanh, NewGELUActivation
 
 from pipeline.config import BaseModelsConfig, TinyModelSpec
+from pipeline.devices import adamw
 from pipeline.locks import file_lock
 from pipeline.models.cache import CACHE_PREFIX, cached_model_dir, resolve_cache_name
 from pipeline.manifest import MANIFEST, atomic_write_json, hash_paths, sha256_file, write_manifest
@@ -236,7 +237,7 @@ def train_on_blocks(
     AdamW, 10 % linear warm-up then cosine decay, gradients clipped to norm 1. `loss_of(model,
     batch)` is the loss (default: next-token CE; the student builder passes a distillation
     loss, pipeline/models/student.py). Returns its figures."""
-    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01)
+    opt = adamw(model.parameters(), learning_rate, weight_decay=0.01)
     warmup = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,

@@ -46,7 +46,7 @@ from pipeline.privacy.ledger import LedgerEntry
 from pipeline.privacy.monitor import MonitorError
 from pipeline.stages.selection import choose, log_selection, score_students, selection_set
 from pipeline.config import DistillConfig
-from pipeline.devices import CPU_FP32, Runtime
+from pipeline.devices import CPU_FP32, Runtime, adamw
 from pipeline.stages.generate import synthetic_files, synthetic_ids
 from pipeline.stages.logit_cache import CachedTopK, build_teacher_cache
 from pipeline.models.losses import TopKLogits, distillation_loss, prompt_mask
@@ -273,7 +273,7 @@ class _Student:
         h_t = setup.teacher.config.hidden_size if setup.teacher is not None else h_s
         self.projection = torch.nn.Linear(h_s, h_t, device=runtime.device) if cfg.beta > 0 and h_s != h_t else None
         self.params = list(self.student.parameters()) + (list(self.projection.parameters()) if self.projection else [])
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(self.params, cfg.learning_rate, cfg.weight_decay)
         self.total = _n_steps(cfg, len(self.data))
         warmup = max(1, int(cfg.warmup_fraction * self.total))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 
 from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import TeacherConfig
-from pipeline.devices import CPU_FP32, Runtime, ieee_fp32_products
+from pipeline.devices import CPU_FP32, Runtime, adamw, ieee_fp32_products
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, write_manifest
 from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions, same_tokenizer, untie_lm_head
 from pipeline.models.losses import per_sequence_distillation_loss, per_sequence_loss
@@ -157,9 +157,7 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
         )
 
     model.train()
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-    )
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], cfg.learning_rate, cfg.weight_decay)
     with warnings.catch_warnings():  # its "Secure RNG turned off": our generators are secret (warned above)
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         # Opacus' own secure_mode needs torchcsprng (no release for current torch): secure
