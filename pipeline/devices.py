@@ -155,14 +155,17 @@ def reuse_freed_memory() -> bool:
         return False
 
 
-def adamw(params, lr: float, weight_decay: float = 0.01) -> torch.optim.AdamW:
+def adamw(params, lr: float, weight_decay: float = 0.01, fused: bool = True) -> torch.optim.AdamW:
     """torch's AdamW for every training stage, fused where every parameter is a floating-point
     tensor on a CPU or a CUDA GPU: the update's dozen elementwise passes over each parameter
     (moments, square root, division, weight decay) in one, the same update to float rounding.
     On a CPU it is the difference between ~1 s and ~0.1 s a step at SmolLM2's 163 M parameters
-    (`bench/adamw.py`), for the private and the non-private step alike."""
+    (`bench/adamw.py`), for the private and the non-private step alike. `fused=False`: torch's
+    loop, for a build whose weights must stay bit-identical to earlier builds (the model cache's
+    public students, pipeline/models/base.py train_on_blocks)."""
     params = list(params)
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    fused = fused and bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                                           for p in params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
 
 

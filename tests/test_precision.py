@@ -297,6 +297,7 @@ def test_every_training_stage_steps_with_the_fused_adamw_the_same_update():
     fused, loop = adamw(a, 1e-2, 0.1), torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, foreach=False)
     assert fused.defaults["fused"] and not adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-2) \
         .defaults["fused"]
+    assert not adamw(a, 1e-2, fused=False).defaults["fused"]  # the public model builder: bit-identical rebuilds
     for _ in range(5):
         grads = [torch.randn_like(t) for t in start]
         for ps, opt in ((a, fused), (b, loop)):

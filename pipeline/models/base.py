@@ -237,7 +237,9 @@ def train_on_blocks(
     AdamW, 10 % linear warm-up then cosine decay, gradients clipped to norm 1. `loss_of(model,
     batch)` is the loss (default: next-token CE; the student builder passes a distillation
     loss, pipeline/models/student.py). Returns its figures."""
-    opt = adamw(model.parameters(), learning_rate, weight_decay=0.01)
+    # torch's loop, not the fused step: a rebuilt public model (e.g. `dpdistill models student`
+    # in a new checkout) stays bit-identical to the one earlier runs of a study used
+    opt = adamw(model.parameters(), learning_rate, weight_decay=0.01, fused=False)
     warmup = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
