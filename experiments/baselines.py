@@ -169,15 +169,20 @@ def bisect(total_of: Callable[[float], float], target: float, lo: float, hi: flo
     return lo
 
 
-def unique_releases(planned: list[tuple[Candidate, list]]) -> list:
+def unique_releases(planned: list[tuple[Candidate, list]], teachers: dict[str, str] | None = None) -> list:
     """The DP releases of a row's candidate runs, each once: a teacher that DPKD candidates with the
-    same teacher settings share is one release; every candidate's student is its own."""
+    same teacher settings share is one release; every candidate's student is its own. `teachers`
+    (candidate name -> the teacher its run used, e.g. the teacher stage's output directory): the
+    finished runs' actual teachers, so that a candidate whose run trained a teacher of its own
+    (the stage cache missed it: a lost cache, code that changed the teacher's key between two
+    sessions) counts as another release instead of the planned shared one."""
     seen, out = set(), []
     for cand, entries in planned:
         for e in entries:
             if not (e.private and e.epsilon):
                 continue
-            key = ("teacher", cand.teacher) if e.stage == "teacher" else (e.stage, cand.name)
+            shared = cand.teacher if teachers is None else teachers[cand.name]
+            key = ("teacher", shared) if e.stage == "teacher" else (e.stage, cand.name)
             if key not in seen:
                 seen.add(key)
                 out.append(e)
@@ -379,7 +384,12 @@ def private_choice(config: str, overrides: list[str], choice: Choice, runs: list
         students = {n: load_causal_lm(str(p), dtype=runtime.dtype).to(runtime.device).eval() for n, p in models.items()}
         scores = scorer.release(students, cfg.evaluate.batch_size, runtime.autocast)
     by_name = {c.name: c for c in candidates(cfg, choice.row, grid)}
-    entries = unique_releases([(by_name[n], ledger.entries) for n, ledger in ledgers.items()]) + [scorer.entry]
+    teachers = {r["candidate"]: str(_stage_output(Path(r["run_dir"]), "teacher")) for r in runs}
+    entries = unique_releases([(by_name[n], ledger.entries) for n, ledger in ledgers.items()], teachers)
+    entries.append(scorer.entry)
+    if len({teachers[n] for n in ledgers}) > len({by_name[n].teacher for n in ledgers}):
+        print(f"== {choice.row} r{choice.repeat}: a candidate trained a teacher of its own where the plan shared "
+              "one (stage cache missed); each is counted, so the row's total exceeds the planned one", flush=True)
     return {"kind": "selection", "row": choice.row, "repeat": choice.repeat, "chosen": min(scores, key=scores.get),
             "scores": scores, "selection_epsilon": scorer.entry.epsilon, "noise_sd": scorer.z * scorer.clip / scorer.n,
             "units": scorer.n, "epsilon": compose(entries, cfg.teacher.accountant, delta).epsilon,

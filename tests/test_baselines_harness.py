@@ -224,6 +224,11 @@ def test_a_teacher_dpkd_candidates_share_is_one_release():
     stages = [e.stage for e in baselines.unique_releases(planned)]
     assert stages.count("teacher") == 2 and stages.count("dp-student") == 4
     assert len(baselines.unique_releases(planned[:1])) == 2
+    # the finished runs' actual teachers: a candidate that trained its own (cache miss) is one more release
+    teachers = {c.name: f"runs/{c.teacher}" for c in cands}
+    assert [e.stage for e in baselines.unique_releases(planned, teachers)].count("teacher") == 2
+    teachers[cands[1].name] = "runs/its-own-teacher"
+    assert [e.stage for e in baselines.unique_releases(planned, teachers)].count("teacher") == 3
 
 
 def test_without_its_data_the_harness_exits_in_one_line(tmp_path):
