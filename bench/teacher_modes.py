@@ -19,7 +19,8 @@ memory the steps add:
 
 DP rows call PrivacyEngine.make_private as pipeline/stages/teacher/recipe.py does (pipeline/privacy/bk.py's engine, Opacus' plus mode bk;
 its secret noise generator), with noise_multiplier=1.0,
-max_grad_norm=1.0 and poisson_sampling=False (a fixed batch). lm_head is untied in every row.
+max_grad_norm=1.0 and poisson_sampling=False (a fixed batch). lm_head is untied in every row
+(`--tied`: tied in every row, as teacher.untie_lm_head=false trains it).
 Each mode runs in its own fresh process (`--one MODE`); memory is CUDA max_memory_allocated
 above what was allocated before the first step, or on CPU the growth of the process' peak RSS
 (ru_maxrss) over the steps; on CPU also, from torch.profiler's allocation records, the peak of
@@ -139,7 +140,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
             vocab_size=a.vocab, n_positions=max(a.seq, 1024), n_embd=a.width, n_layer=a.layers,
             n_head=a.heads, n_inner=a.mlp, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # deterministic steps
         ))
-    untie_lm_head(model)
+    if not a.tied:
+        untie_lm_head(model)
     if teacher_mode != "full":
         model = prepare_trainable(model, TeacherConfig(mode=teacher_mode, grad_sample_mode=gsm))
     model.to(a.device).train()
@@ -285,6 +287,7 @@ class Child:
         args = [f"--{k}={getattr(a, k)}" for k in (*SHAPE, "arch", "device", "precision", "warmup", "threads",
                                                      "allocator", "accumulate")]
         args += [f"--profile={a.profile}"] if a.profile else []
+        args += ["--tied"] if a.tied else []
         self.proc = subprocess.Popen([sys.executable, __file__, "--one", mode, *args], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
         self.call(None, "READY")
@@ -368,6 +371,9 @@ def main() -> None:
                    help="keep every mode's process alive and step them round-robin (default: on CPU)")
     p.add_argument("--profile", metavar="DIR", help="after the timed steps, profile one more step of each mode "
                    "into DIR/<mode>.txt: host time against GPU kernel time, and the top operators")
+    p.add_argument("--tied", action="store_true",
+                   help="keep lm_head tied to the input embedding in every row (teacher.untie_lm_head=false; bk "
+                   "clips the shared weight over both uses; ghost and hooks rows then clip each use apart)")
     p.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # internal: be one mode's process
     a = p.parse_args()
     for k, v in PRESETS[a.preset].items():
@@ -414,7 +420,7 @@ def main() -> None:
           f" + optimizer.step + zero_grad; time = median of {a.steps} steps after "
           f"{a.warmup} warm-up step(s). DP rows: noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling="
           "False (one fixed batch, not Poisson-sampled). Same seeded weights and batch in every row "
-          f"(first-step loss: {', '.join(losses)}); lm_head untied in every row; dropout off.")
+          f"(first-step loss: {', '.join(losses)}); lm_head {'tied' if a.tied else 'untied'} in every row; dropout off.")
     if a.interleave:
         print("Timing: one process per mode, all alive at once and stepped round-robin (rotating who goes "
               "first), one computing at a time, so background load on the machine hits every mode alike.")

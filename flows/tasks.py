@@ -14,7 +14,7 @@ from flows.caching import PERPLEXITY_DIR, STAGE_DIRS, StageCache
 from flows.generation import generate_with_workers
 from flows.progress import StageProgress
 from flows.results import StageResultSerializer
-from pipeline.config import NODE_FIELDS, PipelineConfig
+from pipeline.config import NODE_FIELDS, PipelineConfig, at_later_defaults
 from pipeline.devices import Runtime
 from pipeline.manifest import sha256_file
 from pipeline.models.base import BaseModels, PrivateVocabulary, build_base_models, resolve_model
@@ -177,7 +177,7 @@ def _planned_epsilon(stage: str) -> Callable[[Plan], dict]:
 
 
 def _teacher_key(cfg: PipelineConfig) -> dict:
-    return cfg.teacher.model_dump(mode="json", exclude=set(NODE_FIELDS))
+    return cfg.teacher.model_dump(mode="json", exclude={*NODE_FIELDS, *at_later_defaults(cfg.teacher)})
 
 
 def _precision(cfg: PipelineConfig) -> dict:

@@ -312,6 +312,23 @@ class TeacherConfig(_Section):
         "pass, the fastest (docs/teacher_modes.md); 'ghost': Opacus ghost clipping (two backward passes); "
         "'hooks': Opacus per-sample gradients (the reference). All three give the same update.",
     )
+    untie_lm_head: bool = Field(
+        True,
+        description="Give lm_head its own weight before DP-SGD where the model ties it to the input embedding "
+        "(GPT-2, Llama 3.2, Qwen2.5, SmolLM2, Gemma): vocabulary × width more trainable parameters, each "
+        "noised (28.3 M on SmolLM2-135M), and the saved model keeps its own head. false: keep the tie, one "
+        "weight with two uses, which bk clipping clips by the norm of the two uses' summed gradient "
+        "(pipeline/privacy/bk.py); needs grad_sample_mode=bk (ghost and hooks clip each use apart).",
+    )
+
+    @model_validator(mode="after")
+    def _a_kept_tie_needs_bk(self) -> "TeacherConfig":
+        if not self.untie_lm_head and self.grad_sample_mode != "bk":
+            raise ValueError(f"teacher.untie_lm_head=false needs teacher.grad_sample_mode=bk (it is "
+                             f"{self.grad_sample_mode!r}, which would clip the tied weight's two uses apart); "
+                             "set teacher.grad_sample_mode=bk or teacher.untie_lm_head=true")
+        return self
+
     lora_rank: int = Field(8, ge=1, description="LoRA rank r (mode=lora).")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling α (mode=lora).")
     lora_target_modules: list[str] | None = Field(
@@ -402,6 +419,17 @@ class TeacherConfig(_Section):
         if self.node_rank >= self.nnodes:
             raise ValueError(f"teacher.node_rank={self.node_rank} must be below teacher.nnodes={self.nnodes}")
         return self
+
+
+# Teacher settings added after stage caches and checkpoints existed: while at these defaults they
+# stay out of the teacher's cache key and a checkpoint's fingerprint, so what was made before them
+# (a study's shared DPKD teacher, an interrupted run's checkpoint) is still found.
+LATER_DEFAULTS = {"untie_lm_head": True}
+
+
+def at_later_defaults(cfg: TeacherConfig) -> set[str]:
+    """The LATER_DEFAULTS fields `cfg` leaves at their default: to leave out of keys."""
+    return {name for name, value in LATER_DEFAULTS.items() if getattr(cfg, name) == value}
 
 
 # Where a data-parallel teacher's ranks run, never what it learns: in neither the stage's cache key

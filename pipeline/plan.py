@@ -205,8 +205,11 @@ def _warnings(cfg: PipelineConfig) -> list[str]:
 
 def _untied_parameters(cfg: PipelineConfig, stage: str) -> int | None:
     """What untying lm_head adds to the stage's model, from its config (None: not readable yet,
-    e.g. builtin models still to be built from base_models.corpus)."""
+    e.g. builtin models still to be built from base_models.corpus; 0 with teacher.untie_lm_head=false)."""
     from transformers import AutoConfig
+
+    if not cfg.teacher.untie_lm_head:
+        return 0
 
     name = cfg.teacher.model if stage == "teacher" else cfg.distill.student_model
     if name.startswith(BUILTIN_PREFIX) and cfg.base_models.corpus is not None:

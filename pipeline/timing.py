@@ -211,7 +211,8 @@ class StepTimer:
             return self._models[key]
         t = self.cfg.teacher
         model = copy.deepcopy(self.model(name))
-        untie_lm_head(model)
+        if t.untie_lm_head:
+            untie_lm_head(model)
         model = prepare_trainable(model, t).to(self.runtime.device).train()
         optimizer = adamw([p for p in model.parameters() if p.requires_grad], t.learning_rate, t.weight_decay)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2, dtype=torch.long)),

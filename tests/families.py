@@ -130,18 +130,20 @@ STEP = {"target_epsilon": 8.0, "epochs": 1, "batch_size": 50, "physical_batch_si
 
 def every_stage(family: str, dirs: dict[str, Path], splits, out: Path, runtime) -> dict[str, float]:
     """The family's teacher through every stage on `runtime` (device, precision), checked:
-    one DP-SGD step in bk, ghost (where Opacus can) and LoRA with its ledger entry, 16 samples
+    one DP-SGD step in bk (also with the head kept tied), ghost (where Opacus can) and LoRA with its ledger entry, 16 samples
     with the fast engine and the hf reference, one distillation epoch of the student (the
     teacher's logits and the hidden-state MSE across widths), evaluation. Returns each
     part's wall seconds (tests/stages/test_families.py; bench/family_matrix.py on a GPU)."""
     from pipeline.config import DistillConfig, EvalConfig, GenerateConfig, TeacherConfig
+    from pipeline.models.base import load_causal_lm
     from pipeline.stages.distill import distill
     from pipeline.stages.evaluate import evaluate_models
     from pipeline.stages.generate import generate_synthetic, read_synthetic
     from pipeline.stages.teacher.recipe import train_teacher
 
     seconds, results = {}, {}
-    modes = {"bk": {}, "ghost": {"grad_sample_mode": "ghost"}, "lora": {"mode": "lora"}}
+    modes = {"bk": {}, "bk-tied": {"untie_lm_head": False}, "ghost": {"grad_sample_mode": "ghost"},
+             "lora": {"mode": "lora"}}
     for label, extra in modes.items():
         if label == "ghost" and family in NO_GHOST:
             continue
@@ -153,6 +155,9 @@ def every_stage(family: str, dirs: dict[str, Path], splits, out: Path, runtime) 
         entry = results[label].ledger
         assert entry.private and entry.steps >= 1 and 0 < entry.epsilon <= 8.0, (label, entry)
         assert entry.mechanism == "subsampled_gaussian" and entry.history
+    tied = load_causal_lm(str(results["bk-tied"].checkpoint))  # teacher.untie_lm_head=false: saved as the family ties
+    assert (tied.get_output_embeddings().weight is tied.get_input_embeddings().weight) == bool(
+        tied.config.tie_word_embeddings) and results["bk-tied"].ledger.untied_parameters == 0
     teacher = results["bk"].checkpoint
     codes = out / "codes.json"
     codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))

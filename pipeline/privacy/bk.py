@@ -58,8 +58,11 @@ Exactness guards, each found by an independent check (issue 35):
 - a patched parameter also used outside its layer (F.linear(x, layer.weight) elsewhere):
   autograd would add that use's gradient to `.grad` unclipped, so `backward_clipped` runs its
   backward with every `.grad` set aside and refuses any that autograd filled;
-- a trainable parameter shared by two layers (tied weights) is refused at wrap time:
-  `pipeline.models.base.untie_lm_head` unties lm_head for every family, as the pipeline does.
+- a trainable parameter shared by two layers (tied weights): an input embedding tied to the
+  linear output head (GPT-2, Llama 3.2, Qwen2.5, SmolLM2, Gemma) gets the norm of the sum of
+  both uses' gradients, the cross term from the head's logit gradients at the looked-up ids
+  (`_lookup_head_dot`); any other sharing is refused at wrap time. The pipeline unties lm_head
+  unless `teacher.untie_lm_head=false` (pipeline.models.base.untie_lm_head).
 The weights' gradients exist only after `backward_clipped`; a plain `loss.backward()` on the
 wrapped model is an error.
 """
@@ -118,21 +121,27 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
 
     @staticmethod
     def _refuse_tied_weights(m: nn.Module, rules: dict[str, str]) -> None:
-        """Refuse a trainable parameter that two patched modules own (tied weights): each
-        module's backward sees only its own use, and the cross term between an embedding's and
-        a linear map's use is not formed (GPT-2's tied lm_head: norms up to 1% off)."""
-        owners: dict[int, str] = {}  # id(trainable parameter) -> its first name
+        """Accept a trainable parameter that two patched modules own only as an input embedding
+        tied to a linear output head (nn.Linear's layout): its per-example norm is that of the
+        sum of both uses' gradients, the cross term formed by `_lookup_head_dot`. Refuse any other
+        sharing (each module's backward sees only its own use, and no cross term is formed)."""
+        owners: dict[int, list[tuple[str, str]]] = {}  # id(trainable parameter) -> [(name, rule)]
         for name, module in m.named_modules():
             if name not in rules:
                 continue
             for pname, p in module.named_parameters(recurse=False):
-                full = f"{name}.{pname}" if name else pname
-                if p.requires_grad and (first := owners.setdefault(id(p), full)) != full:
-                    raise ValueError(
-                        f"bk clipping: parameter {full} is the same tensor as {first} (tied weights), so its "
-                        "per-example gradient norm would be wrong; untie it before wrapping the model, e.g. "
-                        "pipeline.models.base.untie_lm_head(model) for an lm_head tied to the input embedding"
-                    )
+                if p.requires_grad:
+                    owners.setdefault(id(p), []).append((f"{name}.{pname}" if name else pname, rules[name]))
+        for uses in owners.values():
+            kinds = sorted(rule for _, rule in uses)
+            if len(uses) > 1 and not (len(uses) == 2 and kinds[0] in (EMBEDDING, EMBEDDING_ROUTED)
+                                      and kinds[1] == LINEAR):
+                (full, _), (first, _) = uses[-1], uses[0]
+                raise ValueError(
+                    f"bk clipping: parameter {full} is the same tensor as {first} (tied weights), and only an "
+                    "input embedding tied to a linear output head is clipped over both uses; untie it before "
+                    "wrapping the model, e.g. pipeline.models.base.untie_lm_head(model)"
+                )
 
     def _patch(self, module: nn.Module, rule: str, keep: Keep) -> None:
         if rule == EMBEDDING_ROUTED:

@@ -142,7 +142,9 @@ class _MatmulUse(Use):
         2⁻¹⁶·Cᵢ times this. None with fp32 factors."""
         return (_sq_frobenius(self.a) * _sq_frobenius(self.g)).sqrt() if self.split else None
 
-    def dot(self, other: _MatmulUse) -> torch.Tensor:
+    def dot(self, other: Use) -> torch.Tensor:
+        if isinstance(other, _LookupUse):  # a head tied to the input embedding
+            return _lookup_head_dot(other, self)
         return _matmul_dot(self.a.float(), self.g.float(), other.a.float(), other.g.float())
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
@@ -182,13 +184,29 @@ class _LookupUse(Use):
     def add_sq(self, norms: SquaredNorms) -> None:
         norms.add(self.dot(self))
 
-    def dot(self, other: _LookupUse) -> torch.Tensor:
+    def dot(self, other: Use) -> torch.Tensor:
+        if isinstance(other, _MatmulUse):  # the output head tied to this embedding
+            return _lookup_head_dot(self, other)
         same = self.ids.unsqueeze(2) == other.ids.unsqueeze(1)  # (B, T, T')
         return ((self.g @ other.g.transpose(1, 2)) * same).sum((1, 2))
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         rows = (self.g * coef.view(-1, 1, 1)).reshape(-1, self.g.shape[-1])  # (B·T, d)
         return torch.zeros(self.shape, device=rows.device).index_add_(0, self.ids.reshape(-1), rows)
+
+
+def _lookup_head_dot(lookup: _LookupUse, head: _MatmulUse) -> torch.Tensor:
+    """⟨Eᵢ, Hᵢ⟩ for each example i, where one weight W (V, d) is both an embedding (Eᵢ: row v is
+    Σ_{t: idᵢₜ = v} eᵢₜ, e the lookup's output gradient) and a linear head in nn.Linear's layout
+    (Hᵢ = gᵢᵀaᵢ, g the logits' gradient (S, V), a the head's input (S, d)): the cross term of the
+    tied weight's per-example norm, ‖Eᵢ + Hᵢ‖² = ‖Eᵢ‖² + ‖Hᵢ‖² + 2⟨Eᵢ, Hᵢ⟩. It reads only the head's
+    rows at the looked-up ids: ⟨Eᵢ, Hᵢ⟩ = Σₜ eᵢₜ·Hᵢ[idᵢₜ] = Σ_{s,t} gᵢ[s, idᵢₜ] (aᵢₛ·eᵢₜ), a product
+    of two (B, S, T) matrices, never a (B, V, d) tensor."""
+    if head.transposed:
+        raise RuntimeError("bk clipping: a tied head stored transposed (Conv1D) has no cross-term rule")
+    a, g, e, ids = head.a.float(), head.g.float(), lookup.g, lookup.ids  # (B,S,d), (B,S,V), (B,T,d), (B,T)
+    at_ids = torch.gather(g, 2, ids.unsqueeze(1).expand(-1, g.shape[1], -1))  # (B, S, T): gᵢ[s, idᵢₜ]
+    return (at_ids * (a @ e.transpose(1, 2))).sum((1, 2))
 
 
 class _VectorUse(Use):
@@ -451,7 +469,8 @@ def bk_problems(model: nn.Module) -> list[str]:
     clip the model as it stands (its trainable parameters now: apply LoRA or BiTFiT first).
     Patches nothing and runs no backward; works on a model built on the meta device (only the
     norm-like modules run, on tiny CPU copies). Tied weights are not checked here: the
-    pipeline unties lm_head before wrapping (GradSampleModuleBookKeeping refuses them)."""
+    pipeline unties lm_head before wrapping, or keeps it tied (teacher.untie_lm_head=false), which
+    bk clips exactly; GradSampleModuleBookKeeping refuses any other sharing when it wraps."""
     problems = []
     for name, module in model.named_modules():
         if trainable_here(module):

@@ -109,16 +109,18 @@ def test_close_restores_the_plain_model(tiny_tokenizer):
     assert not any("forward" in vars(m) for m in model.modules())
 
 
-def test_a_tied_parameter_is_refused_by_name(tiny_tokenizer):
-    """GPT-2's lm_head tied to wte is one weight used twice: bk would give it the norm of each
-    use apart, not of its whole gradient (up to 1% off). Refused, naming both and the fix."""
+def test_a_tied_head_is_accepted_and_any_other_shared_parameter_refused_by_name(tiny_tokenizer):
+    """GPT-2's lm_head tied to wte is one weight with two uses, which bk clips over both (the cross
+    term: tests/privacy/test_bk_families.py, the `-tied` cases). Two linear maps sharing one weight
+    have no cross-term rule: refused at wrap time, naming both and the fix."""
     model = make_tiny_model(tiny_tokenizer)
     assert model.lm_head.weight is model.transformer.wte.weight  # tied, as transformers builds it
-    with pytest.raises(ValueError, match=r"lm_head\.weight.*transformer\.wte\.weight.*untie_lm_head"):
-        GradSampleModuleBookKeeping(model)
-    assert not any("forward" in vars(m) for m in model.modules())  # the modules patched before are restored
-    untie_lm_head(model)
-    GradSampleModuleBookKeeping(model)._close()  # untied: accepted
+    GradSampleModuleBookKeeping(model)._close()  # a tied head: accepted
+    two = torch.nn.ModuleDict({"first": torch.nn.Linear(4, 4), "second": torch.nn.Linear(4, 4)})
+    two["second"].weight = two["first"].weight  # two linear maps, one weight
+    with pytest.raises(ValueError, match=r"second\.weight is the same tensor as first\.weight.*untie"):
+        GradSampleModuleBookKeeping(two)
+    assert not any("forward" in vars(m) for m in two.modules())  # nothing was patched
 
 
 def test_a_plain_backward_is_an_error_not_a_missing_gradient(tiny_tokenizer):

@@ -73,10 +73,19 @@ def _lm_loss(call, ids, mask, positions, labels):
     return per_sequence_loss(logits, labels[None])[0]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+TIED = [f for f in FAMILIES if FAMILIES[f](8).config.tie_word_embeddings]  # as each family builds it
+
+
+@pytest.mark.parametrize("family", list(FAMILIES) + [f"{f}-tied" for f in TIED])
 def test_bk_equals_an_independent_per_example_reference(tiny_tokenizer, family):
-    model = FAMILIES[family](len(tiny_tokenizer))
-    untie_lm_head(model)
+    """`-tied`: the family's lm_head left tied to its input embedding (teacher.untie_lm_head=false),
+    one weight with two uses: the reference's per-example gradient of that weight is the sum of
+    both (torch.func differentiates the one tensor), and bk must clip by its norm."""
+    model = FAMILIES[family.removesuffix("-tied")](len(tiny_tokenizer))
+    if family.endswith("-tied"):
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    else:
+        untie_lm_head(model)
     model.train()
     batch, labels = _batch(tiny_tokenizer)
     grads = _per_example_grads(model, _lm_loss, batch["input_ids"], batch["attention_mask"],

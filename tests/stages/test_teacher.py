@@ -21,6 +21,7 @@ import pipeline.privacy.accountant  # noqa: F401  (registers the exact norm samp
 from pipeline.privacy import noise
 from pipeline.privacy.noise import TEST_SEED_ENV
 from pipeline.privacy.dpsgd import TeacherError
+from pipeline.models.base import load_causal_lm
 from pipeline.models.losses import per_sequence_loss
 from pipeline.stages.teacher.recipe import train_teacher
 from conftest import first_record_rewritten, make_tiny_model, noise_free_dp_gradient
@@ -187,6 +188,48 @@ def test_bitfit_trains_only_bias_terms(splits, tiny_model_dir, tmp_path):
     changed = {k for k in before if k in after and not torch.equal(before[k], after[k])}
     assert changed and all(k.endswith(".bias") for k in changed)
     assert result.ledger.epsilon <= 3.0 and "bitfit" in result.ledger.note
+
+
+def test_a_kept_tie_trains_one_shared_weight_and_saves_it_tied(splits, tiny_model_dir, tmp_path, caplog):
+    """teacher.untie_lm_head=false: the head tied to the input embedding stays one weight (bk clips it
+    over both uses: tests/privacy/test_bk_families.py), the saved model is tied, no parameters are
+    added, and the log says so; the default unties, as before."""
+    caplog.set_level("INFO")
+    _, tied = _teacher(splits, tiny_model_dir, tmp_path / "tied", untie_lm_head=False)
+    _, untied = _teacher(splits, tiny_model_dir, tmp_path / "untied")
+    assert tied.ledger.untied_parameters == 0 and untied.ledger.untied_parameters > 0
+    assert "lm_head kept tied to the input embedding" in caplog.text
+    model = load_causal_lm(str(tied.checkpoint))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    before = _weights(tiny_model_dir)["transformer.wte.weight"]
+    assert not torch.equal(model.transformer.wte.weight.detach(), before)  # trained
+    assert "lm_head.weight" in _weights(untied.checkpoint)  # the default keeps its own head
+    with pytest.raises(ValueError, match="untie_lm_head=false needs teacher.grad_sample_mode=bk"):
+        TeacherConfig(untie_lm_head=False, grad_sample_mode="ghost")
+
+
+def test_a_kept_tie_changes_the_teacher_key_and_the_default_leaves_earlier_ones_valid(tiny_config, tmp_path,
+                                                                                      monkeypatch):
+    """teacher.untie_lm_head came after stage caches and checkpoints existed: at its default it is in
+    neither the teacher's cache key nor a checkpoint's fingerprint (a study's shared DPKD teacher, an
+    interrupted run's checkpoint are still found); set to false it changes both."""
+    from flows.tasks import teacher_task
+    from pipeline.stages.teacher import checkpoint
+    from pipeline.stages.teacher.checkpoint import checkpoint_fingerprint
+
+    kept = tiny_config.model_copy(update={"teacher": tiny_config.teacher.model_copy(update={"untie_lm_head": False})})
+    assert "untie_lm_head" not in teacher_task.cache_policy.config_of(tiny_config)["teacher"]
+    assert teacher_task.cache_policy.config_of(kept)["teacher"]["untie_lm_head"] is False
+    train = tmp_path / "train.parquet"
+    train.write_bytes(b"records")
+
+    def fingerprint(cfg):
+        return checkpoint_fingerprint(cfg.teacher, "base", train, 0, 1.0, None)
+
+    default = fingerprint(tiny_config)
+    assert default != fingerprint(kept)
+    monkeypatch.setattr(checkpoint, "at_later_defaults", lambda cfg: set())  # as if the field counted
+    assert fingerprint(tiny_config) != default  # so the default's fingerprint is the one from before the field
 
 
 def test_lora_saves_a_merged_plain_checkpoint(splits, tiny_model_dir, tmp_path):

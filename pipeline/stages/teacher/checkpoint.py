@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from opacus import PrivacyEngine
 
-from pipeline.config import NODE_FIELDS, TeacherConfig
+from pipeline.config import NODE_FIELDS, TeacherConfig, at_later_defaults
 from pipeline.manifest import sha256_file
 from pipeline.privacy import noise
 from pipeline.privacy.dpsgd import TeacherError, epsilon_spent, steps_accounted
@@ -74,7 +74,8 @@ def checkpoint_fingerprint(
     per-rank RNG states) and checkpoint layout (2: per-rank secret generator states).
     `target_epsilon`: the stage's share of the budget, in place of the config's (DPKD: ε/2), as
     when the flow handed the stage a config rewritten with it: checkpoints made then still resume."""
-    spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend", *NODE_FIELDS})
+    spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend", *NODE_FIELDS,
+                                                *at_later_defaults(cfg)})
     if target_epsilon is not None:
         spec["target_epsilon"] = target_epsilon
     if world_size > 1:

@@ -72,11 +72,16 @@ def _world() -> tuple[int, int]:
 
 
 def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | None, device, stage: str):
-    """Tokenizer, the trainable model (lm_head untied: pipeline/models/base.py says why), the
-    KD teacher, and the parameters the untied head added."""
+    """Tokenizer, the trainable model (lm_head untied unless teacher.untie_lm_head=false:
+    pipeline/models/base.py says why), the KD teacher, and the parameters the untied head added."""
     tok = load_tokenizer(base_model)
     model = load_causal_lm(base_model)
-    if untied := untie_lm_head(model):
+    if not cfg.untie_lm_head:
+        if (head := model.get_output_embeddings()) is not None and head.weight is model.get_input_embeddings().weight:
+            log.info("%s: lm_head kept tied to the input embedding (teacher.untie_lm_head=false): bk clips the "
+                     "shared weight by the norm of both uses' summed gradient", stage)
+        untied = 0
+    elif untied := untie_lm_head(model):
         log.info("%s: lm_head untied from the input embedding for DP-SGD (one weight, two uses, would get "
                  "one norm per use): +%d parameters, and the saved model keeps its own head", stage, untied)
     n_positions = model_positions(model.config)
