@@ -16,25 +16,18 @@ form's weights match the loop's to float rounding. Run from the repository root:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from pipeline.devices import adamw
+from noise_add import SHAPES, timing_args  # SmolLM2-135M's trainable tensors (bench/ is this script's first path entry)
 
-D, KV, MLP, VOCAB, LAYERS = 576, 192, 1536, 49152, 30  # SmolLM2-135M
-LAYER = [(D, D), (KV, D), (KV, D), (D, D), (MLP, D), (MLP, D), (D, MLP), (D,), (D,)]
-SHAPES = [(VOCAB, D), (VOCAB, D)] + LAYER * LAYERS + [(D,)]
+from pipeline.devices import adamw
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = timing_args(__doc__)
     gen = torch.Generator().manual_seed(0)
     forms = {"loop (torch's default on a CPU)": {"foreach": False}, "foreach": {"foreach": True}, "fused": None}
     params, optimizers = {}, {}

@@ -25,15 +25,22 @@ from pipeline.privacy import noise
 
 D, KV, MLP, VOCAB, LAYERS = 576, 192, 1536, 49152, 30  # SmolLM2-135M
 LAYER = [(D, D), (KV, D), (KV, D), (D, D), (MLP, D), (MLP, D), (D, MLP), (D,), (D,)]
+SHAPES = [(VOCAB, D), (VOCAB, D)] + LAYER * LAYERS + [(D,)]  # its trainable tensors, lm_head untied (bench/adamw.py too)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def timing_args(doc: str) -> argparse.Namespace:
+    """--repeats and --threads, as this bench and bench/adamw.py take them; sets torch's threads."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    params = [torch.zeros(s) for s in [(VOCAB, D), (VOCAB, D)] + LAYER * LAYERS + [(D,)]]
+    return args
+
+
+def main() -> None:
+    args = timing_args(__doc__)
+    params = [torch.zeros(s) for s in SHAPES]
     gen = noise.generator("noise", secure=False)
     draw = opacus_optimizer._generate_noise._opacus_original  # what Opacus does with a torch.Generator
 
