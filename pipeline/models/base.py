@@ -525,6 +525,12 @@ def causal_lm_from_config(name_or_path: str, dtype: torch.dtype = torch.float32)
     return fused_gelu(AutoModelForCausalLM.from_config(config, dtype=dtype))
 
 
+def head_is_tied(model: torch.nn.Module) -> bool:
+    """Whether the model's output head and input embedding are one weight."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
 def untie_lm_head(model: torch.nn.Module) -> int:
     """Give `lm_head` its own weight; returns the parameters that adds (0 when it had its own).
 
@@ -535,7 +541,7 @@ def untie_lm_head(model: torch.nn.Module) -> int:
     parameters (28.3 M on SmolLM2-135M), said in the log, the plan and the model card."""
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     added = 0
-    if head is not None and head.weight is emb.weight:
+    if head_is_tied(model):
         head.weight = torch.nn.Parameter(emb.weight.detach().clone())
         added = head.weight.numel()
     model.config.tie_word_embeddings = False

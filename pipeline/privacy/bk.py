@@ -114,13 +114,13 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
         if problems:  # refused before anything is patched
             raise NotImplementedError("bk clipping has no rule for " + (
                 problems[0] if len(problems) == 1 else f"{len(problems)} modules:\n" + "\n".join(problems)))
-        self._refuse_tied_weights(m, rules)
+        self._check_shared_weights(m, rules)
         for name, module in m.named_modules():
             if name in rules:
                 self._patch(module, rules[name], self._keep_for(name))
 
     @staticmethod
-    def _refuse_tied_weights(m: nn.Module, rules: dict[str, str]) -> None:
+    def _check_shared_weights(m: nn.Module, rules: dict[str, str]) -> None:
         """Accept a trainable parameter that two patched modules own only as an input embedding
         tied to a linear output head (nn.Linear's layout): its per-example norm is that of the
         sum of both uses' gradients, the cross term formed by `_lookup_head_dot`. Refuse any other

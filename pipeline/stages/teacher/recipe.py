@@ -42,7 +42,8 @@ from pipeline.batching import IGNORE, lm_batch
 from pipeline.config import TeacherConfig
 from pipeline.devices import CPU_FP32, Runtime, adamw, ieee_fp32_products
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, write_manifest
-from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions, same_tokenizer, untie_lm_head
+from pipeline.models.base import (head_is_tied, load_causal_lm, load_tokenizer, model_positions, same_tokenizer,
+                                  untie_lm_head)
 from pipeline.models.losses import per_sequence_distillation_loss, per_sequence_loss
 from pipeline.privacy import accountant as privacy
 from pipeline.privacy import noise
@@ -77,7 +78,7 @@ def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | Non
     tok = load_tokenizer(base_model)
     model = load_causal_lm(base_model)
     if not cfg.untie_lm_head:
-        if (head := model.get_output_embeddings()) is not None and head.weight is model.get_input_embeddings().weight:
+        if head_is_tied(model):
             log.info("%s: lm_head kept tied to the input embedding (teacher.untie_lm_head=false): bk clips the "
                      "shared weight by the norm of both uses' summed gradient", stage)
         untied = 0
