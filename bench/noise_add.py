@@ -1,13 +1,15 @@
-"""Adding a DP step's noise on a CPU: Opacus' draw against bk's in-place one, side by side.
+"""Adding a DP step's noise on a CPU: Opacus' draw against ours, one stream and in lanes, side by side.
 
 Every DP step adds N(0, (σC)²) noise to each trainable parameter's clipped sum. Opacus'
-`_generate_noise` allocates zeros the size of the parameter, draws the noise into a second new
-tensor, and the optimizer adds it in a third pass; bk's optimizer (pipeline/privacy/bk.py)
-adds it in place, drawn 1 M values at a time into a scratch buffer
-(pipeline/privacy/noise.py add_gaussian_): the same values from the same generator. This times
-both on the parameter shapes of SmolLM2-135M as the teacher trains it (lm_head untied:
-162.8 M values in 273 tensors), alternately in one process, and prints the medians and
-their ratio. Run from the repository root:
+`_generate_noise` allocates zeros the size of the parameter, draws the noise from one
+mt19937 into a second new tensor, and the optimizer adds it in a third pass; ours
+(pipeline/privacy/noise.py add_gaussian_, bk's optimizer step) adds it in place, drawn 1 M
+values at a time into a scratch buffer, and draws a parameter of 2^18 values or more in 4
+lanes, each its own mt19937, on up to `--threads` threads. Timed on the parameter shapes of
+SmolLM2-135M as the teacher trains it (lm_head untied: 162.8 M values in 273 tensors),
+alternately in one process: Opacus' draw (its own, without our dispatcher), ours with one
+stream (no lanes: the draw before lanes), and ours; prints the medians and their ratios to
+Opacus'. Run from the repository root:
 
     .venv/bin/python bench/noise_add.py               # ~1 min on 2 cores
 """
@@ -52,9 +54,17 @@ def main() -> None:
         for p in params:
             noise.add_gaussian_(p, 1.0, gen)
 
-    times = {"Opacus' _generate_noise, then add": [], "add_gaussian_ (in place)": []}
+    def one_stream() -> None:
+        lane_min, noise.LANE_MIN = noise.LANE_MIN, 2**63
+        try:
+            in_place()
+        finally:
+            noise.LANE_MIN = lane_min
+
+    times = {"Opacus' _generate_noise, then add": [], "in place, one stream": [],
+             f"in place, {noise.LANES} lanes": []}
     for _ in range(args.repeats):
-        for (name, runs), fn in zip(times.items(), (opacus, in_place)):
+        for (name, runs), fn in zip(times.items(), (opacus, one_stream, in_place)):
             start = time.perf_counter()
             fn()
             runs.append(time.perf_counter() - start)
@@ -64,8 +74,8 @@ def main() -> None:
     medians = {name: statistics.median(runs) for name, runs in times.items()}
     for name, m in medians.items():
         print(f"  {name:36s} {m:.3f} s  (min {min(times[name]):.3f}, max {max(times[name]):.3f})")
-    a, b = medians.values()
-    print(f"in place / Opacus: {b / a:.2f}")
+    a, b, c = medians.values()
+    print(f"vs Opacus: one stream {b / a:.2f}, lanes {c / a:.2f}; lanes / one stream {c / b:.2f}")
 
 
 if __name__ == "__main__":

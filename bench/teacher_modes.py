@@ -82,6 +82,7 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
     # bk as on a CPU: layers run in bf16 upcast their factors and bk multiplies them in fp32
     "full-bk-fp32": ("DP full, book-keeping, fp32 factors", "full", "bk"),
     "full-bk-opacus-noise": ("DP full, book-keeping, Opacus' noise draw", "full", "bk"),
+    "full-bk-one-stream": ("DP full, book-keeping, noise in one stream (no lanes)", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
     "lora-ghost": ("DP lora r=8 (default targets), ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
@@ -119,6 +120,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
         bk_layers.SPLIT_DEVICES = set()
     if mode == "full-bk-opacus-noise":  # bk's optimizer then takes Opacus' noise path
         noise.cpu_draw = lambda *args: False
+    if mode == "full-bk-one-stream":  # every parameter's noise from the step's generator alone, on one thread
+        noise.LANE_MIN = 2**63
     if mode == "full-ghost-nosamplers":  # the teacher stage registers the Conv1D samplers: not imported here
         assert Conv1D not in GradSampleModuleFastGradientClipping.NORM_SAMPLERS
     else:

@@ -11,7 +11,8 @@ Two sources, both keyed from `os.urandom`:
 - default: torch's mt19937 with its whole state (624 words, 19,937 bits that count) from secret bytes
   (`manual_seed` would keep only a seed's low 32 bits: 2³² streams, few enough to try them
   all). Unpredictable from anything published, fast, but not a cryptographic generator.
-  A CUDA generator (Philox) takes its 64-bit seed whole.
+  A CUDA generator (Philox) takes its 64-bit seed whole. A large DP-SGD draw on a CPU comes
+  in lanes (below): parts from mt19937s keyed off the step's generator, on parallel threads.
 - `secure=True`: `ChaCha20Normal`, a ChaCha20 keystream (the `cryptography` package) with
   a 256-bit key, turned into uniforms and Box–Muller Gaussians in float64. Opacus' own
   secure mode needs torchcsprng, which has no release for current torch; here the noise
@@ -33,6 +34,7 @@ import hashlib
 import logging
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -144,13 +146,14 @@ MT_WORDS = 624  # mt19937's state: 624 32-bit words
 _MT_STATE = slice(24, 24 + 8 * MT_WORDS)  # where they sit in a CPU generator's state, one per uint64
 
 
-def keyed_mt19937(g: torch.Generator, key: bytes) -> None:
+def keyed_mt19937(g: torch.Generator, key: bytes, check: bool = True) -> None:
     """Set a CPU generator's whole mt19937 state from 2,496 bytes (624 words; an all-zero key is
     refused). `manual_seed` fills the state from the seed's low 32 bits
     only, so 64 secret bits there were 32. The state layout is torch's CPUGeneratorImplState
     (uint64 seed, int left, int seeded, uint64 next, uint64 state[624], the normal caches): a
     freshly seeded state with its words replaced. Checked each time against numpy's MT19937
-    keyed alike: the generator's first 64-bit draw must be that generator's first two words."""
+    keyed alike: the generator's first 64-bit draw must be that generator's first two words
+    (`check=False` skips that, for the lanes' generators once a first key was checked)."""
     words = np.frombuffer(key, dtype=np.uint32)
     if words.shape != (MT_WORDS,) or not words.any():
         raise ValueError(f"mt19937 needs {4 * MT_WORDS} bytes, not all zero")
@@ -158,6 +161,8 @@ def keyed_mt19937(g: torch.Generator, key: bytes) -> None:
     state = g.get_state()
     state[_MT_STATE] = torch.from_numpy(words.astype(np.uint64).view(np.uint8).copy())
     g.set_state(state)
+    if not check:
+        return
     reference = np.random.MT19937(0)
     reference.state = {"bit_generator": "MT19937", "state": {"key": words.copy(), "pos": MT_WORDS}}
     first = (int(reference.random_raw()) << 32 | int(reference.random_raw())) & (2**63 - 1)
@@ -216,10 +221,23 @@ def secure_gaussian(gen: ChaCha20Normal, std: float, shape, dtype=torch.float64,
     return total.view(*shape).to(device=device, dtype=dtype)
 
 
-# --- DP-SGD's noise on a CPU, added in place -------------------------------------------
+# --- DP-SGD's noise on a CPU: in parallel lanes, added in place -------------------------
+# torch's CPU generator is one serial mt19937: drawing a 135 M-parameter model's noise took
+# 0.86 s of a 10 s DP step on one core, with the other core idle (docs/teacher_modes.md). A
+# large draw is therefore split into LANES parts, each with its own generator, and the parts
+# are drawn on up to torch.get_num_threads() threads at once. Part 1 comes from the step's
+# generator; parts 2..LANES from mt19937s keyed (all 624 words) by SHAKE-256 of 256 bits
+# drawn from it, so the noise stays a function of that one secret generator: unpredictable
+# from anything published, resumed from its checkpointed state, fixed by the test hook, and
+# the same for any thread count. Every clipping mode draws it: bk in place (add_gaussian_),
+# Opacus' optimizers through the dispatcher below.
 
-NOISE_CHUNK = 1 << 20  # values drawn into the scratch buffer at a time (4 MB)
-_scratch: list = []  # [the buffer], made on first use
+LANES = 4  # parts of a large draw, one generator each (a fixed number: the noise must not depend on the threads)
+LANE_MIN = 1 << 18  # smaller draws come whole from the step's generator, as Opacus draws them
+NOISE_CHUNK = 1 << 20  # values drawn into a lane's scratch buffer at a time (4 MB)
+_scratch: dict[int, torch.Tensor] = {}  # lane -> its buffer, made on first use
+_pool: list[ThreadPoolExecutor] = []  # the lanes' threads, made on first use
+_layout_checked: list[bool] = []  # keyed_mt19937 checked torch's state layout once in this process
 
 
 def cpu_draw(generator, reference: torch.Tensor, secure_mode: bool) -> bool:
@@ -229,31 +247,82 @@ def cpu_draw(generator, reference: torch.Tensor, secure_mode: bool) -> bool:
             and reference.device.type == "cpu" and reference.dtype == torch.float32 and reference.is_contiguous())
 
 
+def lanes(gen: torch.Generator, n: int) -> list[tuple[int, int, torch.Generator]]:
+    """The parts (start, stop, generator) of an n-value draw from `gen`. Under LANE_MIN values:
+    one part, `gen` itself. Else LANES parts of equal size (the last shorter); drawing the lanes'
+    key advances `gen` by 8 32-bit values before part 1 draws from it."""
+    if n < LANE_MIN:
+        return [(0, n, gen)]
+    key = torch.empty(8, dtype=torch.int64).random_(0, 2**32, generator=gen).numpy().astype(np.uint32).tobytes()
+    size = -(-n // LANES)
+    parts = [(0, size, gen)]
+    for j in range(1, LANES):
+        g = torch.Generator()
+        keyed_mt19937(g, hashlib.shake_256(key + bytes([j])).digest(4 * MT_WORDS), check=not _layout_checked)
+        _layout_checked[:] = [True]
+        parts.append((j * size, min(n, (j + 1) * size), g))
+    return parts
+
+
+def reference_gaussian(n: int, std: float, gen: torch.Generator) -> torch.Tensor:
+    """The n fp32 values add_gaussian_ adds, drawn the plain way: each lane's part in one call
+    of torch.normal on its generator (the definition tests/privacy/test_noise.py checks against)."""
+    return torch.cat([torch.normal(0.0, std, (stop - start,), generator=g) for start, stop, g in lanes(gen, n)])
+
+
 def add_gaussian_(out: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
-    """out += N(0, std²) noise: the same values, and the same generator state after, as Opacus'
-    `_generate_noise` (`torch.normal(0, std, out.shape, generator=gen)`), without its two
-    temporaries the size of the parameter (zeros, then the draw) and the third pass that adds
-    them. The noise is drawn NOISE_CHUNK values at a time into a scratch buffer and added while
-    it is in cache. Equal because torch's mt19937 normal fill of n ≥ 16 values draws n
-    uniforms and transforms them 16 at a time, the last 16 again when n is not a multiple of
-    16: chunks of a multiple of 16, with a short tail folded into the last chunk, consume the
-    stream as one call does (tests/privacy/test_noise.py checks it bit for bit)."""
+    """out += N(0, std²) noise: the values of `reference_gaussian`, lanes drawn on parallel
+    threads, without Opacus' two temporaries the size of the parameter (zeros, then the draw)
+    and the third pass that adds them. Each lane draws NOISE_CHUNK values at a time into its
+    scratch buffer and adds them while they are in cache. Equal to one call per lane because
+    torch's mt19937 normal fill of n ≥ 16 values draws n uniforms and transforms them 16 at a
+    time, the last 16 again when n is not a multiple of 16: chunks of a multiple of 16, with a
+    short tail folded into the last chunk, consume the stream as one call does."""
     assert cpu_draw(gen, out, False)
-    flat, n = out.view(-1), out.numel()
-    if not _scratch or _scratch[0].numel() != NOISE_CHUNK + 16:
-        _scratch[:] = [torch.empty(NOISE_CHUNK + 16)]
-    i = 0
-    while i < n:
-        m = n - i if n - i < NOISE_CHUNK + 16 else NOISE_CHUNK  # never a last chunk under 16 values
-        flat[i:i + m].add_(_scratch[0][:m].normal_(0.0, std, generator=gen))
-        i += m
+    flat = out.view(-1)
+    tasks = [(lane, flat[start:stop], g) for lane, (start, stop, g) in enumerate(lanes(gen, flat.numel()))]
+    workers = min(len(tasks), torch.get_num_threads())
+    if workers <= 1:
+        for task in tasks:
+            _add_lane(*task, std)
+        return out
+    if not _pool:
+        _pool.append(ThreadPoolExecutor(max_workers=LANES - 1, thread_name_prefix="dp-noise"))
+    groups = [tasks[w::workers] for w in range(workers)]  # worker w draws lanes w, w + workers, ...
+    futures = [_pool[0].submit(_add_lanes, group, std) for group in groups[1:]]
+    _add_lanes(groups[0], std)
+    for future in futures:
+        future.result()
     return out
 
 
-# --- Opacus: route our CSPRNG through the optimizers' noise function --------------------
+def _add_lanes(tasks: list, std: float) -> None:
+    for task in tasks:
+        _add_lane(*task, std)
+
+
+def _add_lane(lane: int, flat: torch.Tensor, gen: torch.Generator, std: float) -> None:
+    """Draw one lane into `flat`. The sum is numpy's (the same float32 addition as torch's):
+    torch's add would start an OpenMP team in every lane thread, and with more OpenMP threads
+    than cores libgomp stops spinning between parallel regions, which slowed every small
+    operator of the next forward and backward (bench/teacher_modes.py: a pass 15 % slower)."""
+    buffer = _scratch.get(lane)
+    if buffer is None or buffer.numel() != NOISE_CHUNK + 16:
+        buffer = _scratch[lane] = torch.empty(NOISE_CHUNK + 16)
+    values, drawn = flat.numpy(), buffer.numpy()  # numpy releases the GIL in the addition, as torch does
+    i, n = 0, flat.numel()
+    while i < n:
+        m = n - i if n - i < NOISE_CHUNK + 16 else NOISE_CHUNK  # never a last chunk under 16 values
+        buffer[:m].normal_(0.0, std, generator=gen)  # serial: torch's CPU normal fill takes the generator's lock
+        np.add(values[i:i + m], drawn[:m], out=values[i:i + m])
+        i += m
+
+
+# --- Opacus: route our draws through the optimizers' noise function --------------------
 # Opacus' DP optimizers call the module-level `_generate_noise(std, reference, generator,
 # secure_mode)`, which needs a torch.Generator. The dispatcher handles a ChaCha20Normal
-# generator and leaves every other call to the original.
+# generator, draws a CPU generator's fp32 noise in lanes (the values bk adds in place), and
+# leaves every other call to the original.
 
 def _install_dispatcher() -> None:
     import importlib
@@ -267,6 +336,8 @@ def _install_dispatcher() -> None:
             if std == 0:
                 return torch.zeros(reference.shape, device=reference.device, dtype=reference.dtype)
             return secure_gaussian(generator, std, reference.shape, reference.dtype, reference.device)
+        if std != 0 and cpu_draw(generator, reference, secure_mode):
+            return add_gaussian_(torch.zeros_like(reference), std, generator)
         return original(std=std, reference=reference, generator=generator, secure_mode=secure_mode)
 
     _generate_noise._opacus_original = original

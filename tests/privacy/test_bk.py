@@ -145,7 +145,8 @@ def test_bk_optimizer_step_is_opacus_step_bit_for_bit(physical, device_path, mon
     """bk's optimizer step (pipeline/privacy/bk.py _InPlaceNoise: the clipped sum kept without a
     copy, the noise added in place chunk by chunk) gives Opacus' ghost optimizer's weights bit
     for bit, and leaves the noise generator where Opacus leaves it: one or three physical
-    batches a step, parameters around the chunk size (4,096 here) and its 16-value blocks, two
+    batches a step, parameters around the chunk size (4,096 here), its 16-value blocks and the
+    noise lanes' threshold (pipeline/privacy/noise.py, Opacus' draw through its dispatcher), two
     steps, Adam on top; `generic` is the path off the CPU draw (secure mode, a GPU)."""
     from opacus.optimizers import DPOptimizerFastGradientClipping
 
@@ -153,6 +154,7 @@ def test_bk_optimizer_step_is_opacus_step_bit_for_bit(physical, device_path, mon
     from pipeline.privacy.bk import _BookKeepingOptimizer
 
     monkeypatch.setattr(noise, "NOISE_CHUNK", 4096)
+    monkeypatch.setattr(noise, "LANE_MIN", 4096 * 2)  # the first two parameters come in lanes
     if device_path == "generic":
         monkeypatch.setattr(noise, "cpu_draw", lambda *args: False)
     shapes = [(3, 4096 + 5), (4096 * 2 + 16,), (7,)]

@@ -39,14 +39,22 @@ def test_secure_gaussian_has_the_requested_std():
 
 def test_opacus_noise_dispatcher_handles_ours_and_leaves_torch_generators_alone():
     """Opacus' optimizers call _generate_noise: our generator gets ChaCha20 noise; a
-    torch.Generator gets exactly what Opacus' original function gives."""
+    torch.Generator gets exactly what Opacus' original function gives for a draw under
+    LANE_MIN values, other dtypes and std 0, and the lanes' values (reference_gaussian) for a
+    large fp32 draw on a CPU."""
     ref = torch.zeros(3, 4, dtype=torch.float32)
     ours = opacus_optimizer._generate_noise(std=2.0, reference=ref, generator=noise.ChaCha20Normal(b"d" * 32))
     assert ours.shape == ref.shape and ours.dtype == ref.dtype and ours.abs().sum() > 0
     original = opacus_optimizer._generate_noise._opacus_original
+    large = torch.zeros(noise.LANE_MIN + 3, dtype=torch.float32)
+    for reference, std in ((ref, 2.0), (large.double(), 2.0), (large.bfloat16(), 2.0), (large, 0.0)):
+        g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        assert torch.equal(opacus_optimizer._generate_noise(std=std, reference=reference, generator=g1),
+                           original(std=std, reference=reference, generator=g2))
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert torch.equal(opacus_optimizer._generate_noise(std=2.0, reference=ref, generator=g1),
-                       original(std=2.0, reference=ref, generator=g2))
+    drawn = opacus_optimizer._generate_noise(std=2.0, reference=large, generator=g1)
+    assert torch.equal(drawn, noise.reference_gaussian(large.numel(), 2.0, g2))
+    assert torch.equal(g1.get_state(), g2.get_state())
 
 
 def test_generators_are_secret_unless_the_test_hook_is_set(monkeypatch):
@@ -113,18 +121,51 @@ def test_the_test_hook_fixes_the_mt19937_generators_too(monkeypatch):
                            torch.randn(8, generator=noise.generator("noise", secure=False, rank=2)))
 
 
-@pytest.mark.parametrize("n", [5, 16, 100, 4096 * 3 + 5, 4096 * 3 + 15, 4096 * 3 + 16, 4096 * 4])
-def test_noise_added_in_place_is_opacus_noise_bit_for_bit(n, monkeypatch):
-    """bk adds the DP noise chunk by chunk into the clipped sum (add_gaussian_): the same values
-    and the same generator state after as Opacus' `_generate_noise`, for sizes around the chunk
-    (4,096 here) and its 16-value blocks, so every clipping mode draws the same noise."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [5, 16, 100, 4096 * 3 + 5, 4096 * 3 + 15, 4096 * 3 + 16, 4096 * 4, 4096 * 9 + 7])
+def test_noise_added_in_place_is_the_lanes_noise_bit_for_bit(n, threads, monkeypatch):
+    """bk adds the DP noise chunk by chunk into the clipped sum (add_gaussian_), its lanes on
+    parallel threads: the same values and the same generator state after as the plain
+    definition (reference_gaussian: one torch.normal call per lane) and as what Opacus'
+    optimizers get from `_generate_noise`, for sizes around the chunk (4,096 here), its
+    16-value blocks and the lanes' threshold (4,096 · 2 here, so 4,096 · 4 and up come in 4
+    lanes), on 1, 2 and 3 threads: every clipping mode and thread count draws the same noise."""
     monkeypatch.setattr(noise, "NOISE_CHUNK", 4096)
+    monkeypatch.setattr(noise, "LANE_MIN", 4096 * 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the lanes' workers, not torch's own
     gen = noise.generator("noise", secure=False)
     state = gen.get_state()
     base = torch.linspace(-1, 1, n)
     ours = noise.add_gaussian_(base.clone(), 2.0, gen)
     after = gen.get_state()
-    gen.set_state(state)
-    reference = base + opacus_optimizer._generate_noise(std=2.0, reference=base, generator=gen)
-    assert torch.equal(ours, reference) and torch.equal(after, gen.get_state())
+    for draw in (lambda g: noise.reference_gaussian(n, 2.0, g),
+                 lambda g: opacus_optimizer._generate_noise(std=2.0, reference=base, generator=g)):
+        gen.set_state(state)
+        assert torch.equal(ours, base + draw(gen)) and torch.equal(after, gen.get_state())
     assert not torch.equal(ours, base)
+
+
+def test_the_lanes_are_distinct_streams_of_the_secret_generator(monkeypatch):
+    """A large draw's 4 lanes: N(0, σ²) each, pairwise uncorrelated, none a copy or shift of the
+    step generator's own stream; fixed by the generator's state (the resume checkpoint and the
+    test hook hold), different for a different secret, and the generator after the draw is
+    where 8 key values and the first lane left it."""
+    n = 4 * noise.LANE_MIN
+    gen = noise.generator("noise", secure=False)
+    state = gen.get_state()
+    values = noise.add_gaussian_(torch.zeros(n), 3.0, gen).view(noise.LANES, -1)
+    after = gen.get_state()
+    assert torch.allclose(values.std(dim=1), torch.full((noise.LANES,), 3.0), rtol=0.01)
+    assert torch.corrcoef(values).sub(torch.eye(noise.LANES)).abs().max() < 0.01
+    gen.set_state(state)
+    torch.empty(8, dtype=torch.int64).random_(0, 2**32, generator=gen)
+    plain = torch.normal(0.0, 3.0, (2 * n,), generator=gen)  # what the step generator draws next
+    assert torch.equal(plain[:noise.LANE_MIN], values[0])
+    for lane in values[1:]:  # no lane reads the step generator's stream from any offset
+        starts = (plain[:-64] == lane[0]).nonzero().flatten().tolist()
+        assert not any(torch.equal(plain[i:i + 64], lane[:64]) for i in starts)
+    gen.set_state(state)
+    assert torch.equal(noise.add_gaussian_(torch.zeros(n), 3.0, gen).view(noise.LANES, -1), values)
+    assert torch.equal(gen.get_state(), after)
+    other = noise.add_gaussian_(torch.zeros(n), 3.0, noise.generator("noise", secure=False)).view(noise.LANES, -1)
+    assert all(not torch.equal(a, b) for a, b in zip(values, other))

@@ -249,8 +249,10 @@ def test_every_clipping_mode_trains_the_same_teacher(splits, tiny_model_dir, tmp
     book-keeping train to ghost clipping's weights and ledger through the whole stage, with
     padded records, several physical batches per logical one, and Adam on top. bk adds the
     noise in place, 4,096 values at a time here (pipeline/privacy/noise.py add_gaussian_), the
-    others draw it through Opacus' `_generate_noise`: the same values."""
+    others draw it through Opacus' `_generate_noise`: the same values, in lanes on parallel
+    threads for parameters of 4,096 values and up here."""
     monkeypatch.setattr(noise, "NOISE_CHUNK", 4096)
+    monkeypatch.setattr(noise, "LANE_MIN", 4096)
     ghost = _teacher(splits, tiny_model_dir, tmp_path / "ghost", mode=teacher_mode, grad_sample_mode="ghost")[1]
     other = _teacher(splits, tiny_model_dir, tmp_path / mode, mode=teacher_mode, grad_sample_mode=mode)[1]
     assert f"{mode} clipping" in other.ledger.note
