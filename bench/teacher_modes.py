@@ -83,10 +83,36 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
     "full-bk-fp32": ("DP full, book-keeping, fp32 factors", "full", "bk"),
     "full-bk-opacus-noise": ("DP full, book-keeping, Opacus' noise draw", "full", "bk"),
     "full-bk-one-stream": ("DP full, book-keeping, noise in one stream (no lanes)", "full", "bk"),
+    "full-bk-onesum": ("DP full, book-keeping, one bf16 term per clipped sum", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
     "lora-ghost": ("DP lora r=8 (default targets), ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
 }
+
+
+def one_term_sums() -> None:
+    """Mode full-bk-onesum (a trial, on a GPU in bf16): bk's clipped sum of bf16 factors as ONE
+    bf16 product, bf16(C·x)ᵀg, with the bound 2⁻⁷ (twice bf16's rounding, 2⁻⁸) in place of the
+    split's 2⁻¹⁵: what the split's second product costs. Its clipping factors are smaller by up
+    to the bound (4.2 % at most, measured at 4ddee9b: docs/benchmarks.md)."""
+    import torch
+
+    from pipeline.privacy import bk, bk_layers
+
+    bk.SPLIT_ERROR = 2.0**-7
+
+    def weighted_sum(self, coef):
+        if not self.split:
+            return split_sum(self, coef)
+        scale_a = self.a.shape[-1] <= self.g.shape[-1]
+        x, other = (self.a, self.g) if scale_a else (self.g, self.a)
+        x = (x * coef.view(-1, 1, 1)).to(torch.bfloat16).reshape(-1, x.shape[-1])
+        other = other.reshape(-1, other.shape[-1])
+        a, g = (x, other) if scale_a else (other, x)
+        return bk_layers._mm32(a.t(), g) if self.transposed else bk_layers._mm32(g.t(), a)
+
+    split_sum = bk_layers._MatmulUse.weighted_sum
+    bk_layers._MatmulUse.weighted_sum = weighted_sum
 
 
 def child(mode: str, a: argparse.Namespace) -> None:
@@ -120,6 +146,8 @@ def child(mode: str, a: argparse.Namespace) -> None:
         bk_layers.SPLIT_DEVICES = set()
     if mode == "full-bk-opacus-noise":  # bk's optimizer then takes Opacus' noise path
         noise.cpu_draw = lambda *args: False
+    if mode == "full-bk-onesum":
+        one_term_sums()
     if mode == "full-bk-one-stream":  # every parameter's noise from the step's generator alone, on one thread
         noise.LANE_MIN = 2**63
     if mode == "full-ghost-nosamplers":  # the teacher stage registers the Conv1D samplers: not imported here
