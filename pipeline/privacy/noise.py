@@ -91,15 +91,26 @@ class ChaCha20Normal:
         assert len(key) == 32
         self.key, self.draws = key, draws
 
-    def _bytes(self, n: int) -> bytes:
+    KEYSTREAM_CHUNK = 1 << 20  # uniforms made from one piece of keystream (8 MB)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """n float64 uniforms in (0, 1]: the top 53 bits of each 64-bit word of the keystream
+        under nonce = draws, centred. The keystream is written into a reused buffer a chunk at a
+        time (cryptography's `update_into`: 2-4x `update`'s rate here, which allocated a new
+        bytes object as large as the draw), the same bytes in the same order."""
         # cryptography's 16-byte ChaCha20 nonce: 4-byte block counter (from 0), then 12 bytes.
         nonce = b"\0" * 4 + self.draws.to_bytes(12, "little")
         self.draws += 1
-        return Cipher(algorithms.ChaCha20(self.key, nonce), mode=None).encryptor().update(b"\0" * n)
-
-    def uniform(self, n: int) -> torch.Tensor:
-        """n float64 uniforms in (0, 1]: the top 53 bits of each 64-bit word, centred."""
-        u = (np.frombuffer(self._bytes(8 * n), dtype=np.uint64) >> np.uint64(11)).astype(np.float64)
+        stream = Cipher(algorithms.ChaCha20(self.key, nonce), mode=None).encryptor()
+        chunk = max(1, min(n, self.KEYSTREAM_CHUNK))
+        zeros, buffer = bytes(8 * chunk), bytearray(8 * chunk + 64)  # update_into wants room beyond the data
+        words = np.frombuffer(buffer, dtype=np.uint64, count=chunk)
+        u = np.empty(n, dtype=np.float64)
+        for i in range(0, n, chunk):
+            m = min(chunk, n - i)
+            stream.update_into(zeros[:8 * m], buffer)
+            np.right_shift(words[:m], np.uint64(11), out=words[:m])
+            u[i:i + m] = words[:m]
         u += 0.5
         u *= 2.0**-53
         return torch.from_numpy(u)

@@ -18,6 +18,24 @@ def test_chacha_gaussians_have_mean_0_and_std_1():
     assert abs((z.abs() < 1).double().mean().item() - 0.6827) < 0.005  # the Gaussian's shape, not just moments
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000])
+def test_chacha_uniforms_are_the_keystream_words_chunk_by_chunk(n, monkeypatch):
+    """The uniforms, made a chunk of keystream at a time into a reused buffer (8 words here), are
+    the top 53 bits of each 64-bit word of the whole keystream under nonce = draws, from one
+    plain `update` call (what they were before chunking), and the next draw takes the next nonce."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    monkeypatch.setattr(noise.ChaCha20Normal, "KEYSTREAM_CHUNK", 8)
+    key = bytes(range(32))
+    gen = noise.ChaCha20Normal(key, draws=5)
+    for draw in (5, 6):
+        nonce = b"\0" * 4 + draw.to_bytes(12, "little")
+        stream = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(8 * n))
+        words = np.frombuffer(stream, dtype=np.uint64) >> np.uint64(11)
+        assert torch.equal(gen.uniform(n), torch.from_numpy((words.astype(np.float64) + 0.5) * 2.0**-53))
+    assert gen.draws == 7
+
+
 def test_chacha_state_resumes_the_exact_stream():
     """(key, draws) is the whole state: restored, the generator continues where it stopped."""
     a = noise.ChaCha20Normal(b"s" * 32)
