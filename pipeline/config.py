@@ -339,7 +339,9 @@ class TeacherConfig(_Section):
         10, ge=1, description="Save a resumable checkpoint (with the accountant) every N steps."
     )
     secure_mode: bool = Field(
-        False, description="Cryptographically secure noise (slower); turn on for production."
+        False, description="Cryptographically secure noise (ChaCha20) for every DP noise source; turn on for "
+        "production. On a CPU it costs about 44 ns a trainable parameter a DP step at 2 threads (~7 s at 163 M "
+        "parameters, against ~0.5 s for the default's mt19937; docs/benchmarks.md)."
     )
     log_every: int = Field(
         5, ge=1, description="Record ε (and the validation loss, see `monitor`) every N logical steps in "
