@@ -34,6 +34,7 @@ from pipeline.models.base import (BUILTIN_PREFIX, causal_lm_from_config, model_p
                                   untie_lm_head)
 from pipeline.models.losses import TopKLogits
 from pipeline.models.scoring import nll_by_owner
+from pipeline.privacy import noise
 from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.stages.distill import step_loss
 from pipeline.privacy.dpsgd import CLIPPING
@@ -113,13 +114,16 @@ class StepTimer:
 
     # --- timing -------------------------------------------------------------------------
 
-    def _fastest(self, fn: Callable[[], object]) -> float:
+    def _fastest(self, fn: Callable[[], object], setup: Callable[[], object] | None = None) -> float:
+        """The fastest of `repeats` runs of fn (after `setup`, untimed, before each)."""
         # The run's threads again: a stage run in this process since (a test's, or a caller's)
         # may have set others, and a step on two threads costs ~1.5-3x the CPU seconds of one.
         self.runtime.apply_threads()
         sync = torch.cuda.synchronize if self.runtime.device.type == "cuda" else (lambda: None)
         best = (float("inf"), float("inf"))
         for _ in range(self.repeats):
+            if setup is not None:
+                setup()
             sync()
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
@@ -178,31 +182,38 @@ class StepTimer:
         return self._scaled(seconds, batch)
 
     def teacher_step(self, name: str, records: float, length: int) -> float:
-        """Seconds of one logical DP-SGD step over `records` (expected) sequences, in physical
-        batches: each one's forward, clipped backward and optimizer step."""
+        """Seconds of one logical DP-SGD step over `records` (expected) sequences, as the stage
+        runs it: physical batches of forward and clipped backward whose optimizer steps are
+        skipped (Opacus accumulates the clipped sums), then one update (the noise from the run's
+        kind of generator, the scaling, AdamW). The update is timed apart because it is paid
+        once a step whatever the batch: with secure_mode's ChaCha20 noise it is seconds for a
+        large model, and timing it with every pass counted it once per physical batch."""
         dp_model, optimizer, clip = self._dp_model(name)
         shape = self.model(name)  # Opacus' wrapper hides the config
 
-        def one_pass(b: int) -> float:
+        def backward(b: int) -> None:
             batch, labels = self._batch(shape, b, length)
+            with self.runtime.autocast():
+                logits = dp_model(**batch).logits  # (B, L, V)
+            clip(dp_model, optimizer, per_sequence_loss(logits, labels))  # (B,)
 
-            def clipped_pass():
-                with self.runtime.autocast():
-                    logits = dp_model(**batch).logits  # (B, L, V)
-                clip(dp_model, optimizer, per_sequence_loss(logits, labels))  # (B,)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            return self._fastest(clipped_pass)
+        def step(skip: bool) -> None:
+            optimizer.signal_skip_step(do_skip=skip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        def one_pass(b: int) -> float:
+            return self._fastest(lambda: (backward(b), step(skip=True)))
 
         physical = self.cfg.teacher.physical_batch_size
-        # Every pass timed with a real (noisy) optimizer step, where the run skips all but the
-        # last of a logical batch's: a few percent high for large models, whose passes dominate.
         # The probe: since the stages reuse freed memory (devices.reuse_freed_memory), a
         # 32-sequence pass no longer pays to fault its large tensors in, and the demo teacher's
         # step priced from 4 sequences came out 7.1-7.4 s against 5.1-5.4 s from 32 and 5.3-5.5
         # from 16 (2 threads, idle, 2026-11-24; the run stepped 5.3 s). 16 costs ~2 s of plan.
-        return records / physical * self._scaled(one_pass, min(physical, max(1, round(records))),
-                                                 TEACHER_PROBE_SEQUENCES)
+        passes = records / physical * self._scaled(one_pass, min(physical, max(1, round(records))),
+                                                   TEACHER_PROBE_SEQUENCES)
+        update = self._fastest(lambda: step(skip=False), setup=lambda: backward(1))
+        return passes + update
 
     def _dp_model(self, name: str):
         """The model behind the run's Opacus engine and clipping mode, on random public ids."""
@@ -221,6 +232,7 @@ class StepTimer:
             warnings.simplefilter("ignore")
             made = BookKeepingPrivacyEngine(accountant=t.accountant, secure_mode=False).make_private(
                 module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
+                noise_generator=noise.generator("noise", secure=t.secure_mode, device=self.runtime.device),
                 max_grad_norm=t.max_grad_norm, poisson_sampling=False, grad_sample_mode=t.grad_sample_mode,
                 **({"criterion": torch.nn.CrossEntropyLoss()} if t.grad_sample_mode == "ghost" else {}))
         self._models[key] = (made[0], made[1], CLIPPING[t.grad_sample_mode])

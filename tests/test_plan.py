@@ -193,6 +193,29 @@ def test_the_plan_times_the_steps_the_stages_take(tmp_path, tiny_model_dir):
     assert 1 / 3 < distill_ratio < 3, (distill_ratio, planned_distill, distill_steps)
 
 
+@pytest.mark.parametrize("secure", [False, True])
+def test_the_plan_times_the_runs_noise_once_a_step(tmp_path, tiny_model_dir, secure, monkeypatch):
+    """The plan's DP step draws its noise as the run does (ChaCha20 with teacher.secure_mode, else
+    the keyed mt19937 in lanes) and only in the step's one update: its physical passes skip the
+    optimizer step, as the run's do but the last. secure_mode's noise costs ~44 ns a parameter:
+    counted with every pass, a step of 4 physical batches was planned with 4 draws."""
+    from pipeline.privacy import noise
+
+    tree = _tree(tmp_path, tiny_model_dir)
+    tree["teacher"].update(secure_mode=secure, physical_batch_size=2)
+    cfg = config_from_dict(tree)
+    draws: list[int] = []
+    for name in ("secure_gaussian", "add_gaussian_"):
+        original = getattr(noise, name)
+        monkeypatch.setattr(noise, name, lambda *a, _f=original, **k: (draws.append(1), _f(*a, **k))[1])
+    timer = StepTimer(cfg, Runtime(torch.device("cpu"), "fp32", threads=1), repeats=2)
+    assert timer.teacher_step(cfg.teacher.model, records=8, length=16) > 0  # 4 physical batches
+    optimizer = timer._dp_model(cfg.teacher.model)[1]
+    assert isinstance(optimizer.generator, noise.ChaCha20Normal if secure else torch.Generator)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    assert len(draws) == 2 * len(params)  # each of the 2 repeats of the update: one draw a parameter
+
+
 def test_models_are_timed_in_the_runs_precision_whatever_their_config_says(tmp_path, tiny_model_dir):
     """A config.json that says float16 (the shipped pair's, how its weights are stored) builds an
     fp32 model for an fp32 run: an fp16 model on a CPU steps ~20x slower than the run (issue 22)."""
