@@ -191,8 +191,7 @@ class StepTimer:
         dp_model, optimizer, clip = self._dp_model(name)
         shape = self.model(name)  # Opacus' wrapper hides the config
 
-        def backward(b: int) -> None:
-            batch, labels = self._batch(shape, b, length)
+        def backward(batch: dict, labels: torch.Tensor) -> None:
             with self.runtime.autocast():
                 logits = dp_model(**batch).logits  # (B, L, V)
             clip(dp_model, optimizer, per_sequence_loss(logits, labels))  # (B,)
@@ -203,7 +202,8 @@ class StepTimer:
             optimizer.zero_grad(set_to_none=True)
 
         def one_pass(b: int) -> float:
-            return self._fastest(lambda: (backward(b), step(skip=True)))
+            inputs = self._batch(shape, b, length)
+            return self._fastest(lambda: (backward(*inputs), step(skip=True)))
 
         physical = self.cfg.teacher.physical_batch_size
         # The probe: since the stages reuse freed memory (devices.reuse_freed_memory), a
@@ -212,7 +212,8 @@ class StepTimer:
         # from 16 (2 threads, idle, 2026-11-24; the run stepped 5.3 s). 16 costs ~2 s of plan.
         passes = records / physical * self._scaled(one_pass, min(physical, max(1, round(records))),
                                                    TEACHER_PROBE_SEQUENCES)
-        update = self._fastest(lambda: step(skip=False), setup=lambda: backward(1))
+        one = self._batch(shape, 1, length)
+        update = self._fastest(lambda: step(skip=False), setup=lambda: backward(*one))
         return passes + update
 
     def _dp_model(self, name: str):

@@ -247,7 +247,7 @@ LANES = 4  # parts of a large draw, one generator each (a fixed number: the nois
 LANE_MIN = 1 << 18  # smaller draws come whole from the step's generator, as Opacus draws them
 NOISE_CHUNK = 1 << 20  # values drawn into a lane's scratch buffer at a time (4 MB)
 _scratch: dict[int, torch.Tensor] = {}  # lane -> its buffer, made on first use
-_pool: list[ThreadPoolExecutor] = []  # the lanes' threads, made on first use
+_pool: dict[int, ThreadPoolExecutor] = {}  # pid -> the lanes' threads, made on first use in that process
 _layout_checked: list[bool] = []  # keyed_mt19937 checked torch's state layout once in this process
 
 
@@ -297,10 +297,11 @@ def add_gaussian_(out: torch.Tensor, std: float, gen: torch.Generator) -> torch.
         for task in tasks:
             _add_lane(*task, std)
         return out
-    if not _pool:
-        _pool.append(ThreadPoolExecutor(max_workers=LANES - 1, thread_name_prefix="dp-noise"))
+    pool = _pool.get(os.getpid())  # a forked child inherits the parent's executor but not its threads
+    if pool is None:
+        pool = _pool[os.getpid()] = ThreadPoolExecutor(max_workers=LANES - 1, thread_name_prefix="dp-noise")
     groups = [tasks[w::workers] for w in range(workers)]  # worker w draws lanes w, w + workers, ...
-    futures = [_pool[0].submit(_add_lanes, group, std) for group in groups[1:]]
+    futures = [pool.submit(_add_lanes, group, std) for group in groups[1:]]
     _add_lanes(groups[0], std)
     for future in futures:
         future.result()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -161,6 +164,27 @@ def test_noise_added_in_place_is_the_lanes_noise_bit_for_bit(n, threads, monkeyp
         gen.set_state(state)
         assert torch.equal(ours, base + draw(gen)) and torch.equal(after, gen.get_state())
     assert not torch.equal(ours, base)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_draws_its_lanes_on_threads_of_its_own(monkeypatch):
+    """A child forked after the parent drew noise on the lanes' threads inherits their executor
+    but not its threads: it must start its own, not wait forever on the parent's."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    gen = noise.generator("noise", secure=False)
+    first, second = torch.zeros(2 * noise.LANE_MIN), torch.zeros(2 * noise.LANE_MIN)  # allocated before the fork
+    noise.add_gaussian_(first, 1.0, gen)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 once its draw is done
+        noise.add_gaussian_(second, 1.0, gen)
+        os._exit(0 if second.abs().sum() > 0 else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child's draw hung or failed"
 
 
 def test_the_lanes_are_distinct_streams_of_the_secret_generator(monkeypatch):
