@@ -90,6 +90,10 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
 }
 
 
+# bk with one piece swapped, for side-by-side measurements: named with --modes, never run by default
+TRIALS = ("full-bk-fp32", "full-bk-opacus-noise", "full-bk-one-stream", "full-bk-onesum")
+
+
 def one_term_sums() -> None:
     """Mode full-bk-onesum (a trial, on a GPU in bf16): bk's clipped sum of bf16 factors as ONE
     bf16 product, bf16(C·x)ᵀg, with the bound 2⁻⁷ (twice bf16's rounding, 2⁻⁸) in place of the
@@ -397,7 +401,8 @@ def main() -> None:
     p.add_argument("--allocator", choices=["reuse", "system"], default="reuse",
                    help="reuse: glibc keeps freed memory, as the stages set it (pipeline.devices.reuse_freed_memory); "
                    "system: glibc's defaults")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=[m for m in MODES if m not in TRIALS],
+                   help="default: every mode but the bk trials (%s)" % ", ".join(TRIALS))
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction,
                    help="keep every mode's process alive and step them round-robin (default: on CPU)")
     p.add_argument("--profile", metavar="DIR", help="after the timed steps, profile one more step of each mode "
