@@ -34,6 +34,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -246,7 +247,7 @@ def secure_gaussian(gen: ChaCha20Normal, std: float, shape, dtype=torch.float64,
 LANES = 4  # parts of a large draw, one generator each (a fixed number: the noise must not depend on the threads)
 LANE_MIN = 1 << 18  # smaller draws come whole from the step's generator, as Opacus draws them
 NOISE_CHUNK = 1 << 20  # values drawn into a lane's scratch buffer at a time (4 MB)
-_scratch: dict[int, torch.Tensor] = {}  # lane -> its buffer, made on first use
+_scratch = threading.local()  # each thread's buffer (.buffer), made on first use: two draws at once never share one
 _pool: dict[int, ThreadPoolExecutor] = {}  # pid -> the lanes' threads, made on first use in that process
 _layout_checked: list[bool] = []  # keyed_mt19937 checked torch's state layout once in this process
 
@@ -285,13 +286,13 @@ def add_gaussian_(out: torch.Tensor, std: float, gen: torch.Generator) -> torch.
     """out += N(0, std²) noise: the values of `reference_gaussian`, lanes drawn on parallel
     threads, without Opacus' two temporaries the size of the parameter (zeros, then the draw)
     and the third pass that adds them. Each lane draws NOISE_CHUNK values at a time into its
-    scratch buffer and adds them while they are in cache. Equal to one call per lane because
+    thread's scratch buffer and adds them while they are in cache. Equal to one call per lane because
     torch's mt19937 normal fill of n ≥ 16 values draws n uniforms and transforms them 16 at a
     time, the last 16 again when n is not a multiple of 16: chunks of a multiple of 16, with a
     short tail folded into the last chunk, consume the stream as one call does."""
     assert cpu_draw(gen, out, False)
     flat = out.view(-1)
-    tasks = [(lane, flat[start:stop], g) for lane, (start, stop, g) in enumerate(lanes(gen, flat.numel()))]
+    tasks = [(flat[start:stop], g) for start, stop, g in lanes(gen, flat.numel())]
     workers = min(len(tasks), torch.get_num_threads())
     if workers <= 1:
         for task in tasks:
@@ -313,14 +314,14 @@ def _add_lanes(tasks: list, std: float) -> None:
         _add_lane(*task, std)
 
 
-def _add_lane(lane: int, flat: torch.Tensor, gen: torch.Generator, std: float) -> None:
+def _add_lane(flat: torch.Tensor, gen: torch.Generator, std: float) -> None:
     """Draw one lane into `flat`. The sum is numpy's (the same float32 addition as torch's):
     torch's add would start an OpenMP team in every lane thread, and with more OpenMP threads
     than cores libgomp stops spinning between parallel regions, which slowed every small
     operator of the next forward and backward (bench/teacher_modes.py: a pass 15 % slower)."""
-    buffer = _scratch.get(lane)
+    buffer = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() != NOISE_CHUNK + 16:
-        buffer = _scratch[lane] = torch.empty(NOISE_CHUNK + 16)
+        buffer = _scratch.buffer = torch.empty(NOISE_CHUNK + 16)
     values, drawn = flat.numpy(), buffer.numpy()  # numpy releases the GIL in the addition, as torch does
     i, n = 0, flat.numel()
     while i < n:

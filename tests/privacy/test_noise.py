@@ -166,6 +166,35 @@ def test_noise_added_in_place_is_the_lanes_noise_bit_for_bit(n, threads, monkeyp
     assert not torch.equal(ours, base)
 
 
+def test_two_draws_at_once_share_no_buffer(monkeypatch):
+    """Two threads drawing at once (two DP stages in one process) each get exactly their own
+    generator's values: the lanes' scratch buffers are per thread, never shared between draws."""
+    import threading
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(noise, "NOISE_CHUNK", 4096)
+    n = 4 * noise.LANE_MIN + 5
+    gens = [noise.generator("noise", secure=False) for _ in range(2)]
+    states = [g.get_state() for g in gens]
+    outs = [torch.zeros(n), torch.zeros(n)]
+
+    def draw(i: int) -> None:
+        for _ in range(5):
+            noise.add_gaussian_(outs[i], 1.0, gens[i])
+
+    threads = [threading.Thread(target=draw, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for out, gen, state in zip(outs, gens, states):
+        gen.set_state(state)
+        expected = torch.zeros(n)
+        for _ in range(5):
+            expected += noise.reference_gaussian(n, 1.0, gen)
+        assert torch.equal(out, expected)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_draws_its_lanes_on_threads_of_its_own(monkeypatch):
     """A child forked after the parent drew noise on the lanes' threads inherits their executor
