@@ -563,6 +563,10 @@ def format_times(plan: Plan) -> str:
     for stage, (seconds, how) in plan.seconds.items():
         lines.append(f"    {stage}: " + (how if not seconds else f"~{_duration(seconds)} ({how})"))
     if plan.cpu_share is not None and plan.cpu_share < BUSY_SHARE:
+        # An upper bound: threads that wait on a descheduled partner spin, so CPU seconds counted under
+        # contention exceed the idle ones (SmolLM2 configs: runs on idle cores took 0.63x of it, docs/benchmarks.md).
         lines.append(f"  this machine is busy: the timed steps got {plan.cpu_share:.0%} of the CPU time their "
-                     f"threads could use; with the cores to itself the run would take ~{_duration(known * plan.cpu_share)}")
+                     f"threads could use; with the cores to itself the run would take at most "
+                     f"~{_duration(known * plan.cpu_share)} (CPU time counted under contention includes threads' "
+                     "waits: run `dpdistill plan` on the idle machine for the figure)")
     return "\n".join(lines)
