@@ -18,7 +18,8 @@ experiments/private_selection.py does; with `data.test_path` the test split is t
 records whatever the split key, so a dummy key serves): windowed, per-record token-weighted, and
 the windowed figure on the text alone. A config without `data.test_path` is refused (its test
 split is drawn by the run root's secret key). Test-split figures of a benchmark corpus, like the
-studies' (README, "Not protected").
+studies' (README, "Not protected"). The SmolLM2 configs read ../shared/data beside the checkout
+(not shipped); without it, one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def score(run: Path) -> dict:
                                   test_path=data.test, out_dir=Path(tmp) / "evaluation", seed=cfg.seed)
     ppl = metrics["perplexity"]["dp_teacher"]
     return {"run": run.name, "untie_lm_head": cfg.teacher.untie_lm_head, "epsilon": teacher["epsilon"],
-            "seconds": teacher["seconds"], "untied_parameters": manifest.get("untied_parameters", 0),
+            "seconds": teacher["seconds"], "untied_parameters": manifest["ledger"].get("untied_parameters", 0),
             "windowed": ppl["windowed"], "token_weighted": ppl["per_record_token_weighted"],
             "text_windowed": ppl["text_only"]["windowed"], "test_records": metrics["test_records"]}
 
