@@ -563,8 +563,8 @@ def format_times(plan: Plan) -> str:
     for stage, (seconds, how) in plan.seconds.items():
         lines.append(f"    {stage}: " + (how if not seconds else f"~{_duration(seconds)} ({how})"))
     if plan.cpu_share is not None and plan.cpu_share < BUSY_SHARE:
-        # An upper bound: threads that wait on a descheduled partner spin, so CPU seconds counted under
-        # contention exceed the idle ones (SmolLM2 configs: runs on idle cores took 0.63x of it, docs/benchmarks.md).
+        # An upper bound, as measured: the SmolLM2 configs' runs on idle cores took 0.63x of it (docs/benchmarks.md).
+        # Most likely threads spinning while a partner is descheduled count CPU seconds the idle run does not pay.
         lines.append(f"  this machine is busy: the timed steps got {plan.cpu_share:.0%} of the CPU time their "
                      f"threads could use; with the cores to itself the run would take at most "
                      f"~{_duration(known * plan.cpu_share)} (CPU time counted under contention includes threads' "
