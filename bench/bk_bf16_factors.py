@@ -1,12 +1,15 @@
 """bk with bf16 factors against bk with fp32 factors, on the same bf16 forward (pipeline/privacy/bk.py, point 3).
 
-On a CUDA GPU a linear layer run in bf16 keeps its factors in bf16, bk's products run on the
-16-bit units, and the clipped sum's rescaled factor is split into two bf16 terms whose bound is
-added to each example's norm. This prints, for a Llama of SmolLM2-135M's width (random init,
-head untied): how far the clipped sums are from the fp32 factors' (relative), how much smaller
-the clipping factors are (the bound, relative), and the largest clipped part of one example
-run alone, which must stay within C. On a CPU the bf16 path is forced (its products upcast:
-the same arithmetic, for a check without a GPU). Run from the repository root:
+On a CUDA GPU a linear layer run in bf16 keeps its factors in bf16 and bk's products run on the
+16-bit units; the clipped sums are one Triton product each (pipeline/privacy/bk_kernel.py: the
+same arithmetic as fp32 factors, so the factors differ from theirs by rounding only, either way),
+or, without Triton, the rescaled factor is split into two bf16 terms whose bound is added to each
+example's norm (factors smaller by up to the bound). This prints, for a Llama of SmolLM2-135M's
+width (random init, head untied): how far the clipped sums are from the fp32 factors'
+(relative), how much smaller the clipping factors are (relative), and the largest clipped part
+of one example run alone, which must stay within C (to fp32 rounding). On a CPU the split path
+is forced (its products upcast: the same arithmetic, for a check without a GPU). Run from the
+repository root:
 
     .venv/bin/python bench/bk_bf16_factors.py                        # CPU, 1 layer: ~40 s
     bash bench/device_run.sh python3 bench/bk_bf16_factors.py --device cuda --layers 4

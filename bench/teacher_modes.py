@@ -84,6 +84,8 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
     "full-bk-opacus-noise": ("DP full, book-keeping, Opacus' noise draw", "full", "bk"),
     "full-bk-one-stream": ("DP full, book-keeping, noise in one stream (no lanes)", "full", "bk"),
     "full-bk-onesum": ("DP full, book-keeping, one bf16 term per clipped sum", "full", "bk"),
+    # bk on a GPU before bk_kernel: the clipped sum of bf16 factors as the split's two bf16 products
+    "full-bk-split": ("DP full, book-keeping, the split's two products per clipped sum", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
     "lora-ghost": ("DP lora r=8 (default targets), ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
@@ -91,7 +93,7 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
 
 
 # bk with one piece swapped, for side-by-side measurements: named with --modes, never run by default
-TRIALS = ("full-bk-fp32", "full-bk-opacus-noise", "full-bk-one-stream", "full-bk-onesum")
+TRIALS = ("full-bk-fp32", "full-bk-opacus-noise", "full-bk-one-stream", "full-bk-onesum", "full-bk-split")
 
 
 def one_term_sums() -> None:
@@ -101,9 +103,10 @@ def one_term_sums() -> None:
     to the bound (4.2 % at most, measured at 4ddee9b: docs/benchmarks.md)."""
     import torch
 
-    from pipeline.privacy import bk, bk_layers
+    from pipeline.privacy import bk, bk_kernel, bk_layers
 
     bk.SPLIT_ERROR = 2.0**-7
+    bk_kernel.USE = False  # the product this trial replaces is the split's
 
     def weighted_sum(self, coef):
         if not self.split:
@@ -152,6 +155,10 @@ def child(mode: str, a: argparse.Namespace) -> None:
         noise.cpu_draw = lambda *args: False
     if mode == "full-bk-onesum":
         one_term_sums()
+    if mode == "full-bk-split":
+        from pipeline.privacy import bk_kernel
+
+        bk_kernel.USE = False
     if mode == "full-bk-one-stream":  # every parameter's noise from the step's generator alone, on one thread
         noise.LANE_MIN = 2**63
     if mode == "full-ghost-nosamplers":  # the teacher stage registers the Conv1D samplers: not imported here

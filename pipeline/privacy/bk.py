@@ -15,8 +15,10 @@ more on the loss reweighted by the clipping factors. Book-keeping needs one:
    a (B, T, V) one-hot. The norm weights' and the biases' per-example gradients are
    d-vectors: formed in the backward and reweighted.
 3. On a CUDA GPU, linear layers run in bf16 keep a and g in bf16 and the products run on the
-   16-bit units with fp32 products and sums (exact per product). The clipped sum's rescaled
-   factor Cᵢaᵢ is not a bf16 value: it is split into two bf16 terms, and the split's bound
+   16-bit units with fp32 products and sums (exact per product). The clipped sum applies
+   each Cᵢ inside one product, after each example's block of it (pipeline/privacy/bk_kernel.py,
+   Triton): exact to fp32 rounding, no bound. Without Triton the rescaled factor Cᵢaᵢ, which
+   is not a bf16 value, is split into two bf16 terms, and the split's bound
    (2⁻¹⁵‖aᵢ‖_F‖gᵢ‖_F, summed over a weight's calls, squared and summed over weights) is
    added to ‖∇ℓᵢ‖ before Cᵢ is formed, so each example's part stays within C
    (`_MatmulUse.weighted_sum`). Elsewhere a and g are upcast once and everything runs in

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from pipeline.privacy import bk_kernel
+
 OTHER_MODES = "use teacher.grad_sample_mode=ghost or hooks"
 
 # The rules, by what the layer computes (see the module docstring).
@@ -118,13 +120,17 @@ class _MatmulUse(Use):
     a and g are fp32, or bf16 where the layer ran in autocast's bf16 on a device with bf16
     matrix units (`split_products`): then every product of two factors is formed from the
     bf16 values with fp32 products and sums (`_mm32`, exact products as in fp32, at the
-    16-bit units' rate), and the clipped sum's one rescaled factor, which is not a bf16 value,
-    is split into two bf16 terms (`weighted_sum`)."""
+    16-bit units' rate), and the clipped sum applies the factors inside one product
+    (pipeline/privacy/bk_kernel.py) or, without Triton, splits its one rescaled factor, which is
+    not a bf16 value, into two bf16 terms (`weighted_sum`)."""
 
     def __init__(self, a3: torch.Tensor, g3: torch.Tensor, transposed: bool, flat: bool):
         self.a, self.g, self.transposed = a3, g3, transposed  # (B, T, d), (B, T, p)
         self.rows, self.flat = a3.shape[0], flat
-        self.split = a3.dtype == torch.bfloat16
+        # bf16 factors: the clipped sum as one product with the factors applied per example
+        # inside it (bk_kernel, Triton on CUDA), else as the split's two bf16 products
+        self.kernel = a3.dtype == torch.bfloat16 and bk_kernel.available(a3)
+        self.split = a3.dtype == torch.bfloat16 and not self.kernel
 
     def _regroup(self, batch: int) -> None:
         self.a = self.a.reshape(batch, -1, self.a.shape[-1])
@@ -148,11 +154,14 @@ class _MatmulUse(Use):
         return _matmul_dot(self.a.float(), self.g.float(), other.a.float(), other.g.float())
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        """aᵀ·diag(C)·g: scale the smaller of a and g (for lm_head, a: d=576 beside V=49,152).
-        With bf16 factors the scaled one x = C·a (fp32) is split as hi = bf16(x) and
+        """aᵀ·diag(C)·g. With bf16 factors on CUDA with Triton: one product, C applied per
+        example block inside it, exact to fp32 rounding. Else scale the smaller of a and g (for
+        lm_head, a: d=576 beside V=49,152); with bf16 factors the scaled one x = C·a (fp32) is split as hi = bf16(x) and
         lo = bf16(x − hi), |x − hi − lo| ≤ 2⁻¹⁶|x| elementwise, and the sum is the two bf16
         products' sum: example i's part then differs from Cᵢaᵢᵀgᵢ by at most
         2⁻¹⁶·Cᵢ‖aᵢ‖_F‖gᵢ‖_F, which backward_clipped adds to the norm it clips by."""
+        if self.kernel:  # Conv1D's (d, p) = aᵀ·diag(C)·g; nn.Linear's (p, d) = gᵀ·diag(C)·a
+            return bk_kernel.scaled_sum(*((self.a, self.g) if self.transposed else (self.g, self.a)), coef)
         c = coef.view(-1, 1, 1)
         scale_a = self.a.shape[-1] <= self.g.shape[-1]
         x, other = (self.a, self.g) if scale_a else (self.g, self.a)

@@ -9,6 +9,10 @@ forward (exact), and a parameter used outside its module (refused)."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +28,7 @@ from pipeline.privacy.bk import GradSampleModuleBookKeeping
 from pipeline.privacy.bk_layers import bk_problems, layer_rule
 from pipeline.models.losses import per_sequence_loss
 
+ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [  # four lengths: a padded batch
     "Great tacos and friendly staff.",
     "Never again.",
@@ -369,6 +374,80 @@ def test_the_split_bounds_of_one_weights_calls_add_before_squaring():
     _, apart = _per_example_sq_norms([("w", w, uses[0]), ("v", v, uses[1])], 3, torch.device("cpu"))
     torch.testing.assert_close(same, (b1 + b2).square())
     torch.testing.assert_close(apart, b1.square() + b2.square())
+
+
+def _reference_scaled_sum(x, y, coef):
+    return torch.einsum("b,btm,btn->mn", coef.double(), x.double(), y.double()).float()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_with_the_kernel_bf16_factors_clip_by_the_exact_norm_in_either_layout(tiny_tokenizer, family, monkeypatch):
+    """Where bk_kernel runs (CUDA with Triton) the clipped sum of bf16 factors is one product with
+    each example's factor applied inside it: no split, so no bound on the norms. The kernel is
+    replaced here by its float64 definition, on the CPU, to check what bk hands it: the operands
+    in nn.Linear's (Llama) and Conv1D's (GPT-2) layouts. The clipped sum and the factors must equal
+    those of fp32 factors (the same bf16 values, upcast), and no split bound may be added."""
+    torch.manual_seed(0)
+    model = FAMILIES[family](len(tiny_tokenizer))
+    untie_lm_head(model)
+    batch, labels = _batch(tiny_tokenizer)
+    uses, bound = [], bk._MatmulUse.split_bound
+    monkeypatch.setattr(bk._MatmulUse, "split_bound", lambda u: uses.append(u) or bound(u))
+
+    def clipped(kernel: bool):
+        monkeypatch.setattr(bk, "SPLIT_DEVICES", {"cuda", "cpu"} if kernel else {"cuda"})
+        monkeypatch.setattr(bk.bk_kernel, "available", lambda t: kernel)
+        monkeypatch.setattr(bk.bk_kernel, "scaled_sum", _reference_scaled_sum)
+        for p in model.parameters():
+            p.grad = None
+        dp_model = GradSampleModuleBookKeeping(model, max_grad_norm=1e-3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = dp_model(**batch).logits
+        uses.clear()
+        coef = dp_model.backward_clipped(per_sequence_loss(logits, labels))
+        dp_model._close()
+        assert uses and all(u.kernel == kernel and not u.split for u in uses)
+        return torch.cat([p.grad.flatten() for p in model.parameters()]), coef
+
+    fp32, coef32 = clipped(kernel=False)
+    fused, coef = clipped(kernel=True)
+    torch.testing.assert_close(coef, coef32, rtol=1e-5, atol=0)
+    torch.testing.assert_close(fused, fp32, rtol=1e-4, atol=1e-9)
+
+
+_KERNEL_CHECK = """
+import sys, torch
+from pipeline.privacy import bk_kernel
+device = "cuda" if torch.cuda.is_available() else "cpu"
+# on a CPU (Triton's interpreter): fp16, whose products are as exact in fp32 as bf16's (its numpy
+# holds no bf16), and fixed blocks, since autotuning needs a GPU; on CUDA: bf16, autotuned
+dtype, variants = torch.bfloat16, [None]
+if device == "cpu":  # blocks that cut T=17 and T=100 mid-way
+    dtype, variants = torch.float16, [dict(BM=32, BN=32, BK=16)]
+for blocks in variants:
+    for b, t, m, n in [(5, 32, 40, 70), (3, 17, 130, 9), (4, 100, 64, 200), (7, 20, 33, 40)]:
+        bk_kernel._multiprocessors = lambda d: 8 if b == 7 else 1  # 7: the batch cut into groups (split-K)
+        torch.manual_seed(0)
+        x, y = torch.randn(b, t, m).to(device, dtype), torch.randn(b, t, n).to(device, dtype)
+        coef = torch.rand(b, device=device)
+        got = bk_kernel.scaled_sum(x, y, coef, blocks=blocks).cpu().double()
+        want = torch.einsum("b,btm,btn->mn", coef.cpu().double(), x.cpu().double(), y.cpu().double())
+        print(b, t, m, n, ((got - want).norm() / want.norm()).item())
+"""
+
+
+def test_the_kernel_is_the_sum_of_each_examples_product_times_its_factor():
+    """bk_kernel.scaled_sum against float64: lengths that no block size divides (17, 100: masked
+    last blocks), edges of the output tiles, and the batch cut into groups. Without a GPU under
+    Triton's interpreter, which must be on before Triton is imported: in a process of its own."""
+    pytest.importorskip("triton", reason="Triton ships with torch's CUDA builds, not with the CPU wheel")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = [float(line.split()[-1]) for line in done.stdout.splitlines()]
+    assert len(errors) == 4 and max(errors) < 1e-6, done.stdout
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

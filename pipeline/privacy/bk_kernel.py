@@ -1,0 +1,106 @@
+"""bk's clipped sum of bf16 factors on a CUDA GPU as ONE matrix product (Triton), with no split.
+
+The clipped sum of a linear weight is Xᵀ·diag(c)·Y over the B·T rows of the batch, where every
+row of example i carries that example's clipping factor cᵢ (fp32). cuBLAS cannot apply a factor
+along the contraction axis inside its product, so bk scaled one factor first; cᵢ·x is not a
+bf16 value, hence the split into two bf16 terms, two products and the split's bound
+(pipeline/privacy/bk.py, point 3). This kernel applies cᵢ after the product instead: each block
+of rows it multiplies belongs to one example (blocks never straddle two: an example's T rows
+are covered by ⌈T/BK⌉ blocks, the last one masked), so the block's product of the bf16 values,
+exact per product with fp32 sums on the 16-bit units, is multiplied by that example's cᵢ in fp32
+and added to the fp32 sum. The result is Σᵢ cᵢ·Xᵢᵀ·Yᵢ to fp32 rounding, as with fp32 factors on
+a CPU: no split, no bound added to the norms, one product (on an H200 2.2-2.4x the time of
+cuBLAS's plain product of the same operands, where the split took 2.3-7x: bench/bk_kernel.py).
+
+The batch is cut into S groups of examples (split-K) when the output has fewer tiles than twice
+the GPU's multiprocessors; each group writes its own fp32 partial sum, added up afterwards in a
+fixed order, so the result does not depend on scheduling. Triton ships with CUDA builds of
+torch; without it (or off CUDA) `available` is False and bk keeps the split.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # in CUDA builds of torch; not in the CPU wheel
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+USE = True  # False: bk keeps the split on a GPU too (bench/teacher_modes.py's full-bk-split)
+
+
+def available(t: torch.Tensor) -> bool:
+    return USE and t.is_cuda and triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _load(X, Y, e, rt, T, rm, rn, m_ok, n_ok, sxk, sxm, syk, syn):
+        """Rows rt (BK,) of example e: x (BK, BM) and y (BK, BN), zero past T and the edges."""
+        rows = (e * T + rt).to(tl.int64)  # B·T·N passes 2³¹ for a vocabulary-wide head
+        k_ok = rt < T
+        x = tl.load(X + rows[:, None] * sxk + rm[None, :] * sxm, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        y = tl.load(Y + rows[:, None] * syk + rn[None, :] * syn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        return x, y
+
+    @triton.jit
+    def _scaled_sum_kernel(X, Y, C, OUT, M, N, T, B, per_split, sxk, sxm, syk, syn,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        m_ok, n_ok = rm < M, rn < N
+        blocks = tl.cdiv(T, BK)  # an example's blocks; the last one masked past T
+        first = pid_s * per_split
+        last = tl.minimum(first + per_split, B)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for i in range(first * blocks, last * blocks):  # one loop over every block: Triton pipelines it
+            e = i // blocks
+            rt = (i - e * blocks) * BK + tl.arange(0, BK)  # rows of example e, (BK,)
+            rows = (e * T + rt).to(tl.int64)  # B·T·N passes 2³¹ for a vocabulary-wide head
+            k_ok = rt < T
+            x = tl.load(X + rows[:, None] * sxk + rm[None, :] * sxm, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            y = tl.load(Y + rows[:, None] * syk + rn[None, :] * syn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.load(C + e) * tl.dot(tl.trans(x), y)  # (BM, BN): one example's block, then its factor
+        out = OUT + pid_s.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+    # (BM, BN, BK, warps, stages), autotuned per output shape. On an H200 at SmolLM2's shapes the
+    # first, second and fourth won (bench/bk_kernel.py); an accumulator per example, scaled once at its
+    # end, never won and was dropped (docs/benchmarks.md).
+    _tuned = triton.autotune(key=["M", "N"], configs=[
+        triton.Config(dict(BM=bm, BN=bn, BK=bk), num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in [(64, 128, 64, 4, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+                                 (128, 128, 32, 4, 4), (128, 64, 64, 4, 3), (128, 256, 64, 8, 3), (128, 64, 128, 4, 3)]
+    ])(_scaled_sum_kernel)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def scaled_sum(x: torch.Tensor, y: torch.Tensor, coef: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
+    """Σᵢ coefᵢ·xᵢᵀ·yᵢ (M, N) in fp32, from x (B, T, M) and y (B, T, N) of one dtype and coef (B,) fp32.
+    The blocks are autotuned per output shape, or `blocks` (BM, BN, BK) as given: under
+    Triton's CPU interpreter (the tests), where nothing can be timed."""
+    b, t, m = x.shape
+    n = y.shape[2]
+    x2, y2 = x.reshape(b * t, m), y.reshape(b * t, n)
+    tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
+    groups = max(1, min(b, -(-2 * _multiprocessors(x.device) // tiles)))
+    per_split = -(-b // groups)
+    groups = -(-b // per_split)
+    part = torch.empty(groups, m, n, dtype=torch.float32, device=x.device)
+
+    def grid(meta):
+        return triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]), groups
+
+    kernel = _tuned[grid] if blocks is None else functools.partial(_scaled_sum_kernel[grid], **blocks)
+    kernel(x2, y2, coef.float().contiguous(), part, m, n, t, b, per_split,
+           x2.stride(0), x2.stride(1), y2.stride(0), y2.stride(1))
+    return part[0] if groups == 1 else part.sum(0)
