@@ -39,21 +39,13 @@ def available(t: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _load(X, Y, e, rt, T, rm, rn, m_ok, n_ok, sxk, sxm, syk, syn):
-        """Rows rt (BK,) of example e: x (BK, BM) and y (BK, BN), zero past T and the edges."""
-        rows = (e * T + rt).to(tl.int64)  # B·T·N passes 2³¹ for a vocabulary-wide head
-        k_ok = rt < T
-        x = tl.load(X + rows[:, None] * sxk + rm[None, :] * sxm, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        y = tl.load(Y + rows[:, None] * syk + rn[None, :] * syn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        return x, y
-
-    @triton.jit
     def _scaled_sum_kernel(X, Y, C, OUT, M, N, T, B, per_split, sxk, sxm, syk, syn,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         m_ok, n_ok = rm < M, rn < N
+        cols_x, cols_y = rm.to(tl.int64) * sxm, rn.to(tl.int64) * syn  # int64: a column-major x or y
         blocks = tl.cdiv(T, BK)  # an example's blocks; the last one masked past T
         first = pid_s * per_split
         last = tl.minimum(first + per_split, B)
@@ -63,8 +55,8 @@ if triton is not None:
             rt = (i - e * blocks) * BK + tl.arange(0, BK)  # rows of example e, (BK,)
             rows = (e * T + rt).to(tl.int64)  # B·T·N passes 2³¹ for a vocabulary-wide head
             k_ok = rt < T
-            x = tl.load(X + rows[:, None] * sxk + rm[None, :] * sxm, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-            y = tl.load(Y + rows[:, None] * syk + rn[None, :] * syn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            x = tl.load(X + rows[:, None] * sxk + cols_x[None, :], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            y = tl.load(Y + rows[:, None] * syk + cols_y[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc += tl.load(C + e) * tl.dot(tl.trans(x), y)  # (BM, BN): one example's block, then its factor
         out = OUT + pid_s.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
         tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])

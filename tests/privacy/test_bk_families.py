@@ -425,10 +425,12 @@ dtype, variants = torch.bfloat16, [None]
 if device == "cpu":  # blocks that cut T=17 and T=100 mid-way
     dtype, variants = torch.float16, [dict(BM=32, BN=32, BK=16)]
 for blocks in variants:
-    for b, t, m, n in [(5, 32, 40, 70), (3, 17, 130, 9), (4, 100, 64, 200), (7, 20, 33, 40)]:
+    for b, t, m, n in [(5, 32, 40, 70), (3, 17, 130, 9), (4, 100, 64, 200), (7, 20, 33, 40), (1, 40, 24, 30)]:
         bk_kernel._multiprocessors = lambda d: 8 if b == 7 else 1  # 7: the batch cut into groups (split-K)
         torch.manual_seed(0)
         x, y = torch.randn(b, t, m).to(device, dtype), torch.randn(b, t, n).to(device, dtype)
+        if b == 1:  # x column-major: its (T, M) view has strides (1, T)
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
         coef = torch.rand(b, device=device)
         got = bk_kernel.scaled_sum(x, y, coef, blocks=blocks).cpu().double()
         want = torch.einsum("b,btm,btn->mn", coef.cpu().double(), x.cpu().double(), y.cpu().double())
@@ -438,7 +440,7 @@ for blocks in variants:
 
 def test_the_kernel_is_the_sum_of_each_examples_product_times_its_factor():
     """bk_kernel.scaled_sum against float64: lengths that no block size divides (17, 100: masked
-    last blocks), edges of the output tiles, and the batch cut into groups. Without a GPU under
+    last blocks), edges of the output tiles, the batch cut into groups, a column-major factor. Without a GPU under
     Triton's interpreter, which must be on before Triton is imported: in a process of its own."""
     pytest.importorskip("triton", reason="Triton ships with torch's CUDA builds, not with the CPU wheel")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -447,7 +449,7 @@ def test_the_kernel_is_the_sum_of_each_examples_product_times_its_factor():
     done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     errors = [float(line.split()[-1]) for line in done.stdout.splitlines()]
-    assert len(errors) == 4 and max(errors) < 1e-6, done.stdout
+    assert len(errors) == 5 and max(errors) < 1e-6, done.stdout
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
