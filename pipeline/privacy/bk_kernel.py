@@ -15,12 +15,14 @@ cuBLAS's plain product of the same operands, where the split took 2.3-7x: bench/
 The batch is cut into S groups of examples (split-K) when the output has fewer tiles than twice
 the GPU's multiprocessors; each group writes its own fp32 partial sum, added up afterwards in a
 fixed order, so the result does not depend on scheduling. Triton ships with CUDA builds of
-torch; without it (or off CUDA) `available` is False and bk keeps the split.
+torch; without it, off CUDA, or where it cannot build (`_runs_on`), `available` is False and bk
+keeps the split.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -31,10 +33,31 @@ except ImportError:
     triton = None
 
 USE = True  # False: bk keeps the split on a GPU too (bench/teacher_modes.py's full-bk-split)
+log = logging.getLogger(__name__)
 
 
 def available(t: torch.Tensor) -> bool:
-    return USE and t.is_cuda and triton is not None
+    return USE and t.is_cuda and triton is not None and _runs_on(t.device)
+
+
+@functools.cache
+def _runs_on(device: torch.device) -> bool:
+    """Whether the kernel builds and gives the right sum on this device, tried once per process:
+    Triton compiles a launcher with the system's C compiler and Python headers at its first
+    launch, which a CUDA runtime image may lack. If not, bk keeps the split (its bound keeps
+    every example within C), and says why once."""
+    try:
+        ones = torch.ones(2, 20, 24, device=device, dtype=torch.bfloat16)
+        got = scaled_sum(ones, ones, torch.tensor([0.5, 0.25], device=device), blocks=dict(BM=32, BN=32, BK=16))
+        if torch.equal(got, torch.full((24, 24), 15.0, device=device)):  # 20 rows × 0.5 + 20 × 0.25
+            return True
+        problem = "it gave a wrong sum"
+    except Exception as e:  # noqa: BLE001 - any failure to build or launch means: use the split
+        problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    log.warning("bk: the Triton kernel for the clipped sums does not run on %s (%s); bk forms them with the "
+                "split's two bf16 products instead (exact within its bound, slower: docs/benchmarks.md). A C "
+                "compiler and the Python headers (gcc, python3-dev) let Triton build", device, problem)
+    return False
 
 
 if triton is not None:

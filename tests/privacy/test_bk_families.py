@@ -415,6 +415,34 @@ def test_with_the_kernel_bf16_factors_clip_by_the_exact_norm_in_either_layout(ti
     torch.testing.assert_close(fused, fp32, rtol=1e-4, atol=1e-9)
 
 
+@pytest.mark.parametrize("outcome", ["right", "wrong", "no compiler"])
+def test_where_the_kernel_cannot_run_bk_keeps_the_split_and_says_why(outcome, monkeypatch, caplog):
+    """A CUDA runtime image without a C compiler lets Triton import but not launch: the first use
+    on a device tries the kernel once on a sum known exactly; a failure or a wrong sum leaves bk on
+    the split (available() False, one warning naming the cause), never a crash mid-training."""
+    from pipeline.privacy import bk_kernel
+
+    def fake(x, y, coef, blocks=None):
+        if outcome == "no compiler":
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable")
+        return torch.full((24, 24), 15.0 if outcome == "right" else 14.0)
+
+    monkeypatch.setattr(bk_kernel, "scaled_sum", fake)
+    bk_kernel._runs_on.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=bk_kernel.__name__):
+            runs = bk_kernel._runs_on(torch.device("cpu"))
+    finally:
+        bk_kernel._runs_on.cache_clear()
+    assert runs == (outcome == "right")
+    warned = [r.getMessage() for r in caplog.records]
+    if outcome == "right":
+        assert not warned
+    else:
+        assert len(warned) == 1 and "split" in warned[0]
+        assert ("C compiler" if outcome == "no compiler" else "wrong sum") in warned[0]
+
+
 _KERNEL_CHECK = """
 import sys, torch
 from pipeline.privacy import bk_kernel
