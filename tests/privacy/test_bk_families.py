@@ -444,25 +444,23 @@ def test_where_the_kernel_cannot_run_bk_keeps_the_split_and_says_why(outcome, mo
 
 
 _KERNEL_CHECK = """
-import sys, torch
+import torch
 from pipeline.privacy import bk_kernel
 device = "cuda" if torch.cuda.is_available() else "cpu"
 # on a CPU (Triton's interpreter): fp16, whose products are as exact in fp32 as bf16's (its numpy
-# holds no bf16), and fixed blocks, since autotuning needs a GPU; on CUDA: bf16, autotuned
-dtype, variants = torch.bfloat16, [None]
-if device == "cpu":  # blocks that cut T=17 and T=100 mid-way
-    dtype, variants = torch.float16, [dict(BM=32, BN=32, BK=16)]
-for blocks in variants:
-    for b, t, m, n in [(5, 32, 40, 70), (3, 17, 130, 9), (4, 100, 64, 200), (7, 20, 33, 40), (1, 40, 24, 30)]:
-        bk_kernel._multiprocessors = lambda d: 8 if b == 7 else 1  # 7: the batch cut into groups (split-K)
-        torch.manual_seed(0)
-        x, y = torch.randn(b, t, m).to(device, dtype), torch.randn(b, t, n).to(device, dtype)
-        if b == 1:  # x column-major: its (T, M) view has strides (1, T)
-            x = x.transpose(1, 2).contiguous().transpose(1, 2)
-        coef = torch.rand(b, device=device)
-        got = bk_kernel.scaled_sum(x, y, coef, blocks=blocks).cpu().double()
-        want = torch.einsum("b,btm,btn->mn", coef.cpu().double(), x.cpu().double(), y.cpu().double())
-        print(b, t, m, n, ((got - want).norm() / want.norm()).item())
+# holds no bf16), and fixed blocks that cut T=17 and T=100 mid-way, since autotuning needs a GPU;
+# on CUDA: bf16, autotuned
+dtype, blocks = (torch.bfloat16, None) if device == "cuda" else (torch.float16, dict(BM=32, BN=32, BK=16))
+for b, t, m, n in [(5, 32, 40, 70), (3, 17, 130, 9), (4, 100, 64, 200), (7, 20, 33, 40), (1, 40, 24, 30)]:
+    bk_kernel._multiprocessors = lambda d: 8 if b == 7 else 1  # 7: the batch cut into groups (split-K)
+    torch.manual_seed(0)
+    x, y = torch.randn(b, t, m).to(device, dtype), torch.randn(b, t, n).to(device, dtype)
+    if b == 1:  # x column-major: its (T, M) view has strides (1, T)
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    coef = torch.rand(b, device=device)
+    got = bk_kernel.scaled_sum(x, y, coef, blocks=blocks).cpu().double()
+    want = torch.einsum("b,btm,btn->mn", coef.cpu().double(), x.cpu().double(), y.cpu().double())
+    print(b, t, m, n, ((got - want).norm() / want.norm()).item())
 """
 
 
