@@ -81,7 +81,7 @@ if triton is not None:
             x = tl.load(X + rows[:, None] * sxk + cols_x[None, :], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
             y = tl.load(Y + rows[:, None] * syk + cols_y[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc += tl.load(C + e) * tl.dot(tl.trans(x), y)  # (BM, BN): one example's block, then its factor
-        out = OUT + pid_s.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
+        out = OUT + (pid_s.to(tl.int64) * M + rm.to(tl.int64)[:, None]) * N + rn[None, :]  # M·N may pass 2³¹
         tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
     # (BM, BN, BK, warps, stages), autotuned per output shape. On an H200 at SmolLM2's shapes the
