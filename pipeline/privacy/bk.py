@@ -17,12 +17,13 @@ more on the loss reweighted by the clipping factors. Book-keeping needs one:
 3. On a CUDA GPU, linear layers run in bf16 keep a and g in bf16 and the products run on the
    16-bit units with fp32 products and sums (exact per product). The clipped sum applies
    each Cᵢ inside one product, after each example's block of it (pipeline/privacy/bk_kernel.py,
-   Triton): exact to fp32 rounding, no bound. Without Triton the rescaled factor Cᵢaᵢ, which
+   Triton): exact to fp32 rounding, no bound of its own. Without Triton the rescaled factor Cᵢaᵢ, which
    is not a bf16 value, is split into two bf16 terms, and the split's bound
    (2⁻¹⁵‖aᵢ‖_F‖gᵢ‖_F, summed over a weight's calls, squared and summed over weights) is
    added to ‖∇ℓᵢ‖ before Cᵢ is formed, so each example's part stays within C
-   (`_MatmulUse.weighted_sum`). Elsewhere a and g are upcast once and everything runs in
-   fp32, as Opacus' formula says.
+   (`_MatmulUse.weighted_sum`). Either way each norm is raised by 2⁻¹³ (BF16_NORM_MARGIN):
+   norms from bf16 products summed on the 16-bit units read low. Elsewhere a and g are upcast
+   once and everything runs in fp32, as Opacus' formula says.
 
 The result lands in `p.grad` as Σᵢ Cᵢ ∇ℓᵢ, exactly what Opacus' fast-gradient-clipping
 optimizers expect after ghost clipping's second backward, so Opacus' sampling, accountant,
@@ -83,10 +84,10 @@ from torch import nn
 
 from pipeline.devices import ieee_fp32_products
 from pipeline.privacy import noise
-from pipeline.privacy.bk_layers import (EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED, OTHER_MODES,
-                                        SPLIT_ERROR, Keep, SquaredNorms, UnsupportedLayer, Use, elementwise_forward,
-                                        embedding_forward, layer_rule, linear_forward, problem_line, routed_class,
-                                        trainable_here)
+from pipeline.privacy.bk_layers import (BF16_NORM_MARGIN, EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED,
+                                        OTHER_MODES, SPLIT_ERROR, Keep, SquaredNorms, UnsupportedLayer, Use,
+                                        elementwise_forward, embedding_forward, layer_rule, linear_forward,
+                                        problem_line, routed_class, trainable_here)
 
 BK = "bk"
 
@@ -221,6 +222,8 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
             # With bf16 factors each example's clipped part may exceed Cᵢ‖∇ℓᵢ‖ by the split's error,
             # at most Cᵢ·SPLIT_ERROR·√(split_sq) (_MatmulUse.weighted_sum): clip by the sum of the two.
             norms = sq.sqrt() + SPLIT_ERROR * split_sq.sqrt()
+            if any(getattr(use, "kernel", False) or getattr(use, "split", False) for _, _, use in kept):
+                norms = norms * (1 + BF16_NORM_MARGIN)  # bf16 factors' norms read low (bk_layers)
             coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
             # Call by call, dropping each call's a and g as soon as its sums are formed: the
             # gradients grow while the kept activations shrink, so the peak stays near the larger

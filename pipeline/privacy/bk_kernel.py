@@ -9,7 +9,7 @@ of rows it multiplies belongs to one example (blocks never straddle two: an exam
 are covered by ⌈T/BK⌉ blocks, the last one masked), so the block's product of the bf16 values,
 exact per product with fp32 sums on the 16-bit units, is multiplied by that example's cᵢ in fp32
 and added to the fp32 sum. The result is Σᵢ cᵢ·Xᵢᵀ·Yᵢ to fp32 rounding, as with fp32 factors on
-a CPU: no split, no bound added to the norms, one product (on an H200 2.2-2.4x the time of
+a CPU: no split, none of its bound on the norms, one product (on an H200 2.2-2.4x the time of
 cuBLAS's plain product of the same operands, where the split took 2.3-7x: bench/bk_kernel.py).
 
 The batch is cut into S groups of examples (split-K) when the output has fewer tiles than twice
