@@ -2,8 +2,9 @@
 and say whether its loop keeps a matrix product in flight. Triton's Hopper path issues each block's
 product asynchronously (wgmma) and waits for it before the product's first use; a plain chained
 product (acc = dot(x, y, acc)) waits with one product pending, so the next block's product runs
-meanwhile; bk's kernel uses each product at once (acc += c·dot), so it waits with none pending.
-A third, `per_example`, is the candidate that chains within each example. Prints, for each, the loads' kind (cp.async: pipelined) and each wait's `pendings`. Needs Triton
+meanwhile; bk's kernel without CHAIN uses each product at once (acc += c·dot), so it waits with
+none pending; with CHAIN it chains an example's blocks and scales once, at the example's last
+block, so it waits with none pending only there. Prints, for each, the loads' kind (cp.async: pipelined) and each wait's `pendings`. Needs Triton
 (CUDA builds of torch bring it; on a CPU machine `pip install triton` into a folder of its own):
 
     PYTHONPATH=<folder with triton> .venv/bin/python bench/bk_kernel_ptx.py
@@ -52,38 +53,6 @@ def chained(X, Y, C, OUT, M, N, T, B, per_split, sxk, sxm, syk, syn,
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def per_example(X, Y, C, OUT, M, N, T, B, per_split, sxk, sxm, syk, syn,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """A candidate for bk's kernel, not used: an example's blocks chained into one accumulator, which
-    its factor multiplies once, at its last block. The same sum (checked under Triton's interpreter,
-    2026-11-27: 7.5e-8 to 9.6e-8 from float64 on four of the test's shapes); not yet run on a GPU."""
-    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    m_ok, n_ok = rm < M, rn < N
-    cols_x, cols_y = rm.to(tl.int64) * sxm, rn.to(tl.int64) * syn
-    blocks = tl.cdiv(T, BK)
-    first = pid_s * per_split
-    last = tl.minimum(first + per_split, B)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    part = tl.zeros((BM, BN), dtype=tl.float32)
-    for i in range(first * blocks, last * blocks):
-        e = i // blocks
-        j = i - e * blocks
-        rt = j * BK + tl.arange(0, BK)
-        rows = (e * T + rt).to(tl.int64)
-        k_ok = rt < T
-        x = tl.load(X + rows[:, None] * sxk + cols_x[None, :], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        y = tl.load(Y + rows[:, None] * syk + cols_y[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        part = tl.dot(tl.trans(x), y, part)
-        if j == blocks - 1:  # the example's last block: its factor, once
-            acc += tl.load(C + e) * part
-            part = tl.zeros((BM, BN), dtype=tl.float32)
-    out = OUT + (pid_s.to(tl.int64) * M + rm.to(tl.int64)[:, None]) * N + rn[None, :]
-    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
-
-
 def main() -> None:
     signature = {"X": "*bf16", "Y": "*bf16", "C": "*fp32", "OUT": "*fp32", "M": "i32", "N": "i32", "T": "i32",
                  "B": "i32", "per_split": "i32", "sxk": "i32", "sxm": "i32", "syk": "i32", "syn": "i32",
@@ -91,10 +60,15 @@ def main() -> None:
     # as a launch specializes them: 16-byte aligned pointers, sizes and row strides divisible by 16, unit column strides
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9, 11)}
     print(f"Triton {triton.__version__}, sm_90, blocks 128 x 128 x 64, 8 warps, 3 stages")
-    for name, fn in [("bk's kernel (acc += c * dot)", bk_kernel._scaled_sum_kernel), ("chained (no factor)", chained),
-                     ("per example (chained, scaled at its last block)", per_example)]:
-        src = ASTSource(fn=fn, signature=signature, attrs=attrs,
-                        constexprs={"BM": 128, "BN": 128, "BK": 64, "sxm": 1, "syn": 1})
+    for name, fn, chain in [("bk's kernel, CHAIN=False (acc += c * dot)", bk_kernel._scaled_sum_kernel, False),
+                            ("bk's kernel, CHAIN=True (chained, scaled at each example's last block)",
+                             bk_kernel._scaled_sum_kernel, True),
+                            ("chained, no factor", chained, None)]:
+        constexprs = {"BM": 128, "BN": 128, "BK": 64, "sxm": 1, "syn": 1}
+        sig = dict(signature)
+        if chain is not None:
+            constexprs["CHAIN"], sig["CHAIN"] = chain, "constexpr"
+        src = ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
         ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
         waits = re.findall(r"warp_group_dot_wait[^{]*\{pendings = (\d+)", ttgir)

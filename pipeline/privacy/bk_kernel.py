@@ -40,30 +40,72 @@ def available(t: torch.Tensor) -> bool:
     return USE and t.is_cuda and triton is not None and _runs_on(t.device)
 
 
+# The autotuner's candidates (BM, BN, BK, warps, stages, CHAIN), keyed per output shape. CHAIN: an
+# example's blocks chained into one accumulator and scaled once, at its last block; else each
+# block's product scaled as it is added (bench/bk_kernel_ptx.py: only the chain lets Triton keep a
+# product in flight). On an H200 at SmolLM2's shapes the first, second and fourth unchained ones
+# won (bench/bk_kernel.py, before the chained ones were candidates); an accumulator per example
+# in a loop of its own never won and was dropped (docs/benchmarks.md).
+CONFIGS = [(64, 128, 64, 4, 3, False), (64, 64, 64, 4, 4, False), (128, 128, 64, 8, 3, False),
+           (128, 128, 128, 8, 3, False), (128, 128, 32, 4, 4, False), (128, 64, 64, 4, 3, False),
+           (128, 256, 64, 8, 3, False), (128, 64, 128, 4, 3, False), (128, 128, 32, 8, 4, True),
+           (128, 128, 64, 8, 3, True), (64, 128, 32, 4, 4, True), (64, 128, 64, 4, 3, True)]
+
+
+def _launch_options(config: tuple) -> dict:
+    bm, bn, bk, warps, stages, chain = config
+    return dict(BM=bm, BN=bn, BK=bk, CHAIN=chain, num_warps=warps, num_stages=stages)
+
+
 @functools.cache
 def _runs_on(device: torch.device) -> bool:
-    """Whether the kernel builds and gives the right sum on this device, tried once per process:
-    Triton compiles a launcher with the system's C compiler and Python headers at its first
-    launch, which a CUDA runtime image may lack. If not, bk keeps the split (its bound keeps
-    every example within C), and says why once."""
-    try:
-        ones = torch.ones(2, 20, 24, device=device, dtype=torch.bfloat16)
-        got = scaled_sum(ones, ones, torch.tensor([0.5, 0.25], device=device), blocks=dict(BM=32, BN=32, BK=16))
-        if torch.equal(got, torch.full((24, 24), 15.0, device=device)):  # 20 rows × 0.5 + 20 × 0.25
-            return True
-        problem = "it gave a wrong sum"
-    except Exception as e:  # noqa: BLE001 - any failure to build or launch means: use the split
-        problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    log.warning("bk: the Triton kernel for the clipped sums does not run on %s (%s); bk forms them with the "
-                "split's two bf16 products instead (exact within its bound, slower: docs/benchmarks.md). A C "
-                "compiler and the Python headers (gcc, python3-dev) let Triton build", device, problem)
-    return False
+    """Whether the kernel builds and sums right on this device, tried once per process for every
+    candidate the autotuner may choose, on a sum known exactly: small integers in bf16, factors
+    that are powers of two, a length no block divides. Triton compiles a launcher with the
+    system's C compiler and Python headers at its first launch, which a CUDA runtime image may
+    lack, and a compiler can get a configuration wrong on a new GPU. A candidate that fails is
+    dropped; if none is left, bk keeps the split (its bound keeps every example within C). Either
+    is said once."""
+    b, t, m, n = 3, 37, 40, 72
+    x = (torch.arange(b * t * m) % 7 - 3).reshape(b, t, m).double()  # -3..3: exact in bf16
+    y = (torch.arange(b * t * n) % 5 - 2).reshape(b, t, n).double()
+    coef = torch.tensor([0.5, 0.25, 1.0], dtype=torch.float64)
+    want = torch.einsum("b,btm,btn->mn", coef, x, y)  # every partial sum an exact fp32 value
+    args = (x.to(device, _CHECK_DTYPE), y.to(device, _CHECK_DTYPE), coef.float().to(device))
+    failed = {}
+    for config in CONFIGS:
+        try:
+            if not torch.equal(scaled_sum(*args, blocks=_launch_options(config)).cpu().double(), want):
+                failed[config] = "a wrong sum"
+        except Exception as e:  # noqa: BLE001 - any failure to build or launch: not this candidate
+            failed[config] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if len(failed) == len(CONFIGS):
+        log.warning("bk: the Triton kernel for the clipped sums does not run on %s (%s); bk forms them with the "
+                    "split's two bf16 products instead (exact within its bound, slower: docs/benchmarks.md). A C "
+                    "compiler and the Python headers (gcc, python3-dev) let Triton build",
+                    device, "; ".join(sorted(set(failed.values()))))
+        return False
+    if failed:
+        log.warning("bk: %d of the Triton kernel's %d configurations failed on %s and are not used: %s",
+                    len(failed), len(CONFIGS), device, "; ".join(f"{c}: {why}" for c, why in failed.items()))
+        if triton is not None:  # the autotuner only ever chooses among those that passed everywhere
+            _tuned.configs = [c for c in _tuned.configs if _config_key(c) not in failed]
+    return True
+
+
+_CHECK_DTYPE = torch.bfloat16  # the factors' dtype; fp16 under Triton's interpreter, whose numpy has no bf16
+
+
+def _config_key(config) -> tuple:
+    """A triton.Config as its CONFIGS tuple."""
+    k = config.kwargs
+    return k["BM"], k["BN"], k["BK"], config.num_warps, config.num_stages, k["CHAIN"]
 
 
 if triton is not None:
     @triton.jit
     def _scaled_sum_kernel(X, Y, C, OUT, M, N, T, B, per_split, sxk, sxm, syk, syn,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CHAIN: tl.constexpr):
         pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -73,25 +115,28 @@ if triton is not None:
         first = pid_s * per_split
         last = tl.minimum(first + per_split, B)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        part = tl.zeros((BM, BN), dtype=tl.float32)  # CHAIN: the current example's product so far
         for i in range(first * blocks, last * blocks):  # one loop over every block: Triton pipelines it
             e = i // blocks
-            rt = (i - e * blocks) * BK + tl.arange(0, BK)  # rows of example e, (BK,)
+            j = i - e * blocks  # the block's place in example e
+            rt = j * BK + tl.arange(0, BK)  # rows of example e, (BK,)
             rows = (e * T + rt).to(tl.int64)  # B·T·N passes 2³¹ for a vocabulary-wide head
             k_ok = rt < T
             x = tl.load(X + rows[:, None] * sxk + cols_x[None, :], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
             y = tl.load(Y + rows[:, None] * syk + cols_y[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.load(C + e) * tl.dot(tl.trans(x), y)  # (BM, BN): one example's block, then its factor
+            if CHAIN:
+                part = tl.dot(tl.trans(x), y, part)
+                if j == blocks - 1:  # the example's last block: its factor, once
+                    acc += tl.load(C + e) * part
+                    part = tl.zeros((BM, BN), dtype=tl.float32)
+            else:
+                acc += tl.load(C + e) * tl.dot(tl.trans(x), y)  # (BM, BN): one example's block, then its factor
         out = OUT + (pid_s.to(tl.int64) * M + rm.to(tl.int64)[:, None]) * N + rn[None, :]  # M·N may pass 2³¹
         tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
-    # (BM, BN, BK, warps, stages), autotuned per output shape. On an H200 at SmolLM2's shapes the
-    # first, second and fourth won (bench/bk_kernel.py); an accumulator per example, scaled once at its
-    # end, never won and was dropped (docs/benchmarks.md).
     _tuned = triton.autotune(key=["M", "N"], configs=[
-        triton.Config(dict(BM=bm, BN=bn, BK=bk), num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in [(64, 128, 64, 4, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                                 (128, 128, 32, 4, 4), (128, 64, 64, 4, 3), (128, 256, 64, 8, 3), (128, 64, 128, 4, 3)]
-    ])(_scaled_sum_kernel)
+        triton.Config(dict(BM=bm, BN=bn, BK=bk, CHAIN=chain), num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s, chain in CONFIGS])(_scaled_sum_kernel)
 
 
 @functools.cache
@@ -101,8 +146,9 @@ def _multiprocessors(device: torch.device) -> int:
 
 def scaled_sum(x: torch.Tensor, y: torch.Tensor, coef: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
     """Σᵢ coefᵢ·xᵢᵀ·yᵢ (M, N) in fp32, from x (B, T, M) and y (B, T, N) of one dtype and coef (B,) fp32.
-    The blocks are autotuned per output shape, or `blocks` (BM, BN, BK) as given: under
-    Triton's CPU interpreter (the tests), where nothing can be timed."""
+    The blocks are autotuned per output shape, or `blocks` as given (BM, BN, BK and CHAIN, and
+    optionally num_warps and num_stages): `_runs_on`'s check of each candidate, and the tests under
+    Triton's CPU interpreter, where nothing can be timed."""
     b, t, m = x.shape
     n = y.shape[2]
     x2, y2 = x.reshape(b * t, m), y.reshape(b * t, n)
@@ -115,7 +161,7 @@ def scaled_sum(x: torch.Tensor, y: torch.Tensor, coef: torch.Tensor, blocks: dic
     def grid(meta):
         return triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]), groups
 
-    kernel = _tuned[grid] if blocks is None else functools.partial(_scaled_sum_kernel[grid], **blocks)
+    kernel = _tuned[grid] if blocks is None else functools.partial(_scaled_sum_kernel[grid], **{"CHAIN": False, **blocks})
     kernel(x2, y2, coef.float().contiguous(), part, m, n, t, b, per_split,
            x2.stride(0), x2.stride(1), y2.stride(0), y2.stride(1))
     return part[0] if groups == 1 else part.sum(0)

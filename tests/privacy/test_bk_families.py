@@ -418,17 +418,20 @@ def test_with_the_kernel_bf16_factors_clip_by_the_norm_and_its_margin_in_either_
     torch.testing.assert_close(fused * (1 + bk.BF16_NORM_MARGIN), fp32, rtol=1e-4, atol=1e-9)
 
 
-@pytest.mark.parametrize("outcome", ["right", "wrong", "no compiler"])
-def test_where_the_kernel_cannot_run_bk_keeps_the_split_and_says_why(outcome, monkeypatch, caplog):
-    """A CUDA runtime image without a C compiler lets Triton import but not launch: the first use
-    on a device tries the kernel once on a sum known exactly; a failure or a wrong sum leaves bk on
-    the split (available() False, one warning naming the cause), never a crash mid-training."""
+@pytest.mark.parametrize("outcome", ["right", "wrong", "no compiler", "chained ones wrong"])
+def test_the_kernel_is_checked_on_the_device_and_a_failing_candidate_is_never_used(outcome, monkeypatch, caplog):
+    """A CUDA runtime image without a C compiler lets Triton import but not launch, and a compiler
+    can get one configuration wrong: once per process and device, every candidate the autotuner may
+    choose sums a case known exactly. One that fails is dropped; if all fail, bk keeps the split
+    (available() False). One warning names the cause; never a crash mid-training."""
     from pipeline.privacy import bk_kernel
 
     def fake(x, y, coef, blocks=None):
         if outcome == "no compiler":
             raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable")
-        return torch.full((24, 24), 15.0 if outcome == "right" else 14.0)
+        exact = torch.einsum("b,btm,btn->mn", coef.double(), x.double(), y.double()).float()
+        wrong = outcome == "wrong" or (outcome == "chained ones wrong" and blocks["CHAIN"])
+        return exact + 1 if wrong else exact
 
     monkeypatch.setattr(bk_kernel, "scaled_sum", fake)
     bk_kernel._runs_on.cache_clear()
@@ -437,13 +440,15 @@ def test_where_the_kernel_cannot_run_bk_keeps_the_split_and_says_why(outcome, mo
             runs = bk_kernel._runs_on(torch.device("cpu"))
     finally:
         bk_kernel._runs_on.cache_clear()
-    assert runs == (outcome == "right")
+    assert runs == (outcome in ("right", "chained ones wrong"))
     warned = [r.getMessage() for r in caplog.records]
-    if outcome == "right":
-        assert not warned
-    else:
-        assert len(warned) == 1 and "split" in warned[0]
-        assert ("C compiler" if outcome == "no compiler" else "wrong sum") in warned[0]
+    assert len(warned) == (outcome != "right")
+    if outcome in ("wrong", "no compiler"):
+        assert "split" in warned[0] and ("C compiler" if outcome == "no compiler" else "wrong sum") in warned[0]
+    if outcome == "chained ones wrong":
+        chained = [c for c in bk_kernel.CONFIGS if c[-1]]
+        assert f"{len(chained)} of the Triton kernel's {len(bk_kernel.CONFIGS)} configurations failed" in warned[0]
+        assert all(str(c) in warned[0] for c in chained)
 
 
 _KERNEL_CHECK = """
@@ -453,23 +458,32 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 # on a CPU (Triton's interpreter): fp16, whose products are as exact in fp32 as bf16's (its numpy
 # holds no bf16), and fixed blocks that cut T=17 and T=100 mid-way, since autotuning needs a GPU;
 # on CUDA: bf16, autotuned
-dtype, blocks = (torch.bfloat16, None) if device == "cuda" else (torch.float16, dict(BM=32, BN=32, BK=16))
-for b, t, m, n in [(5, 32, 40, 70), (3, 17, 130, 9), (4, 100, 64, 200), (7, 20, 33, 40), (1, 40, 24, 30)]:
-    bk_kernel._multiprocessors = lambda d: 8 if b == 7 else 1  # 7: the batch cut into groups (split-K)
-    torch.manual_seed(0)
-    x, y = torch.randn(b, t, m).to(device, dtype), torch.randn(b, t, n).to(device, dtype)
-    if b == 1:  # x column-major: its (T, M) view has strides (1, T)
-        x = x.transpose(1, 2).contiguous().transpose(1, 2)
-    coef = torch.rand(b, device=device)
-    got = bk_kernel.scaled_sum(x, y, coef, blocks=blocks).cpu().double()
-    want = torch.einsum("b,btm,btn->mn", coef.cpu().double(), x.cpu().double(), y.cpu().double())
-    print(b, t, m, n, ((got - want).norm() / want.norm()).item())
+dtype, variants = torch.bfloat16, [None]  # autotuned
+if device == "cpu":
+    dtype, variants = torch.float16, []
+    bk_kernel._CHECK_DTYPE = torch.float16
+for chain in (False, True):  # blocks that cut T=17 and T=100 mid-way, each loop of the kernel
+    variants.append(dict(BM=32, BN=32, BK=16, CHAIN=chain))
+for blocks in variants:
+    for b, t, m, n in [(5, 32, 40, 70), (3, 17, 130, 9), (4, 100, 64, 200), (7, 20, 33, 40), (1, 40, 24, 30)]:
+        bk_kernel._multiprocessors = lambda d: 8 if b == 7 else 1  # 7: the batch cut into groups (split-K)
+        torch.manual_seed(0)
+        x, y = torch.randn(b, t, m).to(device, dtype), torch.randn(b, t, n).to(device, dtype)
+        if b == 1:  # x column-major: its (T, M) view has strides (1, T)
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        coef = torch.rand(b, device=device)
+        got = bk_kernel.scaled_sum(x, y, coef, blocks=blocks).cpu().double()
+        want = torch.einsum("b,btm,btn->mn", coef.cpu().double(), x.cpu().double(), y.cpu().double())
+        print("sum", b, t, m, n, ((got - want).norm() / want.norm()).item())
+# every candidate's check on the device: all pass here
+print("runs_on", bk_kernel._runs_on(torch.device(device)))
 """
 
 
 def test_the_kernel_is_the_sum_of_each_examples_product_times_its_factor():
-    """bk_kernel.scaled_sum against float64: lengths that no block size divides (17, 100: masked
-    last blocks), edges of the output tiles, the batch cut into groups, a column-major factor. Without a GPU under
+    """bk_kernel.scaled_sum against float64, with and without the chain: lengths that no block
+    size divides (17, 100: masked last blocks), edges of the output tiles, the batch cut into
+    groups, a column-major factor; then the device check of every candidate passes. Without a GPU under
     Triton's interpreter, which must be on before Triton is imported: in a process of its own."""
     pytest.importorskip("triton", reason="Triton ships with torch's CUDA builds, not with the CPU wheel")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -477,8 +491,10 @@ def test_the_kernel_is_the_sum_of_each_examples_product_times_its_factor():
         env["TRITON_INTERPRET"] = "1"
     done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    errors = [float(line.split()[-1]) for line in done.stdout.splitlines()]
-    assert len(errors) == 5 and max(errors) < 1e-6, done.stdout
+    lines = done.stdout.splitlines()
+    errors = [float(line.split()[-1]) for line in lines if line.startswith("sum")]
+    assert len(errors) in (10, 15) and max(errors) < 1e-6, done.stdout
+    assert lines[-1] == "runs_on True", done.stdout + done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
