@@ -72,24 +72,27 @@ def _runs_on(device: torch.device) -> bool:
     coef = torch.tensor([0.5, 0.25, 1.0], dtype=torch.float64)
     want = torch.einsum("b,btm,btn->mn", coef, x, y)  # every partial sum an exact fp32 value
     args = (x.to(device, _CHECK_DTYPE), y.to(device, _CHECK_DTYPE), coef.float().to(device))
-    failed = {}
+    failed, unfit = {}, set()
     for config in CONFIGS:
         try:
             if not torch.equal(scaled_sum(*args, blocks=_launch_options(config)).cpu().double(), want):
                 failed[config] = "a wrong sum"
         except Exception as e:  # noqa: BLE001 - any failure to build or launch: not this candidate
-            failed[config] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    if len(failed) == len(CONFIGS):
+            if type(e).__name__ == "OutOfResources":  # too large for this GPU's shared memory: the
+                unfit.add(config)  # autotuner skips it too, so no warning
+            else:
+                failed[config] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if len(failed) + len(unfit) == len(CONFIGS):
         log.warning("bk: the Triton kernel for the clipped sums does not run on %s (%s); bk forms them with the "
                     "split's two bf16 products instead (exact within its bound, slower: docs/benchmarks.md). A C "
                     "compiler and the Python headers (gcc, python3-dev) let Triton build",
-                    device, "; ".join(sorted(set(failed.values()))))
+                    device, "; ".join(sorted(set(failed.values()))) or "no configuration fits its shared memory")
         return False
     if failed:
         log.warning("bk: %d of the Triton kernel's %d configurations failed on %s and are not used: %s",
                     len(failed), len(CONFIGS), device, "; ".join(f"{c}: {why}" for c, why in failed.items()))
-        if triton is not None:  # the autotuner only ever chooses among those that passed everywhere
-            _tuned.configs = [c for c in _tuned.configs if _config_key(c) not in failed]
+    if (failed or unfit) and triton is not None:  # the autotuner chooses among those that passed everywhere
+        _tuned.configs = [c for c in _tuned.configs if _config_key(c) not in failed and _config_key(c) not in unfit]
     return True
 
 

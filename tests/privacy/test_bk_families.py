@@ -418,17 +418,20 @@ def test_with_the_kernel_bf16_factors_clip_by_the_norm_and_its_margin_in_either_
     torch.testing.assert_close(fused * (1 + bk.BF16_NORM_MARGIN), fp32, rtol=1e-4, atol=1e-9)
 
 
-@pytest.mark.parametrize("outcome", ["right", "wrong", "no compiler", "chained ones wrong"])
+@pytest.mark.parametrize("outcome", ["right", "wrong", "no compiler", "chained ones wrong", "wide ones too large"])
 def test_the_kernel_is_checked_on_the_device_and_a_failing_candidate_is_never_used(outcome, monkeypatch, caplog):
     """A CUDA runtime image without a C compiler lets Triton import but not launch, and a compiler
     can get one configuration wrong: once per process and device, every candidate the autotuner may
     choose sums a case known exactly. One that fails is dropped; if all fail, bk keeps the split
-    (available() False). One warning names the cause; never a crash mid-training."""
+    (available() False). One warning names the cause; never a crash mid-training. One too large
+    for the GPU's shared memory is dropped without a warning, as the autotuner skips it."""
     from pipeline.privacy import bk_kernel
 
     def fake(x, y, coef, blocks=None):
         if outcome == "no compiler":
             raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable")
+        if outcome == "wide ones too large" and blocks["BN"] == 256:
+            raise type("OutOfResources", (Exception,), {})("out of resource: shared memory")  # Triton's, by name
         exact = torch.einsum("b,btm,btn->mn", coef.double(), x.double(), y.double()).float()
         wrong = outcome == "wrong" or (outcome == "chained ones wrong" and blocks["CHAIN"])
         return exact + 1 if wrong else exact
@@ -440,9 +443,9 @@ def test_the_kernel_is_checked_on_the_device_and_a_failing_candidate_is_never_us
             runs = bk_kernel._runs_on(torch.device("cpu"))
     finally:
         bk_kernel._runs_on.cache_clear()
-    assert runs == (outcome in ("right", "chained ones wrong"))
+    assert runs == (outcome in ("right", "chained ones wrong", "wide ones too large"))
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == (outcome != "right")
+    assert len(warned) == (outcome not in ("right", "wide ones too large"))  # a GPU too small for one: no warning
     if outcome in ("wrong", "no compiler"):
         assert "split" in warned[0] and ("C compiler" if outcome == "no compiler" else "wrong sum") in warned[0]
     if outcome == "chained ones wrong":
