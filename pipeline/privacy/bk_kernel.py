@@ -40,16 +40,19 @@ def available(t: torch.Tensor) -> bool:
     return USE and t.is_cuda and triton is not None and _runs_on(t.device)
 
 
-# The autotuner's candidates (BM, BN, BK, warps, stages, CHAIN), keyed per output shape. CHAIN: an
-# example's blocks chained into one accumulator and scaled once, at its last block; else each
-# block's product scaled as it is added (bench/bk_kernel_ptx.py: only the chain lets Triton keep a
-# product in flight). On an H200 at SmolLM2's shapes the first, second and fourth unchained ones
-# won (bench/bk_kernel.py, before the chained ones were candidates); an accumulator per example
-# in a loop of its own never won and was dropped (docs/benchmarks.md).
+# The autotuner's candidates (BM, BN, BK, warps, stages, CHAIN), keyed per output shape. On an H200
+# at SmolLM2's shapes the first, second and fourth won (bench/bk_kernel.py); an accumulator per
+# example in a loop of its own never won and was dropped (docs/benchmarks.md).
 CONFIGS = [(64, 128, 64, 4, 3, False), (64, 64, 64, 4, 4, False), (128, 128, 64, 8, 3, False),
            (128, 128, 128, 8, 3, False), (128, 128, 32, 4, 4, False), (128, 64, 64, 4, 3, False),
-           (128, 256, 64, 8, 3, False), (128, 64, 128, 4, 3, False), (128, 128, 32, 8, 4, True),
-           (128, 128, 64, 8, 3, True), (64, 128, 32, 4, 4, True), (64, 128, 64, 4, 3, True)]
+           (128, 256, 64, 8, 3, False), (128, 64, 128, 4, 3, False)]
+# CHAIN: an example's blocks chained into one accumulator and scaled once, at its last block, where
+# the candidates above scale each block's product as it is added. Compiled for sm_90 only the chain
+# keeps a product in flight (bench/bk_kernel_ptx.py); the same sums under Triton's interpreter. Not
+# among the candidates until a GPU has timed them: bench/bk_kernel.py and bench/teacher_modes.py's
+# full-bk-chain add them (`offer`).
+CHAIN_CONFIGS = [(128, 128, 32, 8, 4, True), (128, 128, 64, 8, 3, True), (64, 128, 32, 4, 4, True),
+                 (64, 128, 64, 4, 3, True)]
 
 
 def _launch_options(config: tuple) -> dict:
@@ -137,9 +140,23 @@ if triton is not None:
         out = OUT + (pid_s.to(tl.int64) * M + rm.to(tl.int64)[:, None]) * N + rn[None, :]  # M·N may pass 2³¹
         tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
-    _tuned = triton.autotune(key=["M", "N"], configs=[
+
+def _autotuned(configs: list[tuple]):
+    return triton.autotune(key=["M", "N"], configs=[
         triton.Config(dict(BM=bm, BN=bn, BK=bk, CHAIN=chain), num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s, chain in CONFIGS])(_scaled_sum_kernel)
+        for bm, bn, bk, w, s, chain in configs])(_scaled_sum_kernel)
+
+
+if triton is not None:
+    _tuned = _autotuned(CONFIGS)
+
+
+def offer(configs: list[tuple]) -> None:
+    """Make `configs` the autotuner's candidates, before any use in this process (the benches' trials)."""
+    global CONFIGS, _tuned
+    CONFIGS = list(configs)
+    _tuned = _autotuned(CONFIGS)
+    _runs_on.cache_clear()
 
 
 @functools.cache

@@ -437,6 +437,7 @@ def test_the_kernel_is_checked_on_the_device_and_a_failing_candidate_is_never_us
         return exact + 1 if wrong else exact
 
     monkeypatch.setattr(bk_kernel, "scaled_sum", fake)
+    monkeypatch.setattr(bk_kernel, "CONFIGS", bk_kernel.CONFIGS + bk_kernel.CHAIN_CONFIGS)  # as a bench offers them
     bk_kernel._runs_on.cache_clear()
     try:
         with caplog.at_level("WARNING", logger=bk_kernel.__name__):
@@ -478,7 +479,8 @@ for blocks in variants:
         got = bk_kernel.scaled_sum(x, y, coef, blocks=blocks).cpu().double()
         want = torch.einsum("b,btm,btn->mn", coef.cpu().double(), x.cpu().double(), y.cpu().double())
         print("sum", b, t, m, n, ((got - want).norm() / want.norm()).item())
-# every candidate's check on the device: all pass here
+# every candidate's check on the device, the chained ones offered too: all pass here
+bk_kernel.offer(bk_kernel.CONFIGS + bk_kernel.CHAIN_CONFIGS)
 print("runs_on", bk_kernel._runs_on(torch.device(device)))
 """
 
