@@ -222,7 +222,7 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
             # With bf16 factors each example's clipped part may exceed Cᵢ‖∇ℓᵢ‖ by the split's error,
             # at most Cᵢ·SPLIT_ERROR·√(split_sq) (_MatmulUse.weighted_sum): clip by the sum of the two.
             norms = sq.sqrt() + SPLIT_ERROR * split_sq.sqrt()
-            if any(getattr(use, "kernel", False) or getattr(use, "split", False) for _, _, use in kept):
+            if any(use.bf16 for _, _, use in kept):
                 norms = norms * (1 + BF16_NORM_MARGIN)  # bf16 factors' norms read low (bk_layers)
             coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
             # Call by call, dropping each call's a and g as soon as its sums are formed: the

@@ -60,6 +60,9 @@ def _launch_options(config: tuple) -> dict:
     return dict(BM=bm, BN=bn, BK=bk, CHAIN=chain, num_warps=warps, num_stages=stages)
 
 
+_CHECK_DTYPE = torch.bfloat16  # the factors' dtype; fp16 under Triton's interpreter, whose numpy has no bf16
+
+
 @functools.cache
 def _runs_on(device: torch.device) -> bool:
     """Whether the kernel builds and sums right on this device, tried once per process for every
@@ -99,13 +102,16 @@ def _runs_on(device: torch.device) -> bool:
     return True
 
 
-_CHECK_DTYPE = torch.bfloat16  # the factors' dtype; fp16 under Triton's interpreter, whose numpy has no bf16
-
-
 def _config_key(config) -> tuple:
     """A triton.Config as its CONFIGS tuple."""
     k = config.kwargs
     return k["BM"], k["BN"], k["BK"], config.num_warps, config.num_stages, k["CHAIN"]
+
+
+def _autotuned(configs: list[tuple]):
+    return triton.autotune(key=["M", "N"], configs=[
+        triton.Config(dict(BM=bm, BN=bn, BK=bk, CHAIN=chain), num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s, chain in configs])(_scaled_sum_kernel)
 
 
 if triton is not None:
@@ -140,14 +146,6 @@ if triton is not None:
         out = OUT + (pid_s.to(tl.int64) * M + rm.to(tl.int64)[:, None]) * N + rn[None, :]  # M·N may pass 2³¹
         tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
-
-def _autotuned(configs: list[tuple]):
-    return triton.autotune(key=["M", "N"], configs=[
-        triton.Config(dict(BM=bm, BN=bn, BK=bk, CHAIN=chain), num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s, chain in configs])(_scaled_sum_kernel)
-
-
-if triton is not None:
     _tuned = _autotuned(CONFIGS)
 
 

@@ -42,6 +42,7 @@ class Use:
 
     rows: int  # the factors' dim 0
     flat: bool  # True when the layer's input was 2-D (no sequence axis): rows may be B·T
+    bf16 = False  # True where the factors stay bf16 (_MatmulUse on a GPU): its norms get BF16_NORM_MARGIN
 
     def split_bound(self) -> torch.Tensor | None:
         """The scale (B,) of weighted_sum's error beyond fp32 rounding: only _MatmulUse's
@@ -129,8 +130,9 @@ class _MatmulUse(Use):
         self.rows, self.flat = a3.shape[0], flat
         # bf16 factors: the clipped sum as one product with the factors applied per example
         # inside it (bk_kernel, Triton on CUDA), else as the split's two bf16 products
-        self.kernel = a3.dtype == torch.bfloat16 and bk_kernel.available(a3)
-        self.split = a3.dtype == torch.bfloat16 and not self.kernel
+        self.bf16 = a3.dtype == torch.bfloat16
+        self.kernel = self.bf16 and bk_kernel.available(a3)
+        self.split = self.bf16 and not self.kernel
 
     def _regroup(self, batch: int) -> None:
         self.a = self.a.reshape(batch, -1, self.a.shape[-1])
