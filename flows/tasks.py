@@ -196,7 +196,7 @@ def teacher_task(
     return _dp_train(cfg, data, run_dir, stage="teacher", model=resolve_model(cfg.teacher.model, base), plan=plan)
 
 
-PRIVATE_SELECTION_FIELDS = {"selection_epsilon", "selection_clip", "selection_records"}
+PRIVATE_SELECTION_FIELDS = {"selection_epsilon", "selection_clip", "selection_records", "selection_split"}
 
 
 def _distill_key(cfg: PipelineConfig, *, reads_synthetic: bool = True) -> dict:
@@ -205,17 +205,21 @@ def _distill_key(cfg: PipelineConfig, *, reads_synthetic: bool = True) -> dict:
     serves every size (its key never holds the distill section). The private selection's
     settings count only when it is used (select_by=private_validation), for the same reason."""
     exclude = set() if cfg.distill.select_by == "private_validation" else set(PRIVATE_SELECTION_FIELDS)
+    if cfg.distill.selection_split == "validation":  # what the route scored before the setting: those stay hits
+        exclude.add("selection_split")
     if not (reads_synthetic and cfg.distill.num_synthetic is not None):
         exclude.add("num_synthetic")
     return cfg.distill.model_dump(mode="json", exclude=exclude)
 
 
 def _private_validation(cfg: PipelineConfig, data: DataResult, teacher: TeacherResult) -> PrivateValidation:
-    """select_by=private_validation: the private validation split and the teacher's δ and
-    accountant, for the distillation's accounted release (pipeline/privacy/private_selection.py)."""
+    """select_by=private_validation: the private validation split (and the training split, with
+    distill.selection_split=train+validation) and the teacher's δ and accountant, for the
+    distillation's accounted release (pipeline/privacy/private_selection.py)."""
+    train = Path(data.train) if cfg.distill.selection_split == "train+validation" else None
     return PrivateValidation(path=Path(data.validation), delta=teacher.ledger.delta,
                              accountant=cfg.teacher.accountant, secure_mode=cfg.teacher.secure_mode,
-                             max_length=cfg.teacher.max_length)
+                             max_length=cfg.teacher.max_length, train=train)
 
 
 @stage_task("dp-student", lambda cfg: {"teacher": _teacher_key(cfg), "distill": _distill_key(cfg, reads_synthetic=False),
@@ -261,7 +265,7 @@ def distillation_task(
     cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, plan: Plan,
     run_dir: Path, data: DataResult | None = None,
 ) -> DistillResult:
-    """`data`: only with select_by=private_validation, whose release reads the validation split."""
+    """`data`: only with select_by=private_validation, whose release reads the private splits."""
     if data is not None:
         _within_max_epsilon(cfg, data, private_selection.STAGE, plan)
     distill_cfg = cfg.distill

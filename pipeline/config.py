@@ -615,10 +615,18 @@ class DistillConfig(_Section):
         "[0, this] nats, so one unit moves a candidate's score by at most selection_clip / n; the noise "
         "scales with it.",
     )
+    selection_split: Literal["train+validation", "validation"] = Field(
+        "train+validation",
+        description="select_by=private_validation: the private records that score the candidates. "
+        "'train+validation': the validation units and the training units (about 20x the units at "
+        "data.validation_fraction 0.05, so about 20x less noise on each score at the same ε; docs/privacy.md "
+        "says why training records rank the candidates as new ones do). 'validation': the validation split "
+        "alone, as before 2026-11-27.",
+    )
     selection_records: int | None = Field(
         None, ge=1,
-        description="select_by=private_validation: score the first this many validation units (None: all; "
-        "more units, less noise on each score).",
+        description="select_by=private_validation: score the first this many units (None: all; more units, "
+        "less noise on each score): the validation split's, then the training split's.",
     )
     selection_samples: int = Field(
         256, ge=8, description="Untruncated samples the DP teacher writes for the selection criterion."

@@ -128,18 +128,27 @@ def private_selection_used(cfg: PipelineConfig) -> bool:
     return d.method == "distil" and d.select_by == "private_validation" and len(d.candidates) > 1
 
 
-def _selection_entry(cfg: PipelineConfig, delta: float, n_validation: int,
+def selection_units(cfg: PipelineConfig, n_validation: int, n_train: int) -> int:
+    """The units the private selection scores: the validation split's, then the training split's
+    with distill.selection_split=train+validation, the first `selection_records` of them."""
+    d = cfg.distill
+    n = n_validation + (n_train if d.selection_split == "train+validation" else 0)
+    return min(d.selection_records or n, n)
+
+
+def _selection_entry(cfg: PipelineConfig, delta: float, n_validation: int, n_train: int,
                      unit: str) -> tuple[LedgerEntry, float] | None:
     """select_by=private_validation: the planned entry of the candidates' noisy scores, as the stage
     makes it, and the sd (nats) of the noise on each score."""
     if not private_selection_used(cfg):
         return None
     d = cfg.distill
-    n = min(d.selection_records or n_validation, n_validation)
+    n = selection_units(cfg, n_validation, n_train)
     z, accountant = private_selection.calibrate(d.selection_epsilon, delta, len(d.candidates), cfg.teacher.accountant)
     entry = private_selection.ledger_entry(
         z=z, candidates=len(d.candidates), n=n, clip=d.selection_clip, target_epsilon=d.selection_epsilon,
-        delta=delta, accountant=accountant, unit=unit, secure=cfg.teacher.secure_mode)
+        delta=delta, accountant=accountant, unit=unit, secure=cfg.teacher.secure_mode,
+        splits="validation" if d.selection_split == "validation" else "validation and training")
     return entry, z * d.selection_clip / max(n, 1)
 
 
@@ -242,7 +251,7 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
         if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation_units):
             entries.append(with_pld_epsilons(monitored))
     delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
-    selected, selection_sd = _selection_entry(cfg, delta, split.n_validation_units, unit) or (None, None)
+    selected, selection_sd = _selection_entry(cfg, delta, split.n_validation_units, n, unit) or (None, None)
     if selected:
         entries.append(with_pld_epsilons(selected))
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
@@ -382,10 +391,13 @@ def _generation_seconds(cfg: PipelineConfig, timer: StepTimer, prompts: list[int
             f"prompts of {len(prompts)} token lengths), one worker")
 
 
-def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, lengths: list[int]) -> tuple[float, str]:
+def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, lengths: list[int],
+                          private_records: int = 0) -> tuple[float, str]:
     """Every candidate's training (distill.candidates), then the selection: the DP teacher
-    samples `selection_samples` untruncated texts and scores them with each candidate. The
-    synthetic samples are `prompt` and their expected new tokens (`_new_tokens`) long."""
+    samples `selection_samples` untruncated texts and scores them with each candidate, and with
+    select_by=private_validation each candidate scores `private_records` private records (as
+    long as the median test record). The synthetic samples are `prompt` and their expected new
+    tokens (`_new_tokens`) long."""
     d, method = cfg.distill, cfg.distill.method
     candidates = [c for _, c in d.candidate_configs()] if method == "distil" and len(d.candidates) > 1 else \
         [d.candidate_configs()[0][1] if method == "distil" and d.candidates else d]
@@ -405,6 +417,12 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, le
                  + len(candidates) * timer.score(d.student_model, d.selection_samples, g.max_length))
         total += sample + score
         what += f"; selection {sample + score:.0f} s ({d.selection_samples} untruncated teacher samples, scored)"
+    if private_records and len(candidates) > 1:
+        length = min(cfg.teacher.max_length, sorted(lengths)[len(lengths) // 2])
+        private = len(candidates) * math.ceil(private_records / d.batch_size) * timer.score(
+            d.student_model, d.batch_size, length)
+        total += private
+        what += f"; the private scores of {private_records} records {private:.0f} s"
     return total, what
 
 
@@ -483,7 +501,11 @@ def estimate_seconds(cfg: PipelineConfig, plan: Plan, split: PlannedSplit,
     if cfg.distill.method in ("distil", "dp_syn"):
         prompts = _prompt_lengths(cfg, tok)
         out["generation"] = _generation_seconds(cfg, timer, prompts, test_tokens)
-        out["distillation"] = _distillation_seconds(cfg, timer, prompts[len(prompts) // 2], test_tokens)
+        private = 0
+        if private_selection_used(cfg):  # the records of the scored units, at the validation split's records per unit
+            units = selection_units(cfg, split.n_validation_units, split.n)
+            private = round(units * split.n_validation / max(split.n_validation_units, 1))
+        out["distillation"] = _distillation_seconds(cfg, timer, prompts[len(prompts) // 2], test_tokens, private)
     out["evaluation"] = _evaluation_seconds(cfg, plan, timer, tok, test_tokens)
     plan.cpu_share = timer.cpu_share()
     return out
@@ -507,9 +529,10 @@ def _selection_odds(sd: float, unit: str) -> str:
     gap = math.log(1.1)
     kept = 0.5 * (1 + math.erf(gap / (math.sqrt(2) * sd) / math.sqrt(2)))
     return (f"of two candidates 10 % apart in validation perplexity ({gap:.3f} nats of mean loss), the private "
-            f"choice keeps the better with probability {kept:.2f} (0.50 is a coin toss): more validation "
-            f"{unit}s (data.validation_fraction), a larger distill.selection_epsilon or fewer candidates narrow its "
-            "noise; select_by=teacher_kl reads no private record")
+            f"choice keeps the better with probability {kept:.2f} (0.50 is a coin toss): more scored {unit}s "
+            "(distill.selection_split=train+validation, data.validation_fraction), a larger "
+            "distill.selection_epsilon or fewer candidates narrow its noise; select_by=teacher_kl reads no private "
+            "record")
 
 
 def format_plan(plan: Plan) -> str:

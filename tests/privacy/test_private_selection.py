@@ -3,6 +3,7 @@ issue 20's second route): only noisy scores leave the stage, as a ledger entry o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from pipeline.plan import make_plan
 from pipeline.privacy import private_selection
 from pipeline.privacy.accountant import epsilon_of
 from pipeline.privacy.ledger import compose
+from pipeline.privacy.monitor import MonitorError
 from pipeline.privacy.private_selection import PrivateValidation
 from pipeline.stages.distill import DistillError, distill
 from pipeline.tokenized import TokenIds, token_column, tokenized_split
@@ -67,6 +69,37 @@ def test_the_planted_best_candidate_is_chosen_from_noisy_private_scores(syntheti
     assert sd == pytest.approx(entry.noise_multiplier * cfg.selection_clip / len(records))
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["selection_ledger"]["stage"] == private_selection.STAGE
+
+
+def test_the_training_split_scores_too_and_a_user_is_one_unit_across_the_splits(synthetic, tiny_model_dir, tmp_path):
+    """selection_split=train+validation: the validation units, then the training units, in one
+    mean, with the noise multiplier of the same ε and k, so a noise sd n_val/n as large. The
+    accounting rests on one unit moving each score by at most C/n: at user level a user is one
+    unit whichever split holds their records, so a user on both sides (which the data stage never
+    writes) is not counted twice; splits that disagree on the unit are refused."""
+    validation = _validation_split(synthetic, tmp_path / "validation.parquet")
+    train = _validation_split(synthetic, tmp_path / "train.parquet")
+    tok = load_tokenizer(str(tiny_model_dir))
+    spec = PrivateValidation(path=validation, delta=1e-5, accountant="prv", max_length=64, train=train)
+    n_val = pq.read_metadata(validation).num_rows
+
+    def scorer(limit=None, **change):
+        return private_selection.setup(dataclasses.replace(spec, **change), tok, candidates=2, epsilon=0.2, clip=10.0,
+                                       limit=limit)
+
+    only, both = scorer(train=None), scorer()
+    assert (only.n, both.n, both.owners) == (n_val, 2 * n_val, list(range(2 * n_val)))
+    assert both.z == only.z and f"over the first {2 * n_val} validation and training records" in both.entry.note
+    assert [both.records[i][0].tolist() for i in (0, n_val)] == [only.records[0][0].tolist()] * 2
+    assert (scorer(limit=n_val + 3).n, scorer(limit=n_val - 1).n) == (n_val + 3, n_val - 1)
+
+    for path, users in ((validation, ["a", "a", "b"]), (train, ["b", "c", "c"])):
+        pq.write_table(pq.read_table(path).slice(0, 3).append_column("user", pa.array(users)), path)
+    by_user = scorer()
+    assert (by_user.n, by_user.owners) == (3, [0, 0, 1, 1, 2, 2]) and "3 validation and training users" in by_user.entry.note
+    pq.write_table(pq.read_table(train).drop(["user"]), train)
+    with pytest.raises(MonitorError, match="disagree on the privacy unit"):
+        scorer()
 
 
 def test_the_private_route_needs_the_split_and_refuses_before_training(synthetic, tiny_model_dir, tmp_path):
