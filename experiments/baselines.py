@@ -108,6 +108,12 @@ METHOD = {"ours": "distil", "ourspriv": "distil", "dpsgd": "dp_sgd", "dpsgddep":
           "dpkd": "dpkd", "dpkddep": "dpkd"}
 SHARED = ("dpsgddep", "dpkddep")
 """The rows whose K candidate runs and private choice share the total ε."""
+SPLITS = ("validation", "train+validation")
+"""The private choices of each deployable row, each a procedure of its own at the same selection ε
+(distill.selection_split): the validation split alone, as the study was planned; then the
+training split too (2026-11-27, planned in docs/baselines.md before any of its choices ran), one
+more choice of a SHARED row's candidate runs or of ourspriv's kept candidates, in place of the
+first: a deployable row spends one of them, never both."""
 RESULTS, BUDGET = "baselines.jsonl", "baselines_budget.json"
 
 
@@ -141,8 +147,9 @@ def row_overrides(row: str, selection_epsilon: float, grid: Grid = DEFAULT_GRID)
     if METHOD[row] == "distil":
         alphas = ", ".join(f"{{alpha: {a}}}" for a in grid.ours_alphas)
         out += ["distill.keep_candidates=true", f"distill.candidates=[{alphas}]"]
-    if row == "ourspriv":
-        out += ["distill.select_by=private_validation", f"distill.selection_epsilon={selection_epsilon:g}"]
+    if row == "ourspriv":  # its run's own choice: the validation split alone, as pre-registered (SPLITS)
+        out += ["distill.select_by=private_validation", f"distill.selection_epsilon={selection_epsilon:g}",
+                "distill.selection_split=validation"]
     return out
 
 
@@ -283,10 +290,12 @@ class Run:
 
 @dataclass(frozen=True)
 class Choice:
-    """The private choice among a SHARED row's candidate runs of one repeat."""
+    """The private choice among a SHARED row's candidate runs of one repeat, or (split
+    train+validation) among ourspriv's kept candidates too."""
 
     row: str
     repeat: int
+    split: str = "validation"
 
 
 def schedule(cfg, rows: list[str], repeats: int, epsilons: dict[str, float],
@@ -300,15 +309,15 @@ def schedule(cfg, rows: list[str], repeats: int, epsilons: dict[str, float],
                              f"teacher.target_epsilon={epsilons[row]:.6g}")
                 shares = METHOD[row] == "dpkd" and c.teacher in [e.teacher for e in cands[:i]]
                 out.append(Run(row, k, i + 1, c, overrides, shares))
-            if row in SHARED:
-                out.append(Choice(row, k))
+            out += [Choice(row, k, split) for split in SPLITS if row in SHARED or split != "validation"
+                    and row == "ourspriv"]
     return out
 
 
 def _done(results: list[dict], item: Run | Choice) -> bool:
     if isinstance(item, Choice):
         return any(r.get("kind") == "selection" and r["row"] == item.row and r["repeat"] == item.repeat
-                   for r in results)
+                   and r.get("split", "validation") == item.split for r in results)
     return any(r.get("kind", "run") == "run" and r["row"] == item.row and r["repeat"] == item.repeat
                and r.get("candidate") == (item.candidate.name or None) for r in results)
 
@@ -351,11 +360,13 @@ def run_one(config: str, overrides: list[str], run: Run) -> dict:
 
 def private_choice(config: str, overrides: list[str], choice: Choice, runs: list[dict],
                    selection_epsilon: float, grid: Grid = DEFAULT_GRID) -> dict:
-    """Release each candidate student's clipped mean validation loss with Gaussian noise (the
-    mechanism of select_by=private_validation, pipeline/privacy/private_selection.py, at
-    `selection_epsilon` over the K scores) and keep the lowest; the row's total composes the K
-    runs' releases (a shared DPKD teacher once) with this one. The validation split is rebuilt
-    from the config and the run root's split key, as experiments/private_selection.py does."""
+    """Release each candidate student's clipped mean loss on the private records of `choice.split`
+    with Gaussian noise (the mechanism of select_by=private_validation, pipeline/privacy/
+    private_selection.py, at `selection_epsilon` over the K scores) and keep the lowest. A SHARED
+    row's total composes the K runs' releases (a shared DPKD teacher once) with this one; ourspriv's
+    (its kept candidates, in one run) composes its run's releases with this one in place of the
+    run's own choice. The splits are rebuilt from the config and the run root's split key, as
+    experiments/private_selection.py does."""
     from pipeline.config import load_config
     from pipeline.devices import Runtime
     from pipeline.models.base import load_causal_lm, load_tokenizer
@@ -366,9 +377,26 @@ def private_choice(config: str, overrides: list[str], choice: Choice, runs: list
 
     cfg = load_config(config, overrides)
     t0 = time.monotonic()
-    models = {r["candidate"]: _stage_output(Path(r["run_dir"]), "dp-student") / "model" for r in runs}
-    ledgers = {r["candidate"]: read_ledger(Path(r["run_dir"]) / "ledger.json") for r in runs}
-    delta = next(iter(ledgers.values())).total.accountant_delta()
+    if choice.row == "ourspriv":
+        [run] = runs
+        kept = _stage_output(Path(run["run_dir"]), "distillation") / "candidates"
+        models = {c["candidate"]: kept / c["candidate"] / "model" for c in run["selection"]["candidates"]}
+        ledger = read_ledger(Path(run["run_dir"]) / "ledger.json")
+        entries = [e for e in ledger.entries if e.stage != private_selection.STAGE]
+    else:
+        models = {r["candidate"]: _stage_output(Path(r["run_dir"]), "dp-student") / "model" for r in runs}
+        ledgers = {r["candidate"]: read_ledger(Path(r["run_dir"]) / "ledger.json") for r in runs}
+        by_name = {c.name: c for c in candidates(cfg, choice.row, grid)}
+        teachers = None  # DP-SGD's runs train no teacher (their stages.json has none)
+        if METHOD[choice.row] == "dpkd":
+            teachers = {r["candidate"]: str(_stage_output(Path(r["run_dir"]), "teacher")) for r in runs}
+        entries = unique_releases([(by_name[n], led.entries) for n, led in ledgers.items()], teachers)
+        if teachers and len({teachers[n] for n in ledgers}) > len({by_name[n].teacher for n in ledgers}):
+            print(f"== {choice.row} r{choice.repeat}: a candidate trained a teacher of its own where the plan "
+                  "shared one (stage cache missed); each is counted, so the row's total exceeds the planned one",
+                  flush=True)
+        ledger = next(iter(ledgers.values()))
+    delta = ledger.total.accountant_delta()
     runtime = Runtime.from_config(cfg)
     runtime.apply_threads()
     with tempfile.TemporaryDirectory() as tmp:
@@ -377,22 +405,18 @@ def private_choice(config: str, overrides: list[str], choice: Choice, runs: list
         spec = private_selection.PrivateValidation(path=Path(data.validation), delta=delta,
                                                    accountant=cfg.teacher.accountant,
                                                    secure_mode=cfg.teacher.secure_mode,
-                                                   max_length=cfg.teacher.max_length)
+                                                   max_length=cfg.teacher.max_length,
+                                                   train=Path(data.train) if choice.split != "validation" else None)
         tok = load_tokenizer(str(next(iter(models.values()))))
         scorer = private_selection.setup(spec, tok, candidates=len(models), epsilon=selection_epsilon,
                                          clip=cfg.distill.selection_clip, limit=cfg.distill.selection_records)
         students = {n: load_causal_lm(str(p), dtype=runtime.dtype).to(runtime.device).eval() for n, p in models.items()}
         scores = scorer.release(students, cfg.evaluate.batch_size, runtime.autocast)
-    by_name = {c.name: c for c in candidates(cfg, choice.row, grid)}
-    teachers = {r["candidate"]: str(_stage_output(Path(r["run_dir"]), "teacher")) for r in runs}
-    entries = unique_releases([(by_name[n], ledger.entries) for n, ledger in ledgers.items()], teachers)
     entries.append(scorer.entry)
-    if len({teachers[n] for n in ledgers}) > len({by_name[n].teacher for n in ledgers}):
-        print(f"== {choice.row} r{choice.repeat}: a candidate trained a teacher of its own where the plan shared "
-              "one (stage cache missed); each is counted, so the row's total exceeds the planned one", flush=True)
-    return {"kind": "selection", "row": choice.row, "repeat": choice.repeat, "chosen": min(scores, key=scores.get),
-            "scores": scores, "selection_epsilon": scorer.entry.epsilon, "noise_sd": scorer.z * scorer.clip / scorer.n,
-            "units": scorer.n, "epsilon": compose(entries, cfg.teacher.accountant, delta).epsilon,
+    return {"kind": "selection", "row": choice.row, "repeat": choice.repeat, "split": choice.split,
+            "chosen": min(scores, key=scores.get), "scores": scores, "selection_epsilon": scorer.entry.epsilon,
+            "noise_sd": scorer.z * scorer.clip / scorer.n, "units": scorer.n,
+            "epsilon": compose(entries, cfg.teacher.accountant, delta).epsilon,
             "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -492,6 +516,9 @@ def main(argv: list[str]) -> int:
                    "where they ran this grid's candidates under the rule: the SmolLM2 configs' k2) instead of "
                    "running them")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--choices-only", action="store_true",
+                   help="make the private choices whose candidate runs are done, and train nothing (beside a "
+                   "running study: its runs are left to it)")
     p.add_argument("--refresh", action="store_true",
                    help="first re-derive each finished run's selection figures from its metrics.json "
                    "(figures added to the report after the run was recorded)")
@@ -527,7 +554,7 @@ def main(argv: list[str]) -> int:
     failed, t_start = [], time.monotonic()
     for item in items:
         results = read_results(results_path, cfg.name)
-        if _done(results, item):
+        if _done(results, item) or args.choices_only and isinstance(item, Run):
             continue
         try:
             if isinstance(item, Run):
@@ -536,10 +563,13 @@ def main(argv: list[str]) -> int:
             else:
                 runs = [r for r in results if r.get("kind", "run") == "run" and r["row"] == item.row
                         and r["repeat"] == item.repeat]
-                if len(runs) < grid.k:
-                    failed.append(f"{item.row} r{item.repeat} choice (candidates missing)")
+                if len(runs) < (1 if item.row == "ourspriv" else grid.k):
+                    if args.choices_only:  # the running study has yet to finish them
+                        continue
+                    failed.append(f"{item.row} r{item.repeat} {item.split} choice (candidates missing)")
                     continue
-                print(f"== {item.row} r{item.repeat}: private choice among {grid.k} candidates", flush=True)
+                print(f"== {item.row} r{item.repeat}: private choice among {grid.k} candidates on the {item.split} "
+                      "records", flush=True)
                 result = private_choice(args.config, args.overrides, item, runs, selection_epsilon, grid)
         except Exception as e:  # name it, go on with the others; a restart retries it
             print(f"== {item} failed: {e!r}", flush=True)

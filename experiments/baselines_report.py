@@ -100,14 +100,31 @@ def oracle(results: list[dict], method: str, k: int = K, figure: str = "windowed
     return out
 
 
-def deployable(results: list[dict], method: str, private: bool, figure: str = "windowed") -> list[dict]:
+def _choices(results: list[dict], row: str, split: str) -> list[dict]:
+    """The harness's private choices of `row` on the records of `split` (lines from before the
+    second split scored the validation split)."""
+    return [s for s in results if s.get("kind") == "selection" and s["row"] == row
+            and s.get("split", "validation") == split]
+
+
+def deployable(results: list[dict], method: str, private: bool, figure: str = "windowed",
+               split: str = "validation") -> list[dict]:
     """Per repeat: the candidate a procedure that reads no test record chose, its test perplexity,
     the ε its choice spent and the row's composed total. ours: its own run's choice, by the
     zero-cost rule or (`private`) by the private validation release; DP-SGD and DPKD: the
-    harness's private choice among the candidate runs (always private). `figure` (a key of
-    FIGURES): which of the chosen student's test perplexities (None where not recorded)."""
-    run_key = FIGURES[figure][0]
+    harness's private choice among the candidate runs (always private). `split`
+    train+validation: the harness's choices on the training and validation records (ours: among
+    ourspriv's kept candidates). `figure` (a key of FIGURES): which of the chosen student's test
+    perplexities (None where not recorded)."""
+    run_key, cand_key = FIGURES[figure]
     out = []
+    if method == "ours" and private and split != "validation":
+        runs = {r["repeat"]: r for r in _runs(results, PRIVATE_ROW["ours"])}
+        for s in _choices(results, PRIVATE_ROW["ours"], split):
+            test = {c["candidate"]: c.get(cand_key) for c in runs[s["repeat"]]["selection"]["candidates"]}
+            out.append({"repeat": s["repeat"], "value": test.get(s["chosen"]), "chosen": s["chosen"],
+                        "selection_epsilon": s["selection_epsilon"], "epsilon": s["epsilon"]})
+        return sorted(out, key=lambda d: d["repeat"])
     if method == "ours":
         for r in _runs(results, PRIVATE_ROW["ours"] if private else "ours"):
             sel = r.get("selection") or {}
@@ -116,7 +133,7 @@ def deployable(results: list[dict], method: str, private: bool, figure: str = "w
                         "epsilon": r["epsilon"]})
         return out
     runs = _runs(results, PRIVATE_ROW[method])
-    for s in (s for s in results if s.get("kind") == "selection" and s["row"] == PRIVATE_ROW[method]):
+    for s in _choices(results, PRIVATE_ROW[method], split):
         chosen = next(r for r in runs if r["repeat"] == s["repeat"] and r["candidate"] == s["chosen"])
         out.append({"repeat": s["repeat"], "value": chosen.get(run_key), "chosen": s["chosen"],
                     "selection_epsilon": s["selection_epsilon"], "epsilon": s["epsilon"]})
@@ -130,14 +147,24 @@ def _study(scores: dict[str, float], test: dict[str, float], chosen: str) -> dic
 
 
 def rule_study(results: list[dict], method: str = "ours", private: bool = False,
-               criterion: str | None = None, figure: str = "windowed") -> list[dict]:
+               criterion: str | None = None, figure: str = "windowed", split: str = "validation") -> list[dict]:
     """Per repeat: Spearman ρ of a selection's scores against the candidates' test perplexities,
     and its regret (the chosen candidate's test perplexity minus the best's). ours: its run's
     own rule (`select_by`, or `criterion` to ask how another would have ranked); DP-SGD and
-    DPKD: the noisy validation scores of the harness's private choice. `figure` (a key of
-    FIGURES): against which test perplexities; a repeat missing one of them is left out."""
+    DPKD: the noisy validation scores of the harness's private choice; `split`
+    train+validation: the harness's choices on the training and validation records (ours: among
+    ourspriv's kept candidates). `figure` (a key of FIGURES): against which test perplexities; a
+    repeat missing one of them is left out."""
     run_key, cand_key = FIGURES[figure]
     out = []
+    if method == "ours" and private and split != "validation":
+        runs = {r["repeat"]: r for r in _runs(results, PRIVATE_ROW["ours"])}
+        for s in _choices(results, PRIVATE_ROW["ours"], split):
+            test = {c["candidate"]: c[cand_key] for c in _candidates(runs[s["repeat"]], figure)}
+            if set(test) >= set(s["scores"]):
+                out.append({"repeat": s["repeat"], **_study(s["scores"], {n: test[n] for n in s["scores"]},
+                                                            s["chosen"])})
+        return sorted(out, key=lambda d: d["repeat"])
     if method == "ours":
         for r in _runs(results, PRIVATE_ROW["ours"] if private else "ours"):
             cands, sel = _candidates(r, figure), r.get("selection") or {}
@@ -153,8 +180,8 @@ def rule_study(results: list[dict], method: str = "ours", private: bool = False,
             out.append({"repeat": r["repeat"], **_study(scores, test, chosen)})
         return out
     runs = _runs(results, PRIVATE_ROW[method])
-    for s in (s for s in results if s.get("kind") == "selection" and s["row"] == PRIVATE_ROW[method]
-              and s.get("scores")):  # a choice transcribed without its scores has no ρ
+    for s in (s for s in _choices(results, PRIVATE_ROW[method], split)
+              if s.get("scores")):  # a choice transcribed without its scores has no ρ
         test = {r["candidate"]: r[run_key] for r in runs if r["repeat"] == s["repeat"]
                 and r["candidate"] in s["scores"] and r.get(run_key) is not None}
         if len(test) < len(s["scores"]):
@@ -199,12 +226,22 @@ def _tables(results: list[dict], k: int = K, figure: str = "windowed") -> list[s
               + (f" ({FIGURE_TITLES[figure].lower()})" if figure != "windowed" else ""), "",
               "| row | repeats | test perplexity (mean ± sd) | each repeat (chosen) | selection ε | total ε |",
               "|---|---:|---:|---|---:|---:|"]
-    for m, private, label in (("ours", False, "ours (zero-cost rule)"), ("ours", True, "ours (private selection)"),
-                              ("dpsgd", True, "DP-SGD (private selection)"), ("dpkd", True, "DPKD (private selection)")):
-        v = deployable(results, m, private, figure)
+    rows = [(m, m != "ours" or private, "validation", label) for m, private, label in (
+        ("ours", False, "ours (zero-cost rule)"), ("ours", True, "ours (private selection)"),
+        ("dpsgd", True, "DP-SGD (private selection)"), ("dpkd", True, "DPKD (private selection)"))]
+    if _second_split(results):
+        rows += [(m, True, "train+validation", f"{LABELS[m]} (private selection, training + validation)")
+                 for m in METHODS]
+    for m, private, split, label in rows:
+        v = deployable(results, m, private, figure, split)
         lines.append(f"| {label} | {len(v)} | {mean_sd([x['value'] for x in v])} | {_each(v, name='chosen')} "
                      f"| {_eps([x['selection_epsilon'] for x in v])} | {_eps([x['epsilon'] for x in v])} |")
     return lines
+
+
+def _second_split(results: list[dict]) -> bool:
+    """Whether any private choice scored the training records too (the tables' extra rows)."""
+    return any(s.get("kind") == "selection" and s.get("split", "validation") != "validation" for s in results)
 
 
 def _candidate_table(results: list[dict]) -> list[str]:
@@ -238,6 +275,9 @@ def _rule_table(results: list[dict], figure: str = "windowed") -> list[str]:
                for c in ("teacher_kl", "untruncated_ce", "synthetic_validation_ce")]
     studies += [(f"{LABELS[m]}: private validation", rule_study(results, m, private=True, figure=figure))
                 for m in METHODS]
+    if _second_split(results):
+        studies += [(f"{LABELS[m]}: private, training + validation",
+                     rule_study(results, m, private=True, figure=figure, split="train+validation")) for m in METHODS]
     for label, s in studies:
         rho = ", ".join("–" if x["spearman"] is None else f"{x['spearman']:.2f}" for x in s)
         lines.append(f"| {label} | {len(s)} | {_mean([x['spearman'] for x in s], 2)} | {rho} "
@@ -279,6 +319,15 @@ def report(results: list[dict], corpus: str, k: int = K) -> str:
         s = rule_study(results, m, private=True)
         lines.append(f"private corpus={corpus} method={m} candidates={k} "
                      f"spearman={_mean([x['spearman'] for x in s], 2)} regret={_mean([x['regret'] for x in s], 1)}")
+    if _second_split(results):
+        both = {m: mean_sd([x["value"] for x in deployable(results, m, True, split="train+validation")])
+                for m in METHODS}
+        lines.append(f"table=deployable-private-trainval corpus={corpus} "
+                     + " ".join(f"{m}={both[m]}" for m in METHODS))
+        for m in METHODS:
+            s = rule_study(results, m, private=True, split="train+validation")
+            lines.append(f"private-trainval corpus={corpus} method={m} candidates={k} "
+                         f"spearman={_mean([x['spearman'] for x in s], 2)} regret={_mean([x['regret'] for x in s], 1)}")
     for figure in ("text", "record"):
         best = {m: mean_sd([x["value"] for x in oracle(results, m, k, figure)]) for m in METHODS}
         chosen = {m: mean_sd([x["value"] for x in deployable(results, m, m != "ours", figure)]) for m in METHODS}

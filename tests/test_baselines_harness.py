@@ -94,6 +94,33 @@ def test_oracle_deployable_rule_and_the_summary_lines_on_fabricated_rows():
     assert "| private choices | 1 | 60 | 60 |" in text
 
 
+def test_the_choices_on_training_and_validation_records_are_rows_of_their_own():
+    """A second private choice of the same candidates (distill.selection_split=train+validation):
+    its own deployable rows and ρ lines; the first choice's rows and lines are unchanged. For
+    ours it chooses among ourspriv's kept candidates, whose test figures its run recorded."""
+    results = _fabricated()
+    before = rep.report(results, "airline")
+    assert "training + validation" not in before and "trainval" not in before
+    results += [{"kind": "selection", "row": "dpsgddep", "repeat": 1, "split": "train+validation", "chosen": "b",
+                 "selection_epsilon": 0.2, "epsilon": 1.986, "seconds": 90.0,
+                 "scores": {"a": 5.3, "b": 5.0, "c": 5.1, "d": 5.6}},
+                {"kind": "selection", "row": "ourspriv", "repeat": 1, "split": "train+validation",
+                 "chosen": "alpha=0.7", "selection_epsilon": 0.2, "epsilon": 1.9869, "seconds": 80.0,
+                 "scores": {"alpha=0.0": 5.9, "alpha=0.4": 5.2, "alpha=0.7": 5.1, "alpha=1.0": 5.3}}]
+    assert [d["value"] for d in rep.deployable(results, "dpsgd", True)] == [205.0]  # the first choice's
+    assert [(d["value"], d["chosen"]) for d in rep.deployable(results, "dpsgd", True, split="train+validation")] == [
+        (200.0, "b")]
+    assert [(d["value"], d["chosen"]) for d in rep.deployable(results, "ours", True, split="train+validation")] == [
+        (168.0, "alpha=0.7")]
+    [ours] = rep.rule_study(results, "ours", private=True, split="train+validation")
+    assert ours["regret"] == pytest.approx(3.0) and ours["spearman"] == pytest.approx(0.8)
+    lines = rep.report(results, "airline").strip().splitlines()
+    assert "table=deployable-private-trainval corpus=airline ours=168.0±nan dpsgd=200.0±nan dpkd=–" in lines
+    assert "private-trainval corpus=airline method=dpsgd candidates=4 spearman=1.00 regret=0.0" in lines
+    assert "table=deployable-private corpus=airline ours=165.0±nan dpsgd=205.0±nan dpkd=–" in lines
+    assert any(line.startswith("| DP-SGD (private selection, training + validation) | 1 | 200.0±nan") for line in lines)
+
+
 def test_on_the_text_alone_the_tables_and_the_rule_use_the_text_only_figures():
     """The header flips the ranking (as on SmolLM2's airline tweets): α = 0.4 wins windowed by
     predicting the control-code header, α = 1 (the rule's choice) wins on the text alone."""
@@ -164,7 +191,8 @@ def test_the_schedule_reruns_the_noisy_stage_of_every_later_repeat():
     eps = {row: 1.0 for row in baselines.ROWS}
     items = baselines.schedule(_teacher(), list(baselines.ROWS), 2, eps, 0.2)
     runs = [i for i in items if isinstance(i, baselines.Run)]
-    assert len(runs) == 2 * (1 + 1 + 4 * rep.K) and len(items) - len(runs) == 2 * len(baselines.SHARED)
+    # each repeat: a choice per SHARED row and split, and ourspriv's second (its run made the first)
+    assert len(runs) == 2 * (1 + 1 + 4 * rep.K) and len(items) - len(runs) == 2 * (2 * len(baselines.SHARED) + 1)
     assert all(r.noisy_stage is None for r in runs if r.repeat == 1)
     second = {r.tag: r.noisy_stage for r in runs if r.repeat == 2}
     assert second["ours-r2"] == second["ourspriv-r2"] == "control-codes"
@@ -174,6 +202,13 @@ def test_the_schedule_reruns_the_noisy_stage_of_every_later_repeat():
     # a choice follows its row's candidates, in each repeat
     at = items.index(baselines.Choice("dpsgddep", 1))
     assert [i.tag for i in items[at - 4:at]] == [f"dpsgddep-c{i}-r1" for i in range(1, 5)]
+    assert items[at + 1] == baselines.Choice("dpsgddep", 1, "train+validation")
+    assert items[items.index(baselines.Choice("ourspriv", 2, "train+validation")) - 1].tag == "ourspriv-r2"
+    assert baselines.Choice("ourspriv", 1) not in items  # the ourspriv run chose on the validation split itself
+    # a line from before the second split counts as the validation split's choice, and only as that
+    old = [{"kind": "selection", "row": "dpsgddep", "repeat": 1, "chosen": "c"}]
+    assert baselines._done(old, baselines.Choice("dpsgddep", 1))
+    assert not baselines._done(old, baselines.Choice("dpsgddep", 1, "train+validation"))
     assert "teacher.target_epsilon=1" in runs[0].overrides
 
 
