@@ -155,7 +155,7 @@ class StageRunner:
         monitor = getattr(result, "monitor_ledger", None)  # the validation loss released with DP
         if self.budget_id and isinstance(monitor, LedgerEntry) and monitor.epsilon:
             self._record_release(monitor.stage, result, monitor, part=":validation")
-        chosen = getattr(result, "selection_ledger", None)  # the student chosen on the validation split
+        chosen = getattr(result, "selection_ledger", None)  # the student chosen on private records
         if self.budget_id and isinstance(chosen, LedgerEntry) and chosen.epsilon:
             self._record_release(chosen.stage, result, chosen, part=":selection")
         if reused:

@@ -123,7 +123,7 @@ def _monitor_entry(trained: LedgerEntry, cfg: TeacherConfig, n_validation: int) 
 
 
 def private_selection_used(cfg: PipelineConfig) -> bool:
-    """Whether the distillation chooses its student on the private validation split (a DP release)."""
+    """Whether the distillation chooses its student on private records (a DP release)."""
     d = cfg.distill
     return d.method == "distil" and d.select_by == "private_validation" and len(d.candidates) > 1
 

@@ -14,7 +14,8 @@ same vocabulary, and the synthetic token ids are fed to both.
 With several `candidates` (α, T, β, ...), one student is trained per candidate and the one
 closest to the DP teacher on texts it samples without truncation is kept
 (`pipeline.stages.selection`): post-processing too. With select_by=private_validation the
-choice is made instead on the private validation split, through an accounted Gaussian release
+choice is made instead on private records (the validation split, and by default the training
+split: distill.selection_split), through an accounted Gaussian release
 (`pipeline.privacy.private_selection`): the one way this stage reads a private record, and a
 ledger entry of its own.
 
@@ -81,7 +82,7 @@ class DistillResult:
     candidates: dict[str, Path] | None = None
     """Each candidate's student checkpoint, when `keep_candidates` (evaluated on the test split too)."""
     selection_ledger: LedgerEntry | None = None
-    """select_by=private_validation: the noisy validation scores' release, composed into the run's total."""
+    """select_by=private_validation: the noisy private scores' release, composed into the run's total."""
 
 
 @dataclass
@@ -390,7 +391,7 @@ def _select(cfg: DistillConfig, setup: _Setup, logs: dict[str, dict], ckpts: dic
             settings: dict[str, DistillConfig], teacher_dir: Path, synthetic_path: Path, seed: int, runtime: Runtime,
             scorer: private_selection.Scorer | None) -> dict:
     """Score every candidate's student on texts the DP teacher samples without truncation (and,
-    with `scorer`, release their noisy private validation scores) and choose one by
+    with `scorer`, release their noisy private scores) and choose one by
     `cfg.select_by` (pipeline/stages/selection.py). `settings`: each candidate's, as trained."""
     teacher = setup.teacher
     if teacher is None:  # logits came from the top-k cache: load the teacher for the criterion
@@ -453,7 +454,7 @@ def distill(
     `runtime`: device and precision. The student keeps fp32 master weights and its forward
     runs under autocast; the frozen teacher is loaded in the run's precision; losses in fp32.
 
-    `private_validation`: the private validation split and the run's δ, read only with
+    `private_validation`: the private splits to score and the run's δ, read only with
     select_by=private_validation (the result's `selection_ledger` is then the release's entry).
     """
     runtime.apply_threads()
