@@ -3,7 +3,7 @@
 
 The default criterion (pipeline/stages/selection.py) reads DP outputs only and costs nothing.
 This one asks the records themselves: each candidate student's loss on the private validation
-split and, by default (distill.selection_split=train+validation), on the training split too,
+split and, with distill.selection_split=train+validation, on the training split too,
 which is what the test perplexity measures on other records of the same distribution. Those
 scores leave the stage only as one Gaussian release:
 
@@ -82,6 +82,7 @@ class Scorer:
     z: float
     entry: LedgerEntry
     secure: bool
+    splits: str = "validation"  # or "validation and training": the splits whose units are scored
 
     def release(self, students: dict[str, torch.nn.Module], batch_size: int, autocast) -> dict[str, float]:
         """Every student's noisy score, from one secret generator. The exact means stay here."""
@@ -117,10 +118,11 @@ def setup(spec: PrivateValidation, tok, *, candidates: int, epsilon: float, clip
     z, accountant = calibrate(epsilon, spec.delta, candidates, spec.accountant)
     unit = "record" if users is None else "user"
     owners = list(range(len(records))) if units is None else units.tolist()
+    splits = "validation" if spec.train is None else "validation and training"
     entry = ledger_entry(z=z, candidates=candidates, n=n, clip=clip, target_epsilon=epsilon, delta=spec.delta,
-                         accountant=accountant, unit=unit, secure=spec.secure_mode,
-                         splits="validation" if spec.train is None else "validation and training")
-    return Scorer(TokenIds(records, spec.max_length, tok.pad_token_id), owners, n, clip, z, entry, spec.secure_mode)
+                         accountant=accountant, unit=unit, secure=spec.secure_mode, splits=splits)
+    return Scorer(TokenIds(records, spec.max_length, tok.pad_token_id), owners, n, clip, z, entry, spec.secure_mode,
+                  splits)
 
 
 def calibrate(epsilon: float, delta: float, candidates: int, accountant: str) -> tuple[float, str]:

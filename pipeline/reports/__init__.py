@@ -29,8 +29,9 @@ def privacy_sentence(selection: dict) -> str:
     private = selection.get("private_validation")
     if not private:
         return "No criterion reads a private record: the choice costs no privacy."
+    splits = private.get("splits", "validation")  # selections made before the training split could score
     return (f"private_validation is each student's mean per-token loss on the first {private['units']} units of the "
-            f"PRIVATE validation split, clipped to [0, {private['clip']:g}] nats, plus Gaussian noise of sd "
+            f"PRIVATE {splits} split{'s' if ' and ' in splits else ''}, clipped to [0, {private['clip']:g}] nats, plus Gaussian noise of sd "
             f"{private['noise_sd']:.3g} (only these noisy values are published): a DP release of ε = "
             f"{private['epsilon']:.3g} at δ = {private['delta']:.3g}, in the ledger as 'distillation-selection' "
             "and composed into the total. The other criteria read DP outputs only.")

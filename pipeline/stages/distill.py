@@ -14,8 +14,8 @@ same vocabulary, and the synthetic token ids are fed to both.
 With several `candidates` (α, T, β, ...), one student is trained per candidate and the one
 closest to the DP teacher on texts it samples without truncation is kept
 (`pipeline.stages.selection`): post-processing too. With select_by=private_validation the
-choice is made instead on private records (the validation split, and by default the training
-split: distill.selection_split), through an accounted Gaussian release
+choice is made instead on private records (the validation split, and the training split with
+distill.selection_split=train+validation), through an accounted Gaussian release
 (`pipeline.privacy.private_selection`): the one way this stage reads a private record, and a
 ledger entry of its own.
 
@@ -416,7 +416,8 @@ def _select(cfg: DistillConfig, setup: _Setup, logs: dict[str, dict], ckpts: dic
            "selection_tokens": int(sum(len(s) - 1 for s in selection.sequences)),
            "seconds": time.time() - t0, "candidates": rows}
     if scorer is not None:
-        out["private_validation"] = {"units": scorer.n, "clip": scorer.clip, "noise_multiplier": scorer.z,
+        out["private_validation"] = {"units": scorer.n, "splits": scorer.splits, "clip": scorer.clip,
+                                     "noise_multiplier": scorer.z,
                                      "noise_sd": scorer.z * scorer.clip / scorer.n, "epsilon": scorer.entry.epsilon,
                                      "delta": scorer.entry.delta}
     return out

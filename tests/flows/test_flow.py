@@ -102,8 +102,8 @@ def test_flow_end_to_end(prefect_server, tiny_config):
 
 def _private_selection_run(cfg):
     """distill.select_by=private_validation through the flow, on the same run root (data, codes,
-    teacher and synthetic data come from the cache): the candidates' noisy validation scores are a
-    ledger entry after the distillation, composed by the accountant with the codes' and the
+    teacher and synthetic data come from the cache): the candidates' noisy scores on the validation
+    and training records are a ledger entry after the distillation, composed by the accountant with the codes' and the
     teacher's releases, charged to the dataset's budget and explained in the report."""
     from pipeline.privacy.accountant import epsilon_of
     from pipeline.privacy.budget import read_budget
@@ -111,6 +111,7 @@ def _private_selection_run(cfg):
 
     cfg = cfg.model_copy(deep=True)
     cfg.distill.select_by, cfg.distill.selection_epsilon = "private_validation", 0.5
+    cfg.distill.selection_split = "train+validation"  # the default scores the validation split alone
     run = Path(dp_distill(cfg))
     ledger = read_ledger(run / "ledger.json")
     assert [e.stage for e in ledger.entries] == ["control-codes", "teacher", "generation", "distillation", STAGE,
@@ -126,7 +127,8 @@ def _private_selection_run(cfg):
     records_id = json.loads((run / "run.json").read_text())["records_id"]
     budget = read_budget(Path(cfg.run_root).resolve(), records_id)
     assert sorted(r.stage for r in budget.releases) == ["control-codes", STAGE, "teacher"]  # once each
-    assert "PRIVATE validation split" in (run / "report.html").read_text()
+    assert "PRIVATE validation and training splits" in (run / "report.html").read_text()
+    assert "validation and training records" in released.note and selection["private_validation"]["units"] > 20
 
 
 def test_cli_ledger_show_prints_the_table(tmp_path, capsys):
