@@ -309,8 +309,8 @@ def schedule(cfg, rows: list[str], repeats: int, epsilons: dict[str, float],
                              f"teacher.target_epsilon={epsilons[row]:.6g}")
                 shares = METHOD[row] == "dpkd" and c.teacher in [e.teacher for e in cands[:i]]
                 out.append(Run(row, k, i + 1, c, overrides, shares))
-            out += [Choice(row, k, split) for split in SPLITS if row in SHARED or split != "validation"
-                    and row == "ourspriv"]
+            out += [Choice(row, k, split) for split in SPLITS
+                    if row in SHARED or (row == "ourspriv" and split != "validation")]  # ourspriv's run made its first
     return out
 
 
@@ -493,7 +493,8 @@ def plan_text(budget: Budget, items: list[Run | Choice], epsilons: dict[str, flo
                      + " ".join(run.overrides))
     lines.append(f"estimated wall time: ~{total / 3600:.1f} h for {len(runs)} runs (each from scratch but for a "
                  "DPKD teacher reused within a repeat; cached stages take less; the kept candidates' test "
-                 "perplexities and the private choices' scoring, a minute or two each, are not in it)")
+                 "perplexities and the private choices' scoring are not in it: seconds on the validation split, "
+                 "minutes on training + validation records, 2.5-5 on builtin Yelp and 8-12 on SmolLM2's)")
     return "\n".join(lines)
 
 
