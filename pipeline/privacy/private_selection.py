@@ -28,7 +28,7 @@ candidate's loss on records it trained on can read low, so a candidate that fits
 closely could look better than it is; here the candidates are students that never trained on a
 private record, and the DP teacher they share reads each record only as DP-SGD allows. On the
 builtin Yelp study's DP-SGD and DPKD candidates, which did train on them, the exact training
-and validation scores put the same candidate first in each of the 7 repeats scored
+and validation scores put the same candidate first in each of the 5 repeats scored
 (experiments/selection_split.py, docs/privacy.md).
 
 The noise comes from a secret generator (pipeline/privacy/noise.py), never from the config's
