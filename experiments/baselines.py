@@ -569,6 +569,10 @@ def main(argv: list[str]) -> int:
                         continue
                     failed.append(f"{item.row} r{item.repeat} {item.split} choice (candidates missing)")
                     continue
+                if not all(r.get("run_dir") for r in runs):  # lines transcribed after a lost checkout: no models
+                    failed.append(f"{item.row} r{item.repeat} {item.split} choice (its runs were transcribed "
+                                  "without their directories; make them again to choose among them)")
+                    continue
                 print(f"== {item.row} r{item.repeat}: private choice among {grid.k} candidates on the {item.split} "
                       "records", flush=True)
                 result = private_choice(args.config, args.overrides, item, runs, selection_epsilon, grid)
