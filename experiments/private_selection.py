@@ -47,6 +47,12 @@ def _phi(x: float) -> float:
     return 0.5 * (1 + math.erf(x / math.sqrt(2)))
 
 
+def exact_score(student, scorer) -> float:
+    """A candidate's clipped mean per-unit loss: the release's value before its noise (a study figure)."""
+    nll, count = nll_by_owner(student, scorer.records, scorer.owners, scorer.n, 32)
+    return float(torch.from_numpy(nll / count.clip(min=1)).clamp(0, scorer.clip).mean())
+
+
 def study(run: Path, epsilons: list[float], clip: float) -> dict:
     cfg = load_config(str(run / "config.yaml"))
     require_data(cfg, "experiments/private_selection.py", str(run / "config.yaml"))
@@ -69,8 +75,7 @@ def study(run: Path, epsilons: list[float], clip: float) -> dict:
             if i == 0:
                 exact = {}
                 for n, s in students.items():  # the exact clipped means: a study figure, see above
-                    nll, count = nll_by_owner(s, scorer.records, scorer.owners, scorer.n, 32)
-                    exact[n] = float(torch.from_numpy(nll / count.clip(min=1)).clamp(0, clip).mean())
+                    exact[n] = exact_score(s, scorer)
                 out["units"], out["validation_score"] = scorer.n, exact
                 out["one_noisy_draw"] = scorer.release(students, 32, lambda: torch.autocast("cpu", enabled=False))
             sd = scorer.z * clip / scorer.n

@@ -41,22 +41,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.baselines import _stage_output  # noqa: E402
+from experiments.private_selection import exact_score  # noqa: E402
 from experiments.shared import read_results, require_data  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.models.base import load_causal_lm, load_tokenizer  # noqa: E402
-from pipeline.models.scoring import nll_by_owner  # noqa: E402
 from pipeline.privacy import private_selection  # noqa: E402
 from pipeline.privacy.ledger import read_ledger  # noqa: E402
 from pipeline.records import split_key  # noqa: E402
 from pipeline.stages.data import prepare_data  # noqa: E402
 
 DRAWS = 200_000
-
-
-def exact_score(student, scorer, clip: float) -> float:
-    """A candidate's clipped mean per-unit loss: the release's value before its noise."""
-    nll, count = nll_by_owner(student, scorer.records, scorer.owners, scorer.n, 32)
-    return float(torch.from_numpy(nll / count.clip(min=1)).clamp(0, clip).mean())
 
 
 def keeps_best(scores: dict[str, float], sd: float, test: dict[str, float], rng) -> tuple[float, float]:
@@ -104,7 +98,7 @@ def main() -> int:
             for name, path in models.items():
                 student = load_causal_lm(str(path)).eval()
                 for split, scorer in scorers.items():
-                    score[split][name] = exact_score(student, scorer, clip)
+                    score[split][name] = exact_score(student, scorer)
             test = {r["candidate"]: r["student"] for r in group}
             n_val, n_train = scorers["validation"].n, scorers["train"].n
             both = {c: (n_val * score["validation"][c] + n_train * score["train"][c]) / (n_val + n_train) for c in test}

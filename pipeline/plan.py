@@ -148,7 +148,7 @@ def _selection_entry(cfg: PipelineConfig, delta: float, n_validation: int, n_tra
     entry = private_selection.ledger_entry(
         z=z, candidates=len(d.candidates), n=n, clip=d.selection_clip, target_epsilon=d.selection_epsilon,
         delta=delta, accountant=accountant, unit=unit, secure=cfg.teacher.secure_mode,
-        splits="validation" if d.selection_split == "validation" else "validation and training")
+        train=d.selection_split == "train+validation")
     return entry, z * d.selection_clip / max(n, 1)
 
 

@@ -118,11 +118,10 @@ def setup(spec: PrivateValidation, tok, *, candidates: int, epsilon: float, clip
     z, accountant = calibrate(epsilon, spec.delta, candidates, spec.accountant)
     unit = "record" if users is None else "user"
     owners = list(range(len(records))) if units is None else units.tolist()
-    splits = "validation" if spec.train is None else "validation and training"
     entry = ledger_entry(z=z, candidates=candidates, n=n, clip=clip, target_epsilon=epsilon, delta=spec.delta,
-                         accountant=accountant, unit=unit, secure=spec.secure_mode, splits=splits)
+                         accountant=accountant, unit=unit, secure=spec.secure_mode, train=spec.train is not None)
     return Scorer(TokenIds(records, spec.max_length, tok.pad_token_id), owners, n, clip, z, entry, spec.secure_mode,
-                  splits)
+                  splits_scored(spec.train is not None))
 
 
 def calibrate(epsilon: float, delta: float, candidates: int, accountant: str) -> tuple[float, str]:
@@ -130,13 +129,18 @@ def calibrate(epsilon: float, delta: float, candidates: int, accountant: str) ->
                              fewer="list fewer distill.candidates")
 
 
+def splits_scored(train: bool) -> str:
+    """The splits whose units the release scores, as the ledger note, selection.json and the report name them."""
+    return "validation and training" if train else "validation"
+
+
 def ledger_entry(*, z: float, candidates: int, n: int, clip: float, target_epsilon: float, delta: float,
-                 accountant: str, unit: str, secure: bool, splits: str = "validation") -> LedgerEntry:
+                 accountant: str, unit: str, secure: bool, train: bool = False) -> LedgerEntry:
     """The release's ledger entry: one Gaussian step per candidate at q = 1."""
     return monitor.gaussian_entry(
         STAGE, z=z, releases=candidates, delta=delta, accountant=accountant, unit=unit, secure=secure,
         note=f"the distilled student chosen on private records (distill.select_by="
-        f"private_validation): each of the {candidates} candidates' mean over the first {n} {splits} {unit}s "
+        f"private_validation): each of the {candidates} candidates' mean over the first {n} {splits_scored(train)} {unit}s "
         f"of each {unit}'s mean per-token loss clipped to [0, {clip:g}] nats, plus Gaussian noise of sd "
         f"z·{clip:g}/{n} = {z * clip / max(n, 1):.4g} (z={z:.4g} calibrated for ε={target_epsilon} over the "
         f"{candidates} scores); only the noisy scores are published",
