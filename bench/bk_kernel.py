@@ -5,9 +5,8 @@ the same operands without any factor (what a non-private step's weight gradient 
 Every linear shape of SmolLM2-135M (576 wide, MLP 1,536, 3 of 9 heads' width for k and v, the
 49,152-token head), random bf16 factors, C from U(0, 1) per example. Prints, per shape, the median
 time of each path over --repeats calls after 3 warm-up calls (autotuning included there), the
-ratios, and each path's error against float64 (relative Frobenius); then the kernel again with its
-chained candidates (bk_kernel.CHAIN_CONFIGS) offered to the autotuner too, and which candidate
-each autotuner chose. Needs a GPU with Triton:
+ratios, and each path's error against float64 (relative Frobenius); then which candidate the
+autotuner chose per shape. Needs a GPU with Triton:
 
     bash bench/device_run.sh python3 bench/bk_kernel.py --batch 512 --seq 128
 """
@@ -52,17 +51,12 @@ def main() -> None:
             times.append(start.elapsed_time(end) / 1e3)
         return statistics.median(times)
 
-    # the kernel with its shipped candidates, and with the chained ones offered too (each checked on the device)
-    bk_kernel.offer(bk_kernel.CONFIGS + bk_kernel.CHAIN_CONFIGS)
-    assert bk_kernel._runs_on(dev)
-    with_chain = bk_kernel._tuned
-    shipped = bk_kernel._autotuned([bk_kernel._config_key(c) for c in with_chain.configs if not c.kwargs["CHAIN"]])
-
+    assert bk_kernel._runs_on(dev)  # every candidate checked on the device
     print(f"{a.batch} x {a.seq} tokens, {torch.cuda.get_device_name()}, median of {a.repeats} calls")
     print("| layer | d → p | plain bf16 product (ms) | split (ms) | kernel (ms) | kernel / plain | kernel / split "
-          "| kernel, chained candidates too (ms) | split error | kernel error | its error, chained too |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    total = [0.0, 0.0, 0.0, 0.0]
+          "| split error | kernel error |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    total = [0.0, 0.0, 0.0]
     for name, d, p_ in SHAPES:
         x = torch.randn(a.batch, a.seq, d, device=dev).bfloat16()  # the layer's input a
         g = (torch.randn(a.batch, a.seq, p_, device=dev) * 1e-3).bfloat16()  # its output gradient
@@ -73,30 +67,22 @@ def main() -> None:
         kernel_use = bk_layers._MatmulUse(x, g, transposed=False, flat=False)
         assert split_use.split and kernel_use.kernel
         g2, x2 = g.reshape(-1, p_), x.reshape(-1, d)
-        bk_kernel._tuned = shipped
         rows = [timed(lambda: bk_layers._mm32(g2.t(), x2)), timed(lambda: split_use.weighted_sum(coef)),
                 timed(lambda: kernel_use.weighted_sum(coef))]
-        bk_kernel._tuned = with_chain
-        rows.append(timed(lambda: kernel_use.weighted_sum(coef)))
         want = sum(torch.einsum("b,btp,btd->pd", coef[i:i + 32].double(), g[i:i + 32].double(), x[i:i + 32].double())
                    for i in range(0, a.batch, 32))  # float64, 32 examples at a time
         def error(use) -> float:
             return ((use.weighted_sum(coef).double() - want).norm() / want.norm()).item()
-        bk_kernel._tuned = shipped
         err = [error(split_use), error(kernel_use)]
-        bk_kernel._tuned = with_chain
-        err.append(error(kernel_use))
         # a step: 30 layers' 7 linear maps (two of each shape where the row names two) and the head once
         total = [t + r * (1 if name == "lm_head" else 30 * (2 if "," in name else 1)) for t, r in zip(total, rows)]
         print(f"| {name} | {d} → {p_} | {rows[0] * 1e3:.2f} | {rows[1] * 1e3:.2f} | {rows[2] * 1e3:.2f} "
-              f"| {rows[2] / rows[0]:.2f} | {rows[2] / rows[1]:.2f} | {rows[3] * 1e3:.2f} "
-              f"| {err[0]:.1e} | {err[1]:.1e} | {err[2]:.1e} |")
+              f"| {rows[2] / rows[0]:.2f} | {rows[2] / rows[1]:.2f} | {err[0]:.1e} | {err[1]:.1e} |")
         del x, g, g2, x2, split_use, kernel_use, want
         torch.cuda.empty_cache()
-    for name, tuned in (("shipped", shipped), ("chained too", with_chain)):
-        print(f"autotuned, {name}: (M, N, ...) -> config:", {k: str(v) for k, v in tuned.cache.items()})
+    print("autotuned: (M, N, ...) -> config:", {k: str(v) for k, v in bk_kernel._tuned.cache.items()})
     print(f"a step's clipped sums (30 layers' 7 linear maps, the head once; ms): plain {total[0] * 1e3:.1f}, "
-          f"split {total[1] * 1e3:.1f}, kernel {total[2] * 1e3:.1f}, chained candidates too {total[3] * 1e3:.1f}")
+          f"split {total[1] * 1e3:.1f}, kernel {total[2] * 1e3:.1f}")
 
 
 if __name__ == "__main__":

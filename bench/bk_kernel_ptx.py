@@ -2,9 +2,8 @@
 and say whether its loop keeps a matrix product in flight. Triton's Hopper path issues each block's
 product asynchronously (wgmma) and waits for it before the product's first use; a plain chained
 product (acc = dot(x, y, acc)) waits with one product pending, so the next block's product runs
-meanwhile; bk's kernel without CHAIN uses each product at once (acc += c·dot), so it waits with
-none pending; with CHAIN it chains an example's blocks and scales once, at the example's last
-block, so it waits with none pending only there. Prints, for each, the loads' kind (cp.async: pipelined) and each wait's `pendings`. Needs Triton
+meanwhile; bk's kernel uses each product at once (acc += c·dot), so it waits with none pending.
+Prints, for each, the loads' kind (cp.async: pipelined) and each wait's `pendings`. Needs Triton
 (CUDA builds of torch bring it; on a CPU machine `pip install triton` into a folder of its own):
 
     PYTHONPATH=<folder with triton> .venv/bin/python bench/bk_kernel_ptx.py
@@ -60,15 +59,9 @@ def main() -> None:
     # as a launch specializes them: 16-byte aligned pointers, sizes and row strides divisible by 16, unit column strides
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9, 11)}
     print(f"Triton {triton.__version__}, sm_90, blocks 128 x 128 x 64, 8 warps, 3 stages")
-    for name, fn, chain in [("bk's kernel, CHAIN=False (acc += c * dot)", bk_kernel._scaled_sum_kernel, False),
-                            ("bk's kernel, CHAIN=True (chained, scaled at each example's last block)",
-                             bk_kernel._scaled_sum_kernel, True),
-                            ("chained, no factor", chained, None)]:
+    for name, fn in [("bk's kernel (acc += c * dot)", bk_kernel._scaled_sum_kernel), ("chained, no factor", chained)]:
         constexprs = {"BM": 128, "BN": 128, "BK": 64, "sxm": 1, "syn": 1}
-        sig = dict(signature)
-        if chain is not None:
-            constexprs["CHAIN"], sig["CHAIN"] = chain, "constexpr"
-        src = ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
+        src = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
         ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
         waits = re.findall(r"warp_group_dot_wait[^{]*\{pendings = (\d+)", ttgir)

@@ -86,8 +86,6 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
     "full-bk-onesum": ("DP full, book-keeping, one bf16 term per clipped sum", "full", "bk"),
     # bk on a GPU before bk_kernel: the clipped sum of bf16 factors as the split's two bf16 products
     "full-bk-split": ("DP full, book-keeping, the split's two products per clipped sum", "full", "bk"),
-    # bk with the kernel's chained candidates offered to its autotuner too (bk_kernel.CHAIN_CONFIGS)
-    "full-bk-chain": ("DP full, book-keeping, kernel with the chained candidates too", "full", "bk"),
     "bitfit-ghost": ("DP bitfit, ghost", "bitfit", "ghost"),
     "lora-ghost": ("DP lora r=8 (default targets), ghost", "lora", "ghost"),
     "full-ghost-nosamplers": ("DP full, ghost, no Conv1D/LayerNorm norm samplers", "full", "ghost"),
@@ -95,8 +93,7 @@ MODES = {  # name: (row label, teacher mode, grad_sample_mode; None = non-privat
 
 
 # bk with one piece swapped, for side-by-side measurements: named with --modes, never run by default
-TRIALS = ("full-bk-fp32", "full-bk-opacus-noise", "full-bk-one-stream", "full-bk-onesum", "full-bk-split",
-          "full-bk-chain")
+TRIALS = ("full-bk-fp32", "full-bk-opacus-noise", "full-bk-one-stream", "full-bk-onesum", "full-bk-split")
 
 
 def one_term_sums() -> None:
@@ -158,13 +155,10 @@ def child(mode: str, a: argparse.Namespace) -> None:
         noise.cpu_draw = lambda *args: False
     if mode == "full-bk-onesum":
         one_term_sums()
-    if mode in ("full-bk-split", "full-bk-chain"):
+    if mode == "full-bk-split":
         from pipeline.privacy import bk_kernel
 
-        if mode == "full-bk-split":
-            bk_kernel.USE = False
-        else:
-            bk_kernel.offer(bk_kernel.CONFIGS + bk_kernel.CHAIN_CONFIGS)
+        bk_kernel.USE = False
     if mode == "full-bk-one-stream":  # every parameter's noise from the step's generator alone, on one thread
         noise.LANE_MIN = 2**63
     if mode == "full-ghost-nosamplers":  # the teacher stage registers the Conv1D samplers: not imported here

@@ -40,24 +40,18 @@ def available(t: torch.Tensor) -> bool:
     return USE and t.is_cuda and triton is not None and _runs_on(t.device)
 
 
-# The autotuner's candidates (BM, BN, BK, warps, stages, CHAIN), keyed per output shape. On an H200
-# at SmolLM2's shapes the first, second and fourth won (bench/bk_kernel.py); an accumulator per
-# example in a loop of its own never won and was dropped (docs/benchmarks.md).
-CONFIGS = [(64, 128, 64, 4, 3, False), (64, 64, 64, 4, 4, False), (128, 128, 64, 8, 3, False),
-           (128, 128, 128, 8, 3, False), (128, 128, 32, 4, 4, False), (128, 64, 64, 4, 3, False),
-           (128, 256, 64, 8, 3, False), (128, 64, 128, 4, 3, False)]
-# CHAIN: an example's blocks chained into one accumulator and scaled once, at its last block, where
-# the candidates above scale each block's product as it is added. Compiled for sm_90 only the chain
-# keeps a product in flight (bench/bk_kernel_ptx.py); the same sums under Triton's interpreter. Not
-# among the candidates until a GPU has timed them: bench/bk_kernel.py and bench/teacher_modes.py's
-# full-bk-chain add them (`offer`).
-CHAIN_CONFIGS = [(128, 128, 32, 8, 4, True), (128, 128, 64, 8, 3, True), (64, 128, 32, 4, 4, True),
-                 (64, 128, 64, 4, 3, True)]
+# The autotuner's candidates (BM, BN, BK, warps, stages), keyed per output shape. On an H200 at
+# SmolLM2's shapes the first, second and fourth won (bench/bk_kernel.py). Two variants never won
+# there and were dropped (docs/benchmarks.md): an accumulator per example in a loop of its own, and
+# an example's blocks chained into one accumulator scaled once at its last block (which keeps a
+# product in flight in sm_90 code, bench/bk_kernel_ptx.py, yet the step took the same time).
+CONFIGS = [(64, 128, 64, 4, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 32, 4, 4),
+           (128, 64, 64, 4, 3), (128, 256, 64, 8, 3), (128, 64, 128, 4, 3)]
 
 
 def _launch_options(config: tuple) -> dict:
-    bm, bn, bk, warps, stages, chain = config
-    return dict(BM=bm, BN=bn, BK=bk, CHAIN=chain, num_warps=warps, num_stages=stages)
+    bm, bn, bk, warps, stages = config
+    return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
 
 
 _CHECK_DTYPE = torch.bfloat16  # the factors' dtype; fp16 under Triton's interpreter, whose numpy has no bf16
@@ -105,19 +99,13 @@ def _runs_on(device: torch.device) -> bool:
 def _config_key(config) -> tuple:
     """A triton.Config as its CONFIGS tuple."""
     k = config.kwargs
-    return k["BM"], k["BN"], k["BK"], config.num_warps, config.num_stages, k["CHAIN"]
-
-
-def _autotuned(configs: list[tuple]):
-    return triton.autotune(key=["M", "N"], configs=[
-        triton.Config(dict(BM=bm, BN=bn, BK=bk, CHAIN=chain), num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s, chain in configs])(_scaled_sum_kernel)
+    return k["BM"], k["BN"], k["BK"], config.num_warps, config.num_stages
 
 
 if triton is not None:
     @triton.jit
     def _scaled_sum_kernel(X, Y, C, OUT, M, N, T, B, per_split, sxk, sxm, syk, syn,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CHAIN: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -127,7 +115,6 @@ if triton is not None:
         first = pid_s * per_split
         last = tl.minimum(first + per_split, B)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        part = tl.zeros((BM, BN), dtype=tl.float32)  # CHAIN: the current example's product so far
         for i in range(first * blocks, last * blocks):  # one loop over every block: Triton pipelines it
             e = i // blocks
             j = i - e * blocks  # the block's place in example e
@@ -136,25 +123,13 @@ if triton is not None:
             k_ok = rt < T
             x = tl.load(X + rows[:, None] * sxk + cols_x[None, :], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
             y = tl.load(Y + rows[:, None] * syk + cols_y[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if CHAIN:
-                part = tl.dot(tl.trans(x), y, part)
-                if j == blocks - 1:  # the example's last block: its factor, once
-                    acc += tl.load(C + e) * part
-                    part = tl.zeros((BM, BN), dtype=tl.float32)
-            else:
-                acc += tl.load(C + e) * tl.dot(tl.trans(x), y)  # (BM, BN): one example's block, then its factor
+            acc += tl.load(C + e) * tl.dot(tl.trans(x), y)  # (BM, BN): one example's block, then its factor
         out = OUT + (pid_s.to(tl.int64) * M + rm.to(tl.int64)[:, None]) * N + rn[None, :]  # M·N may pass 2³¹
         tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
-    _tuned = _autotuned(CONFIGS)
-
-
-def offer(configs: list[tuple]) -> None:
-    """Make `configs` the autotuner's candidates, before any use in this process (the benches' trials)."""
-    global CONFIGS, _tuned
-    CONFIGS = list(configs)
-    _tuned = _autotuned(CONFIGS)
-    _runs_on.cache_clear()
+    _tuned = triton.autotune(key=["M", "N"], configs=[
+        triton.Config(dict(BM=bm, BN=bn, BK=bk), num_warps=w, num_stages=s) for bm, bn, bk, w, s in CONFIGS
+    ])(_scaled_sum_kernel)
 
 
 @functools.cache
@@ -164,8 +139,8 @@ def _multiprocessors(device: torch.device) -> int:
 
 def scaled_sum(x: torch.Tensor, y: torch.Tensor, coef: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
     """Σᵢ coefᵢ·xᵢᵀ·yᵢ (M, N) in fp32, from x (B, T, M) and y (B, T, N) of one dtype and coef (B,) fp32.
-    The blocks are autotuned per output shape, or `blocks` as given (BM, BN, BK and CHAIN, and
-    optionally num_warps and num_stages): `_runs_on`'s check of each candidate, and the tests under
+    The blocks are autotuned per output shape, or `blocks` as given (BM, BN and BK, and optionally
+    num_warps and num_stages): `_runs_on`'s check of each candidate, and the tests under
     Triton's CPU interpreter, where nothing can be timed."""
     b, t, m = x.shape
     n = y.shape[2]
@@ -179,7 +154,7 @@ def scaled_sum(x: torch.Tensor, y: torch.Tensor, coef: torch.Tensor, blocks: dic
     def grid(meta):
         return triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]), groups
 
-    kernel = _tuned[grid] if blocks is None else functools.partial(_scaled_sum_kernel[grid], **{"CHAIN": False, **blocks})
+    kernel = _tuned[grid] if blocks is None else functools.partial(_scaled_sum_kernel[grid], **blocks)
     kernel(x2, y2, coef.float().contiguous(), part, m, n, t, b, per_split,
            x2.stride(0), x2.stride(1), y2.stride(0), y2.stride(1))
     return part[0] if groups == 1 else part.sum(0)
