@@ -41,7 +41,8 @@ def main() -> None:
             model = FAMILIES[fam](len(tok), tok.eos_token_id)
             model.save_pretrained(a.out / f"{fam}-{role}")
             tok.save_pretrained(a.out / f"{fam}-{role}")
-            print(f"{fam} {role}: {sum(p.numel() for p in model.parameters()):,} parameters -> {a.out / f'{fam}-{role}'}")
+            size = sum(w.numel() for w in model.parameters())
+            print(f"{fam} {role}: {size:,} parameters -> {a.out / f'{fam}-{role}'}")
 
 
 if __name__ == "__main__":

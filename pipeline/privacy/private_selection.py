@@ -140,7 +140,8 @@ def ledger_entry(*, z: float, candidates: int, n: int, clip: float, target_epsil
     return monitor.gaussian_entry(
         STAGE, z=z, releases=candidates, delta=delta, accountant=accountant, unit=unit, secure=secure,
         note=f"the distilled student chosen on private records (distill.select_by="
-        f"private_validation): each of the {candidates} candidates' mean over the first {n} {splits_scored(train)} {unit}s "
+        f"private_validation): each of the {candidates} candidates' mean over the first {n} "
+        f"{splits_scored(train)} {unit}s "
         f"of each {unit}'s mean per-token loss clipped to [0, {clip:g}] nats, plus Gaussian noise of sd "
         f"z·{clip:g}/{n} = {z * clip / max(n, 1):.4g} (z={z:.4g} calibrated for ε={target_epsilon} over the "
         f"{candidates} scores); only the noisy scores are published",
