@@ -615,13 +615,13 @@ class DistillConfig(_Section):
         "[0, this] nats, so one unit moves a candidate's score by at most selection_clip / n; the noise "
         "scales with it.",
     )
-    selection_split: Literal["validation", "train+validation"] = Field(
-        "validation",
+    selection_split: Literal["train+validation", "validation"] = Field(
+        "train+validation",
         description="select_by=private_validation: the private records that score the candidates. "
-        "'validation': the validation split alone. 'train+validation': the validation units and the "
-        "training units (about 20x the units at data.validation_fraction 0.05, so about 20x less noise on "
-        "each score at the same ε; on builtin Yelp it ranked the candidates far better, but missed the "
-        "bar set for it before its results, so it is not the default: docs/baselines.md, docs/privacy.md).",
+        "'train+validation': the validation units and the training units (about 20x the units at "
+        "data.validation_fraction 0.05, so about 20x less noise on each score at the same ε; in the "
+        "comparison planned for it, docs/baselines.md's third plan, its mean regret was below the validation "
+        "split's, windowed and per record: docs/privacy.md). 'validation': the validation split alone.",
     )
     selection_records: int | None = Field(
         None, ge=1,

@@ -271,18 +271,17 @@ def test_the_monitor_and_the_private_selection_are_named_and_counted_in_validati
     """`dpdistill plan` printed both releases as 'control codes: Gaussian histogram', and at user
     level sized them by validation records (SmolLM2 airline: noise sd 1.51 planned, 2.76 in the run,
     over 77 users, not 141 records). Here 120 reviews of 30 users, 4 each: 3 validation users, 12 records,
-    24 training users. With selection_split=train+validation the selection scores the training users too."""
+    24 training users. By default (selection_split) the selection scores the training users too."""
     tree = _tree(tmp_path, tiny_model_dir)
     tree["data"] = {"path": str(yelp_by_users(tmp_path)), "user_column": "author", "validation_fraction": 0.1, "test_fraction": 0.1}
     tree["teacher"].update(monitor="dp", batch_size=8, physical_batch_size=8)
-    tree["distill"].update(select_by="private_validation", candidates=[{"alpha": 0.4}, {"alpha": 1.0}],
-                           selection_split="train+validation")
+    tree["distill"].update(select_by="private_validation", candidates=[{"alpha": 0.4}, {"alpha": 1.0}])
     both = make_plan(config_from_dict(tree), timing=False)
     [selection] = [line for line in format_plan(both).splitlines() if line.startswith("  distillation-selection:")]
     assert "over the first 27 validation and training users" in selection
     assert both.selection_noise_sd == pytest.approx({e.stage: e for e in both.entries}["distillation-selection"]
                                                     .noise_multiplier * 10 / 27)
-    del tree["distill"]["selection_split"]  # the default: the validation split alone
+    tree["distill"]["selection_split"] = "validation"
     plan = make_plan(config_from_dict(tree), timing=False)
     text = format_plan(plan)
     assert text.count("control codes:") == 1

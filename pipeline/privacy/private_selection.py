@@ -3,7 +3,7 @@
 
 The default criterion (pipeline/stages/selection.py) reads DP outputs only and costs nothing.
 This one asks the records themselves: each candidate student's loss on the private validation
-split and, with distill.selection_split=train+validation, on the training split too,
+split and, by default (distill.selection_split=train+validation), on the training split too,
 which is what the test perplexity measures on other records of the same distribution. Those
 scores leave the stage only as one Gaussian release:
 

@@ -14,8 +14,8 @@ same vocabulary, and the synthetic token ids are fed to both.
 With several `candidates` (α, T, β, ...), one student is trained per candidate and the one
 closest to the DP teacher on texts it samples without truncation is kept
 (`pipeline.stages.selection`): post-processing too. With select_by=private_validation the
-choice is made instead on private records (the validation split, and the training split with
-distill.selection_split=train+validation), through an accounted Gaussian release
+choice is made instead on private records (the validation split, and by default the training
+split: distill.selection_split), through an accounted Gaussian release
 (`pipeline.privacy.private_selection`): the one way this stage reads a private record, and a
 ledger entry of its own.
 

@@ -111,7 +111,6 @@ def _private_selection_run(cfg):
 
     cfg = cfg.model_copy(deep=True)
     cfg.distill.select_by, cfg.distill.selection_epsilon = "private_validation", 0.5
-    cfg.distill.selection_split = "train+validation"  # the default scores the validation split alone
     run = Path(dp_distill(cfg))
     ledger = read_ledger(run / "ledger.json")
     assert [e.stage for e in ledger.entries] == ["control-codes", "teacher", "generation", "distillation", STAGE,
