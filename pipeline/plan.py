@@ -530,7 +530,8 @@ def _selection_odds(sd: float, unit: str) -> str:
     kept = 0.5 * (1 + math.erf(gap / (math.sqrt(2) * sd) / math.sqrt(2)))
     return (f"of two candidates 10 % apart in validation perplexity ({gap:.3f} nats of mean loss), the private "
             f"choice keeps the better with probability {kept:.2f} (0.50 is a coin toss): more scored {unit}s "
-            "(distill.selection_split=train+validation, data.validation_fraction), a larger "
+            "(the training split too: distill.selection_split=train+validation, the default; "
+            "data.validation_fraction), a larger "
             "distill.selection_epsilon or fewer candidates narrow its noise; select_by=teacher_kl reads no private "
             "record")
 
