@@ -105,9 +105,8 @@ def test_monitor_dp_is_an_accounted_gaussian_release_composed_into_the_total(spl
 def test_released_values_carry_noise_of_the_calibrated_size():
     """Over 2,000 draws of the mechanism itself: centred on the exact clipped mean, with sd
     z·clip/n, from the secret generator (both kinds). The keys are fresh entropy, so each bound is
-    six standard errors (a false failure about once in 10^9 runs; at 400 draws and about four, CI
-    failed once on a correct mechanism): a sample sd has relative standard error 1/√(2(draws-1)),
-    1.6 % here, so an sd wrong by 10 % still fails."""
+    six standard errors (a false failure about once in 10^9 runs): a sample sd has relative
+    standard error 1/√(2(draws-1)), 1.6 % here, so an sd wrong by 10 % still fails."""
     losses = torch.tensor([2.0, 3.5, 4.0, 50.0, 1.0, 0.5, 6.0, 3.0])  # one record above the clip
     clip, z, n, k = 10.0, 3.0, 8, 2000
     exact = losses.clamp(0, clip).double().mean().item()
