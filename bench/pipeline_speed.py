@@ -8,7 +8,7 @@ Generation: the builtin teacher samples `--gen-samples` texts (max_length 128, t
 Compared: new tokens per second (the engines sample one distribution, so samples/s follows);
 `generation_x` is the fast engine at 256 rows over the reference.
 
-Distillation: two builtin students (the demo's candidates, α = 0.4 and α = 1) learn from
+Distillation: two builtin students (candidates α = 0.4 and α = 1, as the studies ran) learn from
 `--distill-samples` synthetic samples of the builtin teacher (written first by the fast
 engine), teacher logits on the fly, the same shuffled batches and steps. The reference is
 the stage as it was: one candidate after the other, each step as `_padded_step` below (each
@@ -165,7 +165,7 @@ def distill_child(recipe: str, epochs: int, tmp: Path) -> dict:
 
 def bench_distillation(samples: int, epochs: int, rounds: int, tmp: Path) -> float:
     """Training samples/s of the new recipe over the reference's, summed over alternating rounds:
-    the demo's two candidates (α = 0.4 and α = 1), each a student trained on every sample; each
+    two candidates (α = 0.4 and α = 1, as the studies ran), each a student trained on every sample; each
     recipe in a fresh process of its own (`distill_child`)."""
     codes = tmp / "codes.json"
     codes.write_text(json.dumps({"counts": CODES}))

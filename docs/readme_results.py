@@ -132,6 +132,8 @@ def perplexity_table(run_dir: Path) -> tuple[list[str], dict]:
                 rule = "chosen by the rule" if selection.get("select_by") == "teacher_kl" else \
                     f"chosen by {selection.get('select_by')}"
                 how = f" ({_settings(selection, selection['chosen'])}, {rule})"
+            elif metrics.get("method", "distil") == "distil" and "alpha" in (config.get("distill") or {}):
+                how = f" (α = {config['distill']['alpha']:g})"
             method = metrics.get("method", key.removeprefix("student_"))
             label = "distilled student" if method == "distil" else f"student ({method})"
             rows.append(f"| **{label}**{how} | **{m['windowed']:.1f}** | {m['per_record_mean']:.1f} | "

@@ -425,8 +425,8 @@ def private_choice(config: str, overrides: list[str], choice: Choice, runs: list
 def ours_from_confirmation(lines: list[dict], grid: Grid, source: str) -> list[dict]:
     """experiments/confirmation.py's `ours` runs as this study's `ours` row: the same runs where
     the confirmation ran the grid's candidates under the zero-cost rule and kept them (scored each
-    on the test split). On the SmolLM2 configs, whose default candidates are the k2 grid's α, its
-    three runs are that row; running them again would spend three hours to repeat them. Raises
+    on the test split). On the SmolLM2 configs, where the confirmation's candidates (RULE_CANDIDATES)
+    are the k2 grid's α, its three runs are that row; running them again would spend three hours to repeat them. Raises
     ValueError naming the run whose candidates or rule differ."""
     out = []
     for r in (r for r in lines if r.get("row") == "ours"):

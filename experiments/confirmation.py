@@ -37,10 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.shared import (  # noqa: E402  the data in ../shared
-    add_results_option, append_result, finish, read_results, refresh_selections, require_data, selection_of)
+    RULE_CANDIDATES, add_results_option, append_result, finish, read_results, refresh_selections, require_data,
+    selection_of)
 # (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
 ROWS = {
-    "ours": (("distill.method=distil", "distill.keep_candidates=true"), "control-codes"),
+    "ours": (("distill.method=distil", RULE_CANDIDATES, "distill.keep_candidates=true"), "control-codes"),
     "DP-SGD": (("distill.method=dp_sgd",), "dp-student"),
     # the teacher's target is split in two halves; 3.0 composes to ≈ 1.98 on airline
     # (`dpdistill plan --config configs/airline.yaml distill.method=dpkd teacher.target_epsilon=3.0`)

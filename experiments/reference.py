@@ -51,12 +51,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import require_data  # noqa: E402  the data in ../shared
+from experiments.shared import RULE_CANDIDATES, require_data  # noqa: E402  the data in ../shared
 
 EXPERIMENTS = ("table", "fig3", "epsilon")
 # `ours` also scores the code adherence of 500 synthetic samples with its DP teacher (the other
 # rows skip it: DP-Syn, ours+MSE and the Figure 3 sizes share that teacher and generation).
-OURS = ("distill.method=distil", "evaluate.adherence_samples=500")
+OURS = ("distill.method=distil", RULE_CANDIDATES, "evaluate.adherence_samples=500")
 NO_ADHERENCE = "evaluate.adherence_samples=0"
 # Table 2's trained rows, `ours` first: DP-Syn and ours+MSE then find its teacher and data cached.
 TABLE_ROWS = {

@@ -21,6 +21,7 @@ from pipeline.privacy.ledger import read_ledger
 def test_flow_end_to_end(prefect_server, tiny_config):
     """The flow writes the run directory and publishes the ledger and metrics artifacts."""
     tiny_config.data.keep_private_copies = True  # the leak check below reads the splits
+    tiny_config.distill.candidates = [{"alpha": 0.4}, {"alpha": 1.0}]  # the selection and its artifact, end to end
     state = dp_distill(tiny_config, return_state=True)
     assert state.is_completed()
     run = Path(state.result())
@@ -70,7 +71,7 @@ def test_flow_end_to_end(prefect_server, tiny_config):
         assert 0 <= result["share"] <= 1 and result["chance"] == pytest.approx(1 / len(values))
         assert list(result["values"]) == values and sum(v["n"] for v in result["values"].values()) == result["n"]
     assert 0 <= adherence["all_columns"] <= adherence["overall"] <= 1  # every column scored on every sample
-    # The student was chosen among the default candidates by the post-processing criterion (issue 20),
+    # The student was chosen among the candidates by the default post-processing criterion (issue 20),
     # and a classifier trained on the synthetic text was tested on the real test split's codes.
     selection = metrics["selection"]
     assert [r["candidate"] for r in selection["candidates"]] == ["alpha=0.4", "alpha=1.0"]

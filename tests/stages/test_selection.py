@@ -107,8 +107,8 @@ def test_candidates_are_checked_when_the_config_loads(tmp_path):
 
 def test_a_setting_every_candidate_overrides_is_warned_about(caplog):
     with caplog.at_level("WARNING", logger="pipeline.config"):
-        DistillConfig(alpha=0.7)
-        DistillConfig(alpha=0.7, candidates=[])  # one setting: alpha is used, nothing to say
+        DistillConfig(alpha=0.7, candidates=[{"alpha": 0.4}, {"alpha": 1.0}])
+        DistillConfig(alpha=0.7)  # no candidates (the default): alpha is used, nothing to say
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "distill.alpha set, but distill.candidates sets it too" in warned[0]
 
@@ -116,7 +116,7 @@ def test_a_setting_every_candidate_overrides_is_warned_about(caplog):
 def test_dpkd_says_it_reads_alpha_not_the_candidates(caplog):
     """DPKD's KD loss takes distill.alpha: the candidates' warning must not claim they are used."""
     with caplog.at_level("WARNING", logger="pipeline.config"):
-        DistillConfig(method="dpkd", alpha=0.7)  # the default candidates, not set: nothing to say
+        DistillConfig(method="dpkd", alpha=0.7)  # candidates not set: nothing to say
         DistillConfig(method="dpkd", alpha=0.7, candidates=[{"alpha": 0.4}, {"alpha": 1.0}])
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "distill.method=dpkd trains one DP-SGD student and never reads it" in warned[0]
