@@ -697,6 +697,13 @@ class DistillConfig(_Section):
                     " (its KD loss takes distill.alpha and distill.temperature)" if self.method == "dpkd" else "",
                 )
             return self
+        # ("candidates" set to [] is a candidate's own section, candidate_configs: not the user's)
+        unchosen = len(self.candidates) == 1 or "candidates" not in self.model_fields_set
+        if unchosen and "select_by" in self.model_fields_set and self.method == "distil":
+            log.warning(
+                "distill.select_by=%s set, but distill.candidates lists %s: nothing is chosen (and nothing "
+                "released); list the settings to choose among, e.g. distill.candidates=[{alpha: 0.4}, {alpha: 1.0}]",
+                self.select_by, "one setting" if self.candidates else "none")
         if not self.candidates and self.alpha == 1 and self.kl_skip_tokens != 0 and self.method == "distil":
             log.warning(
                 "distill.alpha=1 with distill.kl_skip_tokens=%s: the tokens the KL skips (the control-code "

@@ -147,6 +147,18 @@ def test_alpha_defaults_to_the_kl_alone_for_ours_and_to_0_4_for_dpkd(caplog):
     assert "kl_skip_tokens=5" in warned and "no training signal" in warned
 
 
+def test_a_selection_without_candidates_is_warned_about(caplog):
+    """select_by with the default (no candidates) chooses nothing and releases nothing: said once."""
+    from pipeline.config import DistillConfig
+
+    with caplog.at_level("WARNING", logger="pipeline.config"):
+        DistillConfig(select_by="private_validation", candidates=[{"alpha": 0.4}, {"alpha": 1.0}])
+        assert not caplog.records
+        DistillConfig(select_by="private_validation")
+    [warned] = [r.getMessage() for r in caplog.records]
+    assert "distill.select_by=private_validation set, but distill.candidates lists none" in warned
+
+
 def test_the_defaults_docs_pipeline_md_gives_are_the_configs():
     """Issue 37: docs/pipeline.md gave kl_skip_tokens 5 and α 0.4 as defaults long after they
     changed. Every "`distill.FIELD` (default VALUE" there is checked against DistillConfig, and

@@ -16,6 +16,7 @@ from experiments.reference import (
     FULL, Row, TABLE_ORDER, append_result, build_rows, epsilon_points, fig3_points, finished, format_report,
     main, read_results, table2, write_plots,
 )
+from experiments.shared import RULE_CANDIDATES
 
 
 def _result(row: Row, run_dir: Path, student: float, *, teacher=30.0, base=70.0, samples=None, **extra) -> dict:
@@ -47,12 +48,13 @@ def test_rows_cover_the_three_experiments_and_overrides_compose():
     assert rows[0].label == "ours"  # first: the other synthetic rows find its teacher and data cached
     by = {(r.experiment, r.label): r for r in rows}
     # global overrides first, the experiment's next, the row's own last (they win)
-    assert by["fig3", "n=1000"].overrides == ("seed=1", "distill.epochs=3", "distill.method=distil",
+    assert by["fig3", "n=1000"].overrides == ("seed=1", "distill.epochs=3", "distill.method=distil", RULE_CANDIDATES,
                                                "evaluate.adherence_samples=500", "distill.num_synthetic=1000",
                                                "evaluate.adherence_samples=0")
     assert by["epsilon", "ε=4"].overrides[-2:] == ("teacher.target_epsilon=4", "generate.num_samples=4000")
-    assert by["table", "ours+MSE"].overrides == ("seed=1", "distill.method=distil", "evaluate.adherence_samples=500",
-                                                 "distill.beta=1.0", "evaluate.adherence_samples=0")
+    assert by["table", "ours+MSE"].overrides == ("seed=1", "distill.method=distil", RULE_CANDIDATES,
+                                                 "evaluate.adherence_samples=500", "distill.beta=1.0",
+                                                 "evaluate.adherence_samples=0")
     assert by["table", "DPKD"].overrides[-1] == "teacher.target_epsilon=2.9"  # its composed total: the others'
     plain = {(r.experiment, r.label): r for r in build_rows()}
     assert plain["fig3", FULL].overrides == plain["table", "ours"].overrides  # the same run: reused

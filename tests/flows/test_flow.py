@@ -222,6 +222,8 @@ def test_the_flow_plans_once_and_hands_each_dp_sgd_stage_its_plan(prefect_server
 
     tree = tiny_pipeline_dict(tmp_path)
     tree["distill"]["method"] = method
+    if method == "distil":
+        tree["distill"]["candidates"] = [{"alpha": 0.4}, {"alpha": 1.0}]
     tree["privacy"] = {"max_epsilon": 100.0}  # every DP stage checks the run's plan before it computes
     cfg = config_from_dict(tree)
     plans, calibrations, candidates = [], [], []

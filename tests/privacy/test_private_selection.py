@@ -115,7 +115,8 @@ def test_the_planned_release_composes_into_the_run_total(tmp_path):
     more Gaussian history, composed by the accountant with the codes' and the teacher's."""
     tree = tiny_pipeline_dict(tmp_path)
     plain = make_plan(config_from_dict(tree), timing=False)
-    tree["distill"] |= {"select_by": "private_validation", "selection_epsilon": 0.5}
+    tree["distill"] |= {"select_by": "private_validation", "selection_epsilon": 0.5,
+                        "candidates": [{"alpha": 0.4}, {"alpha": 1.0}]}
     plan = make_plan(config_from_dict(tree), timing=False)
     stages = [e.stage for e in plan.entries]
     assert stages == [*(e.stage for e in plain.entries), private_selection.STAGE]
