@@ -199,9 +199,9 @@ def _eps(values: list[float]) -> str:
 
 
 TEXT_NOTE = ("The same tables with each student's test perplexity on the text alone: the control-code header "
-             "left out of the targets. The distillation KL skips the header (a prompt the teacher was given), so a "
-             "candidate of ours with α < 1, and DP-SGD, which trains on whole records, learn to predict it and the "
-             "windowed figure counts that; the text alone is what the student writes.")
+             "left out of the targets. Every student learns the header (DP-SGD from the records, ours from the DP "
+             "teacher's prediction of it and, with α < 1, from the codes each sample was prompted with) and the "
+             "windowed figure counts it; the text alone is what the student writes.")
 
 
 RECORD_NOTE = ("The same tables with each student's per-record test perplexity, token-weighted: each record "

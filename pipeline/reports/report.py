@@ -277,9 +277,9 @@ def _selection(metrics: dict | None) -> str:
         out += _table(header, rows)
         if text:
             out += _note("Text alone: the same test perplexity with the control-code header left out of the "
-                         "targets. The KL skips the header (a prompt the teacher was given, not text it wrote), so only "
-                         "the cross-entropy part, (1 - α), trains the student on it: a candidate with α < 1 can "
-                         "win on the windowed figure by the header alone, a large share of a short record.")
+                         "targets. On the header the KL fits the DP teacher's prediction of the codes and the "
+                         "cross-entropy part, (1 - α), the codes each sample was prompted with: a candidate with "
+                         "α < 1 can win on the windowed figure by the header alone, a large share of a short record.")
     return out
 
 
@@ -473,8 +473,9 @@ def _methods(run_dir: Path) -> str:
     header = ["run", "method", "student windowed test perplexity", "on the text alone", "ε (ledger total)"]
     return _note(text, cls) + _table(header, rows) + _note(
         "On the text alone: the control-code header left out of the targets. The two figures can rank the methods "
-        "differently: DP-SGD trains on whole records, header included, the distillation KL skips the header, and "
-        "the windowed figure also scores tokens across record boundaries (docs/pipeline.md, \"When to distil\").")
+        "differently: DP-SGD trains on whole records, header included, the distillation learns the header from the "
+        "DP teacher's prediction of it, and the windowed figure also scores tokens across record boundaries "
+        "(docs/pipeline.md, \"When to distil\").")
 
 
 def _timings(metrics: dict | None) -> str:
