@@ -668,13 +668,14 @@ class DistillConfig(_Section):
                 raise ConfigError(f"distill.candidates[{i}] = {c!r}:\n{_format_errors(e)}") from e
         return out
 
-    @model_validator(mode="before")
-    @classmethod
-    def _dpkd_alpha(cls, data: Any) -> Any:
-        """DPKD's α when unset: 0.4 (the field's description); ours' default stays 1."""
-        if isinstance(data, dict) and data.get("method") == "dpkd" and data.get("alpha") is None:
-            return {**data, "alpha": 0.4}
-        return data
+    @model_validator(mode="after")
+    def _alpha_of_the_method(self) -> "DistillConfig":
+        """α when unset follows the method, also when the method is assigned later: 0.4 for DPKD,
+        1 otherwise (the field's description). Written past validate_assignment, which would call
+        this again."""
+        if "alpha" not in self.model_fields_set:
+            self.__dict__["alpha"] = 0.4 if self.method == "dpkd" else 1.0
+        return self
 
     @model_validator(mode="after")
     def _top_k_without_hidden_mse(self) -> "DistillConfig":

@@ -138,6 +138,9 @@ def test_alpha_defaults_to_the_kl_alone_for_ours_and_to_0_4_for_dpkd(caplog):
 
     assert DistillConfig().alpha == 1.0 and DistillConfig().candidates == []
     assert DistillConfig(method="dpkd").alpha == 0.4 and DistillConfig(method="dpkd", alpha=1.0).alpha == 1.0
+    assigned = DistillConfig()
+    assigned.method = "dpkd"  # the method set after the section is built: α follows it while unset
+    assert assigned.alpha == 0.4
     with caplog.at_level("WARNING", logger="pipeline.config"):
         DistillConfig(alpha=0.4, kl_skip_tokens=5)
         DistillConfig(kl_skip_tokens=0)
