@@ -258,8 +258,12 @@ def test_every_clipping_mode_trains_the_same_teacher(splits, tiny_model_dir, tmp
     assert f"{mode} clipping" in other.ledger.note
     assert other.ledger.epsilon == ghost.ledger.epsilon and other.ledger.steps == ghost.ledger.steps
     want, got = _weights(ghost.checkpoint), _weights(other.checkpoint)
+    # Adam moves each weight by about lr (1e-3) a step whatever its gradient's size, so where a
+    # coordinate's gradient is near zero, float-order differences between the modes (threaded
+    # reductions) can move it by a few % of a step: 4.4e-5 once in one of 4,096 weights. At a
+    # tenth of a step, bk with its per-example norms 2 % off still fails (2.3e-3 in the head).
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5,
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
     assert any(not torch.equal(want[k], v) for k, v in _weights(tiny_model_dir).items() if k in want)
 
