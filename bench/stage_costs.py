@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.devices import Runtime  # noqa: E402
 from pipeline.models.base import build_base_models, resolve_model  # noqa: E402
+from pipeline.methods import method_spec  # noqa: E402
 from pipeline.plan import dp_sgd_budgets  # noqa: E402
 from pipeline.privacy.control_codes import release_control_codes  # noqa: E402
 from pipeline.records import split_key  # noqa: E402
@@ -87,7 +88,7 @@ def main() -> None:
         overrides += [f"teacher.model={shaped / 'teacher'}", f"distill.student_model={shaped / 'student'}"]
         random_models(Path(a.shape_of), shaped, a.student_layers)
     cfg = load_config(a.config, overrides)
-    if cfg.distill.method != "distil":
+    if not method_spec(cfg.distill.method).ours:
         sys.exit("stage_costs.py runs method=distil (the pipeline's own) only")
     rt = Runtime.from_config(cfg)
     rt.apply_threads()

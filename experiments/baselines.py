@@ -76,6 +76,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.baselines_report import report  # noqa: E402
 from experiments.shared import (  # noqa: E402  the data in ../shared
     add_results_option, append_result, finish, read_results, refresh_selections, require_data, selection_of)
+from pipeline.methods import DISTIL, DP_SGD, DPKD, method_spec  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,7 @@ DEFAULT_GRID = GRIDS["k4"]
 OURS_ALPHAS = DEFAULT_GRID.ours_alphas
 ROWS = ("ours", "dpsgd", "dpsgddep", "ourspriv", "dpkd", "dpkddep")
 """The order of one repeat's runs: the zero-cost row and the cheap DP-SGD first."""
-METHOD = {"ours": "distil", "ourspriv": "distil", "dpsgd": "dp_sgd", "dpsgddep": "dp_sgd",
-          "dpkd": "dpkd", "dpkddep": "dpkd"}
+METHOD = {"ours": DISTIL, "ourspriv": DISTIL, "dpsgd": DP_SGD, "dpsgddep": DP_SGD, "dpkd": DPKD, "dpkddep": DPKD}
 SHARED = ("dpsgddep", "dpkddep")
 """The rows whose K candidate runs and private choice share the total ε."""
 SPLITS = ("validation", "train+validation")
@@ -131,11 +131,11 @@ class Candidate:
 def candidates(cfg, row: str, grid: Grid = DEFAULT_GRID) -> list[Candidate]:
     """The row's candidate settings (module docstring), from the config's teacher section."""
     t = cfg.teacher
-    if METHOD[row] == "dp_sgd":
+    if METHOD[row] is DP_SGD:
         return [Candidate(f"lr={lr * t.learning_rate:g},epochs={e * t.epochs}",
                           (f"teacher.learning_rate={lr * t.learning_rate:g}", f"teacher.epochs={e * t.epochs}"))
                 for lr, e in grid.dpsgd]
-    if METHOD[row] == "dpkd":  # one learning rate's candidates next to each other: they share its teacher
+    if METHOD[row] is DPKD:  # one learning rate's candidates next to each other: they share its teacher
         return [Candidate(f"alpha={a},lr={lr * t.learning_rate:g}",
                           (f"distill.alpha={a}", f"teacher.learning_rate={lr * t.learning_rate:g}"))
                 for a, lr in grid.dpkd]
@@ -143,8 +143,8 @@ def candidates(cfg, row: str, grid: Grid = DEFAULT_GRID) -> list[Candidate]:
 
 
 def row_overrides(row: str, selection_epsilon: float, grid: Grid = DEFAULT_GRID) -> list[str]:
-    out = [f"distill.method={METHOD[row]}"]
-    if METHOD[row] == "distil":
+    out = [f"distill.method={METHOD[row].name}"]
+    if METHOD[row] is DISTIL:
         alphas = ", ".join(f"{{alpha: {a}}}" for a in grid.ours_alphas)
         out += ["distill.keep_candidates=true", f"distill.candidates=[{alphas}]"]
     if row == "ourspriv":  # its run's own choice: the validation split alone, as pre-registered (SPLITS)
@@ -283,9 +283,9 @@ class Run:
         cache holds). A DPKD candidate reruns its teacher unless the repeat's earlier one just did."""
         if self.repeat == 1:
             return None
-        if METHOD[self.row] == "distil":
+        if METHOD[self.row] is DISTIL:
             return "control-codes"
-        return "teacher" if METHOD[self.row] == "dpkd" and not self.shares_teacher else "dp-student"
+        return "teacher" if METHOD[self.row] is DPKD and not self.shares_teacher else "dp-student"
 
 
 @dataclass(frozen=True)
@@ -307,7 +307,7 @@ def schedule(cfg, rows: list[str], repeats: int, epsilons: dict[str, float],
             for i, c in enumerate(cands):
                 overrides = (*row_overrides(row, selection_epsilon, grid), *c.overrides,
                              f"teacher.target_epsilon={epsilons[row]:.6g}")
-                shares = METHOD[row] == "dpkd" and c.teacher in [e.teacher for e in cands[:i]]
+                shares = METHOD[row] is DPKD and c.teacher in [e.teacher for e in cands[:i]]
                 out.append(Run(row, k, i + 1, c, overrides, shares))
             out += [Choice(row, k, split) for split in SPLITS
                     if row in SHARED or (row == "ourspriv" and split != "validation")]  # ourspriv's run made its first
@@ -388,7 +388,7 @@ def private_choice(config: str, overrides: list[str], choice: Choice, runs: list
         ledgers = {r["candidate"]: read_ledger(Path(r["run_dir"]) / "ledger.json") for r in runs}
         by_name = {c.name: c for c in candidates(cfg, choice.row, grid)}
         teachers = None  # DP-SGD's runs train no teacher (their stages.json has none)
-        if METHOD[choice.row] == "dpkd":
+        if METHOD[choice.row] is DPKD:
             teachers = {r["candidate"]: str(_stage_output(Path(r["run_dir"]), "teacher")) for r in runs}
         entries = unique_releases([(by_name[n], led.entries) for n, led in ledgers.items()], teachers)
         if teachers and len({teachers[n] for n in ledgers}) > len({by_name[n].teacher for n in ledgers}):
@@ -460,7 +460,7 @@ def _time_key(cfg) -> tuple:
     """What the plan's time of a run depends on (not its ε, learning rate, α or select_by: the plan
     leaves the private scoring out), so that runs alike are timed once, alike."""
     d = cfg.distill
-    return d.method, cfg.teacher.epochs, len(d.candidates) if d.method == "distil" else 0
+    return d.method, cfg.teacher.epochs, len(d.candidates) if method_spec(d.method).distils else 0
 
 
 def plan_text(budget: Budget, items: list[Run | Choice], epsilons: dict[str, float], corpus: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -39,12 +40,15 @@ from pipeline.preflight import require_inputs
 from pipeline.preflight_models import require_models
 from pipeline.privacy.budget import dataset_total, read_budget, store_total
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
-from pipeline.privacy.ledger import (LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, compose, post_processing,
-                                     with_pld_epsilons, write_ledger)
+from pipeline.methods import Method, method_spec
+from pipeline.models.base import BaseModels
+from pipeline.privacy.control_codes import CodesResult
+from pipeline.privacy.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, RunLedger, post_processing
 from pipeline.reports.model_card import write_model_card
 from pipeline.reports.report import write_report
-from pipeline.stages.data import delete_private_copies
+from pipeline.stages.data import DataResult, delete_private_copies
 from pipeline.stages.distill import DistillResult
+from pipeline.stages.generate import GenerateResult
 from pipeline.stages.teacher.state import TeacherResult
 
 route_server_output()  # the temporary server's lines through logging (flows/run_log.py)
@@ -138,82 +142,113 @@ def _dataset_total(budget, run_total: LedgerTotal | None, accountant: str) -> Le
     return dataset_total(budget, accountant, run_total.accountant_delta()) if budget and run_total and budget.releases else None
 
 
-def _dp_sgd_entries(result: TeacherResult) -> list[LedgerEntry]:
-    """A DP-SGD stage's releases: its training, and its validation loss with teacher.monitor=dp."""
-    return [result.ledger] + ([result.monitor_ledger] if result.monitor_ledger is not None else [])
+@dataclass
+class _Run:
+    """What the method's stages hand each other: their results, as each finishes."""
+
+    cfg: PipelineConfig
+    out: Path
+    plan: Plan
+    stage: StageRunner
+    ledger: RunLedger
+    data: DataResult | None = None
+    base: BaseModels | None = None
+    codes: CodesResult | None = None
+    teacher: TeacherResult | None = None
+    synthetic: GenerateResult | None = None
+    student: DistillResult | TeacherResult | None = None
+    evaluation: dict = field(default_factory=dict)
+
+
+# Each stage of a method (pipeline/methods.py `Method.stages`): run it, keep its result, and hand
+# back its ledger entries (its DP releases, charged to the records' budget, or post-processing).
+def _codes(run: _Run) -> list[LedgerEntry]:
+    run.codes = run.stage(CODES_STAGE, codes_task, run.cfg, run.data, run.plan, run.out)
+    return run.stage.charge(CODES_STAGE, run.codes)
+
+
+def _teacher(run: _Run) -> list[LedgerEntry]:
+    run.teacher = run.stage("teacher", teacher_task, run.cfg, run.data, run.base, run.plan, run.out)
+    return run.stage.charge("teacher", run.teacher)
+
+
+def _generation(run: _Run) -> list[LedgerEntry]:
+    run.synthetic = run.stage("generation", generation_task, run.cfg, run.teacher, run.codes, run.ledger.entries,
+                              run.out)
+    return [post_processing("generation", "samples of the DP teacher, prompted by control codes")]
+
+
+def _distillation(run: _Run) -> list[LedgerEntry]:
+    private = (run.data,) if private_selection_used(run.cfg) else ()  # its only private read
+    run.student = run.stage("distillation", distillation_task, run.cfg, run.synthetic, run.teacher, run.base,
+                            run.plan, run.out, *private)
+    return ([post_processing("distillation", "trains on synthetic samples and the DP teacher only")]
+            + run.stage.charge("distillation", run.student))
+
+
+def _dp_student(run: _Run) -> list[LedgerEntry]:
+    """The student itself trained on the private data with DP-SGD (with the teacher's KD: DPKD)."""
+    run.student = run.stage("dp-student", dp_student_task, run.cfg, run.data, run.base, run.teacher, run.plan,
+                            run.out)
+    return run.stage.charge("dp-student", run.student)
+
+
+def _evaluation(run: _Run) -> list[LedgerEntry]:
+    run.evaluation = run.stage("evaluation", evaluation_task, run.cfg, run.data, run.base, run.teacher, run.student,
+                               run.synthetic, run.codes, run.out)
+    return [post_processing("evaluation", "with respect to the training records. It reads the held-out test split, "
+                            "which this ledger does not protect; only aggregate perplexities leave it")]
+
+
+STEPS = {CODES_STAGE: _codes, "teacher": _teacher, "generation": _generation, "distillation": _distillation,
+         "dp-student": _dp_student, "evaluation": _evaluation}
 
 
 def _run_stages(
     cfg: PipelineConfig, out: Path, rerun: list[str], sources: dict[str, str], plan: Plan
 ) -> tuple[PrivacyLedger, dict]:
     stage = StageRunner(cfg, out, rerun)
-    method = cfg.distill.method
-    ledger: list[LedgerEntry] = []
-    teacher = codes = synthetic = None
-
-    def typed(entries: list[LedgerEntry]) -> PrivacyLedger:
-        # The teacher's δ; before it (the control codes alone) the codes' own (the same rule and N).
-        delta = next((e.delta for e in entries if e.mechanism == "subsampled_gaussian"),
-                     next((e.delta for e in entries if e.history), 0.0))
-        # A stage cached by an older version has no replace-one ε yet: computed here, once.
-        entries = [e if e.epsilon_replace_one is not None else with_pld_epsilons(e) for e in entries]
-        return PrivacyLedger(entries=entries, total=compose(entries, cfg.teacher.accountant, delta))
-
+    spec = method_spec(cfg.distill.method)
+    run = _Run(cfg, out, plan, stage, RunLedger(out / LEDGER, cfg.teacher.accountant))
     if dp_tokenizer_used(cfg):  # the vocabulary is a DP release of the split's words: the data first
-        data = stage("data", data_task, cfg, sources, out)
-        stage.use_records(data)
-        base = stage("base-models", base_models_task, cfg, data, plan, out)
-        ledger.append(base.ledger)
-        write_ledger(out / LEDGER, typed(ledger))
+        run.data = stage("data", data_task, cfg, sources, out)
+        stage.use_records(run.data)
+        run.base = stage("base-models", base_models_task, cfg, run.data, plan, out)
+        run.ledger.add(stage.charge("base-models", run.base))
     else:
-        base = stage("base-models", base_models_task, cfg)
-        data = stage("data", data_task, cfg, sources, out)
-        stage.use_records(data)
+        run.base = stage("base-models", base_models_task, cfg)
+        run.data = stage("data", data_task, cfg, sources, out)
+        stage.use_records(run.data)
+    for name in spec.stages:
+        final = run.ledger.add(STEPS[name](run))
+    _write_model_cards(run, final, spec.student_stage)
+    _delete_private_copies(run)
+    metrics = _metrics(run, spec)
+    atomic_write_json(out / "metrics.json", metrics)
+    return final, metrics
 
-    if method in ("distil", "dp_syn"):
-        codes = stage(CODES_STAGE, codes_task, cfg, data, plan, out)
-        # Releases cached before the ledger took the stage's name say "control_codes": the same release.
-        ledger.append(codes.ledger.model_copy(update={"stage": CODES_STAGE}))
-        write_ledger(out / LEDGER, typed(ledger))  # the first release: an interrupted run shows what it spent
-    if method in ("distil", "dp_syn", "dpkd"):
-        teacher = stage("teacher", teacher_task, cfg, data, base, plan, out)
-        ledger += _dp_sgd_entries(teacher)
-        write_ledger(out / LEDGER, typed(ledger))
-    if method in ("distil", "dp_syn"):
-        synthetic = stage("generation", generation_task, cfg, teacher, codes, ledger, out)
-        ledger.append(post_processing("generation", "samples of the DP teacher, prompted by control codes"))
-        private = (data,) if private_selection_used(cfg) else ()  # its only private read
-        student = stage("distillation", distillation_task, cfg, synthetic, teacher, base, plan, out, *private)
-        ledger.append(post_processing("distillation", "trains on synthetic samples and the DP teacher only"))
-        if student.selection_ledger is not None:
-            ledger.append(student.selection_ledger)
-    else:  # dp_sgd, dpkd: the student itself trains on the private data with DP-SGD
-        student = stage("dp-student", dp_student_task, cfg, data, base, teacher, plan, out)
-        ledger += _dp_sgd_entries(student)
-    evaluation = stage("evaluation", evaluation_task, cfg, data, base, teacher, student, synthetic, codes, out)
-    ledger.append(
-        post_processing(
-            "evaluation",
-            "with respect to the training records. It reads the held-out test split, which "
-            "this ledger does not protect; only aggregate perplexities leave it",
-        )
-    )
-    final = typed(ledger)
-    write_ledger(out / LEDGER, final)
-    made_by = "dp-student" if method in ("dp_sgd", "dpkd") else "distillation"
-    for model, stage_name in ((teacher, "teacher"), (student, made_by)):
-        if model is not None and Path(model.checkpoint).resolve().is_relative_to(out):  # not a cached run's copy
-            write_model_card(model.checkpoint, final, stage=stage_name, run_name=out.name)
-    # Nothing after evaluation reads the splits (report, status and artifacts read manifests,
-    # ledgers and metrics). Only this run's copy: a cached data stage lives in another run.
-    if not cfg.data.keep_private_copies and Path(data.train).parent.is_relative_to(out):
-        deleted = delete_private_copies(data)
-        stage.log.info("data: deleted the private splits (%s) now that evaluation is done; their sha256 "
-                       "stay in data/manifest.json (data.keep_private_copies=true keeps them)",
-                       ", ".join(p.name for p in deleted))
 
-    evaluation = {k: v for k, v in evaluation.items() if k != "evaluation_dir"}
-    metrics = {**evaluation, "method": method,
+def _write_model_cards(run: _Run, final: PrivacyLedger, student_stage: str) -> None:
+    for model, stage_name in ((run.teacher, "teacher"), (run.student, student_stage)):
+        if model is not None and Path(model.checkpoint).resolve().is_relative_to(run.out):  # not a cached run's copy
+            write_model_card(model.checkpoint, final, stage=stage_name, run_name=run.out.name)
+
+
+def _delete_private_copies(run: _Run) -> None:
+    """Nothing after evaluation reads the splits (report, status and artifacts read manifests,
+    ledgers and metrics). Only this run's copy: a cached data stage lives in another run."""
+    if not run.cfg.data.keep_private_copies and Path(run.data.train).parent.is_relative_to(run.out):
+        deleted = delete_private_copies(run.data)
+        run.stage.log.info("data: deleted the private splits (%s) now that evaluation is done; their sha256 "
+                           "stay in data/manifest.json (data.keep_private_copies=true keeps them)",
+                           ", ".join(p.name for p in deleted))
+
+
+def _metrics(run: _Run, spec: Method) -> dict:
+    """metrics.json: evaluation's figures, and what each stage took and made (sizes and timings: published)."""
+    stage, data, teacher, student, synthetic = run.stage, run.data, run.teacher, run.student, run.synthetic
+    evaluation = {k: v for k, v in run.evaluation.items() if k != "evaluation_dir"}
+    metrics = {**evaluation, "method": spec.name,
                "seconds": {name: s.get("seconds") for name, s in stage.stages.items()},
                "cached": sorted(name for name, s in stage.stages.items() if s.get("status") == "cached")}
     for name in ("teacher", "dp-student"):  # a DP-SGD stage's time per training record (sizes and timings: published)
@@ -240,5 +275,4 @@ def _run_stages(
                 for code in sorted(set(synthetic.requested_codes) | set(synthetic.generated_codes))
             },
         }
-    atomic_write_json(out / "metrics.json", metrics)
-    return final, metrics
+    return metrics

@@ -28,8 +28,8 @@ from pipeline.stages.data import DataResult
 class StageRunner:
     """Runs stage tasks: cache hits verified against their manifests, forced stages rerun,
     and every stage's status, duration and output directory recorded in `stages.json`.
-    Once `use_records` has named the training records, each DP release is also charged to their
-    budget across runs (pipeline/privacy/budget.py)."""
+    Once `use_records` has named the training records, each DP release a stage hands back
+    (`charge`) is also charged to their budget across runs (pipeline/privacy/budget.py)."""
 
     def __init__(self, cfg: PipelineConfig, run_dir: Path, rerun: list[str]):
         self.cfg, self.run_dir, self.rerun = cfg, run_dir, set(rerun)
@@ -149,15 +149,6 @@ class StageRunner:
         elif cached:
             where = f"outputs in {out}" if out else "its result"
             self.log.info("%s: cached (same config, inputs, version and seed): reusing %s", stage, where)
-        ledger = getattr(result, "ledger", None)
-        if self.budget_id and isinstance(ledger, LedgerEntry) and ledger.private and ledger.epsilon:
-            self._record_release(stage, result, ledger)
-        monitor = getattr(result, "monitor_ledger", None)  # the validation loss released with DP
-        if self.budget_id and isinstance(monitor, LedgerEntry) and monitor.epsilon:
-            self._record_release(monitor.stage, result, monitor, part=":validation")
-        chosen = getattr(result, "selection_ledger", None)  # the student chosen on private records
-        if self.budget_id and isinstance(chosen, LedgerEntry) and chosen.epsilon:
-            self._record_release(chosen.stage, result, chosen, part=":selection")
         if reused:
             self._record(stage, **self.forced_before[stage])  # its status, time and ε as it ran
             return result
@@ -167,7 +158,16 @@ class StageRunner:
             seconds=round(time.time() - t0, 2),
             finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
             output=str(out) if out else None,
-            epsilon=ledger.epsilon if isinstance(ledger, LedgerEntry) else None,
-            epsilon_replace_one=ledger.epsilon_replace_one if isinstance(ledger, LedgerEntry) else None,
         )
         return result
+
+    def charge(self, stage: str, result) -> list[LedgerEntry]:
+        """The DP releases the stage hands back (its result's `releases()`), each charged to its
+        records' budget once `use_records` has named them; returned for the run's ledger."""
+        releases = result.releases()
+        for part, entry in releases.items():  # part "": the stage's own release; else a second one of it
+            if self.budget_id and entry.private and entry.epsilon:
+                self._record_release(entry.stage if part else stage, result, entry, part)
+        if main := releases.get(""):
+            self._record(stage, epsilon=main.epsilon, epsilon_replace_one=main.epsilon_replace_one)
+        return list(releases.values())

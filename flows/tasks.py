@@ -17,6 +17,7 @@ from flows.results import StageResultSerializer
 from pipeline.config import NODE_FIELDS, PipelineConfig, at_later_defaults
 from pipeline.devices import Runtime
 from pipeline.manifest import sha256_file
+from pipeline.methods import method_spec
 from pipeline.models.base import BaseModels, PrivateVocabulary, build_base_models, resolve_model
 from pipeline.plan import Plan, dp_tokenizer_used
 from pipeline.privacy import private_selection
@@ -269,7 +270,7 @@ def distillation_task(
     if data is not None:
         _within_max_epsilon(cfg, data, private_selection.STAGE, plan)
     distill_cfg = cfg.distill
-    if distill_cfg.method == "dp_syn":  # the synthetic data alone, no teacher logits
+    if not method_spec(distill_cfg.method).teacher_logits:  # DP-Syn: the synthetic data alone, no teacher logits
         distill_cfg = distill_cfg.model_copy(update={"alpha": 0.0, "beta": 0.0, "teacher_top_k": None,
                                                      "candidates": []})
     with StageProgress("distillation", "steps") as progress:
@@ -306,7 +307,7 @@ def evaluation_task(
         models["base_teacher"] = resolve_model(cfg.teacher.model, base)  # what DP fine-tuning started from
         models["dp_teacher"] = str(teacher.checkpoint)
     models[f"student_{cfg.distill.method}"] = str(student.checkpoint)
-    selection = getattr(student, "selection", None)  # a TeacherResult (dp_sgd, dpkd) has none
+    selection = getattr(student, "selection", None)  # a DP-SGD student's TeacherResult has none
     for name, path in (getattr(student, "candidates", None) or {}).items():  # distill.keep_candidates
         models[f"{CANDIDATE_PREFIX}{name}"] = str(path)
     out_dir = run_dir / "evaluation"

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.methods import DISTIL, METHOD_NAMES, method_spec
+
 log = logging.getLogger(__name__)
 
 
@@ -503,8 +505,8 @@ def candidate_name(settings: dict[str, Any]) -> str:
 class DistillConfig(_Section):
     """Stage 3: the student learns from the synthetic data only (no DP needed)."""
 
-    method: Literal["distil", "dp_syn", "dp_sgd", "dpkd"] = Field(
-        "distil",
+    method: Literal[METHOD_NAMES] = Field(
+        DISTIL.name,
         description="'distil': ours, KD from the DP teacher on synthetic data; 'dp_syn': synthetic "
         "data only (α=0); 'dp_sgd': the student itself DP fine-tuned on the private data at the "
         "teacher's ε; 'dpkd': teacher at ε/2, then the student DP fine-tuned at ε/2 with the KD "
@@ -674,7 +676,7 @@ class DistillConfig(_Section):
         1 otherwise (the field's description). Written past validate_assignment, which would call
         this again."""
         if "alpha" not in self.model_fields_set:
-            self.__dict__["alpha"] = 0.4 if self.method == "dpkd" else 1.0
+            self.__dict__["alpha"] = method_spec(self.method).default_alpha
         return self
 
     @model_validator(mode="after")
@@ -690,22 +692,23 @@ class DistillConfig(_Section):
     def _check_candidates(self) -> "DistillConfig":
         if self.candidates:  # each candidate's values, checked at load time (ConfigError: a ValueError)
             self.candidate_configs()
-        if self.method in ("dpkd", "dp_sgd"):  # one DP-SGD student: the candidates are never trained
+        spec = method_spec(self.method)
+        if spec.dp_student:  # one DP-SGD student: the candidates are never trained
             if "candidates" in self.model_fields_set and self.candidates:
                 log.warning(
                     "distill.candidates is set, but distill.method=%s trains one DP-SGD student and never reads "
                     "it%s; set distill.candidates=[]", self.method,
-                    " (its KD loss takes distill.alpha and distill.temperature)" if self.method == "dpkd" else "",
+                    " (its KD loss takes distill.alpha and distill.temperature)" if spec.teacher_logits else "",
                 )
             return self
         # ("candidates" set to [] is a candidate's own section, candidate_configs: not the user's)
         unchosen = len(self.candidates) == 1 or "candidates" not in self.model_fields_set
-        if unchosen and "select_by" in self.model_fields_set and self.method == "distil":
+        if unchosen and "select_by" in self.model_fields_set and spec.distils:
             log.warning(
                 "distill.select_by=%s set, but distill.candidates lists %s: nothing is chosen (and nothing "
                 "released); list the settings to choose among, e.g. distill.candidates=[{alpha: 0.4}, {alpha: 1.0}]",
                 self.select_by, "one setting" if self.candidates else "none")
-        if not self.candidates and self.alpha == 1 and self.kl_skip_tokens != 0 and self.method == "distil":
+        if not self.candidates and self.alpha == 1 and self.kl_skip_tokens != 0 and spec.distils:
             log.warning(
                 "distill.alpha=1 with distill.kl_skip_tokens=%s: the tokens the KL skips (the control-code "
                 "header) get no training signal, and the test perplexity counts them; set "
@@ -817,7 +820,8 @@ class PipelineConfig(_Section):
                 "teacher.ddp_backend=gloo with device=cpu (device=auto follows the backend)"
             )
         n_synthetic, n_generated = self.distill.num_synthetic, self.generate.num_samples
-        if n_synthetic is not None and n_synthetic > n_generated and self.distill.method in ("distil", "dp_syn"):
+        spec = method_spec(self.distill.method)
+        if n_synthetic is not None and n_synthetic > n_generated and spec.generates:
             # Caught here, before the teacher trains; the distillation stage checks the exact
             # count of train samples (fewer: validation split, dropped empty samples).
             problems.append(
@@ -826,7 +830,7 @@ class PipelineConfig(_Section):
                 "generate.num_samples"
             )
         codes = self.control_codes
-        if codes.mechanism is None and self.distill.method in ("distil", "dp_syn"):
+        if codes.mechanism is None and spec.releases_codes:
             problems.append(
                 "control_codes: the control-code distribution that prompts generation is released with "
                 "DP by default, which needs control_codes.domain (the public list of possible values of "

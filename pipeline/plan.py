@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from pipeline.config import PipelineConfig, TeacherConfig
 from pipeline.devices import Runtime, resolve_device, slow_bf16_warning
+from pipeline.methods import method_spec
 from pipeline.models.base import (BUILTIN_PREFIX, ModelError, base_models_built, load_tokenizer, shipped_path,
                                   tied_head_parameters)
 from pipeline.privacy.accountant import epsilon_of, resolve_delta
@@ -37,7 +38,7 @@ from pipeline.privacy.dp_vocabulary import planned_entry as planned_vocabulary_e
 from pipeline.privacy import monitor as dp_monitor
 from pipeline.privacy import private_selection
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
-from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, with_pld_epsilons
+from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, composed, run_delta, with_pld_epsilons
 from pipeline.privacy.pld import DP_SGD_REPLACE_SENSITIVITY, HISTOGRAM_REPLACE_SENSITIVITY
 from pipeline.stages.adherence import declared_values
 from pipeline.records import CODE_JOINER, prompt_for
@@ -82,13 +83,9 @@ class Plan:
 
 
 def dp_sgd_budgets(cfg: PipelineConfig) -> dict[str, float]:
-    """ε of each DP-SGD training the method runs, as the flow splits the budget: DPKD gives
-    ε/2 to the teacher and ε/2 to the student trained with KD; dp_sgd all of it to the student."""
-    eps = cfg.teacher.target_epsilon
-    return {
-        "distil": {"teacher": eps}, "dp_syn": {"teacher": eps},
-        "dpkd": {"teacher": eps / 2, "dp-student": eps - eps / 2}, "dp_sgd": {"dp-student": eps},
-    }[cfg.distill.method]
+    """ε of each DP-SGD training the method runs: its spec's shares of teacher.target_epsilon
+    (pipeline/methods.py; DPKD gives ε/2 to the teacher and ε/2 to the student trained with KD)."""
+    return method_spec(cfg.distill.method).budget(cfg.teacher.target_epsilon)
 
 
 def _dp_sgd_entry(stage: str, cfg: TeacherConfig, n: int, unit: str,
@@ -125,7 +122,7 @@ def _monitor_entry(trained: LedgerEntry, cfg: TeacherConfig, n_validation: int) 
 def private_selection_used(cfg: PipelineConfig) -> bool:
     """Whether the distillation chooses its student on private records (a DP release)."""
     d = cfg.distill
-    return d.method == "distil" and d.select_by == "private_validation" and len(d.candidates) > 1
+    return method_spec(d.method).distils and d.select_by == "private_validation" and len(d.candidates) > 1
 
 
 def selection_units(cfg: PipelineConfig, n_validation: int, n_train: int) -> int:
@@ -168,8 +165,8 @@ def _tokenizer_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | No
 
 def _codes_entry(cfg: PipelineConfig, n: int, unit: str) -> LedgerEntry | None:
     codes = cfg.control_codes
-    if cfg.distill.method not in ("distil", "dp_syn"):
-        return None  # the baselines prompt nothing
+    if not method_spec(cfg.distill.method).releases_codes:
+        return None  # the DP-SGD students prompt nothing
     if codes.mechanism == "exact":
         return LedgerEntry(stage=CODES_STAGE, private=False, epsilon=None, mechanism="exact",
                            note="NOT differentially private: the exact control-code counts")
@@ -193,7 +190,7 @@ DISTILL_ONLY = ("epochs", "batch_size", "learning_rate", "warmup_fraction", "wei
 def ignored_distill_settings(cfg: PipelineConfig) -> str | None:
     """The warning for distill training settings a DP-SGD student does not read, when any is set."""
     ignored = [f for f in DISTILL_ONLY if f in cfg.distill.model_fields_set]
-    if cfg.distill.method not in ("dp_sgd", "dpkd") or not ignored:
+    if not method_spec(cfg.distill.method).dp_student or not ignored:
         return None
     t = cfg.teacher
     return (f"distill.method={cfg.distill.method} trains the student with DP-SGD on the teacher section's "
@@ -250,12 +247,12 @@ def make_plan(cfg: PipelineConfig, timing: bool = True, say: Callable[[str], Non
         entries.append(with_pld_epsilons(entry))
         if monitored := _monitor_entry(entry, cfg.teacher, split.n_validation_units):
             entries.append(with_pld_epsilons(monitored))
-    delta = next(e.delta for e in entries if e.mechanism == "subsampled_gaussian")
+    delta = run_delta(entries)
     selected, selection_sd = _selection_entry(cfg, delta, split.n_validation_units, n, unit) or (None, None)
     if selected:
         entries.append(with_pld_epsilons(selected))
     plan = Plan(name=cfg.name, n=n, unit=unit, n_test=len(split.test_texts), entries=entries,
-                total=compose(entries, cfg.teacher.accountant, delta),
+                total=composed(entries, cfg.teacher.accountant).total,
                 sampling_probability={stage: dp.sampling_probability for stage, dp in dp_sgd.items()},
                 batch_size=cfg.teacher.batch_size, n_validation=split.n_validation, dp_sgd=dp_sgd,
                 accounting_seconds=accounting,
@@ -347,7 +344,7 @@ def _dp_sgd_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer,
         padded = max(drawn)
         share = padded_tokens(drawn, t.physical_batch_size) / (len(drawn) * padded)  # of the step at `padded`
         step = timer.teacher_step(name, records, padded)
-        if entry.stage == "dp-student" and cfg.distill.method == "dpkd":  # the teacher's forward on the same batches
+        if entry.stage == "dp-student" and method_spec(cfg.distill.method).teacher_logits:  # DPKD: the teacher's forward
             step += records / t.physical_batch_size * timer.forward(t.model, t.physical_batch_size, padded)
         step *= share
         checks = len(monitor_points(entry.steps, t.log_every))
@@ -398,9 +395,9 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, le
     select_by=private_validation each candidate scores `private_records` private records (as
     long as the median test record). The synthetic samples are `prompt` and their expected new
     tokens (`_new_tokens`) long."""
-    d, method = cfg.distill, cfg.distill.method
-    candidates = [c for _, c in d.candidate_configs()] if method == "distil" and len(d.candidates) > 1 else \
-        [d.candidate_configs()[0][1] if method == "distil" and d.candidates else d]
+    d, distils = cfg.distill, method_spec(cfg.distill.method).distils
+    candidates = [c for _, c in d.candidate_configs()] if distils and len(d.candidates) > 1 else \
+        [d.candidate_configs()[0][1] if distils and d.candidates else d]
     samples = [prompt + n for n in _new_tokens(cfg, prompt, lengths)[1]]
     stepped_with = set()  # candidates stepped together share each batch's teacher forward (distill.lockstep_key)
     parts = []
@@ -430,19 +427,19 @@ def _candidate_seconds(cfg: PipelineConfig, d, timer: StepTimer, prompt: int, sa
                        teacher_paid: bool = False) -> tuple[float, str]:
     """One candidate's training; `teacher_paid`: a candidate stepped beside it already pays for
     the teacher's forward pass on every batch."""
-    g, method = cfg.generate, cfg.distill.method
+    g, distils = cfg.generate, method_spec(cfg.distill.method).distils
     n_validation = round(g.num_samples * g.validation_fraction)
     n_synthetic = g.num_samples - n_validation
     if d.num_synthetic is not None:
         n_synthetic = min(n_synthetic, d.num_synthetic)
     steps = d.epochs * math.ceil(n_synthetic / d.batch_size)
-    on_the_fly = method == "distil" and (d.alpha > 0 or d.beta > 0) and d.teacher_top_k is None and not teacher_paid
+    on_the_fly = distils and (d.alpha > 0 or d.beta > 0) and d.teacher_top_k is None and not teacher_paid
     timer.say(f"plan: timing a distillation step ({d.student_model}" + (f" and {cfg.teacher.model})" if on_the_fly else ")"))
     batch = _typical_lengths(samples, d.batch_size, g.max_length)
     step = timer.distill_step(d.student_model, cfg.teacher.model if on_the_fly else None, batch, prompt)
     evals = math.ceil(steps / d.eval_every) * timer.score(d.student_model, n_validation, g.max_length)
     cache = 0.0
-    if method == "distil" and d.teacher_top_k is not None:
+    if distils and d.teacher_top_k is not None:
         cache = timer.forward(cfg.teacher.model, n_synthetic, g.max_length)  # once per synthetic set
     return (steps * step + evals + cache,
             f"{steps} steps of {d.batch_size} samples of ~{sum(batch) / len(batch):.0f} tokens at {step:.3g} s"
@@ -455,7 +452,8 @@ def _evaluation_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer, tok,
                         test_tokens: list[int]) -> tuple[float, str]:
     """Perplexity of every model on the test windows, and the DP teacher's code adherence."""
     e, t, d = cfg.evaluate, cfg.teacher, cfg.distill
-    names = [d.student_model, d.student_model] + ([t.model, t.model] if "teacher" in dp_sgd_budgets(cfg) else [])
+    spec = method_spec(d.method)
+    names = [d.student_model, d.student_model] + ([t.model, t.model] if spec.dp_teacher else [])
     timer.say(f"plan: timing evaluation ({len(names)} models on {plan.n_test} test records)")
     batches, slots = _window_batches(test_tokens, e.window, e.batch_size)
     # A batch costs about its padded tokens' share of a full one (attention's T² term is small here).
@@ -463,14 +461,14 @@ def _evaluation_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer, tok,
     seconds = sum(share * timer.score(m, e.batch_size, e.window) for m in names)
     how = f"{len(names)} models × {batches} batches of ≤ {e.batch_size}×{e.window} test tokens"
     domain = cfg.control_codes.domain
-    if d.method in ("distil", "dp_syn") and e.adherence_samples and domain is not None:
+    if spec.generates and e.adherence_samples and domain is not None:
         candidates = sum(len(v) for v in domain.values() if len(v) >= 2)
         sequences = min(e.adherence_samples, cfg.generate.num_samples) * candidates
         adherence = math.ceil(sequences / e.batch_size) * timer.score(t.model, e.batch_size, cfg.generate.max_length)
         seconds += adherence
         how += f", code adherence {sequences} sequences {adherence:.0f} s"
     texts = min(e.mauve_texts, MAUVE_TEXTS, plan.n_test, cfg.generate.num_samples)
-    if d.method in ("distil", "dp_syn") and texts >= 50:  # downstream.mauve_score: the DP teacher's features
+    if spec.generates and texts >= 50:  # downstream.mauve_score: the DP teacher's features
         mauve = 2 * math.ceil(texts / e.batch_size) * timer.forward(t.model, e.batch_size, e.window)
         seconds += mauve
         how += f", MAUVE's features of {texts} texts a side {mauve:.0f} s"
@@ -498,7 +496,7 @@ def estimate_seconds(cfg: PipelineConfig, plan: Plan, split: PlannedSplit,
     tok = _tokenizer(cfg)
     test_tokens = _token_counts(tok, split.test_codes, split.test_texts)
     out.update(_dp_sgd_seconds(cfg, plan, timer, test_tokens))
-    if cfg.distill.method in ("distil", "dp_syn"):
+    if method_spec(cfg.distill.method).generates:
         prompts = _prompt_lengths(cfg, tok)
         out["generation"] = _generation_seconds(cfg, timer, prompts, test_tokens)
         private = 0

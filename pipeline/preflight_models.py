@@ -22,6 +22,7 @@ from opacus.utils.module_utils import trainable_modules
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import PipelineConfig, TeacherConfig
+from pipeline.methods import method_spec
 from pipeline.models import decoding
 from pipeline.models.base import (BUILTIN_PREFIX, load_tokenizer, model_positions, same_tokenizer, shipped_path,
                                   untie_lm_head)
@@ -42,19 +43,19 @@ def require_models(cfg: PipelineConfig) -> None:
 
 def model_problems(cfg: PipelineConfig) -> list[str]:
     """Every reason the configured models cannot run the configured stages (no weights read)."""
-    method = cfg.distill.method
+    spec = method_spec(cfg.distill.method)
     teacher = _config(cfg, cfg.teacher.model)
     student = _config(cfg, cfg.distill.student_model)
     problems = []
-    if teacher is not None and method in ("distil", "dp_syn", "dpkd"):  # a DP-SGD teacher
+    if teacher is not None and spec.dp_teacher:
         problems += _dp_sgd_problems("teacher.model", cfg.teacher.model, teacher, cfg.teacher)
         positions = model_positions(teacher, unlimited=cfg.teacher.max_length)
         if cfg.teacher.max_length > positions:
             problems.append(f"teacher.max_length={cfg.teacher.max_length} exceeds the teacher's {positions} "
                             f"positions; set teacher.max_length <= {positions}")
-    if student is not None and method in ("dp_sgd", "dpkd"):  # the student trains with DP-SGD too
+    if student is not None and spec.dp_student:
         problems += _dp_sgd_problems("distill.student_model", cfg.distill.student_model, student, cfg.teacher)
-    if teacher is not None and method in ("distil", "dp_syn") and cfg.generate.engine == "fast":
+    if teacher is not None and spec.generates and cfg.generate.engine == "fast":
         if problem := decoding.fast_decode_problem(teacher, max_length=cfg.generate.max_length):
             problems.append(f"generate.engine=fast cannot decode teacher.model {cfg.teacher.model!r}: {problem}; "
                             "set generate.engine=hf")

@@ -72,6 +72,9 @@ class BaseModels:
     ledger: LedgerEntry | None = None
     """base_models.tokenizer=dp: the DP release of the word histogram the vocabulary was learned from."""
 
+    def releases(self) -> dict[str, LedgerEntry]:
+        return {"": self.ledger} if self.ledger else {}
+
 
 @dataclass(frozen=True)
 class PrivateVocabulary:

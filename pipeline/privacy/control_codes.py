@@ -55,6 +55,11 @@ class CodesResult:
     path: Path
     ledger: LedgerEntry
 
+    def releases(self) -> dict[str, LedgerEntry]:
+        """The stage's ledger entry (one release). A release cached before the ledger took the
+        stage's name says "control_codes": the same release, named as today."""
+        return {"": self.ledger.model_copy(update={"stage": STAGE})}
+
 
 def domain_codes(data: DataConfig, domain: dict[str, list[str]]) -> list[str]:
     """Every control-code string the declared domain allows, in a fixed order."""

@@ -212,6 +212,35 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
     )
 
 
+def run_delta(entries: list[LedgerEntry]) -> float:
+    """The δ a run's releases compose at: its DP-SGD stages' (one rule and N: `resolve_delta`);
+    before any (the control codes alone, a DP vocabulary) the first Gaussian release's; 0 with none."""
+    return next((e.delta for e in entries if e.mechanism == "subsampled_gaussian"),
+                next((e.delta for e in entries if e.history), 0.0))
+
+
+def composed(entries: list[LedgerEntry], accountant: str) -> PrivacyLedger:
+    """The ledger of these entries, totalled at the run's δ (`run_delta`). An entry cached by a
+    version before replace-one ε gets its figures here, once."""
+    entries = [e if e.epsilon_replace_one is not None else with_pld_epsilons(e) for e in entries]
+    return PrivacyLedger(entries=entries, total=compose(entries, accountant, run_delta(entries)))
+
+
+class RunLedger:
+    """A run's ledger as its stages hand back their entries: composed and written to `path`
+    after each stage, so that an interrupted run shows what it spent."""
+
+    def __init__(self, path: Path, accountant: str):
+        self.path, self.accountant = Path(path), accountant
+        self.entries: list[LedgerEntry] = []
+
+    def add(self, entries: list[LedgerEntry]) -> PrivacyLedger:
+        self.entries += entries
+        ledger = composed(self.entries, self.accountant)
+        write_ledger(self.path, ledger)
+        return ledger
+
+
 def _validation_scope(entries: list[LedgerEntry]) -> str:
     """What the total says about the held-out splits, from what each DP-SGD stage published
     from its validation split (`validation_monitor`) and whether evaluation read the test split."""

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.methods import METHODS, words
 from pipeline.reports import read_json
 
 DIRECT = "train the student directly"
 """The words of the verdict's advice; the report shows a verdict holding them as a warning."""
-METHOD_WORDS = {"distil": "ours (distillation)", "dp_syn": "DP-Syn (synthetic text alone)",
-                "dp_sgd": "DP-SGD of the student", "dpkd": "DPKD"}
 EPSILON_TOLERANCE = 0.05
 """Runs whose ledger totals differ by more than this share are compared, but said to be at different ε."""
 
@@ -89,16 +88,25 @@ def _same_epsilon(a: float | None, b: float | None) -> bool:
 
 
 def _words(method: str) -> str:
-    return METHOD_WORDS.get(method, method)
+    return words(method)
+
+
+def _ours(method: str) -> bool:
+    return method in METHODS and METHODS[method].ours
+
+
+def _direct(method: str) -> bool:
+    """A baseline that trains the student itself on the private records (DP-SGD, DPKD)."""
+    return method in METHODS and METHODS[method].dp_student
 
 
 def _untuned_baselines(by_method: dict[str, list[Scored]], anchor: str, means: dict[str, float]) -> list[str]:
     """The DP-SGD and DPKD rows behind ours whose every run used ours' teacher section as it
     stands: their student trained at settings chosen for the teacher, not tuned for itself."""
-    if anchor != "distil":
+    if not _ours(anchor):
         return []
     ours = {r.training for r in by_method[anchor]}
-    return [m for m in ("dp_sgd", "dpkd") if m in by_method and means[m] > means[anchor]
+    return [m for m in METHODS if m in by_method and _direct(m) and means[m] > means[anchor]
             and {r.training for r in by_method[m]} <= ours]
 
 
@@ -123,7 +131,7 @@ def verdict(runs: list[Scored]) -> str | None:
 
     text = ("Students' windowed test perplexity on this test split, with this student, at this run's ε: "
             + "; ".join(figure(m) for m in ranked) + ".")
-    anchor = "distil" if "distil" in means else ranked[0]
+    anchor = next((m for m in means if _ours(m)), ranked[0])
     clauses, direct = [], []
     for m in (m for m in ranked if m != anchor):
         gap = means[m] - means[anchor]  # > 0: the anchor is ahead
@@ -135,7 +143,7 @@ def verdict(runs: list[Scored]) -> str | None:
             clause += " (inside the runs' spread, the sum of the two sds: a tie)"
         else:
             clause += " (more than the runs' spread)"
-            if anchor == "distil" and gap < 0 and m in ("dp_sgd", "dpkd"):
+            if _ours(anchor) and gap < 0 and _direct(m):
                 direct.append(m)
         clauses.append(clause)
     sentence = "; ".join(clauses)

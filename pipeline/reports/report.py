@@ -28,6 +28,7 @@ from matplotlib.figure import Figure
 
 from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, read_ledger, table_rows
 from pipeline.manifest import MANIFEST, atomic_write_text
+from pipeline.methods import METHODS
 from pipeline.reports import STAGE_WORDS, privacy_sentence, read_json, table_keys
 from pipeline.reports.methods import DIRECT, peers, scored, verdict
 
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 
 REPORT = "report.html"
 STAGES = ("data", "control_codes", "teacher", "synthetic", "student", "evaluation")
-GENERATING_METHODS = ("distil", "dp_syn")  # the others train the student on the private data itself
 MAX_CODES_PLOTTED = 40  # a bar per code value stays readable up to about this many
 _SYNTHETIC_COLUMNS = ("n_tokens", "n_prompt_tokens", "finished")  # numeric only: never the text
 _STYLE = """
@@ -440,7 +440,7 @@ def _generation(run_dir: Path, metrics: dict | None) -> str:
     if gen:
         keys = ["samples", "validation_samples", "dropped_empty", "new_tokens_per_second", "shards", "resumed_shards"]
         out += _table(keys, [[gen.get(k) for k in keys]]) + _code_adherence(metrics) + _downstream(metrics)
-    elif _method(run_dir, metrics) not in (None, *GENERATING_METHODS):
+    elif (method := _method(run_dir, metrics)) in METHODS and not METHODS[method].generates:
         return _note("This run has no generation stage (its method trains the student on the private data).")
     else:
         out += _note("The generation stage has not finished (no generation summary in metrics.json yet).")

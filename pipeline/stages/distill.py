@@ -84,6 +84,10 @@ class DistillResult:
     selection_ledger: LedgerEntry | None = None
     """select_by=private_validation: the noisy private scores' release, composed into the run's total."""
 
+    def releases(self) -> dict[str, LedgerEntry]:
+        """The stage's DP release: the private selection's, when it made one."""
+        return {":selection": self.selection_ledger} if self.selection_ledger else {}
+
 
 @dataclass
 class _Setup:

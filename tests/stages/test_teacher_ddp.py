@@ -58,7 +58,7 @@ def test_two_gloo_processes_account_and_train_like_one(splits, tiny_model_dir, t
     assert b.noise_source == a.noise_source and b.noise_source.startswith("TEST HOOK")
     assert [p["done"] for p in progress] == list(range(1, b.steps + 1))  # relayed from rank 0
     assert (tmp_path / "two" / "ddp" / "rank1.log").is_file()
-    assert json.loads((tmp_path / "two" / "ddp" / "args.json").read_text())["args"]["dp_sgd"]["sigma"] == planned.sigma
+    assert json.loads((tmp_path / "two" / "ddp" / "args.json").read_text())["args"]["dp_sgd_plan"]["sigma"] == planned.sigma
     assert not (tmp_path / "two" / "checkpoint").exists()
 
     base = load_file(tiny_model_dir / "model.safetensors")

@@ -425,7 +425,7 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
             "base_model": job["base_model"], "seed": job["seed"], "progress_every": progress_every,
             "kd": None if kd is None else {"teacher_dir": str(Path(kd.teacher_dir).resolve()), "alpha": kd.alpha,
                                            "temperature": kd.temperature},
-            "dp_sgd": None if dp_sgd is None else dataclasses.asdict(dp_sgd)}  # every rank the same σ
+            "dp_sgd_plan": None if dp_sgd is None else dataclasses.asdict(dp_sgd)}  # every rank the same σ
     teacher_ddp.launch(args, target="pipeline.stages.teacher.recipe:ddp_worker", processes=cfg.processes,
                        backend=cfg.ddp_backend, threads=threads, work=out_dir / teacher_ddp.WORKDIR, stage=stage,
                        on_progress=on_progress, error=TeacherError, nodes=nodes(cfg))
@@ -453,7 +453,7 @@ def ddp_worker(args: dict, on_progress: Callable[[dict], None] | None) -> None:
         seed=args["seed"], on_progress=on_progress, stage=args["stage"],
         progress_every=args.get("progress_every", DEFAULT_EVERY), runtime=runtime,
         kd=None if kd is None else KnowledgeDistillation(Path(kd["teacher_dir"]), kd["alpha"], kd["temperature"]),
-        dp_sgd=DpSgdPlan(**args["dp_sgd"]) if args.get("dp_sgd") else None,
+        dp_sgd=DpSgdPlan(**args["dp_sgd_plan"]) if args.get("dp_sgd_plan") else None,
     )
 
 

@@ -53,6 +53,11 @@ class TeacherResult:
     monitor_ledger: LedgerEntry | None = None
     """monitor=dp: the ledger entry of the validation-loss releases, composed into the run's total."""
 
+    def releases(self) -> dict[str, LedgerEntry]:
+        """The stage's ledger entries by the part of its release they are (flows/stage_runner.py
+        charges them to the records' budget): the training, and its validation loss with monitor=dp."""
+        return {"": self.ledger} | ({":validation": self.monitor_ledger} if self.monitor_ledger else {})
+
 
 @dataclass
 class Run:
