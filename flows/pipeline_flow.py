@@ -31,7 +31,7 @@ from flows.run_info import RUN_INFO, TOOL, mark_stopped, read_run_info, stop_rea
 from flows.run_log import route_server_output, run_log
 from flows.stage_runner import StageRunner
 from flows.tasks import (base_models_task, codes_task, data_task, distillation_task, dp_student_task, evaluation_task,
-                         generation_task, source_hashes, teacher_task)
+                         generation_task, public_codes_task, source_hashes, teacher_task)
 from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.locks import unlock
 from pipeline.manifest import atomic_write_json, atomic_write_text, private_dir
@@ -41,7 +41,7 @@ from pipeline.preflight_models import require_models
 from pipeline.privacy.budget import dataset_total, read_budget, store_total
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
 from pipeline.methods import Method, method_spec
-from pipeline.models.base import BaseModels
+from pipeline.models.base import BaseModels, resolve_model
 from pipeline.privacy.control_codes import CodesResult
 from pipeline.privacy.ledger import LEDGER, LedgerEntry, LedgerTotal, PrivacyLedger, RunLedger, post_processing
 from pipeline.reports.model_card import write_model_card
@@ -163,8 +163,16 @@ class _Run:
 # Each stage of a method (pipeline/methods.py `Method.stages`): run it, keep its result, and hand
 # back its ledger entries (its DP releases, charged to the records' budget, or post-processing).
 def _codes(run: _Run) -> list[LedgerEntry]:
-    run.codes = run.stage(CODES_STAGE, codes_task, run.cfg, run.data, run.plan, run.out)
+    if method_spec(run.cfg.distill.method).releases_codes:  # a DP release of the training split's codes
+        run.codes = run.stage(CODES_STAGE, codes_task, run.cfg, run.data, run.plan, run.out)
+    else:  # the ε = 0 control: the public domain, no record read
+        run.codes = run.stage(CODES_STAGE, public_codes_task, run.cfg, run.out)
     return run.stage.charge(CODES_STAGE, run.codes)
+
+
+def _base_teacher(run: _Run) -> str | None:
+    """The ε = 0 control's teacher, the base model; None with a DP teacher."""
+    return None if run.teacher is not None else resolve_model(run.cfg.teacher.model, run.base)
 
 
 def _teacher(run: _Run) -> list[LedgerEntry]:
@@ -174,15 +182,17 @@ def _teacher(run: _Run) -> list[LedgerEntry]:
 
 def _generation(run: _Run) -> list[LedgerEntry]:
     run.synthetic = run.stage("generation", generation_task, run.cfg, run.teacher, run.codes, run.ledger.entries,
-                              run.out)
-    return [post_processing("generation", "samples of the DP teacher, prompted by control codes")]
+                              run.out, base_teacher=_base_teacher(run))
+    teacher = "the DP teacher" if run.teacher is not None else "the base teacher (no private record)"
+    return [post_processing("generation", f"samples of {teacher}, prompted by control codes")]
 
 
 def _distillation(run: _Run) -> list[LedgerEntry]:
-    private = (run.data,) if private_selection_used(run.cfg) else ()  # its only private read
+    private = run.data if private_selection_used(run.cfg) else None  # its only private read
     run.student = run.stage("distillation", distillation_task, run.cfg, run.synthetic, run.teacher, run.base,
-                            run.plan, run.out, *private)
-    return ([post_processing("distillation", "trains on synthetic samples and the DP teacher only")]
+                            run.plan, run.out, data=private, base_teacher=_base_teacher(run))
+    teacher = "the DP teacher" if run.teacher is not None else "the base teacher"
+    return ([post_processing("distillation", f"trains on synthetic samples and {teacher} only")]
             + run.stage.charge("distillation", run.student))
 
 

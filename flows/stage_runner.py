@@ -81,10 +81,10 @@ class StageRunner:
         self.stages[stage] = {**self.stages.get(stage, {}), **info}
         atomic_write_json(self.run_dir / STAGES_INFO, self.stages)
 
-    def _lock_path(self, task_fn, args) -> Path:
+    def _lock_path(self, task_fn, args, kwargs) -> Path:
         """The lock file of the cache entry this call reads or writes, named by its key
         (the key Prefect computes from the same policy and arguments)."""
-        key = task_fn.cache_policy.compute_key(None, get_call_parameters(task_fn.fn, args, {}), {})
+        key = task_fn.cache_policy.compute_key(None, get_call_parameters(task_fn.fn, args, kwargs), {})
         return Path(self.cfg.run_root).resolve() / CACHE_LOCKS / f"{key}.lock"
 
     def _borrowed_private_copies(self, result) -> bool:
@@ -93,16 +93,16 @@ class StageRunner:
         return (not self.cfg.data.keep_private_copies and stage_dir is not None
                 and not Path(stage_dir).resolve().is_relative_to(self.run_dir.resolve()))
 
-    def _call(self, task_fn, args, refresh: bool):
+    def _call(self, task_fn, args, kwargs, refresh: bool):
         configured = task_fn.with_options(result_serializer=StageResultSerializer(), refresh_cache=refresh)
         # Set after construction: `Task.__init__` refuses a block not saved on the server, which
         # would register our storage class there. Prefect itself runs a `Path` storage as an
         # unsaved LocalFileSystem; ours is that, with reads refused unless ours (flows/results.py).
         configured.result_storage = self.storage
-        state = configured(*args, return_state=True)
+        state = configured(*args, **kwargs, return_state=True)
         return state.result(), state.name == "Cached"
 
-    def __call__(self, stage: str, task_fn, *args):
+    def __call__(self, stage: str, task_fn, *args, **kwargs):
         forced = stage in self.rerun
         if forced and stage in STAGE_DIRS:
             own = self.run_dir / STAGE_DIRS[stage]
@@ -119,10 +119,10 @@ class StageRunner:
             # One process at a time computes a cache entry: a second run of the same stage
             # waits here, then finds the first one's result in the cache instead of computing
             # (and, for a DP stage, spending budget on) it again.
-            with file_lock(self._lock_path(task_fn, args), on_wait=lambda: self.log.info(
+            with file_lock(self._lock_path(task_fn, args, kwargs), on_wait=lambda: self.log.info(
                     "%s: another run is computing this stage with the same cache key; waiting for it "
                     "to reuse its result", stage)):
-                result, cached = self._call(task_fn, args, refresh=forced)
+                result, cached = self._call(task_fn, args, kwargs, refresh=forced)
                 if cached and (reason := stale_reason(result)):
                     if deleted_after_evaluation(result):
                         self.log.info("data: the private splits of %s were deleted after its evaluation "
@@ -131,13 +131,13 @@ class StageRunner:
                     else:
                         self.log.warning("%s: the cached result cannot be trusted (%s); running the stage again",
                                          stage, reason)
-                    result, cached = self._call(task_fn, args, refresh=True)
+                    result, cached = self._call(task_fn, args, kwargs, refresh=True)
                 elif cached and stage == "data" and self._borrowed_private_copies(result):
                     # Their run deletes them when its evaluation ends, maybe while this run still
                     # reads them (two runs at once): this run writes its own (they are cheap).
                     self.log.info("data: the cached splits belong to %s, which deletes them when it ends; "
                                   "writing this run's own", stage_dir_of(result).parent)
-                    result, cached = self._call(task_fn, args, refresh=True)
+                    result, cached = self._call(task_fn, args, kwargs, refresh=True)
         except BaseException as e:
             self._record(stage, status=stop_reason(e)[0], seconds=round(time.time() - t0, 2))
             raise

@@ -23,7 +23,7 @@ from pipeline.plan import Plan, dp_tokenizer_used
 from pipeline.privacy import private_selection
 from pipeline.privacy.budget import budget_of, check_max_epsilon
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
-from pipeline.privacy.control_codes import CodesResult, release_control_codes
+from pipeline.privacy.control_codes import CodesResult, public_control_codes, release_control_codes
 from pipeline.privacy.dp_vocabulary import STAGE as VOCABULARY_STAGE
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.privacy.private_selection import PrivateValidation
@@ -110,6 +110,13 @@ def codes_task(cfg: PipelineConfig, data: DataResult, plan: Plan, run_dir: Path)
         accountant=cfg.teacher.accountant,
         secure_mode=cfg.teacher.secure_mode,  # one switch for every DP noise source of the run
     )
+
+
+@stage_task("control-codes", lambda cfg: {"domain": cfg.control_codes.domain, "code_columns": cfg.data.code_columns,
+                                         "code_template": cfg.data.code_template})
+def public_codes_task(cfg: PipelineConfig, run_dir: Path) -> CodesResult:
+    """The ε = 0 control's prompts: uniform over the declared public domain (no record read)."""
+    return public_control_codes(cfg.data, cfg.control_codes.domain, run_dir / "control_codes")
 
 
 def _dp_train(
@@ -242,15 +249,17 @@ def dp_student_task(
 # fingerprint: runs generated before generate.engine existed stay cached under engine=hf.
 @stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(
     mode="json", exclude=set(PLACEMENT_FIELDS) | ({"engine"} if cfg.generate.engine == "hf" else set())),
-                                       **_precision(cfg)})
+                                       **_precision(cfg)}, optional=("base_teacher",))
 def generation_task(
-    cfg: PipelineConfig, teacher: TeacherResult, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path
+    cfg: PipelineConfig, teacher: TeacherResult | None, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path,
+    base_teacher: str | None = None,
 ) -> GenerateResult:
-    # Only the DP checkpoint and the released control-code counts cross into this stage.
+    """The DP teacher's samples; `base_teacher` (the ε = 0 control, no DP teacher): the base model's."""
+    # Only the DP checkpoint (or the public base model) and the released control-code counts cross into this stage.
     with StageProgress("generation", "samples") as progress:
         return generate_with_workers(  # shards as tasks; over generate.workers processes when > 1
             cfg.generate,
-            teacher_dir=teacher.checkpoint,
+            teacher_dir=teacher.checkpoint if teacher is not None else base_teacher,
             control_codes_path=codes.path,
             ledger=ledger,
             out_dir=run_dir / "synthetic",
@@ -261,12 +270,14 @@ def generation_task(
         )
 
 
-@stage_task("distillation", lambda cfg: {"distill": _distill_key(cfg), **_precision(cfg)}, optional=("data",))
+@stage_task("distillation", lambda cfg: {"distill": _distill_key(cfg), **_precision(cfg)},
+            optional=("data", "base_teacher"))
 def distillation_task(
-    cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult, base: BaseModels | None, plan: Plan,
-    run_dir: Path, data: DataResult | None = None,
+    cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult | None, base: BaseModels | None, plan: Plan,
+    run_dir: Path, data: DataResult | None = None, base_teacher: str | None = None,
 ) -> DistillResult:
-    """`data`: only with select_by=private_validation, whose release reads the private splits."""
+    """`data`: only with select_by=private_validation, whose release reads the private splits.
+    `base_teacher` (the ε = 0 control, no DP teacher): the base model the student learns from."""
     if data is not None:
         _within_max_epsilon(cfg, data, private_selection.STAGE, plan)
     distill_cfg = cfg.distill
@@ -277,7 +288,7 @@ def distillation_task(
         return distill(
             distill_cfg,
             synthetic_path=synthetic.path,
-            teacher_dir=teacher.checkpoint,
+            teacher_dir=teacher.checkpoint if teacher is not None else base_teacher,
             student_model=resolve_model(cfg.distill.student_model, base),
             out_dir=run_dir / "student",
             seed=cfg.seed,
@@ -303,8 +314,10 @@ def evaluation_task(
     run_dir: Path,
 ) -> dict:
     models = {"base_student": resolve_model(cfg.distill.student_model, base)}  # "zero-shot"
+    spec = method_spec(cfg.distill.method)
+    if spec.dp_teacher or spec.generates:  # what DP fine-tuning started from, or the ε = 0 control's teacher
+        models["base_teacher"] = resolve_model(cfg.teacher.model, base)
     if teacher is not None:
-        models["base_teacher"] = resolve_model(cfg.teacher.model, base)  # what DP fine-tuning started from
         models["dp_teacher"] = str(teacher.checkpoint)
     models[f"student_{cfg.distill.method}"] = str(student.checkpoint)
     selection = getattr(student, "selection", None)  # a DP-SGD student's TeacherResult has none
@@ -317,7 +330,8 @@ def evaluation_task(
     metrics = evaluate_models(
         cfg.evaluate, models=models, test_path=data.test, out_dir=out_dir, seed=cfg.seed,
         synthetic_path=synthetic.path if synthetic else None, progress_every=cfg.progress_seconds,
-        runtime=Runtime.from_config(cfg), code_values=code_values, adherence_model="dp_teacher",
+        runtime=Runtime.from_config(cfg), code_values=code_values,
+        adherence_model="dp_teacher" if teacher is not None else "base_teacher",  # the teacher that wrote the text
         cache_dir=Path(cfg.run_root).resolve() / PERPLEXITY_DIR,  # the base models score once per run root
         code_columns=cfg.data.code_columns, selection=selection,
     )

@@ -513,7 +513,9 @@ class DistillConfig(_Section):
         "loss on private data. dp_sgd and dpkd train the student with the `teacher` section's "
         "settings (epochs, batch_size, learning_rate, max_grad_norm, max_length, ...), not this "
         "section's epochs, batch_size or learning_rate: tune them there (a warning names any set here). "
-        "The base student ('zero-shot') is always evaluated.",
+        "'public_only': the ε = 0 control, ours' distillation from text the base teacher (teacher.model, "
+        "not fine-tuned) writes, prompted uniformly over control_codes.domain: no private record read but "
+        "the test split's. The base student ('zero-shot') is always evaluated.",
     )
     student_model: str = Field(
         "builtin:student",
@@ -830,7 +832,17 @@ class PipelineConfig(_Section):
                 "generate.num_samples"
             )
         codes = self.control_codes
-        if codes.mechanism is None and spec.releases_codes:
+        if spec.generates and not spec.releases_codes:
+            missing = [c for c in self.data.code_columns if c not in (codes.domain or {})]
+            if missing:
+                problems.append(
+                    f"distill.method={spec.name} prompts the base teacher uniformly over control_codes.domain, "
+                    f"which does not list the possible values of {missing}; declare them (public knowledge)")
+            if self.distill.select_by == "private_validation" and len(self.distill.candidates) > 1:
+                problems.append(
+                    f"distill.method={spec.name} reads no private record, but distill.select_by=private_validation "
+                    "chooses on private ones; set distill.select_by=teacher_kl (or another rule on public outputs)")
+        elif codes.mechanism is None and spec.releases_codes:
             problems.append(
                 "control_codes: the control-code distribution that prompts generation is released with "
                 "DP by default, which needs control_codes.domain (the public list of possible values of "

@@ -26,7 +26,8 @@ class Method:
     budget_shares: dict[str, float] = field(default_factory=dict)
     """Each DP-SGD stage ('teacher', 'dp-student') and its share of `teacher.target_epsilon`, in run order."""
     releases_codes: bool = False
-    """Whether generation is prompted by a DP release of the private training split's codes."""
+    """Whether generation is prompted by a DP release of the private training split's codes; a
+    generating method without it draws its prompts uniformly from the public `control_codes.domain`."""
     student_on: str = "synthetic"
     """'synthetic': the student learns from text the teacher writes (not private: post-processing);
     'private': the student itself trains with DP-SGD on the private records."""
@@ -53,6 +54,12 @@ class Method:
         return "teacher" in self.budget_shares
 
     @property
+    def reads_private(self) -> bool:
+        """Whether any stage but the data split and evaluation reads a private record: False is the
+        ε = 0 control (the base teacher's text, public prompts)."""
+        return bool(self.budget_shares) or self.releases_codes
+
+    @property
     def dp_student(self) -> bool:
         """Whether the student itself trains with DP-SGD on the private records (a direct baseline)."""
         return self.student_on == "private"
@@ -70,7 +77,7 @@ class Method:
     @property
     def stages(self) -> tuple[str, ...]:
         """The stages after the data and base models, in run order."""
-        return ((CODES_STAGE,) if self.releases_codes else ()) + (("teacher",) if self.dp_teacher else ()) \
+        return ((CODES_STAGE,) if self.generates else ()) + (("teacher",) if self.dp_teacher else ()) \
             + (("generation",) if self.generates else ()) + (self.student_stage, "evaluation")
 
     def budget(self, epsilon: float) -> dict[str, float]:
@@ -89,8 +96,12 @@ DP_SYN = Method("dp_syn", "DP-Syn (synthetic text alone)", {"teacher": 1.0}, rel
 DP_SGD = Method("dp_sgd", "DP-SGD of the student", {"dp-student": 1.0}, student_on="private", teacher_logits=False)
 DPKD = Method("dpkd", "DPKD", {"teacher": 0.5, "dp-student": 0.5}, student_on="private", default_alpha=0.4)
 # default_alpha 0.4: the best of {0.4, 1} for DPKD in every equal-effort study (docs/baselines.md).
+PUBLIC_ONLY = Method("public_only", "ε = 0 control (the base teacher, no private record)")
+# What the private records add (issue 59 item 2): ours' student and recipe, distilled from what
+# the base teacher writes when prompted uniformly over the declared code domain; only the test
+# split is read, by evaluation.
 
-METHODS = {m.name: m for m in (DISTIL, DP_SYN, DP_SGD, DPKD)}
+METHODS = {m.name: m for m in (DISTIL, DP_SYN, DP_SGD, DPKD, PUBLIC_ONLY)}
 METHOD_NAMES = tuple(METHODS)
 
 

@@ -453,7 +453,9 @@ def _evaluation_seconds(cfg: PipelineConfig, plan: Plan, timer: StepTimer, tok,
     """Perplexity of every model on the test windows, and the DP teacher's code adherence."""
     e, t, d = cfg.evaluate, cfg.teacher, cfg.distill
     spec = method_spec(d.method)
-    names = [d.student_model, d.student_model] + ([t.model, t.model] if spec.dp_teacher else [])
+    # the base and distilled students; the base and DP teachers (the ε = 0 control: the base one)
+    names = [d.student_model, d.student_model] + ([t.model, t.model] if spec.dp_teacher else
+                                                  [t.model] if spec.generates else [])
     timer.say(f"plan: timing evaluation ({len(names)} models on {plan.n_test} test records)")
     batches, slots = _window_batches(test_tokens, e.window, e.batch_size)
     # A batch costs about its padded tokens' share of a full one (attention's T² term is small here).

@@ -50,12 +50,13 @@ def test_the_literal_scan_finds_a_comparison(tmp_path):
     ("dp_syn", ("control-codes", "teacher", "generation", "distillation", "evaluation")),
     ("dp_sgd", ("dp-student", "evaluation")),
     ("dpkd", ("teacher", "dp-student", "evaluation")),
+    ("public_only", ("control-codes", "generation", "distillation", "evaluation")),
 ])
 def test_each_method_runs_its_stages(name, stages):
     assert method_spec(name).stages == stages
 
 
-@pytest.mark.parametrize("name", METHOD_NAMES)
+@pytest.mark.parametrize("name", [m.name for m in METHODS.values() if m.budget_shares])
 def test_the_shares_spend_the_whole_budget_exactly(name):
     for eps in (0.3, 1.0, 2.0, 7.77):
         budget = method_spec(name).budget(eps)
@@ -77,5 +78,38 @@ def test_the_flow_has_a_step_for_every_stage_of_every_method():
     assert {s for m in METHODS.values() for s in m.stages} <= set(STEPS)
 
 
+def test_only_the_control_reads_no_private_record():
+    assert [m.name for m in METHODS.values() if not m.reads_private] == ["public_only"]
+    assert method_spec("public_only").budget(2.0) == {}
+
+
+def test_the_control_needs_the_public_domain_and_no_private_choice():
+    from conftest import tiny_pipeline_dict
+    from pipeline.config import ConfigError, config_from_dict
+
+    tree = tiny_pipeline_dict(Path("/tmp"))
+    tree["distill"]["method"] = "public_only"
+    tree["control_codes"] = {"mechanism": "exact"}  # no domain: nothing public to prompt from
+    with pytest.raises((ConfigError, ValueError), match="public_only prompts the base teacher uniformly"):
+        config_from_dict(tree)
+    tree = tiny_pipeline_dict(Path("/tmp"))
+    tree["distill"] |= {"method": "public_only", "select_by": "private_validation",
+                        "candidates": [{"alpha": 0.4}, {"alpha": 1.0}]}
+    with pytest.raises((ConfigError, ValueError), match="reads no private record"):
+        config_from_dict(tree)
+
+
 def test_exactly_one_method_is_ours():
     assert [m.name for m in METHODS.values() if m.ours] == ["distil"]
+
+
+def test_the_control_plans_no_release(tmp_path):
+    """The ε = 0 control's plan: no DP entry, a total of 0, and no DP-SGD stage handed a σ."""
+    from conftest import tiny_pipeline_dict
+    from pipeline.config import config_from_dict
+    from pipeline.plan import make_plan
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["distill"]["method"] = "public_only"
+    plan = make_plan(config_from_dict(tree), timing=False)
+    assert plan.entries == [] and plan.dp_sgd == {} and plan.total.epsilon == 0 and plan.total.complete

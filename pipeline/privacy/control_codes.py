@@ -141,7 +141,7 @@ def release_control_codes(
     users = read_users(train_path)
     if cfg.mechanism == "exact":
         counts, entry = _exact(_code_counts(train_path))
-        return _save(cfg, data, Path(out_dir), counts, entry, train_path)
+        return _save(cfg.mechanism, data, Path(out_dir), counts, entry, train_path)
     rng = noise.generator("control_codes", secure=secure_mode)
     true = _code_counts(train_path) if users is None else _one_per_user(train_path, users, rng)
     unit, n_units = "record" if users is None else "user", sum(true.values())
@@ -158,7 +158,7 @@ def release_control_codes(
     else:
         noisy, entry = _geometric(exact, cfg.epsilon, rng, unit, secure_mode, where)
     counts = _floored(noisy, bins, entry)
-    return _save(cfg, data, Path(out_dir), counts, with_pld_epsilons(entry), train_path)  # replace-one ε too
+    return _save(cfg.mechanism, data, Path(out_dir), counts, with_pld_epsilons(entry), train_path)  # replace-one ε too
 
 
 def _exact(counts: Counter) -> tuple[dict[str, float], LedgerEntry]:
@@ -208,8 +208,18 @@ def _floored(noisy: np.ndarray, bins: list[str], entry: LedgerEntry) -> dict[str
     return {b: float(v) for b, v in zip(bins, floored) if v > 0}
 
 
-def _save(cfg: CodesConfig, data: DataConfig, out_dir: Path, counts: dict[str, float], entry: LedgerEntry,
-          train_path: Path) -> CodesResult:
+def public_control_codes(data: DataConfig, domain: dict[str, list[str]], out_dir: Path) -> CodesResult:
+    """The ε = 0 control's prompts (distill.method=public_only): one count for every code
+    combination the declared public domain allows. Reads no record: nothing to account."""
+    entry = LedgerEntry(stage=STAGE, private=True, epsilon=0.0, epsilon_replace_one=0.0, epsilon_pld=0.0,
+                        mechanism="public", note="no private record read: prompts uniform over the declared "
+                        "public control_codes.domain")
+    counts = dict.fromkeys(domain_codes(data, domain), 1.0)
+    return _save("public", data, Path(out_dir), counts, entry, None)
+
+
+def _save(mechanism: str, data: DataConfig, out_dir: Path, counts: dict[str, float], entry: LedgerEntry,
+          train_path: Path | None) -> CodesResult:
     """control_codes.json (the counts, most frequent first), then the manifest."""
     path = out_dir / RELEASED
     atomic_write_json(
@@ -217,11 +227,11 @@ def _save(cfg: CodesConfig, data: DataConfig, out_dir: Path, counts: dict[str, f
         {
             "columns": data.code_columns,
             "private": entry.private,
-            "mechanism": cfg.mechanism,
+            "mechanism": mechanism,
             "note": entry.note,
             "counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
         },
     )
-    write_manifest(out_dir, stage=STAGE, inputs={"train": train_path}, outputs={"released": path},
+    write_manifest(out_dir, stage=STAGE, inputs={"train": train_path} if train_path else {}, outputs={"released": path},
                    extra={"ledger": entry.model_dump()})
     return CodesResult(path=path, ledger=entry)

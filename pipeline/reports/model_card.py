@@ -50,20 +50,35 @@ def _held_out(e) -> list[str]:
                 "figures are published from them, and no guarantee covers the records in them."]
     return [test, f"- **The validation split.** {validation}"]
 
-def _trained_by(ledger: PrivacyLedger, stage: str) -> LedgerEntry:
+def _trained_by(ledger: PrivacyLedger, stage: str) -> LedgerEntry | None:
     """The DP-SGD entry behind a model: its own stage's, or the teacher's for a model
-    computed from the teacher only (distillation)."""
+    computed from the teacher only (distillation); None for the ε = 0 control's student."""
     own = [e for e in ledger.entries
            if current_stage_name(e.stage) == current_stage_name(stage) and e.mechanism == "subsampled_gaussian"]
     if own:
         return own[0]
-    return next(e for e in ledger.entries if e.mechanism == "subsampled_gaussian")
+    return next((e for e in ledger.entries if e.mechanism == "subsampled_gaussian"), None)
+
+
+def _public_card(run_name: str | None) -> str:
+    """The card of a student distilled from the base teacher alone (distill.method=public_only)."""
+    return "\n".join([
+        f"# Model card{f' ({run_name})' if run_name else ''}", "",
+        "This model is the ε = 0 control's student: distilled from text that the public base teacher (not "
+        "fine-tuned) wrote from prompts drawn uniformly over the declared public control-code domain. No "
+        "private record was read to train it: it carries no privacy cost and no guarantee is needed for it.", "",
+        "## Not protected", "",
+        "- **The held-out test split.** It is read without DP (the evaluation's perplexities); only aggregate "
+        "figures are published from it, and no guarantee covers the records in it.",
+        "- **The public base model and corpus** are not private and not covered.", ""])
 
 
 def model_card(ledger: PrivacyLedger, stage: str, run_name: str | None = None) -> str:
     """The card's Markdown for the model made by `stage` ('teacher', 'dp-student' for the
     DP-SGD baselines' student, 'distillation' for the distilled student)."""
     e = _trained_by(ledger, stage)
+    if e is None:
+        return _public_card(run_name)
     total = ledger.total
     role = _ROLES.get(current_stage_name(stage), stage)
     lines = [

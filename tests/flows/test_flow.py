@@ -157,7 +157,7 @@ def test_cli_reports_config_errors_and_exits_2(tmp_path, capsys):
     assert "teacher.target_epsilon = -1" in err and "teacher.epsilonn" in err
 
 
-@pytest.mark.parametrize("method", ["dp_syn", "dp_sgd", "dpkd"])
+@pytest.mark.parametrize("method", ["dp_syn", "dp_sgd", "dpkd", "public_only"])
 def test_baselines_run_through_the_same_flow(prefect_server, tmp_path, method):
     """Each baseline is one config switch; its ledger lists exactly the stages that touched
     private data, with their ε, and the total composes them."""
@@ -183,6 +183,24 @@ def test_baselines_run_through_the_same_flow(prefect_server, tmp_path, method):
         assert student.epsilon <= eps and student.epsilon > 0.9 * eps
         assert typed.total.complete and typed.total.epsilon == pytest.approx(student.epsilon)
         assert not (run / "synthetic").exists()
+    elif method == "public_only":  # the ε = 0 control: the base teacher writes, from public prompts
+        assert stages == ["control-codes", "generation", "distillation", "evaluation"]
+        assert typed.total.complete and typed.total.epsilon == 0 and typed.entry("control-codes").mechanism == "public"
+        assert not (run / "teacher").exists() and "dp_teacher" not in metrics["perplexity"]
+        assert "base_teacher" in metrics["perplexity"]
+        counts = json.loads((run / "control_codes" / "control_codes.json").read_text())["counts"]
+        assert len(counts) == len(YELP_DOMAIN["label1"]) * len(YELP_DOMAIN["label2"])
+        assert set(counts.values()) == {1.0}
+        # No stage after the split read a private split: none names one among its inputs, and the
+        # records' budget holds no release.
+        outputs = json.loads((run / "data" / "manifest.json").read_text())["outputs"]
+        splits = [json.dumps(outputs[s]["sha256"]) for s in ("train", "validation")]
+        for stage in ("control_codes", "synthetic", "student"):
+            manifest = (run / stage / "manifest.json").read_text()
+            assert not [s for s in splits if s in manifest], stage
+        from pipeline.privacy.budget import read_budget
+        info = json.loads((run / "run.json").read_text())
+        assert not read_budget(Path(cfg.run_root).resolve(), info["records_id"]).releases
     else:  # dpkd: ε/2 + ε/2, composed by the accountant
         assert stages == ["teacher", "dp-student", "evaluation"]
         t, s = typed.entry("teacher"), typed.entry("dp-student")
