@@ -82,11 +82,12 @@ class DataConfig(_Section):
     test_split: Literal["fixed", "keyed"] = Field(
         "fixed",
         description="Which units are split off as test when `test_path` is None (no effect otherwise). "
-        "'fixed': those of lowest hash under a public salt, the same in every run, run root and "
-        "checkout with the same file and data settings, so every row of a results table is scored "
-        "on the same records (anyone holding the file can tell which are test). 'keyed': drawn with "
-        "the run root's secret split key like validation, so that test membership stays secret too, "
-        "but runs under different run roots score different test records.",
+        "'fixed': those of lowest hash under a public salt (of the user, or of the record's codes "
+        "and text), the same in every run, run root and checkout with the same file and data "
+        "settings, so every row of a results table is scored on the same records (anyone holding "
+        "the file can tell which are test). 'keyed': drawn with the run root's secret split key "
+        "like validation, so that test membership stays secret too, but runs under different run "
+        "roots score different test records.",
     )
     user_column: str | None = Field(
         None,
