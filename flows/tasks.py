@@ -84,8 +84,11 @@ def source_hashes(cfg: PipelineConfig) -> dict[str, str]:
 
 
 def _data_key(cfg: PipelineConfig) -> dict:
-    # Whether the splits are deleted after evaluation changes nothing a stage computes.
-    return cfg.data.model_dump(mode="json", exclude={"keep_private_copies"})
+    # Whether the splits are deleted after evaluation changes nothing a stage computes. Nor does
+    # data.test_split with a data.test_path, and 'keyed' is the split made before the field existed
+    # (issue 60): left out then, so run roots from before keep their cached stages.
+    unchanged = cfg.data.test_path is not None or cfg.data.test_split == "keyed"
+    return cfg.data.model_dump(mode="json", exclude={"keep_private_copies"} | ({"test_split"} if unchanged else set()))
 
 
 @stage_task("data", lambda cfg: {"data": _data_key(cfg), "domain": cfg.control_codes.domain})

@@ -81,6 +81,16 @@ class DataConfig(_Section):
     test_fraction: float = Field(
         0.1, gt=0.0, lt=0.5, description="Share split off as test when `test_path` is None."
     )
+    test_split: Literal["fixed", "keyed"] = Field(
+        "fixed",
+        description="Which units are split off as test when `test_path` is None (no effect otherwise). "
+        "'fixed': those of lowest hash under a public salt (of the user, or of the record's codes "
+        "and text), the same in every run, run root and checkout with the same file and data "
+        "settings, so every row of a results table is scored on the same records (anyone holding "
+        "the file can tell which are test). 'keyed': drawn with the run root's secret split key "
+        "like validation, so that test membership stays secret too, but runs under different run "
+        "roots score different test records.",
+    )
     user_column: str | None = Field(
         None,
         description="Column naming each record's author. Set: user-level DP (all of a user's "
@@ -95,7 +105,7 @@ class DataConfig(_Section):
         False,
         description="Keep the run's private splits (data/train|validation|test.parquet) and their "
         "token ids (data/tokenized/) after evaluation. False: they are deleted once evaluation is done and only their sha256 stay "
-        "in the data manifest; a later run rewrites identical files (same data and seed), so the "
+        "in the data manifest; a later run rewrites identical files (same data under the same run root), so the "
         "stages after it stay cached. Not part of any cache key.",
     )
 

@@ -32,7 +32,7 @@ from pipeline.config import DataConfig
 SEPARATOR = "\n\n"
 CODE_JOINER = "\t"
 ROW_GROUP = 16_384  # records per Parquet row group of a split, and per batch read from the input
-SPLIT_KEY = ".split-key"  # under run_root: the secret that decides which units are held out (0600)
+SPLIT_KEY = ".split-key"  # under run_root: the secret that decides which units validate (0600)
 TOKENIZED_DIR = "tokenized"  # the splits' token ids, next to them (pipeline/tokenized.py): private too
 
 
@@ -228,11 +228,12 @@ def read_control_codes(path: Path) -> dict[str, float]:
 
 
 def split_key(run_root: Path, create: bool = True) -> bytes | None:
-    """The secret that decides which units are held out for validation and test: 32 random bytes
-    in `<run_root>/.split-key` (0600), made by the first run under `run_root` and read by every
-    later one, so that their splits agree (and their cached stages stay valid). Never published:
-    the seed a run publishes no longer tells which records are held out. None when absent and
-    not `create`d."""
+    """The secret that decides which units are held out for validation (and for test with
+    data.test_split=keyed; 'fixed' draws test under a public salt, the same in every run root):
+    32 random bytes in `<run_root>/.split-key` (0600), made by the first run under `run_root` and
+    read by every later one, so that their splits agree (and their cached stages stay valid).
+    Never published: the seed a run publishes does not tell which records train. None when
+    absent and not `create`d."""
     path = Path(run_root) / SPLIT_KEY
     if not path.exists():
         if not create:

@@ -5,10 +5,14 @@ splits them; this module is the stage).
 
 The stage streams its input (Arrow batches of 16k rows; never every text in Python lists) in
 two passes: the first validates and formats each batch into a temporary 0600 file, with each
-record's unit (its user, or its row) hashed under the run root's secret split key; the second
-routes every record to its split by its unit's rank among those hashes. The split is a uniformly
-random one, as a permutation would give, with today's exact sizes; it is the same on every run
-under one run root (one key) and is not told by anything a run publishes (the seed is not used).
+record's unit (its user, or its row) hashed under the run root's secret split key, and hashed
+for the test draw; the second routes every record to its split by its ranks among those hashes.
+Test is the units of lowest hash under a public salt (`data.test_split=fixed`, issue 60: the
+same records in every run and checkout; at record level the hash is of the record itself, see
+`_test_hashes`) or of lowest keyed hash (`keyed`); validation the units of lowest keyed hash
+among the rest. Each draw is uniformly random, as a permutation would give, with its exact
+sizes; which units train and which validate is the same on every run under one run root (one
+key) and is not told by anything a run publishes (the seed is not used).
 
 This module reads private data. Errors name the row and the column, never the content.
 """
@@ -41,6 +45,9 @@ log = logging.getLogger(__name__)
 MAX_PROBLEMS = 20  # unusable records named in one error
 DELETED = "deleted.json"  # beside the manifest: the private splits deleted after evaluation, by name and sha256
 FORMAT_ROWS = 8_192  # rows validated at a time: their texts are Python strings while they are
+# data.test_split=fixed hashes the units under this public salt, not the secret key, so that every run
+# root and checkout holds out the same test records (issue 60); a new salt would be a new test split.
+TEST_SPLIT_SALT = b"dpdistill/test-split/v1"
 
 
 @dataclass(frozen=True)
@@ -250,9 +257,9 @@ def delete_private_copies(result: DataResult) -> list[Path]:
     """Delete the private splits and their tokenized copies once nothing reads them any more
     (after evaluation). The splits' sha256 stay in the data manifest; a later run with the
     same data under the same run root rewrites identical files (the split depends on the run
-    root's key alone), so the stages after it stay cached. Which splits were deleted is
-    recorded (`DELETED`): a later run that finds exactly them missing meets the expected
-    event, not damage (`deleted_as_recorded`)."""
+    root's key and the public TEST_SPLIT_SALT alone), so the stages after it stay cached. Which
+    splits were deleted is recorded (`DELETED`): a later run that finds exactly them missing
+    meets the expected event, not damage (`deleted_as_recorded`)."""
     data_dir = Path(result.train).parent
     outputs = {name: item["sha256"] for name, item in json.loads((data_dir / MANIFEST).read_text())["outputs"].items()}
     deleted, names = [], {}
@@ -328,14 +335,16 @@ class _SplitWriter:
 
 
 def _split_schema(users: bool, hashes: bool = False) -> pa.Schema:
-    """A split's columns; `hashes`: and the formatted file's (unit, copy, and by user user_copy)."""
+    """A split's columns; `hashes`: and the formatted file's (unit, unit_test, copy, and by user
+    user_copy)."""
     fields = [("control_code", pa.string()), ("text", pa.string())] + ([("user", pa.string())] if users else [])
     if hashes:
-        fields += [("unit", pa.uint64()), ("copy", pa.uint64())] + ([("user_copy", pa.uint64())] if users else [])
+        fields += ([("unit", pa.uint64()), ("unit_test", pa.uint64()), ("copy", pa.uint64())]
+                   + ([("user_copy", pa.uint64())] if users else []))
     return pa.schema(fields)
 
 
-HASH_COLUMNS = ["unit", "copy", "user_copy"]
+HASH_COLUMNS = ["unit", "unit_test", "copy", "user_copy"]
 
 
 def _records_table(records: _Records, hashes: dict[str, np.ndarray] | None = None) -> pa.Table:
@@ -365,7 +374,8 @@ def _format_file(cfg: DataConfig, path: Path, max_records: int | None, where: st
                  domain: dict[str, list[str]] | None, out: Path, key: bytes) -> _Findings:
     """Pass 1: stream one input through validation into the temporary 0600 file `out`, each
     record with its unit's keyed hash (column `unit`: the unit is the user, or the record's data
-    row) and the hashes that count exact copies (warned about here)."""
+    row), the hash that draws test (`unit_test`, `_test_hashes`) and the hashes that count exact
+    copies (warned about here)."""
     batches = read_batches(path, max_records)
     _check_columns(batches.schema, cfg, where)
     findings, allowed = _Findings(where), _allowed(domain)
@@ -375,7 +385,8 @@ def _format_file(cfg: DataConfig, path: Path, max_records: int | None, where: st
             records = _format_batch(batch, cfg, allowed, findings.rows + 1, findings)
             ids = records.users if records.users is not None else map(str, records.rows)
             unit = np.fromiter((_digest(u, key=key) for u in ids), np.uint64, len(records.texts))
-            writer.write(_records_table(records, {"unit": unit, **_copy_hashes(records)}))
+            writer.write(_records_table(records, {"unit": unit, "unit_test": _test_hashes(cfg, records, unit),
+                                                  **_copy_hashes(records)}))
         findings.raise_if_unusable(cfg)
     except BaseException:
         writer.discard()
@@ -385,32 +396,100 @@ def _format_file(cfg: DataConfig, path: Path, max_records: int | None, where: st
     return findings
 
 
+def _test_hashes(cfg: DataConfig, records: _Records, unit: np.ndarray) -> np.ndarray:
+    """Each record's hash for the test draw. 'keyed': its unit's keyed hash (`unit`). 'fixed': under
+    the public TEST_SPLIT_SALT, of its user, or at record level of the record itself (codes and
+    text), not of its row: removing one row renumbers every later one, so a public hash of rows
+    would move many other records in or out of test (and training) between neighbouring files."""
+    n = len(records.texts)
+    if cfg.test_split == "keyed":
+        return unit
+    if records.users is not None:
+        return np.fromiter((_digest(u, key=TEST_SPLIT_SALT) for u in records.users), np.uint64, n)
+    return np.fromiter((_digest(c, t, key=TEST_SPLIT_SALT) for c, t in zip(records.codes, records.texts)),
+                       np.uint64, n)
+
+
+class _TestDraw:
+    """Which records are test, batch by batch in file order: those of test hash below `test_max`, and
+    of those at `test_max` the first `n_tied` (None: all, one user's records). At record level the
+    tie is exact copies of one record: taking the first keeps the sizes exact, and removing any
+    other record leaves the order (hash, then file order) of the rest as it was."""
+
+    def __init__(self, test_max: np.uint64 | None, n_tied: int | None):
+        self.test_max, self.left = test_max, n_tied
+
+    def __call__(self, hashes: np.ndarray) -> np.ndarray:
+        if self.test_max is None:  # data.test_path: no unit of this file is test
+            return np.zeros(len(hashes), bool)
+        test = hashes < self.test_max
+        tied = np.flatnonzero(hashes == self.test_max)
+        if self.left is not None:
+            tied = tied[:self.left]
+            self.left -= len(tied)
+        test[tied] = True
+        return test
+
+
 @dataclass(frozen=True)
 class _Sizes:
-    """Held-out units: the `n_test` units of lowest keyed hash, then the next `n_validation`."""
+    """Held-out units: the `n_test` units of lowest test hash (`unit_test`), then, of the others,
+    the `n_validation` of lowest keyed hash (`unit`). With test hash = keyed hash
+    (data.test_split=keyed) that is the `n_test` lowest keyed hashes, then the next `n_validation`."""
 
-    ranked: np.ndarray  # the distinct units' hashes, ascending
+    test_max: np.uint64 | None  # the largest test hash in test (None: no test units, data.test_path)
+    n_tied: int | None  # of the records at test_max, how many are test (None: all)
+    ranked: np.ndarray  # the keyed hashes of the distinct units not in test, ascending
     n_test: int
     n_validation: int
 
-    def side(self, units: np.ndarray) -> np.ndarray:
-        """0 test, 1 validation, 2 train for each record's unit hash."""
-        rank = np.searchsorted(self.ranked, units)
-        return np.where(rank < self.n_test, 0, np.where(rank < self.n_test + self.n_validation, 1, 2))
+    def test_draw(self) -> _TestDraw:
+        """A fresh draw for one pass over the formatted file, in its order."""
+        return _TestDraw(self.test_max, self.n_tied)
+
+    def side(self, units: np.ndarray, test: np.ndarray) -> np.ndarray:
+        """0 test, 1 validation, 2 train for each record's keyed hash and test draw."""
+        rank = np.searchsorted(self.ranked, units)  # a test unit's rank means nothing: overruled by `test`
+        return np.where(test, 0, np.where(rank < self.n_validation, 1, 2))
 
     @property
     def n_train(self) -> int:
-        return len(self.ranked) - self.n_test - self.n_validation
+        return len(self.ranked) - self.n_validation
 
 
-def _sizes(cfg: DataConfig, units: np.ndarray, users: bool) -> _Sizes:
-    """The split's sizes over the distinct units (`units` is sorted in place: no copy of 8 bytes a
+def _ranked(hashes: np.ndarray, users: bool) -> np.ndarray:
+    """The distinct units' hashes, ascending (`hashes` is sorted in place: no copy of 8 bytes a
     record when every record is its own unit)."""
-    units.sort()
-    ranked = np.unique(units) if users else units
-    n_test = max(1, int(round(cfg.test_fraction * len(ranked)))) if cfg.test_path is None else 0
-    n_val = int(round(cfg.validation_fraction * (len(ranked) - n_test)))
-    sizes = _Sizes(ranked, n_test, n_val)
+    hashes.sort()
+    return np.unique(hashes) if users else hashes
+
+
+def _read_units(path: Path, n: int, draw: _TestDraw) -> np.ndarray:
+    """The keyed hashes of a formatted file's records not in test, read batch by batch into one
+    array (a view of its first part: no second copy)."""
+    out, i = np.empty(n, np.uint64), 0
+    for batch in parquet_batches(path, columns=["unit", "unit_test"]):
+        units = batch.column(0).to_numpy()[~draw(batch.column(1).to_numpy())]
+        out[i:i + len(units)] = units
+        i += len(units)
+    return out[:i]
+
+
+def _sizes(cfg: DataConfig, formatted: Path, n: int, users: bool) -> _Sizes:
+    """The split's sizes over the distinct units of the formatted file `formatted` (`n` records);
+    one array of 8 bytes a record at a time, as each ranking is made."""
+    test_max, n_tied, n_test = None, None, 0
+    if cfg.test_path is None:
+        tests = _ranked(_read_column(formatted, "unit_test", n), users)
+        n_test = max(1, int(round(cfg.test_fraction * len(tests))))
+        test_max = tests[n_test - 1]
+        if not users:  # records are ranked with their copies: the first n_test of them, not every copy
+            n_tied = n_test - int(np.searchsorted(tests, test_max))
+        del tests  # before the second ranking: never two arrays of 8 bytes a record
+    draw = _TestDraw(test_max, n_tied)
+    ranked = _ranked(_read_units(formatted, n, draw), users)  # the units left: all but the n_test
+    n_val = int(round(cfg.validation_fraction * len(ranked)))
+    sizes = _Sizes(test_max, n_tied, ranked, n_test, n_val)
     if sizes.n_train < 2:
         raise DataError(
             f"only {max(0, sizes.n_train)} training {'user' if users else 'record'}(s) "
@@ -451,7 +530,8 @@ def prepare_data(
 
     With `data.user_column`, splits are made by user, so that no author has records on both
     sides of a split (the test perplexity would otherwise flatter the models). `key`: the run
-    root's split key (`split_key`); None draws a fresh one, a new random split.
+    root's split key (`split_key`); None draws a fresh one, a new random split (of train and
+    validation only with data.test_split=fixed).
     """
     out_dir = Path(out_dir)
     key = secrets.token_bytes(32) if key is None else key
@@ -495,7 +575,7 @@ def _split_files(cfg: DataConfig, code_domain, key: bytes, formatted: Path, form
     try:
         findings = _format_file(cfg, cfg.path, cfg.max_records, f"data.path {str(cfg.path)!r}", code_domain,
                                 formatted, key)
-        sizes = _sizes(cfg, _read_column(formatted, "unit", findings.kept), users)
+        sizes = _sizes(cfg, formatted, findings.kept, users)
         test_findings = None
         if cfg.test_path is not None:
             test_findings = _format_file(cfg, cfg.test_path, cfg.max_test_records,
@@ -513,11 +593,11 @@ def _write_splits(formatted: Path, formatted_test: Path | None, sizes: _Sizes, p
     in file order; the splits written whole or not at all. Returns each split's record count."""
     writers = {name: _SplitWriter(path, _split_schema(users)) for name, path in paths.items()}
     sides = ["test", "validation", "train"]  # _Sizes.side's 0, 1, 2
-    counts = dict.fromkeys(paths, 0)
+    counts, draw = dict.fromkeys(paths, 0), sizes.test_draw()
     try:
         for batch in parquet_batches(formatted):
             table = pa.Table.from_batches([batch])
-            side = sizes.side(table["unit"].to_numpy())
+            side = sizes.side(table["unit"].to_numpy(), draw(table["unit_test"].to_numpy()))
             table = table.drop_columns([c for c in HASH_COLUMNS if c in table.column_names])
             for i, name in enumerate(sides):
                 if (mask := side == i).any():
@@ -557,8 +637,9 @@ class PlannedSplit:
 
 def _planned(cfg: DataConfig, code_domain, run_root: Path, read) -> object:
     """`read(result)` of the split the data stage will make under `run_root` (its key; a
-    throwaway one before the first run: the sizes are the same, but not which users), made in a
-    temporary 0600 directory deleted at once."""
+    throwaway one before the first run: the sizes are the same, and with data.test_split=fixed
+    the test records, but not which units validate), made in a temporary 0600 directory deleted
+    at once."""
     key = split_key(run_root, create=False)
     with tempfile.TemporaryDirectory(prefix="dpdistill-plan-") as tmp:
         return read(prepare_data(cfg, Path(tmp), code_domain, key))

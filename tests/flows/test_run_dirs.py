@@ -13,6 +13,7 @@ from flows.caching import RESULTS_DIR, deleted_after_evaluation
 from flows.cli import main
 from flows.run_dirs import checked_run_dir, new_run_dir, prepare_run_root
 from flows.run_info import RUN_INFO, TOOL, RunDirError
+from flows.tasks import _data_key
 from pipeline.config import DataConfig, config_from_dict
 from pipeline.records import split_key
 from pipeline.stages.data import DataResult, delete_private_copies, prepare_data
@@ -48,8 +49,9 @@ def test_a_shared_run_root_is_refused(tmp_path):
     assert shared.stat().st_mode & 0o7777 == 0o1777  # left as it was
 
 
-def test_private_splits_are_0600_and_can_be_deleted(tmp_path, open_umask):
-    cfg = DataConfig(path=YELP_TRAIN, test_path=YELP_TEST, max_records=60, max_test_records=10)
+@pytest.mark.parametrize("test_file", [{"test_path": YELP_TEST, "max_test_records": 10}, {}])
+def test_private_splits_are_0600_and_can_be_deleted(tmp_path, open_umask, test_file):
+    cfg = DataConfig(path=YELP_TRAIN, max_records=60, **test_file)
     key = split_key(tmp_path)  # the run root's: a rerun rewrites the same split
     result = prepare_data(cfg, tmp_path / "data", key=key)
     splits = (result.train, result.validation, result.test)
@@ -74,6 +76,20 @@ def test_private_splits_are_0600_and_can_be_deleted(tmp_path, open_umask):
     delete_private_copies(again)
     Path(again.test).write_bytes(b"not the split")
     assert not deleted_after_evaluation(again)
+
+
+def test_test_split_is_in_the_data_key_only_where_it_changes_the_split(tmp_path):
+    """data.test_split=keyed is the split made before the field existed (issue 60), and with a
+    data.test_path the field changes nothing: out of the key, so run roots from before keep their
+    cached stages. 'fixed' without a test file is another split: the stages run again."""
+    cfg = config_from_dict(tiny_pipeline_dict(tmp_path))
+
+    def data_key(**update):
+        return _data_key(cfg.model_copy(update={"data": cfg.data.model_copy(update=update)}))
+
+    assert "test_split" not in data_key(test_split="keyed", test_path=None)
+    assert data_key(test_split="fixed", test_path=None)["test_split"] == "fixed"
+    assert data_key(test_split="fixed", test_path=YELP_TEST) == data_key(test_split="keyed", test_path=YELP_TEST)
 
 
 def test_keep_private_copies_defaults_to_false():

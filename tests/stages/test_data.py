@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import re
 
@@ -16,7 +17,7 @@ from pipeline.config import ConfigError, DataConfig, config_from_dict
 from pipeline.stages import data as data_stage
 from pipeline.records import (SPLIT_KEY, DataError, encode_record, prompt_for, read_split, read_table, read_users,
                               split_key)
-from pipeline.stages.data import prepare_data
+from pipeline.stages.data import planned_split, prepare_data
 
 CODE_RE = re.compile(r"^Business Category: [^\t\n]+\tReview Stars: [^\t\n]+$")
 
@@ -321,15 +322,17 @@ def test_config_refuses_code_values_that_cannot_agree_with_the_domain(tmp_path):
 
 def test_the_split_is_the_run_root_s_not_the_seed_s(tmp_path):
     """The keyed-hash split (issue 23): the same file under one run root gives the same split on
-    every run; under another run root (same config, same published seed) another one, so the seed
-    does not tell which records are held out. The key is 0600; the sizes are a permutation's."""
+    every run; under another run root (same config, same published seed) another validation
+    split, so the seed does not tell which records train (the test split is the corpus's own,
+    issue 60). The key is 0600; the sizes are a permutation's."""
     cfg = DataConfig(path=YELP_TRAIN, max_records=200, validation_fraction=0.1, test_fraction=0.1)
     key = split_key(tmp_path / "root")
     one, again = prepare_data(cfg, tmp_path / "1", key=key), prepare_data(cfg, tmp_path / "2", key=split_key(tmp_path / "root"))
     other = prepare_data(cfg, tmp_path / "3", key=split_key(tmp_path / "other_root"))
     for split in ("train", "validation", "test"):
         assert read_split(getattr(one, split)) == read_split(getattr(again, split))
-    assert read_split(one.test) != read_split(other.test)
+    assert read_split(one.validation) != read_split(other.validation)
+    assert read_split(one.test) == read_split(other.test)
     assert (one.n_train, one.n_validation, one.n_test) == (other.n_train, other.n_validation, other.n_test) == (162, 18, 20)
     assert (tmp_path / "root" / SPLIT_KEY).stat().st_mode & 0o777 == 0o600
     assert split_key(tmp_path / "nowhere", create=False) is None and not (tmp_path / "nowhere").exists()
@@ -361,3 +364,167 @@ def test_a_file_streamed_in_many_batches_keeps_rows_users_and_order(tmp_path, mo
     with pytest.raises(DataError, match=r"1 unusable record\(s\):\n  - row 173, column 'text': empty text"):
         prepare_data(cfg, tmp_path / "bad", key=split_key(tmp_path))
     assert not list((tmp_path / "bad").glob("*.parquet")) and not list((tmp_path / "bad").glob(".*"))
+
+
+SIDES = ("train", "validation", "test")
+KEYS = (b"\1" * 32, b"\2" * 32)  # two run roots' split keys
+SALT = b"dpdistill/test-split/v1"  # public: a corpus's test split is the same in every checkout
+
+
+def _hash(*parts: str, key: bytes) -> int:
+    """A hash as the data stage makes it, written out: 8-byte BLAKE2b of the parts, each ended by a NUL."""
+    h = hashlib.blake2b(digest_size=8, key=key)
+    for part in parts:
+        h.update(part.encode() + b"\0")
+    return int.from_bytes(h.digest(), "little")
+
+
+def _keyed_rule(units: list[str], key: bytes, test_fraction: float, validation_fraction: float) -> list[str]:
+    """The split before issue 60 (data.test_split=keyed): the units ranked by keyed hash, the
+    lowest n_test to test, the next n_validation to validation; each record's side."""
+    ranked = sorted(set(units), key=lambda u: _hash(u, key=key))
+    n_test = max(1, round(test_fraction * len(ranked)))
+    n_validation = round(validation_fraction * (len(ranked) - n_test))
+    side = {u: "test" if i < n_test else "validation" if i < n_test + n_validation else "train"
+            for i, u in enumerate(ranked)}
+    return [side[u] for u in units]
+
+
+def _fixed_rule(units: list[str], test_units: list[tuple[str, ...]], key: bytes, test_fraction: float,
+                validation_fraction: float) -> list[str]:
+    """data.test_split=fixed: test the n_test units of lowest public hash of `test_units` (the
+    user, or the record's codes and text; copies in file order), then validation the
+    n_validation of lowest keyed hash among the others; each record's side."""
+    first = {}  # each unit's public hash, and where it first appears
+    for i, (unit, parts) in enumerate(zip(units, test_units)):
+        first.setdefault(unit, (_hash(*parts, key=SALT), i))
+    ranked = sorted(first, key=first.get)
+    test = set(ranked[:max(1, round(test_fraction * len(ranked)))])
+    rest = sorted(set(units) - test, key=lambda u: _hash(u, key=key))
+    n_validation = round(validation_fraction * len(rest))
+    side = {u: "test" for u in test} | {u: "validation" if i < n_validation else "train" for i, u in enumerate(rest)}
+    return [side[u] for u in units]
+
+
+def _reviews(tmp_path, n=200, users=None, name="reviews", texts=None):
+    """`n` records `{name} i` with code `c{i % 3}` (by user `u{i % users}` when `users`): the file, the
+    texts, each record's unit as the data stage names it (its user, or its row) and what its
+    public test hash is of (its user, or its codes and text)."""
+    texts = texts or [f"{name} {i}" for i in range(n)]
+    rows = {"text": texts, "label1": [f"c{i % 3}" for i in range(len(texts))]}
+    if users:
+        rows["user"] = [f"u{i % users}" for i in range(len(texts))]
+    path = tmp_path / f"{name}.parquet"
+    pq.write_table(pa.table(rows), path)
+    if users:
+        return path, texts, rows["user"], [(u,) for u in rows["user"]]
+    return path, texts, [str(i + 1) for i in range(len(texts))], list(zip(rows["label1"], texts))
+
+
+def _splits(result) -> dict[str, list[str]]:
+    return {side: read_split(getattr(result, side))[1] for side in SIDES}
+
+
+def _expected(texts: list[str], sides: list[str]) -> dict[str, list[str]]:
+    return {side: [t for t, s in zip(texts, sides) if s == side] for side in SIDES}
+
+
+@pytest.mark.parametrize("users", [None, 40])
+def test_a_fixed_test_split_is_the_same_under_every_key_and_validation_stays_keyed(tmp_path, users):
+    """Issue 60: with data.test_split=fixed (the default), two run roots hold out the same test
+    records, those of lowest hash under the public salt, so every row of a results table is
+    scored on them; which of the others validate is still the run root's secret key's choice.
+    By user: no user on two sides, and the sizes a permutation of the 40 users would give."""
+    path, texts, units, test_units = _reviews(tmp_path, users=users)
+    cfg = DataConfig(path=path, code_columns=["label1"], user_column="user" if users else None,
+                     validation_fraction=0.2, test_fraction=0.2)
+    one, other = (prepare_data(cfg, tmp_path / f"run{i}", key=key) for i, key in enumerate(KEYS))
+    for result, key in ((one, KEYS[0]), (other, KEYS[1])):
+        assert _splits(result) == _expected(texts, _fixed_rule(units, test_units, key, 0.2, 0.2))
+    assert _splits(one)["test"] == _splits(other)["test"]
+    assert _splits(one)["validation"] != _splits(other)["validation"]
+    if users:
+        sides = {split: set(read_users(getattr(one, split))) for split in SIDES}
+        assert not (sides["test"] & sides["validation"] or sides["test"] & sides["train"]
+                    or sides["validation"] & sides["train"])
+        assert [len(sides[split]) for split in SIDES] == [26, 6, 8]  # 8 = 0.2 × 40, 6 = round(0.2 × 32)
+    else:
+        assert (one.n_train, one.n_validation, one.n_test) == (128, 32, 40)
+
+
+@pytest.mark.parametrize("users", [None, 40])
+def test_a_keyed_test_split_is_the_rule_before_issue_60_bit_for_bit(tmp_path, users, monkeypatch):
+    """data.test_split=keyed is the split before issue 60: test drawn with the secret key too, so
+    two run roots hold out different test records; and by user (where the fixed rule hashes the
+    same unit) the fixed rule with its public salt set to the key writes the very same files."""
+    path, texts, units, _ = _reviews(tmp_path, users=users)
+    cfg = DataConfig(path=path, code_columns=["label1"], user_column="user" if users else None,
+                     validation_fraction=0.2, test_fraction=0.2, test_split="keyed")
+    one, other = (prepare_data(cfg, tmp_path / f"run{i}", key=key) for i, key in enumerate(KEYS))
+    for result, key in ((one, KEYS[0]), (other, KEYS[1])):
+        assert _splits(result) == _expected(texts, _keyed_rule(units, key, 0.2, 0.2))
+    assert _splits(one)["test"] != _splits(other)["test"]
+    if not users:  # the fixed rule hashes a record's codes and text, not its row: no salt gives the keyed rule
+        return
+    monkeypatch.setattr(data_stage, "TEST_SPLIT_SALT", KEYS[0])
+    fixed = prepare_data(cfg.model_copy(update={"test_split": "fixed"}), tmp_path / "fixed", key=KEYS[0])
+    for split in SIDES:
+        assert getattr(fixed, split).read_bytes() == getattr(one, split).read_bytes(), split
+
+
+def test_with_test_path_the_test_file_is_the_test_split_whatever_test_split_says(tmp_path):
+    """data.test_path: that file is the test split, whole and in order, under either rule; the
+    training file gives validation (by the keyed hash) and train only."""
+    path, texts, units, _ = _reviews(tmp_path)
+    test_path, test_texts, _, _ = _reviews(tmp_path, n=30, name="held-out")
+    cfg = DataConfig(path=path, test_path=test_path, code_columns=["label1"], validation_fraction=0.2)
+    fixed = prepare_data(cfg, tmp_path / "fixed", key=KEYS[0])
+    keyed = prepare_data(cfg.model_copy(update={"test_split": "keyed"}), tmp_path / "keyed", key=KEYS[0])
+    assert _splits(fixed) == _splits(keyed)
+    assert _splits(fixed)["test"] == test_texts and fixed.n_test == 30
+    ranked = sorted(units, key=lambda u: _hash(u, key=KEYS[0]))
+    validation = set(ranked[:40])  # round(0.2 × 200), no unit of the training file in test
+    assert _splits(fixed)["validation"] == [t for t, u in zip(texts, units) if u in validation]
+
+
+def test_the_plan_sees_the_test_records_of_runs_not_made_yet(tmp_path):
+    """`dpdistill plan` before the first run under a run root splits with a throwaway key; the
+    test records it reads are the ones the run will score."""
+    path = _reviews(tmp_path)[0]
+    cfg = DataConfig(path=path, code_columns=["label1"])
+    plan = planned_split(cfg, tmp_path / "root")
+    assert not (tmp_path / "root" / SPLIT_KEY).exists()
+    run = prepare_data(cfg, tmp_path / "run", key=split_key(tmp_path / "root"))
+    assert (plan.test_codes, plan.test_texts) == read_split(run.test)
+
+
+@pytest.mark.parametrize("users", [None, 40])
+def test_removing_one_record_moves_at_most_one_other_in_or_out_of_each_split(tmp_path, users):
+    """The DP argument for a public test rule (docs/privacy.md): each unit's public hash is of
+    the unit alone, so a file with one record fewer gives each split as it was, with one record
+    fewer, or with one exchanged for another (when a rounded size steps). At record level that
+    needs the hash of the record, not of its row (removing row 1 would renumber every other),
+    and holds for test and the rest; which of the rest validate is drawn by the secret key over
+    rows, a fresh uniform draw in the neighbouring file (so it holds in distribution, not here)."""
+    path, texts, _, _ = _reviews(tmp_path, users=users)
+    cfg = DataConfig(path=path, code_columns=["label1"], user_column="user" if users else None,
+                     validation_fraction=0.2, test_fraction=0.2)
+    full = _splits(prepare_data(cfg, tmp_path / "full", key=KEYS[0]))
+    table = pq.read_table(path)
+    for row in (0, 1, 99, 199):
+        pq.write_table(pa.concat_tables([table.slice(0, row), table.slice(row + 1)]), path)
+        fewer = _splits(prepare_data(cfg, tmp_path / f"without{row}", key=KEYS[0]))
+        for split in (full, fewer):
+            split["rest"] = split["train"] + split["validation"]
+        for side in SIDES + ("rest",) if users else ("test", "rest"):
+            gone, new = set(full[side]) - {texts[row]} - set(fewer[side]), set(fewer[side]) - set(full[side])
+            assert len(gone) <= 1 and len(new) <= 1, (row, side, len(gone), len(new))
+
+
+def test_exact_copies_tie_in_the_public_hash_and_the_sizes_stay_exact(tmp_path):
+    """Copies of one record have one public hash: as many of them as the size allows are test
+    (the first in the file), not all, so the split sizes are a permutation's."""
+    path = _reviews(tmp_path, texts=["the same review"] * 60 + [f"review {i}" for i in range(40)])[0]
+    cfg = DataConfig(path=path, code_columns=["label1"], validation_fraction=0.2, test_fraction=0.2)
+    result = prepare_data(cfg, tmp_path / "out", key=KEYS[0])
+    assert (result.n_train, result.n_validation, result.n_test) == (64, 16, 20)
