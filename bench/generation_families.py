@@ -65,7 +65,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from pipeline.config import GenerateConfig  # noqa: E402
 from pipeline.models.base import load_causal_lm, load_tokenizer  # noqa: E402
-from pipeline.records import prompt_for  # noqa: E402
+from pipeline.prompts import HEADER  # noqa: E402
 from pipeline.stages import generate as generate_stage  # noqa: E402
 
 TEACHER = ROOT / "pipeline" / "models" / "builtin" / "teacher"
@@ -131,7 +131,7 @@ def bench_vllm(python: str, model, tok, samples: int, rounds: int) -> float:
 
     per_round = samples // rounds
     rng = np.random.default_rng(0)
-    prompts = [tok.encode(prompt_for(c), add_special_tokens=False)
+    prompts = [HEADER.ids(tok, c)
                for c in generate_stage.sample_control_codes(CODES, per_round, rng)]
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)

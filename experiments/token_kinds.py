@@ -24,7 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import load_config
-from pipeline.records import CODE_JOINER, encode_record, prompt_for, read_table
+from pipeline.prompts import HEADER
+from pipeline.records import CODE_JOINER, encode_record, read_table
 from pipeline.stages.data import _joined_texts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def token_kinds(tokenizer, codes: list[str], texts: list[str]) -> tuple[list[int
     ids, kinds = [], []
     for code, text in zip(codes, texts):
         record = encode_record(tokenizer, code, text)
-        prompt = len(tokenizer.encode(prompt_for(code), add_special_tokens=False))
+        prompt = len(HEADER.ids(tokenizer, code))
         ids += record
         kinds += [0] * prompt + [1] * (len(record) - prompt - 1) + [2]
     return ids, kinds

@@ -55,6 +55,7 @@ from pipeline.stages.generate import (
 )
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.privacy.ledger import LedgerEntry
+from pipeline.prompts import HEADER, PromptFormat
 from pipeline.manifest import atomic_write_json
 from pipeline.progress import DEFAULT_EVERY
 
@@ -204,6 +205,7 @@ def generate_with_workers(
     on_progress: Callable[[dict], None] | None = None,
     progress_every: float = DEFAULT_EVERY,
     runtime: Runtime = CPU_FP32,
+    prompt: PromptFormat = HEADER,
 ) -> GenerateResult:
     """`generate_synthetic` with the shards spread over `cfg.workers` local processes, or over
     the workers of a running Dask cluster (`scheduler_address`), after checking that each of
@@ -214,7 +216,7 @@ def generate_with_workers(
     `on_progress` and the progress lines (every `progress_every` s) follow each generated batch.
     """
     plan = plan_generation(cfg, teacher_dir=teacher_dir, control_codes_path=control_codes_path, ledger=ledger,
-                           out_dir=out_dir, seed=seed, runtime=runtime)
+                           out_dir=out_dir, seed=seed, runtime=runtime, prompt=prompt)
     workers = min(cfg.workers, plan.n_shards)
     address = scheduler_address(cfg)
     if not address and cfg.workers > (os.cpu_count() or 1):

@@ -27,6 +27,7 @@ from pipeline.privacy.control_codes import CodesResult, public_control_codes, re
 from pipeline.privacy.dp_vocabulary import STAGE as VOCABULARY_STAGE
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.privacy.private_selection import PrivateValidation
+from pipeline.prompts import PromptFormat
 from pipeline.records import split_key
 from pipeline.stages.adherence import declared_values
 from pipeline.stages.data import DataResult, format_public_split, prepare_data
@@ -87,8 +88,10 @@ def _data_key(cfg: PipelineConfig) -> dict:
     # Whether the splits are deleted after evaluation changes nothing a stage computes. Nor does
     # data.test_split with a data.test_path, and 'keyed' is the split made before the field existed
     # (issue 60): left out then, so run roots from before keep their cached stages.
+    # How codes are prompted (data.prompt_template, data.chat_template) changes token ids, not the split.
     unchanged = cfg.data.test_path is not None or cfg.data.test_split == "keyed"
-    return cfg.data.model_dump(mode="json", exclude={"keep_private_copies"} | ({"test_split"} if unchanged else set()))
+    return cfg.data.model_dump(mode="json", exclude={"keep_private_copies", "prompt_template", "chat_template"}
+                               | ({"test_split"} if unchanged else set()))
 
 
 @stage_task("data", lambda cfg: {"data": _data_key(cfg), "domain": cfg.control_codes.domain})
@@ -153,6 +156,7 @@ def _dp_train(
             runtime=Runtime.from_config(cfg),
             monitor_path=monitor_path,
             dp_sgd=plan.dp_sgd[stage],
+            prompt=PromptFormat.of(cfg.data),
         )
 
 
@@ -199,7 +203,15 @@ def _precision(cfg: PipelineConfig) -> dict:
     return {} if cfg.precision == "fp32" else {"precision": cfg.precision}
 
 
+def _prompt(cfg: PipelineConfig) -> dict:
+    """A prompt template is in the keys of every stage that encodes records or prompts (their
+    token ids change, not the split: the data stage leaves it out); the header form adds
+    nothing, so results cached before templates existed stay hits."""
+    return {"prompt": key} if (key := PromptFormat.of(cfg.data).key()) else {}
+
+
 @stage_task("teacher", lambda cfg: {"teacher": _teacher_key(cfg), "model": cfg.teacher.model, **_precision(cfg),
+                                    **_prompt(cfg),
                                     **_monitor_key(cfg)}, planned=_planned_epsilon("teacher"))
 def teacher_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, plan: Plan, run_dir: Path
@@ -230,11 +242,12 @@ def _private_validation(cfg: PipelineConfig, data: DataResult, teacher: TeacherR
     train = Path(data.train) if cfg.distill.selection_split == "train+validation" else None
     return PrivateValidation(path=Path(data.validation), delta=teacher.ledger.delta,
                              accountant=cfg.teacher.accountant, secure_mode=cfg.teacher.secure_mode,
-                             max_length=cfg.teacher.max_length, train=train)
+                             max_length=cfg.teacher.max_length, train=train, prompt=PromptFormat.of(cfg.data))
 
 
 @stage_task("dp-student", lambda cfg: {"teacher": _teacher_key(cfg), "distill": _distill_key(cfg, reads_synthetic=False),
-                                       **_precision(cfg), **_monitor_key(cfg)}, planned=_planned_epsilon("dp-student"))
+                                       **_precision(cfg), **_prompt(cfg), **_monitor_key(cfg)},
+            planned=_planned_epsilon("dp-student"))
 def dp_student_task(
     cfg: PipelineConfig, data: DataResult, base: BaseModels | None, teacher: TeacherResult | None,
     plan: Plan, run_dir: Path,
@@ -252,7 +265,7 @@ def dp_student_task(
 # fingerprint: runs generated before generate.engine existed stay cached under engine=hf.
 @stage_task("generation", lambda cfg: {"generate": cfg.generate.model_dump(
     mode="json", exclude=set(PLACEMENT_FIELDS) | ({"engine"} if cfg.generate.engine == "hf" else set())),
-                                       **_precision(cfg)}, optional=("base_teacher",))
+                                       **_precision(cfg), **_prompt(cfg)}, optional=("base_teacher",))
 def generation_task(
     cfg: PipelineConfig, teacher: TeacherResult | None, codes: CodesResult, ledger: list[LedgerEntry], run_dir: Path,
     base_teacher: str | None = None,
@@ -270,10 +283,11 @@ def generation_task(
             on_progress=progress,
             progress_every=cfg.progress_seconds,
             runtime=Runtime.from_config(cfg),
+            prompt=PromptFormat.of(cfg.data),
         )
 
 
-@stage_task("distillation", lambda cfg: {"distill": _distill_key(cfg), **_precision(cfg)},
+@stage_task("distillation", lambda cfg: {"distill": _distill_key(cfg), **_precision(cfg), **_prompt(cfg)},
             optional=("data", "base_teacher"))
 def distillation_task(
     cfg: PipelineConfig, synthetic: GenerateResult, teacher: TeacherResult | None, base: BaseModels | None, plan: Plan,
@@ -305,7 +319,7 @@ def distillation_task(
 # The declared code values that code adherence tries (pipeline/stages/adherence.py) come from the
 # domain, else from the released codes (`codes`, an input): a new domain alone reruns evaluation.
 @stage_task("evaluation", lambda cfg: {"evaluate": cfg.evaluate, "method": cfg.distill.method,
-                                       "domain": cfg.control_codes.domain, **_precision(cfg)})
+                                       "domain": cfg.control_codes.domain, **_precision(cfg), **_prompt(cfg)})
 def evaluation_task(
     cfg: PipelineConfig,
     data: DataResult,
@@ -336,6 +350,6 @@ def evaluation_task(
         runtime=Runtime.from_config(cfg), code_values=code_values,
         adherence_model="dp_teacher" if teacher is not None else "base_teacher",  # the teacher that wrote the text
         cache_dir=Path(cfg.run_root).resolve() / PERPLEXITY_DIR,  # the base models score once per run root
-        code_columns=cfg.data.code_columns, selection=selection,
+        code_columns=cfg.data.code_columns, selection=selection, prompt=PromptFormat.of(cfg.data),
     )
     return {**metrics, "evaluation_dir": str(out_dir)}

@@ -29,12 +29,13 @@ class TokenizedRecords(Dataset):
         return self.ids[i], self.lengths[i]
 
 
-def lm_batch(ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+def lm_batch(ids: torch.Tensor, lengths: torch.Tensor, prompts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Model inputs and next-token labels for right-padded rows.
 
     Returns input_ids / attention_mask / position_ids (B, L) and labels (B, L-1), where
     L is the longest length in the batch and padded targets are IGNORE: `logits[:, :-1]`
-    predicts `labels`.
+    predicts `labels`. With `prompts` (B,), each row's first prompts[b] tokens are no target
+    either: a prompt template's tokens are given, not written (pipeline/prompts.py).
     """
     L = int(lengths.max())
     ids = ids[:, :L].contiguous()  # (B, L); Opacus' embedding ghost norms need contiguous ids
@@ -42,6 +43,8 @@ def lm_batch(ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor
     positions = torch.arange(L).unsqueeze(0)  # (1, L)
     mask = positions < lengths.unsqueeze(1)  # (B, L)
     labels = ids[:, 1:].masked_fill(~mask[:, 1:], IGNORE)  # (B, L-1)
+    if prompts is not None:
+        labels = labels.masked_fill(positions[:, 1:] < prompts.unsqueeze(1), IGNORE)  # (B, L-1)
     return {
         "input_ids": ids,
         "attention_mask": mask.long(),

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.methods import DISTIL, METHOD_NAMES, method_spec
+from pipeline.prompts import template_problems
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,20 @@ class DataConfig(_Section):
         "'2': Sports}}: the control codes (and control_codes.domain) use the names. A value its "
         "column's mapping lacks stops the data stage, naming row and column, unless "
         "`unmapped_code_values` is 'keep'. Columns not listed keep their values.",
+    )
+    prompt_template: str | None = Field(
+        None,
+        description="A natural-language prompt in place of the control-code header, with one {column} "
+        "placeholder per code column, e.g. 'Write a {sentiment} tweet to the airline {airline}.'; each code's "
+        "value (its code_values name) fills it. The same prompt prefixes a record in DP training and prompts "
+        "generation, and its tokens are left out of every loss and of the text's perplexity. None: the "
+        "header (the codes joined, then a blank line), for models built from scratch (pipeline/prompts.py).",
+    )
+    chat_template: bool = Field(
+        True,
+        description="With prompt_template: send the prompt as a user turn through the tokenizer's chat "
+        "template, the assistant's turn opened after it, so that an instruction-tuned model reads it as "
+        "an instruction; a tokenizer without one gets the prompt and a blank line.",
     )
     unmapped_code_values: Literal["error", "keep"] = Field(
         "error",
@@ -140,6 +155,8 @@ class DataConfig(_Section):
         if unknown := [c for c in self.code_values if c not in self.code_columns]:
             problems.append(f"code_values names {unknown}, which are not code columns; "
                             f"map values of {self.code_columns} only")
+        if self.prompt_template is not None:
+            problems += template_problems(self.prompt_template, self.code_columns)
         for c, mapping in self.code_values.items():
             bad = [name for name in mapping.values() if not name.strip() or any(ch in name for ch in "\t\n\r")]
             if bad:

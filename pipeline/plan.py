@@ -41,7 +41,8 @@ from pipeline.privacy.control_codes import STAGE as CODES_STAGE
 from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, composed, run_delta, with_pld_epsilons
 from pipeline.privacy.pld import DP_SGD_REPLACE_SENSITIVITY, HISTOGRAM_REPLACE_SENSITIVITY
 from pipeline.stages.adherence import declared_values
-from pipeline.records import CODE_JOINER, prompt_for
+from pipeline.prompts import PromptFormat
+from pipeline.records import CODE_JOINER
 from pipeline.stages.data import PlannedSplit, planned_split
 from pipeline.stages.distill import lockstep_key
 from pipeline.stages.downstream import MAUVE_TEXTS
@@ -276,15 +277,15 @@ def _tokenizer(cfg: PipelineConfig):
         return None
 
 
-def _token_counts(tok, codes: list[str], texts: list[str]) -> list[int]:
+def _token_counts(tok, codes: list[str], texts: list[str], prompt: PromptFormat) -> list[int]:
     """Tokens of each record as the stages encode them; ~4 characters a token (GPT-2 BPE on
     English prose) when the tokenizer does not exist yet."""
     if tok is None:
-        return [max(1, (len(prompt_for(c)) + len(t)) // CHARS_PER_TOKEN + 1) for c, t in zip(codes, texts)]
-    # encode_record's count (prefix and text tokenized apart, plus eos), in two batched calls.
-    prefixes = tok([prompt_for(c) for c in codes], add_special_tokens=False)["input_ids"]
+        return [max(1, (len(prompt.text(c)) + len(t)) // CHARS_PER_TOKEN + 1) for c, t in zip(codes, texts)]
+    # encode_record's count (prompt and text tokenized apart, plus eos): the few prompts once, the texts batched.
+    prompts = {c: len(prompt.ids(tok, c)) for c in set(codes)}
     bodies = tok(list(texts), add_special_tokens=False)["input_ids"]
-    return [len(p) + len(b) + 1 for p, b in zip(prefixes, bodies)]
+    return [prompts[c] + len(b) + 1 for c, b in zip(codes, bodies)]
 
 
 def _prompt_lengths(cfg: PipelineConfig, tok) -> list[int]:
@@ -294,8 +295,8 @@ def _prompt_lengths(cfg: PipelineConfig, tok) -> list[int]:
     if tok is None or domain is None:
         return [PROMPT_TOKENS]
     parts = [list(v.values()) for v in declared_values(cfg.data, domain, None).values()]
-    return sorted({len(tok.encode(prompt_for(CODE_JOINER.join(p)), add_special_tokens=False))
-                   for p in itertools.product(*parts)})
+    prompt = PromptFormat.of(cfg.data)
+    return sorted({len(prompt.ids(tok, CODE_JOINER.join(p))) for p in itertools.product(*parts)})
 
 
 def padded_tokens(lengths: list[int], batch: int) -> int:
@@ -496,7 +497,7 @@ def estimate_seconds(cfg: PipelineConfig, plan: Plan, split: PlannedSplit,
                                   for which, spec in (("teacher", b.teacher), ("student", b.student))),
                               "pretraining steps of both builtin models (plus their tokenizer)")
     tok = _tokenizer(cfg)
-    test_tokens = _token_counts(tok, split.test_codes, split.test_texts)
+    test_tokens = _token_counts(tok, split.test_codes, split.test_texts, PromptFormat.of(cfg.data))
     out.update(_dp_sgd_seconds(cfg, plan, timer, test_tokens))
     if method_spec(cfg.distill.method).generates:
         prompts = _prompt_lengths(cfg, tok)

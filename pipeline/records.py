@@ -1,9 +1,10 @@
 """Reading and splitting records: what the data stage, the teacher, the DP releases and the
 audits all need, without any of them importing a stage.
 
-A record is `"\t".join(codes) + "\n\n" + text + eos`. The prefix and the text are
-tokenized separately (`encode_record`) so that training, generation prompts and
-evaluation all see the same token boundary after the control codes.
+A record is its prompt (pipeline/prompts.py: the control-code header `"\t".join(codes) + "\n\n"`,
+or a prompt template's text) + text + eos. The prompt and the text are tokenized separately
+(`encode_record`) so that training, generation prompts and evaluation all see the same token
+boundary after the prompt.
 
 Files in: .csv, .jsonl or .parquet, read whole (`read_table`, small files) or streamed in
 Arrow batches (`read_batches`, `parquet_batches`); errors name the row and the column, never
@@ -28,9 +29,8 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from pipeline.config import DataConfig
+from pipeline.prompts import CODE_JOINER, HEADER, SEPARATOR, PromptFormat  # noqa: F401  (CODE_JOINER, SEPARATOR: re-exported)
 
-SEPARATOR = "\n\n"
-CODE_JOINER = "\t"
 ROW_GROUP = 16_384  # records per Parquet row group of a split, and per batch read from the input
 SPLIT_KEY = ".split-key"  # under run_root: the secret that decides which units validate (0600)
 TOKENIZED_DIR = "tokenized"  # the splits' token ids, next to them (pipeline/tokenized.py): private too
@@ -40,15 +40,11 @@ class DataError(ValueError):
     """The private dataset cannot be used as configured; the message says where and how to fix."""
 
 
-def prompt_for(control_code: str) -> str:
-    """The generation prompt (and training prefix) for one control code."""
-    return control_code + SEPARATOR
-
-
-def encode_record(tokenizer, control_code: str, text: str, max_length: int | None = None) -> list[int]:
-    """Token ids of prefix + text + eos; prefix and text tokenized apart (see module doc)."""
+def encode_record(tokenizer, control_code: str, text: str, max_length: int | None = None,
+                  prompt: PromptFormat = HEADER) -> list[int]:
+    """Token ids of prompt + text + eos; prompt and text tokenized apart (see module doc)."""
     ids = (
-        tokenizer.encode(prompt_for(control_code), add_special_tokens=False)
+        prompt.ids(tokenizer, control_code)
         + tokenizer.encode(text, add_special_tokens=False)
         + [tokenizer.eos_token_id]
     )

@@ -11,9 +11,10 @@ in it, ~600 bytes a Yelp record) and briefly a second copy; the file is streamed
 Parquet split a batch at a time instead, and the Rust tokenizer's own threads encode each
 batch in parallel (no worker processes, nothing pickled). bench/data_scale.py measures it.
 
-The ids are those of `pipeline.records.encode_record` (control-code prefix and text tokenized
-apart, then eos), untruncated: the teacher cuts them to its `max_length` when it reads a
-record, evaluation windows the whole record.
+The ids are those of `pipeline.records.encode_record` (the prompt and the text tokenized apart,
+then eos), untruncated: the teacher cuts them to its `max_length` when it reads a record,
+evaluation windows the whole record. Beside them, each record's prompt length (`n_prompt`),
+which the losses leave out under a prompt template (pipeline/prompts.py `masks_prompt`).
 
 Private: the files hold the private records' tokens. They live in `<data dir>/tokenized/`
 (directory 0700, files 0600), inside the run directory, never in the `datasets` cache under
@@ -39,15 +40,19 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset
 
-from pipeline.records import TOKENIZED_DIR, parquet_batches, prompt_for
 from pipeline.manifest import sha256_file
+from pipeline.prompts import HEADER, PromptFormat
+from pipeline.records import TOKENIZED_DIR, parquet_batches
 
 COLUMN = "input_ids"
+PROMPT_COLUMN = "n_prompt"  # each record's prompt tokens, the first of its ids
 IDS_FILE = "ids.arrow"
+FORMAT = 2  # 2: with PROMPT_COLUMN (in the file's key: a folder written before holds ids only)
 # Records per tokenizer call: work enough for the Rust tokenizer's threads; its per-call
 # Encodings (~70 bytes a token: strings, offsets, masks) stay ~20 MB.
 BATCH = 1024
-FEATURES = datasets.Features({COLUMN: datasets.Sequence(datasets.Value("int32"))})
+FEATURES = datasets.Features({COLUMN: datasets.Sequence(datasets.Value("int32")),
+                             PROMPT_COLUMN: datasets.Value("int32")})
 
 # Nothing in the `datasets` cache under ~/.cache/huggingface/datasets, even from a later
 # transform of these Datasets: files are written only where this module names them.
@@ -62,9 +67,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(f"{type(tokenizer).__name__}:{tokenizer.eos_token_id}:{spec}".encode()).hexdigest()
 
 
-def _encoder(tokenizer):
-    """A batch function giving `encode_record`'s ids: the few distinct control-code
-    prefixes are tokenized once per batch, the texts in one call to the (Rust) tokenizer."""
+def _encoder(tokenizer, prompt: PromptFormat = HEADER):
+    """A batch function giving `encode_record`'s ids and each record's prompt length: the few
+    distinct prompts are tokenized once per batch, the texts in one call to the (Rust) tokenizer."""
     eos = tokenizer.eos_token_id
     backend = getattr(tokenizer, "backend_tokenizer", None)
     backend = getattr(backend, "_tokenizer", backend)  # a tokenizers.implementations wrapper holds one
@@ -77,25 +82,27 @@ def _encoder(tokenizer):
         return [e.ids for e in fast(texts, add_special_tokens=False)]
 
     def encode(batch: dict) -> dict:
-        prefixes = {c: tokenizer.encode(prompt_for(c), add_special_tokens=False) for c in set(batch["control_code"])}
+        prefixes = {c: prompt.ids(tokenizer, c) for c in set(batch["control_code"])}
         texts = encode_texts(batch["text"])
-        return {COLUMN: [prefixes[c] + t + [eos] for c, t in zip(batch["control_code"], texts)]}
+        return {COLUMN: [prefixes[c] + t + [eos] for c, t in zip(batch["control_code"], texts)],
+                PROMPT_COLUMN: [len(prefixes[c]) for c in batch["control_code"]]}
 
     return encode
 
 
-def _write_ids(split_path: Path, tokenizer, out_file: Path) -> None:
+def _write_ids(split_path: Path, tokenizer, out_file: Path, prompt: PromptFormat) -> None:
     """Stream the split through the tokenizer into an Arrow file, a batch at a time: memory
     holds one batch of texts, never the split (its texts are the largest thing in it)."""
-    encode, schema = _encoder(tokenizer), FEATURES.arrow_schema  # with the features `datasets` reads back
+    encode, schema = _encoder(tokenizer, prompt), FEATURES.arrow_schema  # with the features `datasets` reads back
     fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f, pa.ipc.new_stream(f, schema) as writer:
         for batch in parquet_batches(split_path, columns=["control_code", "text"], batch_size=BATCH):
-            ids = encode(batch.to_pydict())[COLUMN]
-            writer.write_batch(pa.record_batch([pa.array(ids, schema.field(COLUMN).type)], schema=schema))
+            encoded = encode(batch.to_pydict())
+            writer.write_batch(pa.record_batch([pa.array(encoded[c], schema.field(c).type) for c in schema.names],
+                                               schema=schema))
 
 
-def tokenized_split(split_path: Path, tokenizer) -> datasets.Dataset:
+def tokenized_split(split_path: Path, tokenizer, prompt: PromptFormat = HEADER) -> datasets.Dataset:
     """The split's token ids (one `input_ids` row per record, in the split's order), memory-mapped.
 
     Tokenized on the first call for this split file and tokenizer (keyed by both hashes),
@@ -106,11 +113,11 @@ def tokenized_split(split_path: Path, tokenizer) -> datasets.Dataset:
     root = split_path.parent / TOKENIZED_DIR
     root.mkdir(mode=0o700, exist_ok=True)
     os.chmod(root, 0o700)  # mkdir's mode does not apply to a directory that already existed
-    final = tokenized_path(split_path, tokenizer).parent
+    final = tokenized_path(split_path, tokenizer, prompt=prompt).parent
     if not final.is_dir():
         tmp = Path(tempfile.mkdtemp(prefix=f".{split_path.stem}-", dir=root))  # 0700
         try:
-            _write_ids(split_path, tokenizer, tmp / IDS_FILE)
+            _write_ids(split_path, tokenizer, tmp / IDS_FILE, prompt)
             try:
                 os.rename(tmp, final)
             except OSError:  # another process renamed its identical copy first
@@ -121,16 +128,18 @@ def tokenized_split(split_path: Path, tokenizer) -> datasets.Dataset:
     return datasets.Dataset.from_file(str(final / IDS_FILE))  # memory-mapped, not read
 
 
-def tokenized_path(split_path: Path, tokenizer, split_sha256: str | None = None) -> Path:
-    """Where `tokenized_split` keeps the split's ids under `tokenizer`, written or not: a
-    folder keyed by the split file's sha256 and the tokenizer's fingerprint."""
+def tokenized_path(split_path: Path, tokenizer, split_sha256: str | None = None,
+                   prompt: PromptFormat = HEADER) -> Path:
+    """Where `tokenized_split` keeps the split's ids under `tokenizer` and `prompt`, written or
+    not: a folder keyed by the split file's sha256, the tokenizer's fingerprint and the prompt's."""
     split_path = Path(split_path)
     sha = split_sha256 or sha256_file(split_path)
-    key = hashlib.sha256(f"{sha}:{tokenizer_fingerprint(tokenizer)}".encode()).hexdigest()[:16]
+    spec = f"{sha}:{tokenizer_fingerprint(tokenizer)}:{json.dumps(prompt.key(), sort_keys=True)}:{FORMAT}"
+    key = hashlib.sha256(spec.encode()).hexdigest()[:16]
     return split_path.parent / TOKENIZED_DIR / f"{split_path.stem}-{key}" / IDS_FILE
 
 
-def holds_split_ids(ids_file: Path, split_path: Path, tokenizer) -> bool:
+def holds_split_ids(ids_file: Path, split_path: Path, tokenizer, prompt: PromptFormat = HEADER) -> bool:
     """Whether `ids_file` holds exactly the ids `tokenized_split` writes for the split under
     `tokenizer`, row for row (the audit's test that a file is a private copy, not a
     publication): the split is encoded again a batch at a time, nothing is held whole."""
@@ -138,12 +147,12 @@ def holds_split_ids(ids_file: Path, split_path: Path, tokenizer) -> bool:
         for batch in batches:
             yield from batch.column(0).to_pylist()
 
-    encode = _encoder(tokenizer)
+    encode = _encoder(tokenizer, prompt)
     expected = (ids for batch in parquet_batches(split_path, columns=["control_code", "text"], batch_size=BATCH)
                 for ids in encode(batch.to_pydict())[COLUMN])
     with pa.memory_map(str(ids_file)) as source:
         reader = pa.ipc.open_stream(source)
-        if reader.schema.names != [COLUMN]:
+        if reader.schema.names != [COLUMN, PROMPT_COLUMN]:
             return False
         sentinel = object()
         for got, want in itertools.zip_longest(rows(reader), expected, fillvalue=sentinel):
@@ -152,19 +161,21 @@ def holds_split_ids(ids_file: Path, split_path: Path, tokenizer) -> bool:
     return True
 
 
-def token_column(ds: datasets.Dataset) -> pa.ChunkedArray:
-    """The memory-mapped `input_ids` column of a tokenized split (no copy)."""
+def token_column(ds: datasets.Dataset, column: str = COLUMN) -> pa.ChunkedArray:
+    """The memory-mapped `input_ids` (or `n_prompt`) column of a tokenized split (no copy)."""
     assert ds._indices is None, "a select()ed Dataset: its rows are not the table's rows"
-    return ds.data.table.column(COLUMN)
+    return ds.data.table.column(column)
 
 
 class TokenIds(Dataset):
     """Map-style dataset of (ids (L,) int64, length) read from an Arrow `list<int>` column,
     one record at a time; ids cut to `max_length` when given. Nothing is loaded up front:
-    the column may be memory-mapped. `collate` pads a batch of its items with `pad_id`."""
+    the column may be memory-mapped. `collate` pads a batch of its items with `pad_id`.
+    With `prompts` (each record's prompt length), items are (ids, length, prompt length)."""
 
-    def __init__(self, column: pa.ChunkedArray | pa.Array, max_length: int | None = None, pad_id: int = 0):
-        self.column = column
+    def __init__(self, column: pa.ChunkedArray | pa.Array, max_length: int | None = None, pad_id: int = 0,
+                 prompts: pa.ChunkedArray | None = None):
+        self.column, self.prompts = column, prompts
         self.max_length = max_length
         self.collate = functools.partial(pad_collate, pad_id=pad_id)
 
@@ -173,7 +184,8 @@ class TokenIds(Dataset):
 
     def __getitem__(self, i):
         ids = self.column[int(i)].values.to_numpy(zero_copy_only=False)[: self.max_length]
-        return torch.from_numpy(ids.astype(np.int64)), torch.tensor(len(ids))
+        item = torch.from_numpy(ids.astype(np.int64)), torch.tensor(len(ids))
+        return item if self.prompts is None else (*item, torch.tensor(self.prompts[int(i)].as_py()))
 
     def lengths(self) -> np.ndarray:
         """Each item's length (cut to `max_length`), from the column's offsets: no ids read."""
@@ -198,14 +210,17 @@ class ListIds(Dataset):
         return np.array([len(s) for s in self.sequences], dtype=np.int64)
 
 
-def pad_collate(items: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad a batch to its own longest sequence: ids (B, L_batch), lengths (B,).
+def pad_collate(items: list[tuple[torch.Tensor, ...]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-pad a batch to its own longest sequence: ids (B, L_batch), lengths (B,), and the
+    prompt lengths (B,) of items that carry them.
 
     Rows longer than their length (already padded) are cut to it first. Opacus wraps this
     collate for Poisson sampling's empty batches (DPDataLoader: ids (0, L) from the first batch).
     """
-    lengths = torch.stack([length for _, length in items])  # (B,)
+    lengths = torch.stack([item[1] for item in items])  # (B,)
     ids = torch.full((len(items), int(lengths.max())), pad_id, dtype=torch.long)  # (B, L_batch)
-    for row, (x, n) in enumerate(items):
+    for row, (x, n, *_) in enumerate(items):
         ids[row, : int(n)] = x[: int(n)]
+    if len(items[0]) == 3:
+        return ids, lengths, torch.stack([item[2] for item in items])
     return ids, lengths

@@ -51,7 +51,8 @@ from pipeline.devices import Runtime
 from pipeline.manifest import MANIFEST, atomic_write_json, private_dir
 from pipeline.models.base import load_causal_lm, load_tokenizer
 from pipeline.privacy.dpsgd import plan_dp_sgd
-from pipeline.records import encode_record, prompt_for, read_split, read_users
+from pipeline.prompts import HEADER
+from pipeline.records import encode_record, read_split, read_users
 
 PRIVATE = "private"
 EMPIRICAL = "empirical_audit.json"
@@ -151,7 +152,7 @@ def text_losses(model, tokenizer, codes: list[str], texts: list[str], max_length
     model.eval()
     device = next(model.parameters()).device
     ids = [encode_record(tokenizer, c, t, max_length) for c, t in zip(codes, texts)]
-    prefixes = [len(tokenizer.encode(prompt_for(c), add_special_tokens=False)) for c in codes]
+    prefixes = [len(HEADER.ids(tokenizer, c)) for c in codes]
     data = TokenizedRecords(ids, tokenizer.pad_token_id, max(map(len, ids)))
     out = np.zeros(len(texts))
     for start in range(0, len(texts), batch_size):
@@ -181,7 +182,7 @@ def greedy_pairs(model, tokenizer, codes: list[str], texts: list[str], max_lengt
         body = tokenizer.encode(text, add_special_tokens=False)
         if len(body) <= prompt_tokens:
             continue
-        prompt = tokenizer.encode(prompt_for(code), add_special_tokens=False) + body[:prompt_tokens]
+        prompt = HEADER.ids(tokenizer, code) + body[:prompt_tokens]
         truth = body[prompt_tokens : prompt_tokens + max(0, min(continuation_tokens, max_length - len(prompt)))]
         if not truth:
             continue

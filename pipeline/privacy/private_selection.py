@@ -51,6 +51,7 @@ from pipeline.models.scoring import nll_by_owner
 from pipeline.privacy import monitor, noise
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.records import read_users
+from pipeline.prompts import HEADER, PromptFormat
 from pipeline.tokenized import TokenIds, token_column, tokenized_split
 
 STAGE = "distillation-selection"
@@ -69,6 +70,8 @@ class PrivateValidation:
     secure_mode: bool = False
     max_length: int = 512
     train: Path | None = None
+    prompt: PromptFormat = HEADER
+    """How the records' codes are written before their text, as the students trained (pipeline/prompts.py)."""
 
 
 @dataclass
@@ -103,7 +106,7 @@ def setup(spec: PrivateValidation, tok, *, candidates: int, epsilon: float, clip
     and if a split did, that user would still be one unit, never two (which would double what
     one user can move a score)."""
     paths = [spec.path] + ([spec.train] if spec.train is not None else [])
-    columns = [token_column(tokenized_split(path, tok)) for path in paths]
+    columns = [token_column(tokenized_split(path, tok, spec.prompt)) for path in paths]
     users_of = [read_users(path) for path in paths]
     if len({users is None for users in users_of}) > 1:
         raise monitor.MonitorError(f"distill.selection_split: {paths[0].name} and {paths[1].name} disagree on "

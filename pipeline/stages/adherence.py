@@ -3,7 +3,7 @@
 For each of the first `n` synthetic training samples and each code column c with two or
 more declared values V_c, the teacher scores the sample's continuation (the tokens it wrote
 after the prompt, EOS included when it stopped) under the prompt built as generation builds
-it (`prompt_for`), with column c set to each v in V_c and the other columns as requested:
+it (`PromptFormat.ids`), with column c set to each v in V_c and the other columns as requested:
 
     score(v) = log p(continuation | prompt with c = v)
 
@@ -39,7 +39,8 @@ from pipeline.batching import IGNORE, TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
 from pipeline.models.base import model_positions
 from pipeline.models.losses import next_token_nll
-from pipeline.records import CODE_JOINER, prompt_for, read_control_codes
+from pipeline.prompts import HEADER, PromptFormat
+from pipeline.records import CODE_JOINER, read_control_codes
 from pipeline.stages.generate import synthetic_head
 
 MEASURES = ("whether the DP teacher, which wrote the text, recognises in it the code it was prompted with "
@@ -136,7 +137,7 @@ def _continuation_logprobs(model, sequences: list[tuple[list[int], int]], pad_id
 
 def code_adherence(
     model, tokenizer, synthetic_path: Path, values: dict[str, dict[str, str]], n: int, batch_size: int,
-    on_batch: Callable[[int, int], None] | None = None,
+    on_batch: Callable[[int, int], None] | None = None, prompt: PromptFormat = HEADER,
 ) -> dict:
     """Adherence of the first `n` synthetic training samples (shards in order: deterministic),
     scored by `model` on its device and in its dtype (see the module doc); `summarize`'s dict.
@@ -156,11 +157,12 @@ def code_adherence(
     part_to_value = {c: {part: v for v, part in values[c].items()} for c in columns}
     head = synthetic_head(synthetic_path, n, "train", ("sample_id", "control_code", "n_prompt_tokens", "token_ids"))
     prompt_ids: dict[str, list[int]] = {}
+    prompt_format = prompt
 
     def prompt(parts: list[str]) -> list[int]:
         code = CODE_JOINER.join(parts)
         if code not in prompt_ids:  # tokenized exactly as generation tokenizes its prompts
-            prompt_ids[code] = tokenizer.encode(prompt_for(code), add_special_tokens=False)
+            prompt_ids[code] = prompt_format.ids(tokenizer, code)
         return prompt_ids[code]
 
     # Every (sample, column, candidate) sequence, then scored in batches of `batch_size`.

@@ -48,7 +48,7 @@ from pipeline.privacy.monitor import MonitorError
 from pipeline.stages.selection import choose, log_selection, score_students, selection_set
 from pipeline.config import DistillConfig
 from pipeline.devices import CPU_FP32, Runtime, adamw
-from pipeline.stages.generate import synthetic_files, synthetic_ids
+from pipeline.stages.generate import synthetic_files, synthetic_ids, synthetic_prompt
 from pipeline.stages.logit_cache import CachedTopK, build_teacher_cache
 from pipeline.models.losses import TopKLogits, distillation_loss, prompt_mask
 from pipeline.manifest import atomic_write_json, write_manifest
@@ -194,8 +194,9 @@ def _save_model(student, tok, ckpt: Path) -> None:
 
 
 def step_loss(cfg: DistillConfig, teacher, vocab: int, student, projection, cached, ids, lengths, skip,
-              runtime: Runtime, shared: dict | None = None):
+              runtime: Runtime, shared: dict | None = None, prompts: torch.Tensor | None = None):
     """One batch's loss parts (the caller steps the optimiser). ids (B, L), lengths (B,), skip (B,);
+    `prompts` (B,): under a prompt template, each sample's prompt length, whose tokens no loss counts;
     `teacher`: the frozen teacher, None with `cached` top-k logits; `vocab`: the tokenizer's size;
     `shared`: a dict kept over the candidates stepping the same batch, in which the first keeps
     the teacher's logits and hidden states for the others. `dpdistill plan` times this function
@@ -210,7 +211,7 @@ def step_loss(cfg: DistillConfig, teacher, vocab: int, student, projection, cach
     groups = [g for g in torch.argsort(lengths).chunk(cfg.length_groups) if len(g)]  # similar lengths together
     batches, labels, kl_mask = [], [], []
     for g in groups:
-        batch = {k: v.to(device) for k, v in lm_batch(ids[g], lengths[g]).items()}
+        batch = {k: v.to(device) for k, v in lm_batch(ids[g], lengths[g], None if prompts is None else prompts[g]).items()}
         target = batch.pop("labels")  # (b, l-1)
         real = target != IGNORE  # (b, l-1): the targets that count
         batches.append((batch, real))
@@ -268,6 +269,7 @@ class _Student:
         rows = _train_rows(cfg, setup, synthetic_path)
         self.data = TokenIds(rows["token_ids"], setup.max_len, setup.tok.pad_token_id)
         self.prompt_lengths = torch.from_numpy(rows["n_prompt_tokens"].to_numpy().astype("int64"))  # (N,)
+        self.masks_prompt = synthetic_prompt(synthetic_path).masks_prompt  # a template's prompt: no loss counts it
         self.cached = CachedTopK(setup.cache, rows["sample_id"].to_pylist()) if setup.cache is not None else None
         log.info("distillation%s: training on %d of the %d synthetic train samples%s", self.tag, len(self.data),
                  setup.available, "" if cfg.num_synthetic is None else " (distill.num_synthetic)")
@@ -306,7 +308,7 @@ class _Student:
             top = self.cached.batch(idx, lengths)  # (B, L-1, k)
             top = type(top)(*(None if t is None else t.to(self.runtime.device) for t in top))
         parts = step_loss(cfg, self.setup.teacher, len(self.setup.tok), self.student, self.projection, top, ids, lengths,
-                          skip, self.runtime, shared=shared)
+                          skip, self.runtime, shared=shared, prompts=self.prompt_lengths[idx] if self.masks_prompt else None)
         parts.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()

@@ -7,9 +7,9 @@ Two figures per model:
 - per record: each record on its own (cut into windows when longer), summarised as the
   mean and median of the records' perplexities, and token-weighted (exp of the records'
   total NLL over their total predicted tokens: long records count by their tokens).
-Each also on the text alone (`text_only`): the control-code header (`prompt_for`, the
-same few tokens in every record, which every model learns to predict) is a large share
-of a short record and flatters the full figures (issue 37). Its targets are masked in a
+Each also on the text alone (`text_only`): the prompt (pipeline/prompts.py: the control-code
+header or a prompt template, the same few tokens in every record, which every model learns to
+predict) is a large share of a short record and flatters the full figures (issue 37). Its targets are masked in a
 second sum over the same forward passes, not scored again.
 
 With the synthetic data and its code values, the DP teacher also scores whether it recognises in
@@ -47,7 +47,8 @@ import torch
 
 from pipeline.stages.adherence import adherence_lines, code_adherence
 from pipeline.config import EvalConfig
-from pipeline.records import encode_record, prompt_for, read_split
+from pipeline.prompts import HEADER, PromptFormat
+from pipeline.records import encode_record, read_split
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.stages.downstream import classification_lines, code_classification, length_ratio, mauve_score
 from pipeline.stages.generate import synthetic_head, synthetic_texts
@@ -83,7 +84,7 @@ class Perplexity:
     per_code: dict[str, float]
     """Token-weighted perplexity of the records of each control code (small codes pooled)."""
     text_only: dict
-    """The same figures over the text alone: the control-code header's tokens (`prompt_for`, tokenized
+    """The same figures over the text alone: the prompt's tokens (`PromptFormat.ids`, tokenized
     apart by `encode_record`) are not counted as targets, the text's first token and eos are. Keys:
     windowed, per_record_mean, per_record_median, per_record_token_weighted, tokens, records, per_code."""
 
@@ -92,10 +93,10 @@ def _windows(windows: list[list[int]], pad_id: int) -> ListIds:
     return ListIds(windows, pad_id)
 
 
-def _text_masks(tokenizer, codes: list[str], records: list[list[int]]) -> list[np.ndarray]:
-    """Per record, which of its tokens are text (True) and which the control-code header (False):
-    `encode_record` tokenizes the header apart, so it is exactly the first len(header ids)."""
-    headers = {c: tokenizer.encode(prompt_for(c), add_special_tokens=False) for c in set(codes)}
+def _text_masks(tokenizer, codes: list[str], records: list[list[int]], prompt: PromptFormat) -> list[np.ndarray]:
+    """Per record, which of its tokens are text (True) and which its prompt (False):
+    `encode_record` tokenizes the prompt apart, so it is exactly the first len(prompt ids)."""
+    headers = {c: prompt.ids(tokenizer, c) for c in set(codes)}
     masks = []
     for code, ids in zip(codes, records):
         header = headers[code]
@@ -123,6 +124,7 @@ def _figures(w_nll: float, w_cnt: float, r_nll: np.ndarray, r_cnt: np.ndarray, g
 def perplexity(
     model, tokenizer, codes: list[str], texts: list[str], window: int, batch_size: int,
     on_windows: Callable[[int, int], None] | None = None, token_ids: list[list[int]] | None = None,
+    prompt: PromptFormat = HEADER,
 ) -> Perplexity:
     """Windowed and per-record perplexity, each also on the text alone (`Perplexity.text_only`,
     from the same forward passes); `on_windows(done, total)` after each batch of windows (both
@@ -133,8 +135,9 @@ def perplexity(
         raise ValueError(
             f"evaluate.window={window} exceeds the model's {n_positions} positions; lower evaluate.window"
         )
-    records = token_ids if token_ids is not None else [encode_record(tokenizer, c, t) for c, t in zip(codes, texts)]
-    text = _text_masks(tokenizer, codes, records)
+    records = token_ids if token_ids is not None else [encode_record(tokenizer, c, t, prompt=prompt)
+                                                       for c, t in zip(codes, texts)]
+    text = _text_masks(tokenizer, codes, records, prompt)
     joined = [t for r in records for t in r]
     joined_text = np.concatenate(text) if text else np.zeros(0, dtype=bool)
     windows, window_text = token_windows(joined, window), token_windows(joined_text, window)  # the same cuts
@@ -181,12 +184,14 @@ def text_properties(tokenizer, texts: list[str]) -> dict:
             "tokens": _length_summary([len(x) for x in ids]), "texts": len(ids)}
 
 
-def _perplexity_key(model_path: str, test_path: Path, cfg: EvalConfig, runtime: Runtime) -> str:
+def _perplexity_key(model_path: str, test_path: Path, cfg: EvalConfig, runtime: Runtime,
+                    prompt: PromptFormat = HEADER) -> str:
     """The files that decide a model's perplexity (weights, config, tokenizer; the test split)
-    and the settings, by content: a retrained model or another split never matches."""
+    and the settings, by content: a retrained model or another split never matches. The
+    header form adds nothing, so perplexities cached before prompt templates stay hits."""
     files = {name: item["sha256"] for name, item in hash_paths({"model": Path(model_path), "test": Path(test_path)}).items()}
     parts = {"files": files, "window": cfg.window, "batch_size": cfg.batch_size, "device": runtime.device.type,
-             "precision": runtime.precision, "format": PERPLEXITY_CACHE}
+             "precision": runtime.precision, "format": PERPLEXITY_CACHE, **({"prompt": k} if (k := prompt.key()) else {})}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -212,8 +217,10 @@ def evaluate_models(
     cache_dir: Path | None = None,
     code_columns: list[str] | None = None,
     selection: dict | None = None,
+    prompt: PromptFormat = HEADER,
 ) -> dict:
-    """Perplexity of each named model on the test split; writes `out_dir/metrics.json`.
+    """Perplexity of each named model on the test split, each record after its `prompt`;
+    writes `out_dir/metrics.json`.
 
     All models must share one tokenizer, so that their perplexities count the same tokens.
     With `synthetic_path`, also compares the synthetic texts with the real test texts
@@ -235,13 +242,13 @@ def evaluate_models(
     codes, texts = read_split(test_path)  # the test split is small; its ids come tokenized
     if not texts:
         raise ValueError(f"test split {str(test_path)!r} is empty; give data.test_path or a larger data.path")
-    scorer = _Scorer(cfg, models, test_path, codes, texts, runtime, cache_dir, progress_every)
+    scorer = _Scorer(cfg, models, test_path, codes, texts, runtime, cache_dir, progress_every, prompt)
     result: dict = {"window": cfg.window, "test_records": len(texts), "perplexity": {}}
     for name, path in models.items():
         result["perplexity"][name] = scorer.score(name, path)
         if name == adherence_model and synthetic_path is not None:
             result |= _teacher_checks(scorer.model(name, path), scorer.tokenizer, synthetic_path, texts, code_values,
-                                      cfg, progress_every, seed)
+                                      cfg, progress_every, seed, prompt)
     if selection is not None:
         result["selection"] = _selection_table(selection, result["perplexity"])
     if synthetic_path is not None:
@@ -254,10 +261,11 @@ class _Scorer:
     model shares the first one's tokenizer; progress lines over all models' windows."""
 
     def __init__(self, cfg: EvalConfig, models: dict[str, str], test_path: Path, codes: list[str], texts: list[str],
-                 runtime: Runtime, cache_dir: Path | None, progress_every: float):
+                 runtime: Runtime, cache_dir: Path | None, progress_every: float, prompt: PromptFormat):
         self.cfg, self.test_path, self.codes, self.texts, self.runtime = cfg, test_path, codes, texts, runtime
+        self.prompt = prompt
         self.first, self.tokenizer, self.loaded = next(iter(models)), None, {}
-        self.cache = {name: Path(cache_dir) / f"{_perplexity_key(path, test_path, cfg, runtime)}.json"
+        self.cache = {name: Path(cache_dir) / f"{_perplexity_key(path, test_path, cfg, runtime, prompt)}.json"
                       for name, path in models.items()} if cache_dir is not None else {}
         self.known = {name: ppl for name, f in self.cache.items() if (ppl := _cached_perplexity(f)) is not None}
         self.to_score = [name for name in models if name not in self.known]
@@ -291,9 +299,9 @@ class _Scorer:
                                              every=self.progress_every, started=self.started)
                 self.lines.update(position * total + done, values={"model": name})
 
-            ids = token_column(tokenized_split(self.test_path, tok)).to_pylist()
+            ids = token_column(tokenized_split(self.test_path, tok, self.prompt)).to_pylist()
             ppl = perplexity(self.model(name, path), tok, self.codes, self.texts, self.cfg.window,
-                             self.cfg.batch_size, on_windows, token_ids=ids)
+                             self.cfg.batch_size, on_windows, token_ids=ids, prompt=self.prompt)
             if name in self.cache:
                 atomic_write_json(private_dir(self.cache[name].parent) / self.cache[name].name, ppl.__dict__)
         text = ppl.text_only
@@ -307,11 +315,11 @@ class _Scorer:
 
 
 def _teacher_checks(model, tok, synthetic_path: Path, texts: list[str], code_values: dict | None, cfg: EvalConfig,
-                    progress_every: float, seed: int) -> dict:
+                    progress_every: float, seed: int, prompt: PromptFormat = HEADER) -> dict:
     """What the DP teacher says of the synthetic text: code adherence and MAUVE's features."""
     out = {}
     if code_values and cfg.adherence_samples:
-        out["code_adherence"] = _adherence(model, tok, synthetic_path, code_values, cfg, progress_every)
+        out["code_adherence"] = _adherence(model, tok, synthetic_path, code_values, cfg, progress_every, prompt)
     if cfg.mauve_texts > 0:
         mauve = mauve_score(model, tok, synthetic_texts(synthetic_path, cfg.mauve_texts, "train"),
                             texts[: cfg.mauve_texts], cfg.batch_size, cfg.window, seed)
@@ -443,7 +451,7 @@ def diagnose(result: dict) -> list[str]:
 
 
 def _adherence(model, tok, synthetic_path: Path, code_values: dict[str, dict[str, str]], cfg: EvalConfig,
-               progress_every: float) -> dict:
+               progress_every: float, prompt: PromptFormat) -> dict:
     """Code adherence of the synthetic samples, scored by `model` (the DP teacher); progress lines
     count the candidate sequences scored (public synthetic text: no private count)."""
     lines, started = None, time.monotonic()
@@ -454,7 +462,8 @@ def _adherence(model, tok, synthetic_path: Path, code_values: dict[str, dict[str
             lines = ProgressLog(log, "code adherence", "sequences", total, every=progress_every, started=started)
         lines.update(done)
 
-    result = code_adherence(model, tok, synthetic_path, code_values, cfg.adherence_samples, cfg.batch_size, on_batch)
+    result = code_adherence(model, tok, synthetic_path, code_values, cfg.adherence_samples, cfg.batch_size, on_batch,
+                            prompt=prompt)
     log.info("evaluation: code adherence (%s) of %d synthetic samples (%d skipped, %d truncated): overall %s, all "
              "columns %s; %s", result["measures"], result["samples"], result["skipped"], result["truncated"],
              result["overall"], result["all_columns"],

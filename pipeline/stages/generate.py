@@ -40,7 +40,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,8 @@ import torch
 from transformers import AutoConfig
 
 from pipeline.config import GenerateConfig
-from pipeline.records import prompt_for, read_control_codes
+from pipeline.prompts import HEADER, PromptFormat
+from pipeline.records import read_control_codes
 from pipeline.devices import CPU_FP32, Runtime
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.manifest import sha256_file, write_manifest
@@ -197,7 +198,7 @@ def _fast_samples(model, cfg: GenerateConfig, prompts: list[list[int]], eos: int
 
 def _generate_shard(
     model, tok, cfg: GenerateConfig, counts: dict[str, float], first_id: int, n: int, shard_seed: int,
-    on_batch: Callable[[int, int], None] | None = None, keep_empty: bool = False,
+    on_batch: Callable[[int, int], None] | None = None, keep_empty: bool = False, prompt: PromptFormat = HEADER,
 ) -> tuple[dict[str, list], dict]:
     """Rows and stats of one shard of `n` samples with ids first_id, first_id + 1, ...;
     `on_batch(samples, new_tokens)` after each batch, with the shard's totals so far."""
@@ -206,7 +207,7 @@ def _generate_shard(
     eos = tok.eos_token_id
     n_prompts = math.ceil(n / cfg.samples_per_prompt)
     requested = [c for c in sample_control_codes(counts, n_prompts, rng) for _ in range(cfg.samples_per_prompt)][:n]
-    prompt_ids = {c: tok.encode(prompt_for(c), add_special_tokens=False) for c in set(requested)}
+    prompt_ids = {c: prompt.ids(tok, c) for c in set(requested)}
     prompts = [prompt_ids[c] for c in requested]
     assert max(map(len, prompts)) < cfg.max_length, "plan_generation checks prompt lengths"
     engine = _fast_samples if cfg.engine == "fast" else _hf_samples
@@ -249,7 +250,7 @@ def _generate_shard(
 
 
 def sample_untruncated(model, tok, codes: dict[str, float], n: int, max_length: int, seed: int,
-                       batch_size: int = 64) -> list[list[int]]:
+                       batch_size: int = 64, prompt: PromptFormat = HEADER) -> list[list[int]]:
     """`n` sequences (prompt + text + eos when finished) the model samples from its whole
     distribution: no top-k, no top-p, temperature 1, prompts drawn with `codes`' frequencies.
     Empty generations are kept (the model chose eos: that is part of its distribution).
@@ -257,11 +258,12 @@ def sample_untruncated(model, tok, codes: dict[str, float], n: int, max_length: 
     cfg = GenerateConfig(num_samples=n, batch_size=batch_size, top_k=0, top_p=1.0, temperature=1.0,
                          max_length=max_length, validation_fraction=0.0,
                          engine="hf" if decoding.fast_decode_problem(model, max_length) else "fast")
-    rows, stats = _generate_shard(model, tok, cfg, codes, 0, n, seed, keep_empty=True)
+    rows, stats = _generate_shard(model, tok, cfg, codes, 0, n, seed, keep_empty=True, prompt=prompt)
     return rows["token_ids"]
 
 
-def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: int, precision: str = "fp32") -> str:
+def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: int, precision: str = "fp32",
+                 prompt: PromptFormat = HEADER) -> str:
     # PLACEMENT_FIELDS change how shards are scheduled, never what they hold. So does the device
     # (rounding only); the precision does not: bf16 weights sample other texts.
     # The engine changes the samples (other draws from the same distribution); shards written by
@@ -271,6 +273,8 @@ def _fingerprint(cfg: GenerateConfig, teacher_sha: str, counts_sha: str, seed: i
             "codes": counts_sha, "seed": seed, "shard_size": cfg.shard_size, "format": 3}
     if precision != "fp32":  # fp32 shards written before precision existed stay this generation's
         spec["precision"] = precision
+    if prompt.key():  # so do the header form's
+        spec["prompt"] = prompt.key()
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -299,6 +303,7 @@ class GenerationPlan:
     seed: int
     fingerprint: str
     counts: dict[str, float]
+    prompt: PromptFormat
     metadata: dict[str, str]
     """Parquet metadata of every shard (teacher, ledger, config, seed, fingerprint)."""
     shards: tuple[tuple[int, int], ...]
@@ -316,7 +321,7 @@ class GenerationPlan:
 
 def plan_generation(
     cfg: GenerateConfig, *, teacher_dir: Path, control_codes_path: Path, ledger: list[LedgerEntry],
-    out_dir: Path, seed: int, runtime: Runtime = CPU_FP32,
+    out_dir: Path, seed: int, runtime: Runtime = CPU_FP32, prompt: PromptFormat = HEADER,
 ) -> GenerationPlan:
     """Check the configuration against the teacher and codes, and lay out the shards."""
     out_dir, teacher_dir = Path(out_dir), Path(teacher_dir)
@@ -335,15 +340,15 @@ def plan_generation(
         )
     counts = read_control_codes(control_codes_path)
     tok = load_tokenizer(str(teacher_dir))
-    longest = max((len(tok.encode(prompt_for(c), add_special_tokens=False)) for c, n in counts.items() if n > 0),
-                  default=0)
+    longest = max((len(prompt.ids(tok, c)) for c, n in counts.items() if n > 0), default=0)
     if longest >= cfg.max_length:
         raise GenerateError(
             f"control-code prompts of {longest} tokens leave no room within "
             f"generate.max_length={cfg.max_length}; raise generate.max_length"
         )
     teacher_sha = teacher_fingerprint(teacher_dir)
-    fingerprint = _fingerprint(cfg, teacher_sha, sha256_file(Path(control_codes_path)), seed, runtime.precision)
+    fingerprint = _fingerprint(cfg, teacher_sha, sha256_file(Path(control_codes_path)), seed, runtime.precision,
+                               prompt)
     metadata = {
         "dpdistill.teacher_checkpoint": str(teacher_dir),
         "dpdistill.teacher_sha256": teacher_sha,
@@ -352,6 +357,7 @@ def plan_generation(
         "dpdistill.seed": str(seed),
         "dpdistill.precision": runtime.precision,
         "dpdistill.fingerprint": fingerprint,
+        "dpdistill.prompt": json.dumps(asdict(prompt)),  # how the text was prompted (selection samples so)
     }
     starts = range(0, cfg.num_samples, cfg.shard_size)
     shards = tuple((first, min(cfg.shard_size, cfg.num_samples - first)) for first in starts)
@@ -359,7 +365,7 @@ def plan_generation(
         _finished_shard(out_dir / SHARD.format(i), fingerprint)
     out_dir.mkdir(parents=True, exist_ok=True)
     return GenerationPlan(cfg=cfg, teacher_dir=teacher_dir, control_codes_path=Path(control_codes_path),
-                          out_dir=out_dir, seed=seed, fingerprint=fingerprint, counts=counts,
+                          out_dir=out_dir, seed=seed, fingerprint=fingerprint, counts=counts, prompt=prompt,
                           metadata=metadata, shards=shards, runtime=runtime)
 
 
@@ -420,7 +426,7 @@ def generate_shard(plan: GenerationPlan, shard: int, on_batch: Callable[[int, in
                           plan.runtime.dtype)
     t0 = time.perf_counter()
     rows, stats = _generate_shard(model, tok, plan.cfg, plan.counts, first, n, _shard_seed(plan.seed, shard),
-                                  on_batch)
+                                  on_batch, prompt=plan.prompt)
     stats["seconds"] = time.perf_counter() - t0
     table = pa.table(rows, schema=SCHEMA).replace_schema_metadata(
         plan.metadata | {"dpdistill.shard_stats": json.dumps(stats)}
@@ -557,6 +563,7 @@ def generate_synthetic(
     on_progress: Callable[[dict], None] | None = None,
     progress_every: float = DEFAULT_EVERY,
     runtime: Runtime = CPU_FP32,
+    prompt: PromptFormat = HEADER,
 ) -> GenerateResult:
     """Write `num_samples` synthetic records in Parquet shards, one after another, in this
     process (whatever `cfg.workers` says; flows/generation.py runs them in parallel).
@@ -569,13 +576,23 @@ def generate_synthetic(
     """
     runtime.apply_threads()
     plan = plan_generation(cfg, teacher_dir=teacher_dir, control_codes_path=control_codes_path, ledger=ledger,
-                           out_dir=out_dir, seed=seed, runtime=runtime)
+                           out_dir=out_dir, seed=seed, runtime=runtime, prompt=prompt)
     tracker = GenerationProgress(plan, on_progress, progress_every)
     stats: list[dict] = []
     for shard in range(plan.n_shards):
         stats.append(generate_shard(plan, shard, functools.partial(tracker.batch, shard)))
         tracker.shard_done(stats[-1])
     return finish_generation(plan, stats)
+
+
+def synthetic_prompt(path: Path) -> PromptFormat:
+    """How the synthetic set's samples were prompted (its first shard's metadata); the header
+    form for shards written before prompt templates."""
+    meta = pq.read_schema(synthetic_files(path)[0]).metadata or {}
+    if b"dpdistill.prompt" not in meta:
+        return HEADER
+    spec = json.loads(meta[b"dpdistill.prompt"])
+    return PromptFormat(**{**spec, "columns": tuple(spec["columns"])})
 
 
 def synthetic_files(path: Path) -> list[Path]:

@@ -34,7 +34,7 @@ from pipeline.batching import IGNORE, lm_batch
 from pipeline.models.losses import kl_teacher_student
 from pipeline.models.scoring import by_length
 from pipeline.reports import SELECTION_CRITERIA as CRITERIA
-from pipeline.stages.generate import sample_untruncated, synthetic_head
+from pipeline.stages.generate import sample_untruncated, synthetic_head, synthetic_prompt
 from pipeline.tokenized import ListIds
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ def selection_set(teacher, tok, synthetic_path, n: int, max_length: int, seed: i
     the frequencies of the synthetic data's codes (which came from the DP code release)."""
     codes = synthetic_head(synthetic_path, CODE_SAMPLE, columns=("control_code",))["control_code"].to_pylist()
     frequencies = {c: k / len(codes) for c, k in sorted(Counter(codes).items())}
-    sequences = sample_untruncated(teacher, tok, frequencies, n, max_length, _selection_seed(seed), batch_size)
+    sequences = sample_untruncated(teacher, tok, frequencies, n, max_length, _selection_seed(seed), batch_size,
+                                   prompt=synthetic_prompt(synthetic_path))  # prompted as the synthetic set was
     return ListIds(sequences, tok.pad_token_id)
 
 

@@ -305,3 +305,37 @@ def test_a_dp_tokenizer_run_learns_its_vocabulary_after_the_data_and_accounts_it
     again = Path(dp_distill(cfg))
     assert json.loads((again / "stages.json").read_text())["base-models"]["status"] == "cached"
     assert len(read_budget(Path(cfg.run_root).resolve(), budget_id).releases) == 3
+
+
+def test_a_prompt_template_prefixes_every_record_and_no_loss_counts_it(prefect_server, tmp_path, monkeypatch):
+    """Issue 59 item 1: with data.prompt_template the codes reach the teacher as a prompt, the same
+    in DP training, generation and evaluation; the teacher's and the distillation's losses leave
+    the prompt's tokens out (lm_batch is handed each record's prompt length)."""
+    from conftest import tiny_pipeline_dict
+    from pipeline import batching
+    from pipeline.config import config_from_dict
+    from pipeline.models.base import load_tokenizer
+    from pipeline.prompts import PromptFormat
+    from pipeline.stages import distill
+    from pipeline.stages.teacher import recipe
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["data"] |= {"code_template": "{value}", "prompt_template": "A review ({label2}) of a place in {label1}:",
+                     "keep_private_copies": True}
+    cfg = config_from_dict(tree)
+    handed = {"teacher": [], "distillation": []}
+    for module, stage in ((recipe, "teacher"), (distill, "distillation")):
+        def spy(ids, lengths, prompts=None, stage=stage):
+            handed[stage].append(prompts is not None)
+            return batching.lm_batch(ids, lengths, prompts)
+        monkeypatch.setattr(module, "lm_batch", spy)
+    run = Path(dp_distill(cfg))
+    assert handed["teacher"] and all(handed["teacher"]) and handed["distillation"] and all(handed["distillation"])
+    fmt = PromptFormat.of(cfg.data)
+    tok = load_tokenizer(str(run / "teacher" / "model"))
+    shard = pq.read_table(run / "synthetic" / "shard-00000.parquet")
+    for code, n, ids in zip(*(shard[c].to_pylist() for c in ("control_code", "n_prompt_tokens", "token_ids"))):
+        assert ids[:n] == fmt.ids(tok, code) and tok.decode(ids[:n]).startswith("A review (")
+    metrics = json.loads((run / "metrics.json").read_text())
+    student = metrics["perplexity"]["student_distil"]
+    assert student["text_only"]["tokens"] < student["tokens"]  # the prompts' tokens are left out of the text's

@@ -14,7 +14,8 @@ from conftest import make_tiny_model
 from pipeline.stages.adherence import AdherenceError, SampleOutcome, code_adherence, declared_values, summarize
 from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
-from pipeline.records import encode_record, prompt_for
+from pipeline.prompts import header
+from pipeline.records import encode_record
 from pipeline.stages.generate import SCHEMA
 
 COLOR = {"red": "Color: red", "blue": "Color: blue"}  # value -> code part ('{column}: {value}', column Color)
@@ -73,7 +74,7 @@ def _shard(path, tok, samples: list[tuple[str, str]]) -> None:
     """A synthetic shard as generation writes it: (requested value, text) per sample."""
     rows = {name: [] for name in SCHEMA.names}
     for i, (value, text) in enumerate(samples):
-        prompt = tok.encode(prompt_for(COLOR[value]), add_special_tokens=False)
+        prompt = tok.encode(header(COLOR[value]), add_special_tokens=False)
         ids = prompt + tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         for name, x in zip(SCHEMA.names, (i, "train", COLOR[value], text, len(ids), len(prompt), ids, True)):
             rows[name].append(x)

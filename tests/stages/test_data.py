@@ -15,7 +15,8 @@ from conftest import YELP_TEST, YELP_TRAIN
 from pipeline.privacy.control_codes import domain_codes
 from pipeline.config import ConfigError, DataConfig, config_from_dict
 from pipeline.stages import data as data_stage
-from pipeline.records import (SPLIT_KEY, DataError, encode_record, prompt_for, read_split, read_table, read_users,
+from pipeline.prompts import header
+from pipeline.records import (SPLIT_KEY, DataError, encode_record, read_split, read_table, read_users,
                               split_key)
 from pipeline.stages.data import planned_split, prepare_data
 
@@ -65,7 +66,7 @@ def test_prepare_data_on_yelp_sample(tmp_path):
 def test_encode_record_is_prefix_then_text_then_eos(tiny_tokenizer):
     """encode_record = tokenize(codes + '\\n\\n') + tokenize(text) + [eos]."""
     code, text = "Business Category: Bars\tReview Stars: 4.0", "Great beer, slow service."
-    assert prompt_for(code) == code + "\n\n"
+    assert header(code) == code + "\n\n"
     expected = (
         tiny_tokenizer.encode(code + "\n\n", add_special_tokens=False)
         + tiny_tokenizer.encode(text, add_special_tokens=False)

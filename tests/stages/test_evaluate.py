@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from pipeline.records import encode_record, prompt_for
+from pipeline.prompts import header
+from pipeline.records import encode_record
 from pipeline.stages.evaluate import perplexity
 
 TEXTS = [f"Review {i}: the soup was cold, the bread was fine." * (1 + i % 3) for i in range(6)]
@@ -64,7 +65,7 @@ def test_per_record_token_weighted_and_text_only_equal_a_forward_pass_per_record
     codes = ["Stars: 5", "Stars: 1"] * 3
     records = [encode_record(tok, c, t) for c, t in zip(codes, TEXTS)]
     assert max(map(len, records)) > WINDOW  # a record cut into windows is covered too
-    headers = [len(tok.encode(prompt_for(c), add_special_tokens=False)) for c in codes]
+    headers = [len(tok.encode(header(c), add_special_tokens=False)) for c in codes]
     nll, cnt, t_nll, t_cnt = _by_hand(model, records, headers)
 
     ppl = perplexity(model, tok, codes, TEXTS, window=WINDOW, batch_size=4)
@@ -89,7 +90,7 @@ def test_a_change_of_the_control_codes_alone_moves_the_full_figures_not_the_text
     tok = tiny_tokenizer
     model = _context_free(tok)
     a_codes, b_codes = ["Stars: 5"] * len(TEXTS), ["Stars: 2"] * len(TEXTS)
-    a_head, b_head = (tok.encode(prompt_for(c[0]), add_special_tokens=False) for c in (a_codes, b_codes))
+    a_head, b_head = (tok.encode(header(c[0]), add_special_tokens=False) for c in (a_codes, b_codes))
     # the headers differ, but in as many tokens and not in the last one (the first text token's context)
     assert a_head != b_head and len(a_head) == len(b_head) and a_head[-1] == b_head[-1]
 

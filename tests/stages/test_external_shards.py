@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import GenerateConfig
-from pipeline.records import prompt_for
+from pipeline.prompts import header
 from pipeline.stages.generate import SCHEMA, generate_synthetic, plan_generation, read_synthetic
 from pipeline.models.base import load_tokenizer
 from test_generate import CODES, _codes_file, _ledger
@@ -34,7 +34,7 @@ def _write_like_another_engine(plan, shard: int, tok) -> None:
     rows = {name: [] for name in DOCUMENTED.names}
     for j in range(n):
         code = codes[j % len(codes)]
-        prompt = tok.encode(prompt_for(code), add_special_tokens=False)
+        prompt = tok.encode(header(code), add_special_tokens=False)
         ids = prompt + new + [tok.eos_token_id]
         for name, value in zip(DOCUMENTED.names, (first + j, "validation" if j == 0 else "train", code,
                                                   tok.decode(new), len(ids), len(prompt), ids, True)):

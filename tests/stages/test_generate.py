@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.config import GenerateConfig
-from pipeline.records import prompt_for
+from pipeline.prompts import header
 from pipeline.stages.generate import (
     GenerateError, SCHEMA, _validation_positions, generate_synthetic, read_synthetic, sample_control_codes,
 )
@@ -108,7 +108,7 @@ def test_generate_synthetic_writes_well_formed_parquet(tmp_path, tiny_model_dir)
     tok = load_tokenizer(str(tiny_model_dir))
     for row in table.to_pylist():
         assert row["control_code"] in CODES
-        prompt = tok.encode(prompt_for(row["control_code"]), add_special_tokens=False)
+        prompt = tok.encode(header(row["control_code"]), add_special_tokens=False)
         assert row["token_ids"][: len(prompt)] == prompt
         assert row["n_prompt_tokens"] == len(prompt)
         assert len(row["token_ids"]) == row["n_tokens"] <= 32

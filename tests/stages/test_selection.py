@@ -269,12 +269,12 @@ def test_what_each_criterion_chooses_in_the_planted_case(planted):
     assert choose(rows, "synthetic_validation_ce") == min(test, key=test.get) == "alpha=0.0"
     assert choose(rows, "untruncated_ce") != "alpha=1.0"
 
-    from pipeline.records import prompt_for
+    from pipeline.prompts import header
     from pipeline.stages.generate import sample_untruncated
 
     tok, teacher = planted["tok"], planted["teacher"]
-    n_prompt = len(tok.encode(prompt_for("Category: A"), add_special_tokens=False))
-    assert n_prompt == len(tok.encode(prompt_for("Category: B"), add_special_tokens=False))
+    n_prompt = len(tok.encode(header("Category: A"), add_special_tokens=False))
+    assert n_prompt == len(tok.encode(header("Category: B"), add_special_tokens=False))
     samples = sample_untruncated(teacher, tok, {c: k / 4 for c, k in PLANTED_CODES.items()}, 64, 32, seed=3)
     sampled_ce = {name: _nll(s, [(ids, n_prompt) for ids in samples], text_only=True)
                   for name, s in planted["students"].items()}

@@ -23,6 +23,7 @@ from pipeline.privacy import monitor as dp_monitor
 from pipeline.privacy.dpsgd import TeacherError
 from pipeline.records import read_users
 from pipeline.stages.teacher.state import Monitor, Run
+from pipeline.prompts import HEADER, PromptFormat
 from pipeline.tokenized import TokenIds, token_column, tokenized_split
 
 # A DP-SGD step's duration tracks its Poisson batch size, a function of the private records
@@ -68,21 +69,23 @@ def per_record_losses(model: torch.nn.Module, records: TokenIds, batch_size: int
 
 
 def setup_monitor(cfg: TeacherConfig, tok, *, validation_path: Path, monitor_path: Path | None, stage: str,
-                   steps_allowed: int, delta: float) -> Monitor | None:
-    """The records the validation loss is computed on, and with dp its calibrated mechanism."""
+                   steps_allowed: int, delta: float, prompt: PromptFormat = HEADER) -> Monitor | None:
+    """The records the validation loss is computed on (each after its prompt, as training sees
+    it), and with dp its calibrated mechanism."""
     if cfg.monitor == "none":
         return None  # the validation split is not even read
     if cfg.monitor == "public":
         if monitor_path is None:
             raise TeacherError("teacher.monitor=public: pass train_teacher(monitor_path=...), the public "
                                "records formatted as a split (the flow makes it from teacher.monitor_path)")
-        records, _, n = dp_monitor.first_units(token_column(tokenized_split(monitor_path, tok)), None, cfg.monitor_records)
+        records, _, n = dp_monitor.first_units(token_column(tokenized_split(monitor_path, tok, prompt)), None,
+                                               cfg.monitor_records)
         if n == 0:
             raise TeacherError(f"teacher.monitor_path {str(cfg.monitor_path)!r} holds no records; "
                                "point it at a file of public records, or set teacher.monitor=none")
         return Monitor("public", TokenIds(records, cfg.max_length, tok.pad_token_id), n)
     users = read_users(validation_path)
-    records, units, n = dp_monitor.first_units(token_column(tokenized_split(validation_path, tok)), users,
+    records, units, n = dp_monitor.first_units(token_column(tokenized_split(validation_path, tok, prompt)), users,
                                      cfg.monitor_records)
     if n == 0:
         raise TeacherError("teacher.monitor=dp: the validation split is empty; raise data.validation_fraction "

@@ -60,7 +60,8 @@ from pipeline.stages.teacher.monitor import (TIMING_WINDOW_STEPS, is_monitor_poi
                                              publishes_time, setup_monitor)
 from pipeline.stages.teacher.state import KnowledgeDistillation, Run, TeacherResult
 from pipeline.stages.teacher.trainable import prepare_trainable
-from pipeline.tokenized import TokenIds, token_column, tokenized_split
+from pipeline.prompts import HEADER, PromptFormat
+from pipeline.tokenized import PROMPT_COLUMN, TokenIds, token_column, tokenized_split
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def _schedule(cfg: TeacherConfig, n: int, unit: str, planned: DpSgdPlan | None, 
 
 def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monitor_path: Path | None,
            base_model: str, out_dir: Path, seed: int, stage: str, kd: KnowledgeDistillation | None,
-           runtime: Runtime, planned: DpSgdPlan | None) -> Run:
+           runtime: Runtime, planned: DpSgdPlan | None, prompt: PromptFormat = HEADER) -> Run:
     """Models, the private data behind secret Poisson sampling, σ, and Opacus' engine."""
     rank, world = _world()
     device = runtime.device  # a data-parallel rank's own: cuda:local_rank on nccl (ddp_worker)
@@ -122,7 +123,10 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
     users = read_users(train_path)
     # Memory-mapped Arrow ids, tokenized once per run (pipeline/tokenized.py); each batch is
     # padded to its own longest record by the collate below.
-    records = TokenIds(token_column(tokenized_split(train_path, tok)), cfg.max_length, tok.pad_token_id)
+    # Under a prompt template, each record's prompt length too: its tokens are no target (lm_batch).
+    ids = tokenized_split(train_path, tok, prompt)
+    records = TokenIds(token_column(ids), cfg.max_length, tok.pad_token_id,
+                       prompts=token_column(ids, PROMPT_COLUMN) if prompt.masks_prompt else None)
     # Secret, per rank (pipeline/privacy/noise.py). The Poisson generator takes no rank: secret, it
     # is independent on every rank anyway; under the test hook it is the same on every rank,
     # so that data-parallel runs draw exactly the single-process sample.
@@ -184,7 +188,7 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
     dp_model.forbid_grad_accumulation()  # what make_private does for Poisson sampling
 
     monitor = setup_monitor(cfg, tok, validation_path=validation_path, monitor_path=monitor_path, stage=stage,
-                             steps_allowed=steps_allowed, delta=delta)
+                             steps_allowed=steps_allowed, delta=delta, prompt=prompt)
     return Run(
         cfg=cfg, stage=stage, out_dir=Path(out_dir), rank=rank, world=world, runtime=runtime, device=device, tok=tok,
         model=model,
@@ -198,13 +202,14 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
     )
 
 
-def _step(run: Run, ids: torch.Tensor, lengths: torch.Tensor) -> None:
+def _step(run: Run, ids: torch.Tensor, lengths: torch.Tensor, prompts: torch.Tensor | None = None) -> None:
     """One physical batch: per-example losses, the clipping mode's backward, Opacus' step
-    (which only accumulates until the logical batch is complete)."""
+    (which only accumulates until the logical batch is complete). `prompts`: each record's
+    prompt length, under a prompt template (no target)."""
     if ids.shape[0] == 0:
         noise_only_step(run.dp_model, run.optimizer, run.cfg.grad_sample_mode)
         return
-    batch = {k: v.to(run.device) for k, v in lm_batch(ids, lengths).items()}
+    batch = {k: v.to(run.device) for k, v in lm_batch(ids, lengths, prompts).items()}
     labels = batch.pop("labels")
     with run.runtime.autocast():  # forward only; fp32 master weights, losses upcast to fp32
         logits = run.dp_model(**batch).logits  # (B, L, V)
@@ -335,8 +340,10 @@ def train_teacher(
     runtime: Runtime = CPU_FP32,
     monitor_path: Path | None = None,
     dp_sgd: DpSgdPlan | None = None,
+    prompt: PromptFormat = HEADER,
 ) -> TeacherResult:
     """DP fine-tune `base_model` on the private training split; save it to `out_dir/model`.
+    `prompt`: how each record's codes are written before its text (pipeline/prompts.py).
 
     `validation_path` is read only with `cfg.monitor` = dp; `monitor_path` (monitor=public) is
     the user's public records formatted as a split (pipeline/stages/data.py format_public_split).
@@ -366,9 +373,11 @@ def train_teacher(
                  monitor_path=None if monitor_path is None else Path(monitor_path))
     if (cfg.processes > 1 or cfg.nnodes > 1) and _world()[1] == 1:
         return _train_data_parallel(cfg, out_dir=Path(out_dir), seed=seed, on_progress=on_progress, stage=stage,
-                                    kd=kd, progress_every=progress_every, runtime=runtime, dp_sgd=dp_sgd, **paths)
+                                    kd=kd, progress_every=progress_every, runtime=runtime, dp_sgd=dp_sgd,
+                                    prompt=prompt, **paths)
     runtime.apply_threads()
-    run = _setup(cfg, out_dir=out_dir, seed=seed, stage=stage, kd=kd, runtime=runtime, planned=dp_sgd, **paths)
+    run = _setup(cfg, out_dir=out_dir, seed=seed, stage=stage, kd=kd, runtime=runtime, planned=dp_sgd, prompt=prompt,
+                 **paths)
     if run.world > 1 and cfg.nnodes == 1 and run.world != cfg.processes:
         log.warning("%s: teacher.processes=%d but the process group has %d ranks; training on %d",
                     stage, cfg.processes, run.world, run.world)
@@ -388,8 +397,8 @@ def train_teacher(
     while done < run.steps_allowed:
         with BatchMemoryManager(data_loader=run.loader, max_physical_batch_size=cfg.physical_batch_size,
                                 optimizer=run.optimizer) as physical_loader:
-            for ids, lengths in physical_loader:
-                _step(run, ids, lengths)
+            for batch in physical_loader:  # (ids, lengths) or, under a prompt template, (ids, lengths, prompts)
+                _step(run, *batch)
                 if run.optimizer._is_last_step_skipped:
                     continue  # logical batch not finished yet
                 record = _record_step(run, t0)
@@ -409,7 +418,7 @@ def train_teacher(
 
 def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stage: str,
                          kd: KnowledgeDistillation | None, progress_every: float, runtime: Runtime,
-                         dp_sgd: DpSgdPlan | None, **job) -> TeacherResult:
+                         dp_sgd: DpSgdPlan | None, prompt: PromptFormat, **job) -> TeacherResult:
     """`cfg.processes` ranks under torchrun, each running `ddp_worker`; the result is read
     back from the finished stage, the same TeacherResult as one process returns. Ranks on
     nccl get one GPU each (cuda:local_rank), on gloo the CPU; each its share of the cores."""
@@ -425,7 +434,8 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
             "base_model": job["base_model"], "seed": job["seed"], "progress_every": progress_every,
             "kd": None if kd is None else {"teacher_dir": str(Path(kd.teacher_dir).resolve()), "alpha": kd.alpha,
                                            "temperature": kd.temperature},
-            "dp_sgd_plan": None if dp_sgd is None else dataclasses.asdict(dp_sgd)}  # every rank the same σ
+            "dp_sgd_plan": None if dp_sgd is None else dataclasses.asdict(dp_sgd),  # every rank the same σ
+            "prompt": dataclasses.asdict(prompt)}
     teacher_ddp.launch(args, target="pipeline.stages.teacher.recipe:ddp_worker", processes=cfg.processes,
                        backend=cfg.ddp_backend, threads=threads, work=out_dir / teacher_ddp.WORKDIR, stage=stage,
                        on_progress=on_progress, error=TeacherError, nodes=nodes(cfg))
@@ -454,6 +464,7 @@ def ddp_worker(args: dict, on_progress: Callable[[dict], None] | None) -> None:
         progress_every=args.get("progress_every", DEFAULT_EVERY), runtime=runtime,
         kd=None if kd is None else KnowledgeDistillation(Path(kd["teacher_dir"]), kd["alpha"], kd["temperature"]),
         dp_sgd=DpSgdPlan(**args["dp_sgd_plan"]) if args.get("dp_sgd_plan") else None,
+        prompt=PromptFormat(**{**args["prompt"], "columns": tuple(args["prompt"]["columns"])}),
     )
 
 
