@@ -76,6 +76,12 @@ class DataConfig(_Section):
         "template, the assistant's turn opened after it, so that an instruction-tuned model reads it as "
         "an instruction; a tokenizer without one gets the prompt and a blank line.",
     )
+    system_prompt: str | None = Field(
+        None,
+        description="With prompt_template and a chat template: the system turn before the prompt, e.g. "
+        "'You write short airline tweets.'; '' an empty one. None: the chat template's default (SmolLM2's "
+        "adds a 20-token one, which a short record pays for in every step).",
+    )
     unmapped_code_values: Literal["error", "keep"] = Field(
         "error",
         description="A value missing from its column's `code_values`: 'error' (a typo in the mapping "

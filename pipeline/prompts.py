@@ -39,11 +39,14 @@ class PromptFormat:
     """The code columns, in the control code's order."""
     code_template: str = "{value}"
     """How one code is written in the control code (`data.code_template`), to read its value back."""
+    system: str | None = None
+    """A chat template's system turn (`data.system_prompt`); None: the template's own default."""
 
     @classmethod
     def of(cls, data) -> "PromptFormat":
         """The run's prompt format, from its DataConfig."""
-        return cls(data.prompt_template, data.chat_template, tuple(data.code_columns), data.code_template)
+        return cls(data.prompt_template, data.chat_template, tuple(data.code_columns), data.code_template,
+                   data.system_prompt)
 
     @property
     def masks_prompt(self) -> bool:
@@ -53,7 +56,9 @@ class PromptFormat:
 
     def key(self) -> dict:
         """What decides the prompt's tokens, for cache keys and fingerprints (with the tokenizer's)."""
-        return {"template": self.template, "chat": self.chat} if self.template is not None else {}
+        if self.template is None:
+            return {}
+        return {"template": self.template, "chat": self.chat} | ({"system": self.system} if self.system is not None else {})
 
     def values(self, control_code: str) -> dict[str, str]:
         """Each code column's value in `control_code` (the codes joined by CODE_JOINER)."""
@@ -75,7 +80,8 @@ class PromptFormat:
             return header(control_code)
         prompt = self.template.format(**self.values(control_code))
         if self.chat and getattr(tokenizer, "chat_template", None):
-            return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+            system = [] if self.system is None else [{"role": "system", "content": self.system}]
+            return tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}], tokenize=False,
                                                  add_generation_prompt=True)
         return prompt + SEPARATOR
 

@@ -95,3 +95,13 @@ def test_collate_carries_prompt_lengths_when_items_do():
     ids, lengths, prompts = pad_collate(items, pad_id=0)
     assert ids.tolist() == [[1, 2, 3], [4, 0, 0]] and prompts.tolist() == [2, 1]
     assert len(pad_collate([item[:2] for item in items], pad_id=0)) == 2
+
+
+def test_a_system_prompt_replaces_the_templates_default(chat_tokenizer):
+    chat_tokenizer = copy.deepcopy(chat_tokenizer)
+    chat_tokenizer.chat_template = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nDEFAULT<|im_end|>\n"
+                                    "{% endif %}" + CHAT)
+    assert _format().text(CODE, chat_tokenizer).startswith("<|im_start|>system\nDEFAULT<|im_end|>\n<|im_start|>user")
+    short = _format(system_prompt="")
+    assert short.text(CODE, chat_tokenizer).startswith("<|im_start|>system\n<|im_end|>\n<|im_start|>user")
+    assert short.key() == {"template": TEMPLATE, "chat": True, "system": ""}  # in the cache keys
