@@ -1,0 +1,169 @@
+"""What the user takes home (issue 59, docs/utility.md): the student and the synthetic text of
+ours, with the codes as a prompt the pretrained teacher understands, beside the ε = 0 control
+(the same student distilled from the base teacher, no private record) and DP-SGD of the student
+at the full ε. Three runs a row; resumable; every finished run appended to a tracked jsonl.
+
+    OMP_NUM_THREADS=1 nohup .venv/bin/python experiments/utility.py --config configs/smollm2_airline.yaml \
+        --results docs/results/utility.jsonl > runs/real_model/utility.log 2>&1 &
+    .venv/bin/python experiments/utility.py --config configs/smollm2_airline.yaml \
+        --results docs/results/utility.jsonl --report-only
+
+Rows (ROWS): `ours-header` (the config as shipped: the codes as a header), `ours` (the corpus's
+prompt template, PROMPTS), `public-only` (distill.method=public_only with the same prompt; no DP
+noise, so its repeats differ by their seed) and `dp-sgd` (distill.method=dp_sgd at the config's
+settings and its whole ε). A DP row's repeat k > 1 reruns the stage that draws its noise and all
+after it, as experiments/confirmation.py does. The test split is each corpus's fixed one (Yelp's
+test file; the tweets' data.test_split=fixed, issue 60).
+
+The report ends with the issue's lines, one per code column and one per corpus:
+`synthetic model=M corpus=C column=COL runs=K f1=M±S chance=C reference=R mauve=X` (ours' synthetic
+text) and `student model=M corpus=C runs=K ours=M±S public_only=M±S dpsgd=M±S teacher=M±S
+base_teacher=X` (windowed test perplexity), then the same student line on the text alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.confirmation import _result  # noqa: E402
+from experiments.shared import add_results_option, append_result, finish, read_results, require_data  # noqa: E402
+
+# Each corpus's prompt (pipeline/prompts.py), with room for it: the chat-templated prompt is
+# ~11 (tweets) and ~20 (Yelp) tokens longer than the header, so the rows that use it get that
+# many more positions and every row keeps the same room for the text.
+PROMPTS = {
+    "smollm2-airline": ("data.prompt_template=Write a {sentiment} tweet to the airline {airline}.",
+                        "data.system_prompt=''", "teacher.max_length=80", "generate.max_length=80"),
+    "smollm2-yelp": ("data.prompt_template=Write a Yelp review of a business with these details. {label1}. {label2}.",
+                     "data.system_prompt=''", "teacher.max_length=116", "generate.max_length=116"),
+}
+# row: (overrides, the stage whose rerun draws fresh DP noise; None: repeats differ by their seed)
+ROWS = {
+    "ours-header": (("distill.method=distil",), "control-codes"),
+    "ours": (("distill.method=distil", "PROMPT"), "control-codes"),
+    "public-only": (("distill.method=public_only", "PROMPT"), None),
+    "dp-sgd": (("distill.method=dp_sgd",), "dp-student"),
+}
+
+
+def overrides(row: str, corpus: str, repeat: int) -> list[str]:
+    """The row's overrides on the corpus's config (the prompt where the row names it)."""
+    out = []
+    for o in ROWS[row][0]:
+        out += list(PROMPTS[corpus]) if o == "PROMPT" else [o]
+    if ROWS[row][1] is None:
+        out.append(f"seed={repeat - 1}")
+    return out
+
+
+def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str]) -> dict:
+    from flows.pipeline_flow import dp_distill
+    from flows.run_info import stages_to_rerun
+    from pipeline.config import load_config
+
+    cfg = load_config(config, [*overrides(row, corpus, repeat), *extra])
+    cfg = cfg.model_copy(update={"name": f"{cfg.name}-{row.replace('-', '')}-r{repeat}"})
+    noisy = ROWS[row][1]
+    t0 = time.monotonic()
+    run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy, None) if repeat > 1 and noisy else None))
+    out = _result(row, repeat, run_dir, time.monotonic() - t0)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    ppl = metrics["perplexity"]
+    out["base_teacher"] = ppl.get("base_teacher", {}).get("windowed")
+    out["base_teacher_text"] = ppl.get("base_teacher", {}).get("text_only", {}).get("windowed")
+    out["dp_teacher_text"] = ppl.get("dp_teacher", {}).get("text_only", {}).get("windowed")
+    out["mauve"] = (metrics.get("mauve") or {}).get("mauve")
+    return out
+
+
+def _mean_sd(values: list[float], digits: int = 1) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+    return f"{statistics.mean(values):.{digits}f}±{sd:.{digits}f}"
+
+
+def report(results: list[dict], corpus: str, model: str) -> str:
+    by_row: dict[str, list[dict]] = {}
+    for r in results:
+        by_row.setdefault(r["row"], []).append(r)
+    lines = ["| row | runs | student windowed | student text alone | DP teacher | DP teacher, text alone | MAUVE "
+             "| ε (total) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in ROWS:
+        rs = by_row.get(row, [])
+        if rs:
+            lines.append(f"| {row} | {len(rs)} | {_mean_sd([r['student'] for r in rs])} "
+                         f"| {_mean_sd([r['student_text_windowed'] for r in rs])} "
+                         f"| {_mean_sd([r.get('dp_teacher') for r in rs])} | {_mean_sd([r.get('dp_teacher_text') for r in rs])} "
+                         f"| {_mean_sd([r.get('mauve') for r in rs], 3)} | {_mean_sd([r['epsilon'] for r in rs], 3)} |")
+    out = "\n".join(lines) + "\n\n"
+    ours = by_row.get("ours", [])
+    for column in sorted({c for r in ours for c in r.get("downstream", {})}):
+        scores = [r["downstream"][column] for r in ours if column in r.get("downstream", {})]
+        ref = [s["real_reference_macro_f1"] for s in scores if s.get("real_reference_macro_f1") is not None]
+        out += (f"synthetic model={model} corpus={corpus} column={column} runs={len(scores)} "
+                f"f1={_mean_sd([s['macro_f1'] for s in scores], 3)} chance={scores[0]['chance_macro_f1']:.3f} "
+                f"reference={statistics.mean(ref):.3f} mauve={_mean_sd([r.get('mauve') for r in ours], 3)}\n"
+                if ref else "")
+    for key, what in (("student", ""), ("student_text_windowed", " figure=text_alone")):
+        teacher_key = "dp_teacher" if key == "student" else "dp_teacher_text"
+        base_key = "base_teacher" if key == "student" else "base_teacher_text"
+        base = [r[base_key] for r in ours if r.get(base_key) is not None]
+        runs = min((len(by_row.get(row, [])) for row in ("ours", "public-only", "dp-sgd")), default=0)
+        out += (f"student model={model} corpus={corpus}{what} runs={runs} ours={_mean_sd([r[key] for r in ours])} "
+                f"public_only={_mean_sd([r[key] for r in by_row.get('public-only', [])])} "
+                f"dpsgd={_mean_sd([r[key] for r in by_row.get('dp-sgd', [])])} "
+                f"teacher={_mean_sd([r.get(teacher_key) for r in ours])} "
+                f"base_teacher={statistics.mean(base):.1f}\n" if base else "")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
+    p.add_argument("--config", default="configs/smollm2_airline.yaml")
+    p.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. ours,public-only")
+    p.add_argument("--repeats", type=int, default=3, help="runs per row")
+    add_results_option(p, "utility.jsonl")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    from pipeline.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.name not in PROMPTS:
+        print(f"experiments/utility.py: no prompt for config {cfg.name!r}; add one to PROMPTS", file=sys.stderr)
+        return 2
+    if not args.report_only:
+        require_data(cfg, "experiments/utility.py", args.config)
+    root = Path(cfg.run_root)
+    root.mkdir(parents=True, exist_ok=True)
+    results_path = args.results or root / "utility.jsonl"
+    model = cfg.teacher.model.removeprefix("cache:")
+    failed = []
+    schedule = [(row, k) for k in range(1, args.repeats + 1) for row in args.rows.split(",")]
+    for row, k in [] if args.report_only else schedule:
+        if any(r["row"] == row and r["repeat"] == k for r in read_results(results_path, cfg.name)):
+            continue
+        print(f"== {row} run {k}", flush=True)
+        try:
+            result = run_one(args.config, cfg.name, row, k, list(args.overrides))
+        except Exception as e:  # name it, go on with the others; a restart retries it
+            print(f"== {row} run {k} failed: {e!r}", flush=True)
+            failed.append(f"{row} r{k}")
+            continue
+        append_result(results_path, {"config": cfg.name, **result})
+        print(f"== {row} run {k}: {result['student']:.1f} ({result['seconds']:.0f} s)", flush=True)
+    text = report(read_results(results_path, cfg.name), cfg.name, model)
+    return finish(root / f"{cfg.name}-utility.md", text, failed)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,46 @@
+"""experiments/utility.py: its rows' overrides and the issue's last lines (issue 59)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from pipeline.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("utility", ROOT / "experiments" / "utility.py")
+utility = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(utility)
+
+
+def _run(row, k, student, text, **extra):
+    return {"row": row, "repeat": k, "student": student, "student_text_windowed": text, "epsilon": 1.98,
+            "dp_teacher": 60.0 + k, "dp_teacher_text": 70.0 + k, "base_teacher": 79.1, "base_teacher_text": 69.9,
+            "mauve": 0.4 + k / 100, **extra}
+
+
+def test_the_report_ends_with_the_issues_lines():
+    ds = {"sentiment": {"macro_f1": 0.40, "chance_macro_f1": 0.333, "real_reference_macro_f1": 0.555}}
+    results = [_run("ours", k, 150.0 + k, 200.0 + k, downstream=ds) for k in (1, 2, 3)]
+    results += [_run("public-only", k, 180.0 + k, 240.0, dp_teacher=None) for k in (1, 2, 3)]
+    results += [_run("dp-sgd", k, 200.0 + 2 * k, 260.0, dp_teacher=None) for k in (1, 2, 3)]
+    lines = utility.report(results, "smollm2-airline", "smollm2-135m").strip().splitlines()
+    assert lines[-3] == ("synthetic model=smollm2-135m corpus=smollm2-airline column=sentiment runs=3 "
+                         "f1=0.400±0.000 chance=0.333 reference=0.555 mauve=0.420±0.010")
+    assert lines[-2] == ("student model=smollm2-135m corpus=smollm2-airline runs=3 ours=152.0±1.0 "
+                         "public_only=182.0±1.0 dpsgd=204.0±2.0 teacher=62.0±1.0 base_teacher=79.1")
+    assert lines[-1].startswith("student model=smollm2-135m corpus=smollm2-airline figure=text_alone runs=3 "
+                                "ours=202.0±1.0")
+
+
+def test_each_prompted_row_takes_its_corpus_prompt_and_the_control_varies_its_seed():
+    assert utility.overrides("ours-header", "smollm2-airline", 2) == ["distill.method=distil"]
+    ours = utility.overrides("ours", "smollm2-airline", 1)
+    assert ours[0] == "distill.method=distil" and ours[1:] == list(utility.PROMPTS["smollm2-airline"])
+    assert utility.overrides("public-only", "smollm2-yelp", 3)[-1] == "seed=2"
+
+
+def test_every_prompt_is_a_valid_override_of_its_config():
+    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+        cfg = load_config(ROOT / config, list(utility.PROMPTS[name]))
+        assert cfg.name == name and cfg.data.prompt_template and cfg.data.system_prompt == ""
