@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import time
@@ -48,6 +49,7 @@ from pipeline.locks import file_lock
 from pipeline.models.cache import CACHE_PREFIX, cached_model_dir, resolve_cache_name
 from pipeline.manifest import MANIFEST, atomic_write_json, hash_paths, sha256_file, write_manifest
 from pipeline.models.scoring import mean_token_nll, token_windows
+from pipeline.progress import ProgressLog
 from pipeline.privacy.dp_vocabulary import dp_word_counts, weighted_words
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.tokenized import ListIds
@@ -235,11 +237,15 @@ def _pretrain(model: GPT2LMHeadModel, blocks: torch.Tensor, spec: TinyModelSpec,
 def train_on_blocks(
     model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_size: int, learning_rate: float, name: str,
     loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _lm_loss,
+    checkpoint: Path | None = None, checkpoint_every: int = 50,
 ) -> dict:
     """Non-private training on random (batch_size, L) draws of public token `blocks` (N, L):
     AdamW, 10 % linear warm-up then cosine decay, gradients clipped to norm 1. `loss_of(model,
     batch)` is the loss (default: next-token CE; the student builder passes a distillation
-    loss, pipeline/models/student.py). Returns its figures."""
+    loss, pipeline/models/student.py). Progress lines with a rate and ETA. With `checkpoint`,
+    the state (model, optimiser, schedule, the draws' generator) is saved there every
+    `checkpoint_every` steps and a run that finds one continues from it, to the same result as
+    an uninterrupted run; the caller deletes it once the model is saved. Returns its figures."""
     # torch's loop, not the fused step: a rebuilt public model (e.g. `dpdistill models student`
     # in a new checkout) stays bit-identical to the one earlier runs of a study used
     opt = adamw(model.parameters(), learning_rate, weight_decay=0.01, fused=False)
@@ -251,7 +257,9 @@ def train_on_blocks(
     )
     model.train()
     loss_value, t0 = float("nan"), time.monotonic()
-    for step in range(steps):
+    first = _resume_blocks(checkpoint, model, opt, sched) if checkpoint is not None else 0
+    progress = ProgressLog(log, name, "steps", steps, done=first)
+    for step in range(first, steps):
         idx = torch.randint(0, blocks.shape[0], (batch_size,))
         batch = blocks[idx]
         loss = loss_of(model, batch)
@@ -261,8 +269,9 @@ def train_on_blocks(
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss_value = loss.item()
-        if (step + 1) % 50 == 0 or step + 1 == steps:
-            log.info("%s: step %d/%d loss %.3f (%.1f s)", name, step + 1, steps, loss_value, time.monotonic() - t0)
+        progress.update(step + 1, values={"loss": f"{loss_value:.3f}"})
+        if checkpoint is not None and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            _save_blocks(checkpoint, step + 1, model, opt, sched)
     model.eval()
     return {
         "final_loss": loss_value,
@@ -270,6 +279,27 @@ def train_on_blocks(
         "seconds": round(time.monotonic() - t0, 1),
         "non_embedding_parameters": non_embedding_parameters(model),
     }
+
+
+def _save_blocks(path: Path, step: int, model, opt, sched) -> None:
+    """The training state after `step` steps, written atomically (a kill mid-write leaves the last one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "schedule": sched.state_dict(), "rng": torch.get_rng_state()}, tmp)
+    os.replace(tmp, path)
+
+
+def _resume_blocks(path: Path, model, opt, sched) -> int:
+    """The steps done by an interrupted run whose state is at `path` (0 without one), restored."""
+    if not path.is_file():
+        return 0
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["schedule"])
+    torch.set_rng_state(state["rng"])
+    log.info("resuming from step %d (%s)", state["step"], path)
+    return state["step"]
 
 
 def non_embedding_parameters(model: torch.nn.Module) -> int:

@@ -23,6 +23,7 @@ build time and the corpus with its sha256.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import shutil
@@ -201,9 +202,12 @@ def build_student(
         log.info("student: held-out perplexity: teacher %s, student before healing %s (%.0f s)",
                  figures["teacher_perplexity"], figures["perplexity_before"], time.monotonic() - t0)
         cpu = time.process_time()
+        # Resumable: a killed build continues from its last 50 steps (the checkpoint is named by
+        # the build's settings, so another build never reads it), to the same student.
+        resume = cache_dir / f".{name}.{hashlib.sha256(json.dumps(build, sort_keys=True).encode()).hexdigest()[:12]}.heal"
         healing = train_on_blocks(student, blocks, steps=budget.steps, batch_size=budget.batch_size,
                                   learning_rate=budget.learning_rate, name="student healing",
-                                  loss_of=distillation_loss_of(teacher_model))
+                                  loss_of=distillation_loss_of(teacher_model), checkpoint=resume)
         # CPU seconds beside the wall time: on a shared machine the wall time says more about the
         # neighbours than about the step (docs/pipeline.md converts it to idle cores)
         healing["cpu_seconds"] = round(time.process_time() - cpu, 1)
@@ -230,6 +234,7 @@ def build_student(
             finish_cache_entry(tmp, out, lambda hashes: _card(info, hashes), {"model": info, "build": build})
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        resume.unlink(missing_ok=True)  # only once the student is in the cache
     return out
 
 

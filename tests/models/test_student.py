@@ -145,3 +145,37 @@ def test_the_cli_builds_a_student_and_prints_its_directory_last(tiny_teacher, ca
     assert main(args[:3] + ["--layers", "9", "--cache-dir", str(cache)]) == 2
     assert capsys.readouterr().err.strip() == ("dpdistill: error: --layers 9: keep between 2 and 3 of the teacher's "
                                                "4 layers")
+
+
+def test_an_interrupted_healing_continues_to_the_same_model(tmp_path, tiny_tokenizer):
+    """Issue 59 item 5: a killed build resumes from its last checkpoint, and the student it ends
+    with is the one an uninterrupted build makes (weights equal)."""
+    from conftest import make_tiny_model
+    from pipeline.models.base import train_on_blocks
+
+    blocks = torch.randint(0, len(tiny_tokenizer), (16, 12))
+
+    def train(checkpoint=None, stop_at=None):
+        torch.manual_seed(0)
+        model = make_tiny_model(tiny_tokenizer)
+        calls = []
+
+        def loss_of(m, batch):
+            calls.append(1)
+            if stop_at is not None and len(calls) > stop_at:
+                raise KeyboardInterrupt  # killed mid-build
+            return m(input_ids=batch, labels=batch).loss
+        try:
+            train_on_blocks(model, blocks, steps=8, batch_size=2, learning_rate=1e-3, name="heal", loss_of=loss_of,
+                            checkpoint=checkpoint, checkpoint_every=2)
+        except KeyboardInterrupt:
+            return None, calls
+        return model, calls
+
+    whole, _ = train()
+    path = tmp_path / "heal"
+    assert train(path, stop_at=5)[0] is None and path.is_file()  # killed after 5 steps: the state of step 4 kept
+    resumed, calls = train(path)
+    assert len(calls) == 4  # steps 5..8 only
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
