@@ -228,6 +228,8 @@ def _distill_key(cfg: PipelineConfig, *, reads_synthetic: bool = True) -> dict:
     serves every size (its key never holds the distill section). The private selection's
     settings count only when it is used (select_by=private_validation), for the same reason."""
     exclude = set() if cfg.distill.select_by == "private_validation" else set(PRIVATE_SELECTION_FIELDS)
+    if cfg.distill.keep_samples == "all":  # results cached before the setting existed stay hits
+        exclude.add("keep_samples")
     if cfg.distill.selection_split == "validation":  # what the route scored before the setting: those stay hits
         exclude.add("selection_split")
     if not (reads_synthetic and cfg.distill.num_synthetic is not None):
@@ -313,6 +315,7 @@ def distillation_task(
             progress_every=cfg.progress_seconds,
             runtime=Runtime.from_config(cfg),
             private_validation=_private_validation(cfg, data, teacher) if data is not None else None,
+            code_values=declared_values(cfg.data, cfg.control_codes.domain, None) if cfg.control_codes.domain else None,
         )
 
 

@@ -615,6 +615,14 @@ class DistillConfig(_Section):
         "size: exact). Twice as fast a step, but the student does not learn the shape of the teacher's "
         "tail: on the demo, k = 64 gave a 31-40 % higher test perplexity (docs/reference.md).",
     )
+    keep_samples: Literal["all", "code_adherent"] = Field(
+        "all",
+        description="Which synthetic train samples the student learns from. 'all'; 'code_adherent': only those "
+        "the teacher that wrote them recognises as written for their requested codes (on every code column "
+        "with two or more declared values, the requested value gives the sample's text the highest "
+        "likelihood; pipeline/stages/adherence.py): post-processing of the teacher and its text, no privacy "
+        "cost. Needs control_codes.domain; costs one teacher forward pass per declared value per sample.",
+    )
     num_synthetic: int | None = Field(
         None,
         ge=1,
@@ -865,6 +873,10 @@ class PipelineConfig(_Section):
                 "generate.num_samples"
             )
         codes = self.control_codes
+        if self.distill.keep_samples != "all" and (not spec.generates or codes.domain is None):
+            problems.append(
+                f"distill.keep_samples={self.distill.keep_samples} keeps synthetic samples by the declared code "
+                "values: it needs a method that generates (distil, dp_syn, public_only) and control_codes.domain")
         if spec.generates and not spec.releases_codes:
             missing = [c for c in self.data.code_columns if c not in (codes.domain or {})]
             if missing:

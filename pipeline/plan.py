@@ -415,6 +415,13 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, le
                  + len(candidates) * timer.score(d.student_model, d.selection_samples, g.max_length))
         total += sample + score
         what += f"; selection {sample + score:.0f} s ({d.selection_samples} untruncated teacher samples, scored)"
+    if d.keep_samples == "code_adherent" and cfg.control_codes.domain:  # the teacher scores each sample under each value
+        g = cfg.generate
+        sequences = (g.num_samples - round(g.num_samples * g.validation_fraction)) * sum(
+            len(v) for v in cfg.control_codes.domain.values() if len(v) >= 2)
+        kept = math.ceil(sequences / d.batch_size) * timer.score(cfg.teacher.model, d.batch_size, g.max_length)
+        total += kept
+        what += f"; keeping the code-adherent samples {kept:.0f} s ({sequences} teacher-scored sequences)"
     if private_records and len(candidates) > 1:
         length = min(cfg.teacher.max_length, sorted(lengths)[len(lengths) // 2])
         private = len(candidates) * math.ceil(private_records / d.batch_size) * timer.score(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -35,9 +34,8 @@ from pipeline.models.base import (BUILTIN_PREFIX, causal_lm_from_config, model_p
 from pipeline.models.losses import TopKLogits
 from pipeline.models.scoring import nll_by_owner
 from pipeline.privacy import noise
-from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.stages.distill import step_loss
-from pipeline.privacy.dpsgd import CLIPPING
+from pipeline.privacy.dpsgd import CLIPPING, make_private
 from pipeline.models.losses import per_sequence_loss
 from pipeline.stages.teacher.trainable import prepare_trainable
 from pipeline.tokenized import ListIds
@@ -229,14 +227,10 @@ class StepTimer:
         optimizer = adamw([p for p in model.parameters() if p.requires_grad], t.learning_rate, t.weight_decay)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2, dtype=torch.long)),
                                              batch_size=4)
-        with warnings.catch_warnings():  # "Secure RNG turned off": this noise only costs time
-            warnings.simplefilter("ignore")
-            made = BookKeepingPrivacyEngine(accountant=t.accountant, secure_mode=False).make_private(
-                module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
-                noise_generator=noise.generator("noise", secure=t.secure_mode, device=self.runtime.device),
-                max_grad_norm=t.max_grad_norm, poisson_sampling=False, grad_sample_mode=t.grad_sample_mode,
-                **({"criterion": torch.nn.CrossEntropyLoss()} if t.grad_sample_mode == "ghost" else {}))
-        self._models[key] = (made[0], made[1], CLIPPING[t.grad_sample_mode])
+        _, dp_model, dp_optimizer, _ = make_private(  # the stage's own wiring: this noise only costs time
+            t, model, optimizer, loader, sigma=1.0,
+            noise_generator=noise.generator("noise", secure=t.secure_mode, device=self.runtime.device))
+        self._models[key] = (dp_model, dp_optimizer, CLIPPING[t.grad_sample_mode])
         return self._models[key]
 
     def distill_step(self, student: str, teacher: str | None, lengths: list[int], prompt: int) -> float:

@@ -178,3 +178,14 @@ def test_the_defaults_docs_pipeline_md_gives_are_the_configs():
         assert float(value) == getattr(defaults, field), f"docs/pipeline.md: distill.{field} default {value}"
     assert defaults.candidates == [] and defaults.alpha == 1.0
     assert "By default one student is trained, α = 1" in " ".join(text.split())
+
+
+def test_keep_samples_needs_a_generating_method_and_the_domain(tmp_path):
+    from conftest import tiny_pipeline_dict
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["distill"] |= {"method": "dp_sgd", "keep_samples": "code_adherent"}
+    with pytest.raises(ConfigError, match="distill.keep_samples=code_adherent keeps synthetic samples"):
+        config_from_dict(tree)
+    tree["distill"]["method"] = "distil"
+    assert config_from_dict(tree).distill.keep_samples == "code_adherent"

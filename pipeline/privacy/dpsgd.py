@@ -16,6 +16,7 @@ pass), `ghost` (Opacus ghost clipping, Li et al. 2021: a norm pass, then a rewei
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,13 +24,16 @@ import numpy as np
 import torch
 from opacus import PrivacyEngine
 from opacus.data_loader import DPDataLoader
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset
 
+from pipeline.batching import IGNORE
 from pipeline.config import TeacherConfig
 from pipeline.privacy import accountant as privacy
 from pipeline.privacy import noise, pld
+from pipeline.privacy.bk import BookKeepingPrivacyEngine
 
 
 class TeacherError(ValueError):
@@ -193,6 +197,29 @@ def plan_dp_sgd(cfg: TeacherConfig, n: int, unit: str = "record", target_epsilon
     sigma, steps_allowed = calibrate_noise(cfg, sample_rate, steps, delta, epsilon)
     return DpSgdPlan(target_epsilon=epsilon, n=n, unit=unit, sampling_probability=probability,
                      sample_rate=sample_rate, steps=steps, steps_allowed=steps_allowed, sigma=sigma, delta=delta)
+
+
+def make_private(cfg: TeacherConfig, model: torch.nn.Module, optimizer, loader: DataLoader, *, sigma: float,
+                 noise_generator, world: int = 1):
+    """The one wiring of the clipping engine (the teacher stage and the plan's timed step):
+    (engine, its model, its optimizer, its loader) for `cfg.grad_sample_mode`, noise σ drawn
+    from `noise_generator`. `loader` already samples with Poisson (dpsgd.RankShareSampler). With
+    `world` > 1 ranks the model is wrapped in DPDDP, and make_private then picks Opacus'
+    Distributed(FastGradientClipping)DPOptimizer, whose step adds the noise on rank 0 only,
+    all-reduces the sum of the ranks' clipped gradients and divides by the global expected batch."""
+    with warnings.catch_warnings():  # its "Secure RNG turned off": our generators are secret
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        # Opacus' own secure_mode needs torchcsprng (no release for current torch): secure
+        # noise comes from the noise generator instead, through pipeline/privacy/noise.py's dispatcher.
+        engine = BookKeepingPrivacyEngine(accountant=cfg.accountant, secure_mode=False)
+        made = engine.make_private(
+            module=DPDDP(model) if world > 1 else model, optimizer=optimizer, data_loader=loader,
+            noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm, poisson_sampling=False,
+            noise_generator=noise_generator, grad_sample_mode=cfg.grad_sample_mode,
+            # ghost: Opacus wraps a criterion it needs; the stages call CLIPPING["ghost"] instead
+            **({"criterion": torch.nn.CrossEntropyLoss(ignore_index=IGNORE)} if cfg.grad_sample_mode == "ghost" else {}),
+        )
+    return engine, made[0], made[1], made[-1]
 
 
 # One backward for each clipping mode: after it, Opacus' optimizer finds what it expects

@@ -57,6 +57,7 @@ class SampleOutcome:
 
     requested: dict[str, str]
     won: dict[str, bool]
+    sample_id: int | None = None
 
 
 def _value_of(template: str, column: str, part: str) -> str:
@@ -148,12 +149,33 @@ def code_adherence(
     so its scores still compare (counted in `truncated`); one with no continuation token left
     is counted in `skipped`.
     """
+    scored = {c: list(vals) for c, vals in values.items() if len(vals) >= 2}
+    outcomes, skipped, truncated = score_samples(model, tokenizer, synthetic_path, values, n, batch_size, on_batch,
+                                                 prompt)
+    return summarize(outcomes, scored, skipped=skipped, truncated=truncated)
+
+
+def adherent_samples(model, tokenizer, synthetic_path: Path, values: dict[str, dict[str, str]], n: int,
+                     batch_size: int, prompt: PromptFormat = HEADER,
+                     on_batch: Callable[[int, int], None] | None = None) -> set[int]:
+    """The sample ids of the first `n` synthetic training samples that `model` (the DP teacher)
+    recognises as written for their requested code on every scored column: post-processing of
+    DP outputs (distill.keep_samples=code_adherent, issue 59 item 4)."""
+    outcomes, _, _ = score_samples(model, tokenizer, synthetic_path, values, n, batch_size, on_batch, prompt)
+    return {o.sample_id for o in outcomes if all(o.won.values())}
+
+
+def score_samples(
+    model, tokenizer, synthetic_path: Path, values: dict[str, dict[str, str]], n: int, batch_size: int,
+    on_batch: Callable[[int, int], None] | None = None, prompt: PromptFormat = HEADER,
+) -> tuple[list[SampleOutcome], int, int]:
+    """Each scored sample's outcome (`code_adherence` says how), and the samples skipped and truncated."""
     model.eval()
     n_positions = model_positions(model.config)
     columns = list(values)
     scored = {c: list(vals) for c, vals in values.items() if len(vals) >= 2}
     if not scored:  # one declared value per column: nothing to choose between
-        return summarize([], {})
+        return [], 0, 0
     part_to_value = {c: {part: v for v, part in values[c].items()} for c in columns}
     head = synthetic_head(synthetic_path, n, "train", ("sample_id", "control_code", "n_prompt_tokens", "token_ids"))
     prompt_ids: dict[str, list[int]] = {}
@@ -169,6 +191,7 @@ def code_adherence(
     jobs: list[tuple[int, str, list[str]]] = []  # (sample index, column, candidate values)
     sequences: list[tuple[list[int], int]] = []
     requested_values: list[dict[str, str]] = []
+    sample_ids: list[int] = []
     skipped = truncated = 0
     for sample_id, code, n_prompt, token_ids in zip(*(head[k].to_pylist() for k in head.column_names)):
         parts = code.split(CODE_JOINER)
@@ -195,6 +218,7 @@ def code_adherence(
             continuation = continuation[:room]  # the same cut for every candidate: scores still compare
         index = len(requested_values)
         requested_values.append(requested)
+        sample_ids.append(sample_id)
         for c, prompts in candidates.items():
             jobs.append((index, c, scored[c]))
             sequences.extend((p + continuation, len(p)) for p in prompts)
@@ -211,8 +235,8 @@ def code_adherence(
         at += len(candidates)
         best = mine[candidates.index(requested_values[index][c])]
         won[index][c] = all(best > s for v, s in zip(candidates, mine) if v != requested_values[index][c])
-    outcomes = [SampleOutcome({c: r[c] for c in scored}, w) for r, w in zip(requested_values, won)]
-    return summarize(outcomes, scored, skipped=skipped, truncated=truncated)
+    outcomes = [SampleOutcome({c: r[c] for c in scored}, w, i) for r, w, i in zip(requested_values, won, sample_ids)]
+    return outcomes, skipped, truncated
 
 
 def adherence_lines(result: dict) -> list[str]:

@@ -33,9 +33,11 @@ import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from transformers import AutoConfig
@@ -45,6 +47,7 @@ from pipeline.models.scoring import mean_token_nll
 from pipeline.privacy import private_selection
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.privacy.monitor import MonitorError
+from pipeline.stages.adherence import adherent_samples
 from pipeline.stages.selection import choose, log_selection, score_students, selection_set
 from pipeline.config import DistillConfig
 from pipeline.devices import CPU_FP32, Runtime, adamw
@@ -141,6 +144,29 @@ def _setup(cfg: DistillConfig, *, synthetic_path: Path, teacher_dir: Path, stude
         )
     return _Setup(tok=student_tok, teacher=teacher, cache=cache, max_len=max_len, train_table=train_table,
                   validation=validation, available=train_table.num_rows, scratch=scratch)
+
+
+def _kept(cfg: DistillConfig, setup: _Setup, *, synthetic_path: Path, teacher_dir: Path,
+          code_values: dict[str, dict[str, str]] | None, runtime: Runtime) -> _Setup:
+    """distill.keep_samples=code_adherent: only the synthetic train samples the teacher that wrote
+    them recognises as written for their codes (issue 59 item 4). It reads the teacher and its
+    text only: post-processing, no privacy cost."""
+    if cfg.keep_samples == "all":
+        return setup
+    if not code_values:
+        raise DistillError("distill.keep_samples=code_adherent needs the declared code values (control_codes.domain)")
+    teacher = setup.teacher
+    if teacher is None:  # teacher_top_k: its logits are cached, the model is loaded for this only
+        teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(runtime.device)
+    kept = adherent_samples(teacher, setup.tok, synthetic_path, code_values, setup.available, cfg.batch_size,
+                            synthetic_prompt(synthetic_path))
+    table = setup.train_table.filter(pc.is_in(setup.train_table["sample_id"], pa.array(sorted(kept), pa.int64())))
+    log.info("distillation: keeping %d of the %d synthetic train samples, those the teacher recognises as written "
+             "for their codes (distill.keep_samples=code_adherent)", table.num_rows, setup.available)
+    if table.num_rows == 0:
+        raise DistillError("distill.keep_samples=code_adherent kept no synthetic sample: the teacher recognises "
+                           "none as written for its codes; use distill.keep_samples=all")
+    return replace(setup, train_table=table, available=table.num_rows)
 
 
 def _train_rows(cfg: DistillConfig, setup: _Setup, synthetic_path: Path):
@@ -448,6 +474,7 @@ def distill(
     progress_every: float = DEFAULT_EVERY,
     runtime: Runtime = CPU_FP32,
     private_validation: private_selection.PrivateValidation | None = None,
+    code_values: dict[str, dict[str, str]] | None = None,
 ) -> DistillResult:
     """Train `student_model` on the synthetic data against the teacher; the best student is saved.
 
@@ -475,6 +502,8 @@ def distill(
     if setup.cache is not None:
         log.info("distillation: teacher top-%d logits from %s", setup.cache.k, setup.cache.path)
     try:
+        setup = _kept(cfg, setup, synthetic_path=synthetic_path, teacher_dir=teacher_dir, code_values=code_values,
+                      runtime=runtime)
         scorer = _private_scorer(cfg, setup, len(candidates), private_validation)
         totals = {name: _n_steps(c, len(_train_rows(c, setup, synthetic_path))) for name, c in candidates}
         progress = _Progress(sum(totals.values()), on_progress, progress_every)

@@ -359,3 +359,24 @@ def test_the_step_in_length_groups_is_the_padded_loss(tiny_tokenizer, tiny_model
         torch.testing.assert_close(getattr(ours, name), getattr(padded, name))
     for g, p in zip(grad, student.parameters()):
         torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_keep_samples_code_adherent_trains_on_what_the_teacher_recognises(synthetic, tiny_model_dir, tmp_path, caplog):
+    """Issue 59 item 4: distill.keep_samples=code_adherent keeps exactly the train samples the
+    teacher that wrote them scores highest under their requested code, and trains on those."""
+    from pipeline.models.base import load_causal_lm, load_tokenizer
+    from pipeline.stages.adherence import adherent_samples
+
+    values = {"Category": {"A": "Category: A", "B": "Category: B"}}  # make_synthetic's two codes
+    teacher, tok = load_causal_lm(str(tiny_model_dir)).eval(), load_tokenizer(str(tiny_model_dir))
+    available = synthetic.n_samples - synthetic.n_validation
+    kept = adherent_samples(teacher, tok, synthetic.path, values, available, 8)
+    assert 0 < len(kept) < available  # a random teacher recognises some of its samples, not all
+    cfg = DistillConfig(candidates=[], epochs=1, batch_size=4, keep_samples="code_adherent", eval_every=100,
+                        log_every=100)
+    with caplog.at_level("INFO", logger="pipeline.stages.distill"):
+        result = distill(cfg, synthetic_path=synthetic.path, teacher_dir=tiny_model_dir,
+                         student_model=str(tiny_model_dir), out_dir=tmp_path / "student", seed=0, code_values=values)
+    assert result.train_samples == result.available_samples == len(kept)
+    assert any(f"keeping {len(kept)} of the {available} synthetic train samples" in r.getMessage()
+               for r in caplog.records)

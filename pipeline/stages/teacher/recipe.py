@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,11 +33,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from opacus.data_loader import DPDataLoader
-from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch.utils.data import DataLoader
 
-from pipeline.batching import IGNORE, lm_batch
+from pipeline.batching import lm_batch
 from pipeline.config import TeacherConfig
 from pipeline.devices import CPU_FP32, Runtime, adamw, ieee_fp32_products
 from pipeline.manifest import MANIFEST, atomic_write_json, manifest_problems, write_manifest
@@ -47,9 +45,9 @@ from pipeline.models.base import (head_is_tied, load_causal_lm, load_tokenizer, 
 from pipeline.models.losses import per_sequence_distillation_loss, per_sequence_loss
 from pipeline.privacy import accountant as privacy
 from pipeline.privacy import noise
-from pipeline.privacy.bk import BookKeepingPrivacyEngine
 from pipeline.privacy.dpsgd import (CLIPPING, DpSgdPlan, OneRecordPerUser, RankShareSampler, TeacherError,
-                                    epsilon_spent, noise_only_step, plan_dp_sgd, shortest_first, steps_accounted)
+                                    epsilon_spent, make_private, noise_only_step, plan_dp_sgd, shortest_first,
+                                    steps_accounted)
 from pipeline.privacy.ledger import LedgerEntry, with_pld_epsilons
 from pipeline.privacy.pld import DP_SGD_REPLACE_SENSITIVITY
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
@@ -168,23 +166,8 @@ def _setup(cfg: TeacherConfig, *, train_path: Path, validation_path: Path, monit
 
     model.train()
     optimizer = adamw([p for p in model.parameters() if p.requires_grad], cfg.learning_rate, cfg.weight_decay)
-    with warnings.catch_warnings():  # its "Secure RNG turned off": our generators are secret (warned above)
-        warnings.filterwarnings("ignore", message="Secure RNG turned off")
-        # Opacus' own secure_mode needs torchcsprng (no release for current torch): secure
-        # noise comes from the noise generator instead, through pipeline/privacy/noise.py's dispatcher.
-        engine = BookKeepingPrivacyEngine(accountant=cfg.accountant, secure_mode=False)
-    made = engine.make_private(
-        # DPDDP: make_private then picks Opacus' Distributed(FastGradientClipping)DPOptimizer,
-        # whose step adds the noise on rank 0 only, all-reduces the sum of the ranks' clipped
-        # gradients and divides by the global expected batch (per-rank expected batch × W).
-        module=DPDDP(model) if world > 1 else model, optimizer=optimizer, data_loader=poisson_loader,
-        noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm,
-        poisson_sampling=False,  # the loader above already samples with Poisson
-        noise_generator=rngs["noise"], grad_sample_mode=cfg.grad_sample_mode,
-        # ghost: Opacus wraps a criterion it needs; our steps call CLIPPING["ghost"] instead
-        **({"criterion": torch.nn.CrossEntropyLoss(ignore_index=IGNORE)} if cfg.grad_sample_mode == "ghost" else {}),
-    )
-    dp_model, dp_optimizer, loader = made[0], made[1], made[-1]
+    engine, dp_model, dp_optimizer, loader = make_private(cfg, model, optimizer, poisson_loader, sigma=sigma,
+                                                          noise_generator=rngs["noise"], world=world)
     dp_model.forbid_grad_accumulation()  # what make_private does for Poisson sampling
 
     monitor = setup_monitor(cfg, tok, validation_path=validation_path, monitor_path=monitor_path, stage=stage,
