@@ -399,8 +399,8 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, le
     long as the median test record). The synthetic samples are `prompt` and their expected new
     tokens (`_new_tokens`) long."""
     d, method = cfg.distill, cfg.distill.method
-    candidates = [c for _, c in d.candidate_configs()] if method == "distil" and len(d.candidates) > 1 else \
-        [d.candidate_configs()[0][1] if method == "distil" and d.candidates else d]
+    built = d.candidate_configs() if method == "distil" else []  # the config's, built when it was validated
+    candidates = [c for _, c in built] if len(built) > 1 else [built[0][1] if built else d]
     samples = [prompt + n for n in _new_tokens(cfg, prompt, lengths)[1]]
     stepped_with = set()  # candidates stepped together share each batch's teacher forward (distill.lockstep_key)
     parts = []
