@@ -7,7 +7,9 @@ Nothing is trained and nothing is written. Every number is the run's own: N from
 stage's split (`data.planned_split`), q, steps, δ and σ of each DP-SGD stage from
 `dpsgd.plan_dp_sgd` (the stage's own calibration: the flow hands the plan's `dp_sgd` to the stages),
 each ε from the accountant and the total from the ledger's `compose`. The same text, without the
-timing, is the first log line of a run, whose plan this is: made once, handed down.
+timing, is the first log line of a run, whose plan this is: made once per run by `dpdistill run`
+(else by the flow), from the split that the data stage then moves into the run or has cached
+(pipeline/split_ahead.py), and handed down to the stages.
 
 The time is an estimate, made in seconds: each stage's own step (the teacher's Opacus DP step,
 a distillation step, a sampled `generate` call, an evaluation batch) timed on each configured
