@@ -107,7 +107,7 @@ def split_for_plan(cfg: PipelineConfig, rerun: list[str]) -> Iterator[tuple[Plan
     nowhere when the data stage's cached split serves (no split at all: the stage will reuse it,
     or write the same split again where it is another run's), else a private directory under the
     run root (pipeline/split_ahead.py) for `data_task` to move into the run, deleted on the way
-    out. Makes the run root (0700) and its split key first, as the run would."""
+    out. Makes the run root (0700) first, and its split key where it splits, as the run would."""
     root = prepare_run_root(cfg)
     sources = source_hashes(cfg)
     cached = None if "data" in rerun else _cached_split(cfg, sources)
