@@ -127,7 +127,8 @@ def stage_key(stage: str, config: dict, inputs: dict[str, Any], seed: int) -> st
 @dataclass
 class StageCache(CachePolicy):
     """Prefect cache policy of one stage: `config_of(cfg)` names the config the stage reads;
-    every task argument but `cfg`, `run_dir` and `plan` is an input (results count by manifest).
+    every task argument but `cfg`, `run_dir`, `plan` and `ahead` (where the data stage's split was
+    made ahead, pipeline/split_ahead.py) is an input (results count by manifest).
     `optional` inputs count only when not None: an input added after results were cached
     leaves their keys unchanged where it is unused.
 
@@ -144,7 +145,7 @@ class StageCache(CachePolicy):
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str:
         cfg: PipelineConfig = inputs["cfg"]
         others = {k: v for k, v in inputs.items()
-                  if k not in ("cfg", "run_dir", "plan") and not (k in self.optional and v is None)}
+                  if k not in ("cfg", "run_dir", "plan", "ahead") and not (k in self.optional and v is None)}
         if self.planned is not None:
             others |= self.planned(inputs["plan"])
         return stage_key(self.stage, self.config_of(cfg) if self.config_of else {}, others, cfg.seed)

@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -467,26 +468,31 @@ def run_flow(args, cfg) -> int:
         try:
             import prefect.main  # noqa: F401  Prefect configures logging first (flows/__init__.py)
 
-            from pipeline.stages.data import planned_split  # pyarrow; no torch
+            from flows.tasks import split_for_plan  # Opacus; torch came with require_models
 
             keep_early_lines()  # the data, the server's start and the plan, for run.log once the run directory exists
+            rerun = stages_to_rerun(args.rerun_from, args.force)
             # Every row of the data read before any Prefect server starts, and σ calibrated
             # before the flow: a bad record or an unreachable budget is one line, with no run
-            # directory left (and, for a bad record, no server started).
-            split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
-            server = EarlyServer()
-            server.start()
-            from pipeline.plan import make_plan  # torch, transformers, Opacus: while the server starts
+            # directory left (and, for a bad record, no server started). The split is made once
+            # (issue 61), here, in a private directory that the data stage moves into the run
+            # and that is deleted on the way out; not at all where the data stage's cached split
+            # serves. The flow takes this plan and this split, and makes neither again.
+            with split_for_plan(cfg, rerun) as (split, ahead):
+                if ahead is not None:  # os._exit after a signal skips the `with`'s exit
+                    interrupts.on_exit(lambda: shutil.rmtree(ahead, ignore_errors=True))
+                server = EarlyServer()
+                server.start()
+                from pipeline.plan import make_plan
 
-            make_plan(cfg, timing=False, split=split)
-            from flows.pipeline_flow import dp_distill
+                plan = make_plan(cfg, timing=False, split=split)
+                from flows.pipeline_flow import dp_distill
 
-            server.wait()
-            # A signal's traceback too: Prefect logs it as the flow unwinds, maybe before the
-            # watcher thread has muted the terminal (flows/interrupts.py); run.log keeps it.
-            quiet_expected_errors(user_errors() + (KeyboardInterrupt, TerminationSignal))
-            rerun = stages_to_rerun(args.rerun_from, args.force)
-            run_dir = dp_distill(cfg, run_dir=args.run_dir, rerun=rerun)
+                server.wait()
+                # A signal's traceback too: Prefect logs it as the flow unwinds, maybe before the
+                # watcher thread has muted the terminal (flows/interrupts.py); run.log keeps it.
+                quiet_expected_errors(user_errors() + (KeyboardInterrupt, TerminationSignal))
+                run_dir = dp_distill(cfg, run_dir=args.run_dir, rerun=rerun, plan=plan, split=ahead)
         except (KeyboardInterrupt, TerminationSignal) as e:
             interrupts.finish(getattr(e, "signal", None))  # does not return
             raise

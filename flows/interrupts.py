@@ -84,6 +84,7 @@ class Interrupts:
         self.signum: int | None = None
         self._raised = False
         self._finished = threading.Lock()
+        self._on_exit: list = []
 
     def __enter__(self) -> "Interrupts":
         self._read, self._write = socket.socketpair()
@@ -101,6 +102,11 @@ class Interrupts:
         signal.set_wakeup_fd(self._old_fd)
         sys.unraisablehook = self._old_hook
         self._write.close()  # ends the watcher
+
+    def on_exit(self, call) -> None:
+        """Have `finish` call `call()` before it ends the process: what a `finally` would do (delete
+        private files) where the main thread did not unwind in time."""
+        self._on_exit.append(call)
 
     def _raise(self, signum: int, frame) -> None:
         # The first signal unwinds the main thread; a second one is the watcher's to handle,
@@ -152,6 +158,8 @@ class Interrupts:
             mark_stopped(run_dir, "interrupted", f"stopped by {name}", replacing=("running", "failed"))
         mute_terminal()
         stop_children()
+        for call in self._on_exit:
+            call()
         where = f" {run_dir}" if run_dir is not None else ""
         line = (f"dpdistill: interrupted ({name}); run the same command again to continue{where}"
                 + (f" (log: {run_dir / 'run.log'})" if run_dir is not None else ""))

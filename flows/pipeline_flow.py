@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from flows.run_info import RUN_INFO, TOOL, mark_stopped, read_run_info, stop_rea
 from flows.run_log import route_server_output, run_log
 from flows.stage_runner import StageRunner
 from flows.tasks import (base_models_task, codes_task, data_task, distillation_task, dp_student_task, evaluation_task,
-                         generation_task, public_codes_task, source_hashes, teacher_task)
+                         generation_task, public_codes_task, source_hashes, split_for_plan, teacher_task)
 from pipeline.config import PipelineConfig, dump_config, load_config
 from pipeline.locks import unlock
 from pipeline.manifest import atomic_write_json, atomic_write_text, private_dir
@@ -60,6 +61,8 @@ def dp_distill(
     run_dir: str | None = None,
     overrides: list[str] | None = None,
     rerun: list[str] | None = None,
+    plan: Plan | None = None,
+    split: str | None = None,
 ) -> str:
     """Teacher (DP-SGD) → generation → distillation → evaluation; returns the run directory.
 
@@ -68,30 +71,44 @@ def dp_distill(
     Without `run_dir`, a retried flow run, or a killed or failed run with the same
     config, continues in its directory; otherwise a new one is made. The run directory is
     locked for this process (flows.run_info.RUN_LOCK): two runs never share one.
+
+    `plan`: the run's plan, where the caller made it (`dpdistill run` does), with `split`, the
+    directory of the split it was made from (`flows.tasks.split_for_plan`; None where the data
+    stage's cached split served), which the data stage moves into the run; the caller deletes
+    it. Without them (scheduled runs, Python callers) the flow makes both, once. A `Plan` is a
+    dataclass of numbers that Prefect 3.8.8 validates as it is (the same object) and stores as
+    JSON with the flow run; `split` is a path, never a record.
     """
     logger = get_run_logger()
     cfg = load_config(config, overrides) if isinstance(config, str) else config
+    if split is not None and plan is None:
+        raise ValueError("dp_distill: `split` comes with the `plan` made from it; pass both or neither")
     # Fail clean before anything is made (scheduled runs never pass through the CLI's check),
     # then say what the run will spend: the plan reads the data's split and calibrates σ, once
-    # per run: each DP-SGD stage takes its σ, q, steps and δ from it, as privacy.max_epsilon's checks do.
+    # per run (here unless the CLI handed it down): each DP-SGD stage takes its σ, q, steps and δ
+    # from it, as privacy.max_epsilon's checks do.
     require_inputs(cfg)
     require_models(cfg)
-    plan = make_plan(cfg, timing=False)
-    logger.info("%s", format_plan(plan))
-    for warning in plan.warnings:
-        logger.warning("%s", warning)
-    prepare_run_root(cfg)
-    out, lock, why = claim_run_dir(cfg, run_dir, flow_run.id)
-    if why:
-        logger.info("continuing %s (%s); pass a run directory to start elsewhere", out, why)
-    try:  # the lock is held until the flow ends, and dropped by the kernel if it is killed
-        return _run_in(cfg, out, rerun, logger, plan)
-    finally:
-        unlock(lock)
+    with ExitStack() as made_here:  # the split this flow makes for its plan, deleted on the way out
+        if plan is None:
+            planned, split = made_here.enter_context(split_for_plan(cfg, rerun or []))
+            plan = make_plan(cfg, timing=False, split=planned)
+        logger.info("%s", format_plan(plan))
+        for warning in plan.warnings:
+            logger.warning("%s", warning)
+        prepare_run_root(cfg)
+        out, lock, why = claim_run_dir(cfg, run_dir, flow_run.id)
+        if why:
+            logger.info("continuing %s (%s); pass a run directory to start elsewhere", out, why)
+        try:  # the lock is held until the flow ends, and dropped by the kernel if it is killed
+            return _run_in(cfg, out, rerun, logger, plan, split)
+        finally:
+            unlock(lock)
 
 
-def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger, plan: Plan) -> str:
-    """The flow's body, in the run directory `out` this process holds the lock of; `plan` the run's."""
+def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger, plan: Plan, split: str | None) -> str:
+    """The flow's body, in the run directory `out` this process holds the lock of; `plan` the run's,
+    `split` where the split it was made from waits for the data stage (None: the stage splits)."""
     private_dir(out)
     atomic_write_text(out / "config.yaml", dump_config(cfg))
     sources = source_hashes(cfg)
@@ -108,7 +125,7 @@ def _run_in(cfg: PipelineConfig, out: Path, rerun: list[str] | None, logger, pla
     with run_log(out):  # every log line from here on also in out/run.log, tracebacks only there
         logger.info("run directory: %s", out)
         try:
-            final, metrics = _run_stages(cfg, out, rerun or [], sources, plan)
+            final, metrics = _run_stages(cfg, out, rerun or [], sources, plan, split)
         except BaseException as e:
             status, reason = stop_reason(e)
             mark_stopped(out, status, reason)  # first: an interrupted run may be killed soon after
@@ -215,19 +232,19 @@ STEPS = {CODES_STAGE: _codes, "teacher": _teacher, "generation": _generation, "d
 
 
 def _run_stages(
-    cfg: PipelineConfig, out: Path, rerun: list[str], sources: dict[str, str], plan: Plan
+    cfg: PipelineConfig, out: Path, rerun: list[str], sources: dict[str, str], plan: Plan, split: str | None = None
 ) -> tuple[PrivacyLedger, dict]:
     stage = StageRunner(cfg, out, rerun)
     spec = method_spec(cfg.distill.method)
     run = _Run(cfg, out, plan, stage, RunLedger(out / LEDGER, cfg.teacher.accountant))
     if dp_tokenizer_used(cfg):  # the vocabulary is a DP release of the split's words: the data first
-        run.data = stage("data", data_task, cfg, sources, out)
+        run.data = stage("data", data_task, cfg, sources, out, split)
         stage.use_records(run.data)
         run.base = stage("base-models", base_models_task, cfg, run.data, plan, out)
         run.ledger.add(stage.charge("base-models", run.base))
     else:
         run.base = stage("base-models", base_models_task, cfg)
-        run.data = stage("data", data_task, cfg, sources, out)
+        run.data = stage("data", data_task, cfg, sources, out, split)
         stage.use_records(run.data)
     for name in spec.stages:
         final = run.ledger.add(STEPS[name](run))

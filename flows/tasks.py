@@ -5,15 +5,18 @@ flows/stage_runner.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import get_run_logger, task
+from prefect.results import ResultStore
 
-from flows.caching import PERPLEXITY_DIR, STAGE_DIRS, StageCache
+from flows.caching import PERPLEXITY_DIR, RESULTS_DIR, STAGE_DIRS, StageCache, stale_reason
 from flows.generation import generate_with_workers
 from flows.progress import StageProgress
-from flows.results import StageResultSerializer
+from flows.results import StageResultSerializer, stage_result_storage
+from flows.run_dirs import prepare_run_root
 from pipeline.config import NODE_FIELDS, PipelineConfig, at_later_defaults
 from pipeline.devices import Runtime
 from pipeline.manifest import sha256_file
@@ -30,7 +33,8 @@ from pipeline.privacy.private_selection import PrivateValidation
 from pipeline.prompts import PromptFormat
 from pipeline.records import split_key
 from pipeline.stages.adherence import declared_values
-from pipeline.stages.data import DataResult, format_public_split, prepare_data
+from pipeline.split_ahead import adopt, input_hashes, split_ahead
+from pipeline.stages.data import DataResult, PlannedSplit, format_public_split, prepare_data, read_planned
 from pipeline.stages.distill import DistillResult, distill
 from pipeline.stages.evaluate import CANDIDATE_PREFIX, evaluate_models
 from pipeline.stages.generate import PLACEMENT_FIELDS, GenerateResult
@@ -80,8 +84,7 @@ def base_models_task(cfg: PipelineConfig, data: DataResult | None = None, plan: 
 
 def source_hashes(cfg: PipelineConfig) -> dict[str, str]:
     """sha256 of the private input files: a changed file reruns the data stage and all after."""
-    paths = {"path": cfg.data.path, "test_path": cfg.data.test_path}
-    return {name: sha256_file(Path(p)) for name, p in paths.items() if p is not None and Path(p).is_file()}
+    return input_hashes(cfg.data)
 
 
 def _data_key(cfg: PipelineConfig) -> dict:
@@ -95,9 +98,46 @@ def _data_key(cfg: PipelineConfig) -> dict:
 
 
 @stage_task("data", lambda cfg: {"data": _data_key(cfg), "domain": cfg.control_codes.domain})
-def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path) -> DataResult:
-    return prepare_data(cfg.data, run_dir / "data", cfg.control_codes.domain,
-                        split_key(Path(cfg.run_root).resolve()))
+def data_task(cfg: PipelineConfig, sources: dict[str, str], run_dir: Path, ahead: str | None = None) -> DataResult:
+    """The private splits in run_dir/data: the split made for the run's plan in `ahead`
+    (`split_for_plan`) moved there when it is this config's, inputs' and key's, else split here.
+    `ahead` is in no cache key: where a split was made changes nothing in it."""
+    key = split_key(Path(cfg.run_root).resolve())
+    out, domain = run_dir / "data", cfg.control_codes.domain
+    adopted = adopt(Path(ahead), out, cfg.data, domain, sources, key) if ahead is not None else None
+    return adopted if adopted is not None else prepare_data(cfg.data, out, domain, key)
+
+
+@contextmanager
+def split_for_plan(cfg: PipelineConfig, rerun: list[str]) -> Iterator[tuple[PlannedSplit, str | None]]:
+    """The run's split as its plan reads it, made once per run (issue 61), and where it was made:
+    nowhere when the data stage's cached split serves (no split at all: the stage will reuse it,
+    or write the same split again where it is another run's), else a private directory under the
+    run root (pipeline/split_ahead.py) for `data_task` to move into the run, deleted on the way
+    out. Makes the run root (0700) first, and its split key where it splits, as the run would."""
+    root = prepare_run_root(cfg)
+    sources = source_hashes(cfg)
+    cached = None if "data" in rerun else _cached_split(cfg, sources)
+    if cached is not None:
+        yield cached, None
+        return
+    with split_ahead(cfg.data, root, cfg.control_codes.domain, sources) as ahead:
+        yield ahead.planned, str(ahead.path)
+
+
+def _cached_split(cfg: PipelineConfig, sources: dict[str, str]) -> PlannedSplit | None:
+    """The plan's split read from the data stage's cached result for this config and inputs,
+    when its files are as its manifest says; None when there is none (or it is gone meanwhile)."""
+    key = data_task.cache_policy.compute_key(None, {"cfg": cfg, "sources": sources}, {})
+    store = ResultStore(result_storage=stage_result_storage((Path(cfg.run_root) / RESULTS_DIR).resolve()),
+                        serializer=StageResultSerializer())
+    try:
+        result = store.read(key).result
+        if not isinstance(result, DataResult) or stale_reason(result) is not None:
+            return None
+        return read_planned(result)
+    except (OSError, ValueError):  # none stored, refused (flows/results.py), or deleted by its run meanwhile
+        return None
 
 
 @stage_task("control-codes", lambda cfg: {

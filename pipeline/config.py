@@ -11,12 +11,13 @@ Relative paths are taken from the current working directory.
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from pipeline.methods import DISTIL, METHOD_NAMES, method_spec
 from pipeline.prompts import template_problems
@@ -701,10 +702,22 @@ class DistillConfig(_Section):
             raise ValueError("; ".join(problems))
         return v
 
+    _built: tuple[dict, list, list] | None = PrivateAttr(None)
+    """(the section's other fields, its candidates, candidate_configs' answer) as last built."""
+
     def candidate_configs(self) -> list[tuple[str, "DistillConfig"]]:
         """(name, settings) of each candidate: this section with the candidate's fields, each
-        validated as a whole section (a candidate alpha=2 is refused like distill.alpha=2)."""
+        validated as a whole section (a candidate alpha=2 is refused like distill.alpha=2).
+
+        Built once per setting of the section (issue 61): validating the config builds them, and
+        the plan and the distillation stage read that; a section changed since (an assignment,
+        `model_copy(update=...)`, a candidate edited in place) builds them again."""
         base = self.model_dump(exclude={"candidates"})
+        if self._built is None or self._built[:2] != (base, self.candidates):
+            self._built = (base, copy.deepcopy(self.candidates), self._build_candidates(base))
+        return list(self._built[2])
+
+    def _build_candidates(self, base: dict) -> list[tuple[str, "DistillConfig"]]:
         out = []
         for i, c in enumerate(self.candidates):
             try:

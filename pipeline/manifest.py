@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterable
@@ -138,3 +139,19 @@ def manifest_digest(stage_dir: Path) -> str:
     outputs = json.loads((Path(stage_dir) / MANIFEST).read_text())["outputs"]
     digests = sorted((name, item["sha256"]) for name, item in outputs.items())
     return hashlib.sha256(json.dumps(digests).encode()).hexdigest()
+
+
+def move_stage(src: Path, dst: Path) -> Path:
+    """Move a finished stage's outputs from `src` to `dst` (renamed on one file system, copied
+    otherwise), then write `dst`'s manifest last: `src`'s, with the outputs' new paths and the
+    sha256s it recorded (the same files). A file of `dst` that `src` does not name is left as it is."""
+    manifest = json.loads((Path(src) / MANIFEST).read_text())
+    (Path(dst) / MANIFEST).unlink(missing_ok=True)  # unfinished until the new one is written
+    for item in manifest["outputs"].values():
+        f = Path(item["path"])
+        target = Path(dst) / f.relative_to(src)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        shutil.move(f, target)
+        item["path"] = str(target)
+    atomic_write_json(Path(dst) / MANIFEST, manifest)
+    return Path(dst) / MANIFEST

@@ -7,7 +7,9 @@ Nothing is trained and nothing is written. Every number is the run's own: N from
 stage's split (`data.planned_split`), q, steps, δ and σ of each DP-SGD stage from
 `dpsgd.plan_dp_sgd` (the stage's own calibration: the flow hands the plan's `dp_sgd` to the stages),
 each ε from the accountant and the total from the ledger's `compose`. The same text, without the
-timing, is the first log line of a run, whose plan this is: made once, handed down.
+timing, is the first log line of a run, whose plan this is: made once per run by `dpdistill run`
+(else by the flow), from the split that the data stage then moves into the run or has cached
+(pipeline/split_ahead.py), and handed down to the stages.
 
 The time is an estimate, made in seconds: each stage's own step (the teacher's Opacus DP step,
 a distillation step, a sampled `generate` call, an evaluation batch) timed on each configured
@@ -397,8 +399,8 @@ def _distillation_seconds(cfg: PipelineConfig, timer: StepTimer, prompt: int, le
     long as the median test record). The synthetic samples are `prompt` and their expected new
     tokens (`_new_tokens`) long."""
     d, distils = cfg.distill, method_spec(cfg.distill.method).distils
-    candidates = [c for _, c in d.candidate_configs()] if distils and len(d.candidates) > 1 else \
-        [d.candidate_configs()[0][1] if distils and d.candidates else d]
+    built = d.candidate_configs() if distils else []  # the config's, built when it was validated
+    candidates = [c for _, c in built] if len(built) > 1 else [built[0][1] if built else d]
     samples = [prompt + n for n in _new_tokens(cfg, prompt, lengths)[1]]
     stepped_with = set()  # candidates stepped together share each batch's teacher forward (distill.lockstep_key)
     parts = []

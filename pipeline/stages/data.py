@@ -647,16 +647,19 @@ def _planned(cfg: DataConfig, code_domain, run_root: Path, read) -> object:
 
 def planned_split(cfg: DataConfig, run_root: Path, code_domain: dict[str, list[str]] | None = None) -> PlannedSplit:
     """The split the data stage will make, read and validated the same way, kept nowhere."""
-    def read(result: DataResult) -> PlannedSplit:
-        manifest = json.loads((Path(result.train).parent / "manifest.json").read_text())
-        users = manifest["n_train_users"]
-        codes, texts = read_split(result.test)
-        validation_users = read_users(Path(result.validation))
-        return PlannedSplit(n=result.n_train if users is None else users, unit="record" if users is None else "user",
-                            n_validation=result.n_validation,
-                            n_validation_units=result.n_validation if validation_users is None else len(set(validation_users)),
-                            test_codes=codes, test_texts=texts)
-    return _planned(cfg, code_domain, run_root, read)
+    return _planned(cfg, code_domain, run_root, read_planned)
+
+
+def read_planned(result: DataResult) -> PlannedSplit:
+    """What the plan needs of a split the data stage wrote (pipeline/split_ahead.py: made for the run's plan)."""
+    manifest = json.loads((Path(result.train).parent / "manifest.json").read_text())
+    users = manifest["n_train_users"]
+    codes, texts = read_split(result.test)
+    validation_users = read_users(Path(result.validation))
+    return PlannedSplit(n=result.n_train if users is None else users, unit="record" if users is None else "user",
+                        n_validation=result.n_validation,
+                        n_validation_units=result.n_validation if validation_users is None else len(set(validation_users)),
+                        test_codes=codes, test_texts=texts)
 
 
 def with_training_split(cfg: DataConfig, run_root: Path, code_domain: dict[str, list[str]] | None, read):

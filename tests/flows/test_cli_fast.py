@@ -132,7 +132,7 @@ def test_ephemeral_server_timeout_defaults_to_180_unless_set():
     assert _startup_timeout_env({"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "42"}) == "42 False"
 
 
-def test_ephemeral_server_timeout_is_one_line(monkeypatch, capsys):
+def test_ephemeral_server_timeout_is_one_line(monkeypatch, capsys, tmp_path):
     import types
 
     from flows import cli
@@ -155,18 +155,19 @@ def test_ephemeral_server_timeout_is_one_line(monkeypatch, capsys):
         def wait(self):
             raise timeout
 
-    def dp_distill(cfg, run_dir=None, rerun=None):
+    def dp_distill(cfg, run_dir=None, rerun=None, plan=None, split=None):
         raise AssertionError("the flow ran without a server")
 
     monkeypatch.setattr(cli, "EarlyServer", TimedOutServer)
     monkeypatch.setitem(sys.modules, "flows.pipeline_flow", types.SimpleNamespace(dp_distill=dp_distill))
     monkeypatch.setattr(cli, "quiet_libraries", lambda: None)
     monkeypatch.setattr(cli, "user_errors", lambda: (cli.ConfigError,))
-    assert cli.main(["run", "--config", str(ROOT / "configs" / "demo.yaml")]) == 2
+    assert cli.main(["run", "--config", str(ROOT / "configs" / "demo.yaml"), f"run_root={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == f"dpdistill: error: {message}" and "Traceback" not in err
+    assert not list((tmp_path / ".cache").glob("*split-ahead*"))  # the split made for the plan: deleted
 
-    def other(cfg, run_dir=None, rerun=None):
+    def other(cfg, run_dir=None, rerun=None, plan=None, split=None):
         raise RuntimeError("a real bug")
 
     class Server(TimedOutServer):
@@ -176,10 +177,11 @@ def test_ephemeral_server_timeout_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "EarlyServer", Server)
 
     monkeypatch.setitem(sys.modules, "flows.pipeline_flow", types.SimpleNamespace(dp_distill=other))
-    assert cli.main(["run", "--config", str(ROOT / "configs" / "demo.yaml")]) == 1
+    assert cli.main(["run", "--config", str(ROOT / "configs" / "demo.yaml"), f"run_root={tmp_path}"]) == 1
     err = capsys.readouterr().err  # any other error keeps its traceback, then one line points at it
     assert "Traceback" in err and "RuntimeError: a real bug" in err
     assert err.splitlines()[-1].startswith("dpdistill: error: unexpected RuntimeError: a real bug (a bug: ")
+    assert not list((tmp_path / ".cache").glob("*split-ahead*"))
 
 
 def test_status_and_the_report_say_a_stage_ran_in_the_same_words(run_dir):

@@ -230,8 +230,8 @@ def test_the_flow_plans_once_and_hands_each_dp_sgd_stage_its_plan(prefect_server
     """Issue 39: the plan the run logs at its start is its only one (privacy.max_epsilon's checks
     included), and each DP-SGD stage trains with its σ, q, steps and δ, calibrated once: σ is the
     one the stage would calibrate itself for its share of the budget (DPKD: ε/2 each). The
-    distillation's candidates are built (and validated) once, by the stage, which trains and
-    selects with them; a DP-SGD student never builds them."""
+    distillation's candidates, built when the config was validated, are read once, by the stage,
+    which trains and selects with them; a DP-SGD student never reads them."""
     from conftest import tiny_pipeline_dict
     from pipeline import plan as plan_module
     from pipeline.config import DistillConfig, config_from_dict
@@ -259,6 +259,48 @@ def test_the_flow_plans_once_and_hands_each_dp_sgd_stage_its_plan(prefect_server
         assert (entry.noise_multiplier, entry.sample_rate, entry.steps, entry.delta) == (
             handed.sigma, handed.sample_rate, handed.steps_allowed, handed.delta)
         assert entry.epsilon <= epsilon and f"target ε={epsilon}" in entry.note
+
+
+def test_dpdistill_run_plans_once_and_splits_the_data_once(prefect_server, tmp_path, monkeypatch, capsys):
+    """Issue 61: `dpdistill run` makes the run's plan once and splits the private data once, in
+    a private directory that the data stage moves into the run; the flow makes neither again,
+    and the distillation's candidates are built once, when the config is validated. A rerun
+    whose cached splits were deleted after evaluation splits once, the same way; one whose data
+    stage is cached splits nothing (the plan reads the cached split). No split is left behind."""
+    import yaml
+    from conftest import tiny_pipeline_dict
+    from pipeline import plan as plan_module
+    from pipeline.config import DistillConfig
+    from pipeline.stages import data as data_module
+
+    tree = tiny_pipeline_dict(tmp_path)
+    tree["distill"]["candidates"] = [{"alpha": 0.4}, {"alpha": 1.0}]
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    plans, splits, builds = [], [], []
+    _counting(monkeypatch, plan_module, "make_plan", plans)
+    _counting(monkeypatch, data_module, "prepare_data", splits)
+    _counting(monkeypatch, DistillConfig, "_build_candidates", builds)
+    cache = Path(tree["run_root"]) / ".cache"
+
+    def run(*overrides: str) -> tuple[Path, tuple[int, int, int]]:
+        plans.clear(), splits.clear(), builds.clear()
+        assert main(["run", "--config", str(config), *overrides]) == 0
+        run_dir = Path(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("run directory: "))
+        assert not list(cache.glob("*split-ahead*"))
+        return run_dir, (len(plans), len(splits), len(builds))
+
+    first, counts = run()
+    assert counts == (1, 1, 1)  # before: 2 plans, 3 splits, 2 builds (the config's and the stage's)
+    stages = json.loads((first / "stages.json").read_text())
+    assert stages["data"]["status"] == "ran" and "split made for the run's plan, moved here" in (first / "run.log").read_text()
+    assert splits[0].train.parent != first / "data"  # made ahead, in the run root's cache, then moved
+    # The first run deleted its splits after evaluation: the second writes them again, once.
+    second, counts = run("data.keep_private_copies=true")
+    assert counts == (1, 1, 1) and json.loads((second / "stages.json").read_text())["data"]["status"] == "ran"
+    third, counts = run("data.keep_private_copies=true")  # the second's splits, kept: cached
+    assert counts == (1, 0, 1) and json.loads((third / "stages.json").read_text())["data"]["status"] == "cached"
+    assert read_ledger(third / "ledger.json") == read_ledger(first / "ledger.json")
 
 
 def test_markdown_table_keeps_every_cell_text_in_its_cell():

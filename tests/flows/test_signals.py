@@ -85,6 +85,7 @@ def test_sigterm_stops_the_run_and_the_same_command_continues_it(tmp_path):
     assert lines[-1].startswith("dpdistill: interrupted (SIGTERM); run the same command again"), lines[-5:]
     assert "Traceback" not in output and "ConnectError" not in output
     assert _group(proc.pid) == [], "processes of the run are still there"
+    assert not list((run_root / ".cache").glob("*split-ahead*"))  # the split made for the plan: deleted (issue 61)
 
     (run,) = run_root.glob("tiny-*")
     info = json.loads((run / "run.json").read_text())
