@@ -53,23 +53,30 @@ ROWS = {
 }
 
 
-def overrides(row: str, corpus: str, repeat: int) -> list[str]:
-    """The row's overrides on the corpus's config (the prompt where the row names it)."""
+def overrides(row: str, corpus: str, repeat: int, epsilon: float | None = None) -> list[str]:
+    """The row's overrides on the corpus's config (the prompt where the row names it). With
+    `epsilon` (the privacy-utility sweep): the run's total target, spent as the configs spend it,
+    a tenth on the control codes and the rest on DP-SGD (the DP-SGD student: all of it)."""
     out = []
     for o in ROWS[row][0]:
         out += list(PROMPTS[corpus]) if o == "PROMPT" else [o]
     if ROWS[row][1] is None:
         out.append(f"seed={repeat - 1}")
+    elif epsilon is not None:
+        codes = row != "dp-sgd"
+        out += [f"teacher.target_epsilon={epsilon * (0.9 if codes else 1):.6g}"]
+        out += [f"control_codes.epsilon={epsilon * 0.1:.6g}"] if codes else []
     return out
 
 
-def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str]) -> dict:
+def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], epsilon: float | None = None) -> dict:
     from flows.pipeline_flow import dp_distill
     from flows.run_info import stages_to_rerun
     from pipeline.config import load_config
 
-    cfg = load_config(config, [*overrides(row, corpus, repeat), *extra])
-    cfg = cfg.model_copy(update={"name": f"{cfg.name}-{row.replace('-', '')}-r{repeat}"})
+    cfg = load_config(config, [*overrides(row, corpus, repeat, epsilon), *extra])
+    tag = "" if epsilon is None else f"-e{epsilon:g}"
+    cfg = cfg.model_copy(update={"name": f"{cfg.name}-{row.replace('-', '')}{tag}-r{repeat}"})
     noisy = ROWS[row][1]
     t0 = time.monotonic()
     run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy, None) if repeat > 1 and noisy else None))
@@ -80,6 +87,7 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str]) -
     out["base_teacher_text"] = ppl.get("base_teacher", {}).get("text_only", {}).get("windowed")
     out["dp_teacher_text"] = ppl.get("dp_teacher", {}).get("text_only", {}).get("windowed")
     out["mauve"] = (metrics.get("mauve") or {}).get("mauve")
+    out["target_epsilon"] = epsilon  # None: the config's own (about 2), the study's main rows
     return out
 
 
@@ -132,6 +140,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config", default="configs/smollm2_airline.yaml")
     p.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. ours,public-only")
     p.add_argument("--repeats", type=int, default=3, help="runs per row")
+    p.add_argument("--epsilon", type=float, default=None,
+                   help="the privacy-utility sweep (issue 59 item 6): run the rows at this total target ε "
+                   "instead of the config's; the main rows' report leaves these runs out")
     add_results_option(p, "utility.jsonl")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
@@ -150,18 +161,20 @@ def main(argv: list[str]) -> int:
     failed = []
     schedule = [(row, k) for k in range(1, args.repeats + 1) for row in args.rows.split(",")]
     for row, k in [] if args.report_only else schedule:
-        if any(r["row"] == row and r["repeat"] == k for r in read_results(results_path, cfg.name)):
+        if any(r["row"] == row and r["repeat"] == k and r.get("target_epsilon") == args.epsilon
+               for r in read_results(results_path, cfg.name)):
             continue
         print(f"== {row} run {k}", flush=True)
         try:
-            result = run_one(args.config, cfg.name, row, k, list(args.overrides))
+            result = run_one(args.config, cfg.name, row, k, list(args.overrides), args.epsilon)
         except Exception as e:  # name it, go on with the others; a restart retries it
             print(f"== {row} run {k} failed: {e!r}", flush=True)
             failed.append(f"{row} r{k}")
             continue
         append_result(results_path, {"config": cfg.name, **result})
         print(f"== {row} run {k}: {result['student']:.1f} ({result['seconds']:.0f} s)", flush=True)
-    text = report(read_results(results_path, cfg.name), cfg.name, model)
+    main_rows = [r for r in read_results(results_path, cfg.name) if r.get("target_epsilon") is None]
+    text = report(main_rows, cfg.name, model)
     return finish(root / f"{cfg.name}-utility.md", text, failed)
 
 

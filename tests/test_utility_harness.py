@@ -44,3 +44,19 @@ def test_every_prompt_is_a_valid_override_of_its_config():
     for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
         cfg = load_config(ROOT / config, list(utility.PROMPTS[name]))
         assert cfg.name == name and cfg.data.prompt_template and cfg.data.system_prompt == ""
+
+
+def test_the_privacy_utility_figure_is_drawn_from_the_results(tmp_path):
+    """Issue 59 item 6: one point per row and target ε (mean ± sd over runs), x the ledger's ε."""
+    spec = importlib.util.spec_from_file_location("privacy_utility", ROOT / "experiments" / "privacy_utility.py")
+    figure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figure)
+    results = [_run("ours", k, 150.0 + k, 200.0 + k) for k in (1, 2)]
+    results += [{**_run("ours", k, 120.0 + k, 170.0, epsilon=7.9), "target_epsilon": 8.0} for k in (1, 2)]
+    results += [{**_run("dp-sgd", 1, 300.0, 400.0, epsilon=0.5), "target_epsilon": 0.5}]
+    results += [_run("public-only", 1, 180.0, 240.0, epsilon=0.0)]
+    assert figure.series(results, "student", "ours") == [(1.98, 151.5, 0.7071067811865476), (7.9, 121.5,
+                                                                                              0.7071067811865476)]
+    assert figure.series(results, "student_text_windowed", "dp-sgd") == [(0.5, 400.0, 0.0)]
+    out = figure.draw(results, tmp_path / "fig.png", "airline")
+    assert out.stat().st_size > 10_000

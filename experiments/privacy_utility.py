@@ -1,0 +1,94 @@
+"""The privacy-utility figure of issue 59 item 6: the student's test perplexity against the run's
+total ε, for ours, DP-SGD of the student and the ε = 0 control, with the base and DP teachers as
+reference lines, drawn from the tracked results of experiments/utility.py (never from a run root).
+
+    .venv/bin/python experiments/privacy_utility.py --results docs/results/utility.jsonl \
+        --config-name smollm2-airline --out docs/img/privacy_utility.png
+
+The sweep's runs: `experiments/utility.py --epsilon E` for E in 0.5, 1, 2, 4, 8 (the main rows,
+at the config's own ε, count as theirs). x is each run's ledger total ε (add/remove), y its
+student's test perplexity: on the text alone (left) and windowed (right); mean ± sd over runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.shared import read_results  # noqa: E402
+
+FIGURES = (("student_text_windowed", "dp_teacher_text", "base_teacher_text", "on the text alone"),
+           ("student", "dp_teacher", "base_teacher", "windowed"))
+LINES = (("ours", "ours (distilled from the DP teacher)", "tab:blue"),
+         ("dp-sgd", "DP-SGD of the student", "tab:red"))
+
+
+def series(results: list[dict], key: str, row: str) -> list[tuple[float, float, float]]:
+    """(mean ledger ε, mean, sd) of `key` for `row`'s runs at each target ε, by ε."""
+    groups: dict[object, list[dict]] = {}
+    for r in results:
+        if r["row"] == row and r.get(key) is not None:
+            groups.setdefault(r.get("target_epsilon"), []).append(r)
+    out = []
+    for runs in groups.values():
+        ys = [r[key] for r in runs]
+        out.append((statistics.mean(r["epsilon"] for r in runs), statistics.mean(ys),
+                    statistics.stdev(ys) if len(ys) > 1 else 0.0))
+    return sorted(out)
+
+
+def _mean(results: list[dict], row: str, key: str) -> float | None:
+    values = [r[key] for r in results if r["row"] == row and r.get(key) is not None]
+    return statistics.mean(values) if values else None
+
+
+def draw(results: list[dict], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4))
+    for ax, (key, teacher_key, base_key, what) in zip(fig.subplots(1, 2), FIGURES):
+        for row, label, color in LINES:
+            points = series(results, key, row)
+            if points:
+                ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
+                            capsize=3, label=label, color=color)
+        teacher = series(results, teacher_key, "ours")
+        if teacher:
+            ax.plot([p[0] for p in teacher], [p[1] for p in teacher], ls=":", marker=".", color="tab:gray",
+                    label="DP teacher")
+        for value, label, style in ((_mean(results, "public-only", key), "ε = 0 control (base teacher)", "--"),
+                                    (_mean(results, "ours", base_key), "base teacher (no private record)", "-.")):
+            if value is not None:
+                ax.axhline(value, ls=style, color="tab:green" if style == "--" else "black", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="total ε of the run (ledger, add/remove)",
+               ylabel=f"test perplexity, {what}", title=f"{title}: student, {what}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=ROOT / "docs" / "results" / "utility.jsonl")
+    p.add_argument("--config-name", default="smollm2-airline", help="the config whose runs are drawn")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "privacy_utility.png")
+    args = p.parse_args(argv)
+    results = read_results(args.results, args.config_name)
+    if not results:
+        print(f"experiments/privacy_utility.py: no run of {args.config_name} in {args.results}", file=sys.stderr)
+        return 2
+    print(draw(results, args.out, args.config_name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
