@@ -1,0 +1,44 @@
+"""experiments/public_proxy.py: the grid grows until the proxy's best learning rate is interior;
+the chosen and the config's own run privately; the issue's table lines (issue 60 item 3)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("public_proxy", ROOT / "experiments" / "public_proxy.py")
+proxy = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(proxy)
+
+
+def _run(phase, method, multiple, student, repeat=1):
+    return {"phase": phase, "method": method, "multiple": multiple, "repeat": repeat, "student": student,
+            "student_text_windowed": student * 2}
+
+
+def test_the_grid_grows_past_an_edge_until_the_best_is_interior():
+    results = []
+    curve = {0.5: 300, 1.0: 250, 2.0: 220, 4.0: 200, 8.0: 190, 16.0: 195}  # best at 8: past the first grid
+    while (todo := proxy._todo(results, "dpsgd", 3))[0] == "proxy":
+        results.append(_run("proxy", "dpsgd", todo[1], curve[todo[1]]))
+    assert [r["multiple"] for r in results] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
+    assert proxy.chosen(results, "dpsgd") == 8.0
+    assert todo == ("private", 8.0, 1)  # then the chosen, three runs, then the config's own
+
+
+def test_a_best_at_the_grids_limit_is_kept_when_it_may_grow_no_more():
+    results = [_run("proxy", "ours", m, 100 / m) for m in (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)]
+    assert proxy.next_multiple({r["multiple"]: r["student"] for r in results}, 32.0) is None  # 4 × 2³
+    assert proxy.chosen(results, "ours") == 32.0
+
+
+def test_the_report_ends_with_the_deployable_public_and_the_defaults_lines():
+    results = [_run("proxy", m, x, p) for m in proxy.METHODS for x, p in ((0.5, 300), (1.0, 200), (2.0, 210),
+                                                                          (4.0, 260))]
+    results += [_run("private", m, 1.0, base + k, k) for m, base in (("ours", 150), ("dpsgd", 170), ("dpkd", 180))
+                for k in (1, 2, 3)]
+    lines = proxy.report(results, "reference").strip().splitlines()
+    assert lines[-2] == "table=deployable-public corpus=reference ours=152.0±1.0 dpsgd=172.0±1.0 dpkd=182.0±1.0"
+    assert lines[-1] == "table=defaults corpus=reference ours=152.0±1.0 dpsgd=172.0±1.0 dpkd=182.0±1.0"
+    assert "| dpsgd | 0.5 → 300.0, 1 → 200.0, 2 → 210.0, 4 → 260.0 | 1 |" in lines[2 + 1]
