@@ -46,7 +46,8 @@ import numpy as np
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.config import ConfigError
-from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, current_stage_name, fmt_value
+from pipeline.privacy.ledger import (LedgerEntry, LedgerTotal, compose, current_stage_name, fmt_value,
+                                     with_pld_epsilons)
 from pipeline.locks import file_lock
 from pipeline.manifest import atomic_write_chunks, atomic_write_json, atomic_write_text, private_dir
 
@@ -339,6 +340,11 @@ def record_release(
     after the call and whether the release was new to it."""
     if not (entry.private and entry.epsilon):
         raise ValueError(f"{stage}: only a DP release with ε > 0 spends budget (got ε = {entry.epsilon})")
+    if entry.epsilon_replace_one is None:
+        # A stage may hand back an entry before its replace-one ε is computed (the validation
+        # monitor's: the run's ledger fills it in when it composes); the budget keeps it whole,
+        # else `ledger show` printed "-" for it (issue 62 item 4).
+        entry = with_pld_epsilons(entry)
     path = budget_path(run_root, budget_id)
     private_dir(path.parent)
     release = Release(release_id=release_id, records_id=budget_id, stage=stage, run_dir=str(run_dir),
@@ -423,7 +429,9 @@ def format_budget(budget: DatasetBudget, total: LedgerTotal | None) -> str:
         return "no DP release recorded on this dataset"
     rows = [("stage", "epsilon", "epsilon_replace_one", "delta", "mechanism", "recorded_at", "run_dir")]
     for r in budget.releases:
-        e = r.entry
+        # Recorded without its replace-one ε by a version before issue 62 (a monitor's entry):
+        # computed here, by dp-accounting alone (no Opacus, no torch).
+        e = r.entry if r.entry.epsilon_replace_one is not None else with_pld_epsilons(r.entry)
         rows.append((r.stage, fmt_value(e.epsilon), fmt_value(e.epsilon_replace_one), fmt_value(e.delta),
                      e.mechanism or "-", r.recorded_at, r.run_dir))
     widths = [max(len(row[i]) for row in rows) for i in range(6)]
