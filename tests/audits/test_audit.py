@@ -42,15 +42,31 @@ def _public_sentences(n: int) -> list[str]:
     return [line.strip() for line in PUBLIC.read_text().splitlines() if len(line.split()) > 20][:n]
 
 
+@flow(name="tiny-run", persist_result=False)
+def _ordinary_flow() -> str:
+    from prefect.context import get_run_context
+
+    get_run_logger().info("an ordinary log line")
+    return str(get_run_context().flow_run.id)
+
+
+@pytest.fixture(scope="session")
+def ordinary_flow_run(prefect_server) -> str:
+    """A flow run of the session's Prefect server that holds no private record: the run
+    directories below name it, as a run made by the flow names its own."""
+    return _ordinary_flow()
+
+
 @pytest.fixture
-def run_dir(tmp_path, tiny_tokenizer) -> Path:
+def run_dir(tmp_path, tiny_tokenizer, ordinary_flow_run) -> Path:
     """A finished-looking run directory: config, private splits, checkpoint, report, shard,
-    model files (with the run's tokenizer), logs. Nothing published holds a private record."""
+    model files (with the run's tokenizer), logs, and its flow run in Prefect. Nothing published
+    holds a private record."""
     cfg = config_from_dict(tiny_pipeline_dict(tmp_path))
     run = tmp_path / "runs" / "tiny-1"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(dump_config(cfg))
-    (run / "run.json").write_text(json.dumps({"status": "completed"}))  # no flow run: no Prefect to read
+    _flow_run_json(run, ordinary_flow_run)
     prepare_data(cfg.data, run / "data", cfg.control_codes.domain, split_key(run.parent))
     train = read_split(run / "data" / "train.parquet")[1]
     public = _public_sentences(30)
@@ -97,7 +113,7 @@ def test_clean_run_exits_0_and_writes_counts(run_dir, capsys):
     for weights in ("teacher/checkpoint/state.pt", "teacher/checkpoint/noise.npy", "teacher/model/model.safetensors"):
         assert report["not_scanned"][weights].startswith("binary tensors")
     assert set(report["private_records"]) == {"train", "validation", "test"}
-    assert "PREFECT_API_URL" in report["extra_sources"] or "no flow run" in report["extra_sources"]
+    assert report["extra_sources"].startswith("flow run") and report["files"]["prefect:flow_runs"]["bytes"] > 0
     assert "clean" in capsys.readouterr().out
 
 
@@ -402,6 +418,170 @@ def test_a_default_run_s_local_prefect_database_is_read_whatever_its_artifacts_h
     _assert_not_quoted(in_table, out, err, (run_dir / AUDIT).read_text())
 
 
+@pytest.fixture(scope="session")
+def published_flow_run(prefect_server, tmp_path_factory) -> str:
+    """A flow run of the session's server with task runs, artifacts of every type and logs,
+    none holding a private record."""
+    table = tmp_path_factory.mktemp("published") / "table.txt"
+    table.write_text("an ordinary table cell")
+    return _publishing_flow(str(table))
+
+
+def _copy_of_the_database(tmp_path: Path) -> Path:
+    """A copy of the session server's SQLite database, as an attacker would get one."""
+    import sqlite3
+    from contextlib import closing
+
+    from flows.audit import local_prefect_database
+
+    copy = tmp_path / "prefect-copy.db"
+    with closing(sqlite3.connect(local_prefect_database())) as source, closing(sqlite3.connect(copy)) as target:
+        source.backup(target)
+    return copy
+
+
+_NOW = "2026-01-01 00:00:00.000000"
+
+
+def _db_event_payload(con, run_id: str, secret: str) -> str:
+    resource = {"prefect.resource.id": f"prefect.flow-run.{run_id}"}
+    con.execute("INSERT INTO events (occurred, event, resource_id, resource, payload, received, recorded) "
+                "VALUES (?, 'dpdistill.note', ?, ?, ?, ?, ?)",
+                (_NOW, resource["prefect.resource.id"], json.dumps(resource), json.dumps({"note": secret}), _NOW, _NOW))
+    return "prefect:events"
+
+
+def _db_event_related_to_a_task_run(con, run_id: str, secret: str) -> str:
+    """An event about something else that names one of the run's task runs as related."""
+    [task_run] = con.execute("SELECT id FROM task_run WHERE flow_run_id = ? LIMIT 1", (run_id,)).fetchone()
+    related = {"prefect.resource.id": f"prefect.task-run.{task_run}", "prefect.resource.role": "task-run"}
+    con.execute("INSERT INTO events (id, occurred, event, resource_id, resource, related_resource_ids, related, payload, "
+                "received, recorded) VALUES ('e-1', ?, 'dpdistill.note', 'dpdistill.thing', ?, ?, ?, ?, ?, ?)",
+                (_NOW, json.dumps({"prefect.resource.id": "dpdistill.thing"}), json.dumps([related["prefect.resource.id"]]),
+                 json.dumps([related]), json.dumps({"note": secret}), _NOW, _NOW))
+    con.execute("INSERT INTO event_resources (occurred, resource_id, resource_role, resource, event_id) "
+                "VALUES (?, ?, 'task-run', ?, 'e-1')", (_NOW, related["prefect.resource.id"], json.dumps(related)))
+    return "prefect:events"
+
+
+def _db_task_run_name(con, run_id: str, secret: str) -> str:
+    con.execute("UPDATE task_run SET name = ? WHERE flow_run_id = ?", (secret, run_id))
+    return "prefect:task_runs"
+
+
+def _db_flow_run_name(con, run_id: str, secret: str) -> str:
+    con.execute("UPDATE flow_run SET name = ? WHERE id = ?", (secret, run_id))
+    return "prefect:flow_runs"
+
+
+def _db_artifact_collection_alone(con, run_id: str, secret: str) -> str:
+    """The latest artifact of a key, its artifact rows deleted."""
+    con.execute("UPDATE artifact_collection SET description = ?, flow_run_id = ? WHERE key = 'ledger-md'",
+                (secret, run_id))
+    con.execute("DELETE FROM artifact WHERE key = 'ledger-md'")
+    return "prefect:artifact:ledger-md"
+
+
+def _db_variable(con, run_id: str, secret: str) -> str:
+    con.execute("INSERT INTO variable (name, value) VALUES ('notes', ?)", (json.dumps(secret),))
+    return "prefect:table:variable"
+
+
+def _db_flow_run_input(con, run_id: str, secret: str) -> str:
+    con.execute("INSERT INTO flow_run_input (flow_run_id, key, value) VALUES (?, 'answer', ?)",
+                (run_id, json.dumps(secret)))
+    return "prefect:flow_run_input"
+
+
+@pytest.mark.parametrize("plant", [
+    _db_event_payload, _db_event_related_to_a_task_run, _db_task_run_name, _db_flow_run_name,
+    _db_artifact_collection_alone, _db_variable, _db_flow_run_input,
+], ids=lambda f: f.__name__.removeprefix("_db_"))
+def test_every_prefect_table_that_holds_text_is_read(run_dir, published_flow_run, tmp_path, plant, capsys):
+    """Issue 62 finding 3: a record planted in a copy of the run's Prefect database, in a table or
+    column the audit never read (an event's payload, a task run's or flow run's name, an artifact
+    collection whose artifact is gone, a variable, a flow run's input), exited 0 "clean"."""
+    import sqlite3
+    from contextlib import closing
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+
+    secret = _record(run_dir, "train")
+    _flow_run_json(run_dir, published_flow_run)
+    copy = _copy_of_the_database(tmp_path)
+    with closing(sqlite3.connect(copy)) as con:
+        source = plant(con, published_flow_run, secret)
+        con.commit()
+    with temporary_settings(updates={PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{copy}"},
+                            restore_defaults={PREFECT_API_URL}):
+        assert main(["audit", str(run_dir)]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads((run_dir / AUDIT).read_text())
+    assert report["files_with_hits"] == [source] and report["incomplete"] == {}, report["incomplete"]
+    _assert_not_quoted(secret, out, err, (run_dir / AUDIT).read_text())
+
+
+def test_a_database_table_the_audit_does_not_know_makes_it_incomplete(run_dir, published_flow_run, tmp_path, capsys):
+    """A newer Prefect's table could hold the run's text: named unread, never passed over."""
+    import sqlite3
+    from contextlib import closing
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+
+    _flow_run_json(run_dir, published_flow_run)
+    copy = _copy_of_the_database(tmp_path)
+    with closing(sqlite3.connect(copy)) as con:
+        con.execute("CREATE TABLE run_notes (flow_run_id TEXT, note TEXT)")
+        con.commit()
+    with temporary_settings(updates={PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{copy}"},
+                            restore_defaults={PREFECT_API_URL}):
+        assert main(["audit", str(run_dir)]) == 3
+    assert list(json.loads((run_dir / AUDIT).read_text())["incomplete"]) == ["prefect:table:run_notes"]
+    capsys.readouterr()
+
+
+def _api_flow_run_name(client, run_id: str, secret: str) -> str:
+    client.update_flow_run(run_id, name=secret)
+    return "prefect:flow_runs"
+
+
+def _api_task_run_name(client, run_id: str, secret: str) -> str:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    [task_run] = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))[:1]
+    client.set_task_run_name(task_run.id, secret)
+    return "prefect:task_runs"
+
+
+def _api_variable(client, run_id: str, secret: str) -> str:
+    from prefect.client.schemas.actions import VariableCreate
+
+    client.create_variable(VariableCreate(name="audit-test-notes", value=secret))
+    return "prefect:table:variable"
+
+
+@pytest.mark.parametrize("plant", [_api_flow_run_name, _api_task_run_name, _api_variable],
+                         ids=lambda f: f.__name__.removeprefix("_api_"))
+def test_prefect_names_and_variables_are_read_through_the_api(run_dir, prefect_server, tmp_path, plant, capsys):
+    """The same through the server's API (PREFECT_API_URL set), on a flow run of its own."""
+    from prefect.client.orchestration import get_client
+
+    secret = _record(run_dir, "train")
+    (tmp_path / "table.txt").write_text("an ordinary table cell")
+    run_id = _publishing_flow(str(tmp_path / "table.txt"))
+    _flow_run_json(run_dir, run_id)
+    with get_client(sync_client=True) as client:
+        source = plant(client, run_id, secret)
+        try:
+            assert main(["audit", str(run_dir)]) == 1
+        finally:  # the server's variables are every run's: the others' audits must not find it
+            if source == "prefect:table:variable":
+                client.delete_variable_by_name("audit-test-notes")
+    report = json.loads((run_dir / AUDIT).read_text())
+    assert report["files_with_hits"] == [source] and report["incomplete"] == {}
+    capsys.readouterr()
+
+
 def _unread_database(run: Path) -> str:
     _flow_run_json(run, "00000000-0000-4000-8000-000000000000")
     return "prefect"  # no PREFECT_API_URL and no database at PREFECT_SERVER_DATABASE_CONNECTION_URL
@@ -410,6 +590,16 @@ def _unread_database(run: Path) -> str:
 def _flow_run_json_without_id(run: Path) -> str:
     (run / "run.json").write_text(json.dumps({"tool": "dpdistill", "status": "completed"}))
     return "prefect"  # written by the flow, which always names its flow run: its logs cannot be found
+
+
+def _run_json_without_tool_or_flow_run_id(run: Path) -> str:
+    (run / "run.json").write_text(json.dumps({"status": "completed"}))
+    return "prefect"  # issue 62 item 5: passed as "not made by the flow", Prefect unread, exit 0
+
+
+def _no_run_json(run: Path) -> str:
+    (run / "run.json").unlink()
+    return "prefect"
 
 
 def _damaged_parquet(run: Path) -> str:
@@ -470,7 +660,7 @@ def _unknown_binary(run: Path) -> str:
 
 
 @pytest.mark.parametrize("make_unreadable", [
-    _unread_database, _flow_run_json_without_id, _damaged_parquet, _token_ids_without_tokenizer,
+    _unread_database, _flow_run_json_without_id, _run_json_without_tool_or_flow_run_id, _no_run_json, _damaged_parquet, _token_ids_without_tokenizer,
     _symlink_out_of_the_run_dir, _dangling_symlink, _fifo, _numpy_object_array, _torch_pickle_of_an_object,
     _zstd_file, _unknown_binary,
 ], ids=lambda f: f.__name__.strip("_"))
@@ -482,7 +672,9 @@ def test_what_cannot_be_read_makes_the_audit_incomplete_never_clean(run_dir, tmp
 
     source = make_unreadable(run_dir)
     nowhere = {PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{tmp_path / 'absent' / 'prefect.db'}"}
-    with temporary_settings(updates=nowhere, restore_defaults={PREFECT_API_URL}):
+    # Prefect's cases without a server or database; the others read the run's flow run from the server
+    with temporary_settings(updates=nowhere if source == "prefect" else {},
+                            restore_defaults={PREFECT_API_URL} if source == "prefect" else set()):
         assert main(["audit", str(run_dir)]) == 3
         out = capsys.readouterr().out
         report = json.loads((run_dir / AUDIT).read_text())
