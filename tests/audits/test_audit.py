@@ -28,7 +28,7 @@ from conftest import PUBLIC, YELP_TRAIN, make_tiny_model, tiny_pipeline_dict
 from flows.audit import secret_work_dir
 from flows.cli import main
 from flows.run_info import RunDirError
-from pipeline.audits.audit import AUDIT, training_texts, words
+from pipeline.audits.audit import AUDIT, NAMES, training_texts, words
 from pipeline.batching import lm_batch
 from pipeline.audits.canaries import Canary, canary_exposures, make_canaries, write_canary_data
 from pipeline.config import DataConfig, config_from_dict, dump_config
@@ -77,11 +77,11 @@ def run_dir(tmp_path, tiny_tokenizer, ordinary_flow_run) -> Path:
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"n_layer": 1, "note": public[20]}))
     tiny_tokenizer.save_pretrained(model)
-    # Binary tensors the audit skips as weights (a torch zip, a true .npy): no text to find.
+    # Weights (a torch zip, a true .npy, safetensors): numbers that are no token ids, no text.
     (run / "teacher" / "checkpoint").mkdir()
-    torch.save({"weight": torch.zeros(4, 4)}, run / "teacher" / "checkpoint" / "state.pt")
-    np.save(run / "teacher" / "checkpoint" / "noise.npy", np.arange(16, dtype=np.uint32))
-    save_file({"weight": torch.zeros(4, 4)}, model / "model.safetensors")
+    torch.save({"weight": torch.randn(4, 4), "step": torch.tensor(36)}, run / "teacher" / "checkpoint" / "state.pt")
+    np.save(run / "teacher" / "checkpoint" / "noise.npy", np.random.default_rng(0).random(16, dtype=np.float32))
+    save_file({"weight": torch.randn(4, 4)}, model / "model.safetensors")
     assert train  # the private splits stay in data/ while the run is alive
     (run / "teacher" / "training_log.json").write_text(json.dumps({"history": [{"step": 1, "loss": 3.2}]}))
     return run
@@ -325,6 +325,133 @@ def test_a_planted_span_is_found_by_content_whatever_holds_it(run_dir, plant, ca
     _assert_found(run_dir, secret, plant(run_dir, secret), "train", capsys)
 
 
+# --- issue 62: numbers as token ids, and text in pieces -------------------------------------
+
+
+def _ids_int64_npy(run: Path, secret: str) -> str:
+    np.save(run / "teacher" / "checkpoint" / "batch.npy", np.array(_ids(run, secret), dtype=np.int64))
+    return "teacher/checkpoint/batch.npy"  # was "binary tensors, not scanned", exit 0
+
+
+def _ids_int32_npy_as_padded_labels(run: Path, secret: str) -> str:
+    """A (2, T) batch of labels: padding -100, the record's ids in the second row."""
+    ids = _ids(run, secret)
+    labels = np.full((2, len(ids) + 8), -100, dtype=np.int32)
+    labels[1, 4:4 + len(ids)] = ids
+    np.save(run / "teacher" / "checkpoint" / "labels.npy", labels)
+    return "teacher/checkpoint/labels.npy"
+
+
+def _ids_tensor_in_torch_save(run: Path, secret: str) -> str:
+    torch.save({"weight": torch.randn(2, 2), "batch": torch.tensor([_ids(run, secret)])},
+               run / "teacher" / "checkpoint" / "batch.pt")
+    return "teacher/checkpoint/batch.pt"
+
+
+def _ids_tensor_in_safetensors(run: Path, secret: str) -> str:
+    save_file({"weight": torch.randn(2, 2), "ids": torch.tensor(_ids(run, secret))},
+              run / "teacher" / "model" / "extra.safetensors")
+    return "teacher/model/extra.safetensors"
+
+
+def _ids_parquet_int_column_one_per_row(run: Path, secret: str) -> str:
+    ids = _ids(run, secret)
+    pq.write_table(pa.table({"position": list(range(len(ids))), "token_id": ids}), run / "synthetic" / "ids.parquet")
+    return "synthetic/ids.parquet"
+
+
+def _ids_csv_column(run: Path, secret: str) -> str:
+    ids = _ids(run, secret)
+    (run / "teacher" / "tokens.csv").write_text("position,token_id\n" + "".join(f"{i},{t}\n" for i, t in enumerate(ids)))
+    return "teacher/tokens.csv"
+
+
+def _ids_json_floats(run: Path, secret: str) -> str:
+    (run / "synthetic" / "samples.json").write_text(json.dumps({"ids": [float(i) for i in _ids(run, secret)]}))
+    return "synthetic/samples.json"
+
+
+def _ids_printed_tensor_in_a_log(run: Path, secret: str) -> str:
+    (run / "debug.log").write_text(f"step 3 batch: tensor([{', '.join(map(str, _ids(run, secret)))}])\n")
+    return "debug.log"
+
+
+def _one_word_per_json_string(run: Path, secret: str) -> str:
+    (run / "synthetic" / "words.json").write_text(json.dumps({"words": secret.split()}))
+    return "synthetic/words.json"
+
+
+def _one_word_per_parquet_row(run: Path, secret: str) -> str:
+    pq.write_table(pa.table({"word": secret.split()}), run / "synthetic" / "words.parquet")
+    return "synthetic/words.parquet"
+
+
+def _bpe_token_strings(run: Path, secret: str) -> str:
+    from pipeline.models.base import load_tokenizer
+
+    tok = load_tokenizer(str(run / "teacher" / "model"))
+    tokens = tok.convert_ids_to_tokens(tok(secret, add_special_tokens=False)["input_ids"])
+    (run / "synthetic" / "tokens.json").write_text(json.dumps({"tokens": tokens}))
+    return "synthetic/tokens.json"
+
+
+def _html_a_span_per_word(run: Path, secret: str) -> str:
+    (run / "tokens.html").write_text("<html><body>" + "".join(
+        f'<span class="t">{html.escape(w)}</span>' for w in secret.split()) + "</body></html>")
+    return "tokens.html"
+
+
+def _base64_text(run: Path, secret: str) -> str:
+    import base64
+
+    (run / "notes.txt").write_text("payload: " + base64.b64encode(secret.encode()).decode() + "\n")
+    return "notes.txt"
+
+
+def _hex_text(run: Path, secret: str) -> str:
+    (run / "notes.txt").write_text("payload=" + secret.encode().hex() + "\n")
+    return "notes.txt"
+
+
+def _url_encoded_text(run: Path, secret: str) -> str:
+    import urllib.parse
+
+    (run / "links.txt").write_text("https://example.org/search?q=" + urllib.parse.quote(secret) + "\n")
+    return "links.txt"
+
+
+def _words_joined_with_underscores(run: Path, secret: str) -> str:
+    (run / "notes.txt").write_text("_".join(secret.split()))
+    return "notes.txt"
+
+
+def _a_file_named_with_the_span(run: Path, secret: str) -> str:
+    (run / "synthetic" / f"{secret}.txt").write_text("")
+    return NAMES
+
+
+def _a_folder_named_with_the_span(run: Path, secret: str) -> str:
+    (run / "_".join(secret.split())).mkdir()
+    return NAMES
+
+
+@pytest.mark.parametrize("plant", [
+    _ids_int64_npy, _ids_int32_npy_as_padded_labels, _ids_tensor_in_torch_save, _ids_tensor_in_safetensors,
+    _ids_parquet_int_column_one_per_row, _ids_csv_column, _ids_json_floats, _ids_printed_tensor_in_a_log,
+    _one_word_per_json_string, _one_word_per_parquet_row, _bpe_token_strings, _html_a_span_per_word,
+    _base64_text, _hex_text, _url_encoded_text, _words_joined_with_underscores, _a_file_named_with_the_span,
+    _a_folder_named_with_the_span,
+], ids=lambda f: f.__name__.strip("_"))
+def test_a_record_stored_as_numbers_or_in_pieces_is_found(run_dir, plant, capsys):
+    """Issue 62 findings 1 and 2: a training record's token ids stored as numbers (an int64 or
+    int32 .npy, a tensor in torch.save or safetensors, a Parquet int column or a CSV column one id
+    a row, JSON floats, a tensor printed in a log), or its text in pieces (a word per JSON string
+    or Parquet row, BPE token strings, a <span> per word, base64, hex, URL-encoded, words joined
+    with underscores, a file or folder named with it) exited 0 "clean". Each is found now."""
+    secret = _secret(run_dir, "train")
+    _assert_found(run_dir, secret, plant(run_dir, secret), "train", capsys)
+
+
 def _failing_stage() -> None:
     raise ValueError("an ordinary failure")
 
@@ -407,7 +534,8 @@ def test_a_default_run_s_local_prefect_database_is_read_whatever_its_artifacts_h
         assert main(["audit", str(run_dir)]) == 1
     out, err = capsys.readouterr()
     report = json.loads((run_dir / AUDIT).read_text())
-    assert report["files_with_hits"] == ["prefect:artifact:samples-columns", "prefect:logs"]
+    # The server's events copy what the artifact held (once its event service has stored them)
+    assert set(report["files_with_hits"]) - {"prefect:events"} == {"prefect:artifact:samples-columns", "prefect:logs"}
     assert report["private_records_found"] == {"train": 1, "validation": 1, "test": 0}
     assert "database" in report["extra_sources"] and report["incomplete"] == {}
     for key in ("teacher-progress", "raw-progress", "ledger-md", "ledger-rows", "report-link"):
@@ -614,7 +742,8 @@ def _token_ids_without_tokenizer(run: Path) -> str:
     pq.write_table(pa.table({"token_ids": pa.array([ids], pa.list_(pa.int32()))}), run / "synthetic" / "ids.parquet")
     for p in (run / "teacher" / "model").glob("*token*"):
         p.unlink()
-    return "synthetic/ids.parquet"
+    # and the shard's sample_id column: ten integers in a row may be ids too (issue 62 item 1)
+    return ["synthetic/ids.parquet", "synthetic/shard-00000.parquet"]
 
 
 class _Opaque:
@@ -678,7 +807,8 @@ def test_what_cannot_be_read_makes_the_audit_incomplete_never_clean(run_dir, tmp
         assert main(["audit", str(run_dir)]) == 3
         out = capsys.readouterr().out
         report = json.loads((run_dir / AUDIT).read_text())
-        assert list(report["incomplete"]) == [source] and "INCOMPLETE" in out and source in out
+        sources = [source] if isinstance(source, str) else source
+        assert list(report["incomplete"]) == sources and "INCOMPLETE" in out and all(s in out for s in sources)
         assert "clean:" not in out and report["files"]["report.html"]["spans"] > 0  # the rest was read
         (run_dir / "notes.txt").write_text(_record(run_dir))
         assert main(["audit", str(run_dir)]) == 1
