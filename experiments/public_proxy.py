@@ -25,7 +25,6 @@ test perplexity of the chosen settings) and `table=defaults corpus=NAME ...` (th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time

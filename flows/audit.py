@@ -3,10 +3,9 @@
     dpdistill audit RUN_DIR [--span 10]                                 # verbatim spans
     dpdistill audit --canaries 8 --config configs/demo.yaml [key=value]  # canary exposure
 
-`prefect_sources` reads what Prefect holds of a flow run (its logs, task runs' logs
-included, and its artifacts: through the API, or from the local server's SQLite database
-when no PREFECT_API_URL is set) so that `pipeline.audits.audit.audit_run` scans them beside
-the run directory's files. `canary_audit` runs the real flow on a copy of the training data
+`prefect_sources` (flows/audit_prefect.py) reads what Prefect holds of a flow run, through the
+API or from the local server's SQLite database, so that `pipeline.audits.audit.audit_run` scans
+it beside the run directory's files. `canary_audit` runs the real flow on a copy of the training data
 with canaries inserted (in a 0700 work directory deleted at the end), audits the run and
 measures the canaries' exposure (`pipeline.audits.canaries`).
 """
@@ -20,9 +19,12 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 
+from flows.audit_prefect import (  # noqa: F401  (the audit's Prefect side, imported from here by the CLI)
+    FlowRunNotFound, PrefectDocs, database_documents, local_prefect_database, prefect_documents, prefect_sources,
+)
 from flows.run_info import STAGES_INFO, RunDirError
 from pipeline.audits.audit import audit_run, training_texts
 from pipeline.audits.canaries import (
@@ -44,192 +46,6 @@ from pipeline.manifest import atomic_write_json, private_dir
 log = logging.getLogger(__name__)
 
 CANARIES = "canaries.json"
-
-
-PrefectDocs = dict[str, list]
-"""Source name (`prefect:logs`, `prefect:states`, `prefect:parameters`, `prefect:artifact:<key>`)
--> its documents: strings, or decoded JSON values (numbers, dicts, lists) whose texts the audit
-reads."""
-
-
-class FlowRunNotFound(LookupError):
-    """The server or database holds no such flow run (another server, or a reset database)."""
-
-
-def _payload(value):
-    """A JSON column as stored: SQLite keeps a number as INTEGER or REAL (a progress artifact's
-    `data`), anything else as JSON text; text that is not JSON is kept as the text it is."""
-    if not isinstance(value, (str, bytes)):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
-def _artifact(docs: PrefectDocs, key, id_, data, description, metadata) -> None:
-    docs.setdefault(f"prefect:artifact:{key or id_}", []).extend(
-        [v for v in (data, description, metadata) if v not in (None, "")])
-
-
-def prefect_documents(flow_run_id: str) -> tuple[PrefectDocs, dict[str, str]]:
-    """What Prefect holds of the flow run and its subflow runs (generation's workers), read
-    through the API: log messages (task runs' included), state messages and data, parameters,
-    and every artifact's data (any type), description and metadata. Returns the documents and
-    the sources that could not be read (source -> why)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId,
-        LogFilter, LogFilterFlowRunId,
-    )
-    from prefect.exceptions import ObjectNotFound
-
-    docs: PrefectDocs = {"prefect:logs": [], "prefect:states": [], "prefect:parameters": []}
-    unread: dict[str, str] = {}
-
-    def paged(read, **kwargs) -> list:
-        out, offset = [], 0
-        while True:  # the API pages its answers
-            page = read(limit=200, offset=offset, **kwargs)
-            out += page
-            if len(page) < 200:
-                return out
-            offset += len(page)
-
-    with get_client(sync_client=True) as client:
-        try:
-            root = client.read_flow_run(flow_run_id)
-        except ObjectNotFound:
-            raise FlowRunNotFound(flow_run_id) from None
-        runs, frontier = [root], [root]
-        while frontier:  # subflow runs, at any depth
-            children = paged(client.read_flow_runs, flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[r.id for r in frontier])))
-            frontier = [c for c in children if c.id not in {r.id for r in runs}]
-            runs += frontier
-        ids = [r.id for r in runs]
-        docs["prefect:parameters"] += [r.parameters for r in runs if r.parameters]
-        docs["prefect:logs"] += [e.message for e in paged(
-            client.read_logs, log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids))) if e.message]
-        for run in runs:
-            states = list(client.read_flow_run_states(run.id))
-            task_runs = paged(client.read_task_runs,
-                              flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-            for task_run in task_runs:
-                states += client.read_task_run_states(task_run.id)
-            docs["prefect:states"] += [v for st in states for v in (st.message, _state_data(st)) if v]
-        for a in paged(client.read_artifacts,
-                       artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids))):
-            _artifact(docs, a.key, a.id, a.data, a.description, a.metadata_)
-    return docs, unread
-
-
-def _state_data(state):
-    """A state's data as the API returns it: a result record's metadata (a storage key), or a
-    value; its text is read like any other document."""
-    data = getattr(state, "data", None)
-    return data.model_dump(mode="json") if hasattr(data, "model_dump") else data if isinstance(
-        data, (str, int, float, list, dict)) else None
-
-
-def local_prefect_database() -> Path | str:
-    """The SQLite file a Prefect server started here without PREFECT_API_URL keeps its logs
-    in (the setting's default: PREFECT_HOME/prefect.db), or the configured URL when the
-    database is not SQLite."""
-    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
-    from sqlalchemy.engine import make_url
-
-    url = make_url(PREFECT_SERVER_DATABASE_CONNECTION_URL.value())
-    return Path(url.database) if url.drivername.startswith("sqlite") and url.database else url.drivername
-
-
-def database_documents(db: Path, flow_run_id: str) -> tuple[PrefectDocs, dict[str, str]]:
-    """What `prefect_documents` reads through the API, read from the server's SQLite file
-    (opened read-only): the flow run and its subflow runs' `log` messages (task runs' carry
-    their flow run's id), `flow_run_state` / `task_run_state` messages and data, `flow_run`
-    parameters, and the `artifact` table's data (of any type: a progress artifact's is a
-    number), descriptions and metadata. Returns the documents and the sources that could not
-    be read (source -> why: an exception's type, never its message)."""
-    import sqlite3
-
-    docs: PrefectDocs = {"prefect:logs": [], "prefect:states": [], "prefect:parameters": []}
-    unread: dict[str, str] = {}
-    with closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)) as con:
-        if not con.execute("SELECT 1 FROM flow_run WHERE id = ?", (flow_run_id,)).fetchone():
-            raise FlowRunNotFound(flow_run_id)
-        con.execute("CREATE TEMP TABLE audited(id TEXT PRIMARY KEY)")
-        con.execute("""WITH RECURSIVE runs(id) AS (SELECT ? UNION SELECT f.id FROM flow_run f
-                       JOIN task_run t ON f.parent_task_run_id = t.id JOIN runs r ON t.flow_run_id = r.id)
-                       INSERT INTO audited SELECT id FROM runs""", (flow_run_id,))
-        queries = {
-            "prefect:logs": "SELECT message FROM log WHERE flow_run_id IN audited ORDER BY timestamp",
-            "prefect:states": """SELECT message, data FROM flow_run_state WHERE flow_run_id IN audited
-                                 UNION ALL SELECT s.message, s.data FROM task_run_state s
-                                 JOIN task_run t ON s.task_run_id = t.id WHERE t.flow_run_id IN audited""",
-            "prefect:parameters": "SELECT parameters FROM flow_run WHERE id IN audited",
-        }
-        for name, sql in queries.items():
-            try:
-                docs[name] += [_payload(v) for row in con.execute(sql) for v in row if v not in (None, "")]
-            except sqlite3.Error as e:  # a database of another schema
-                unread[name] = f"the database could not be read ({type(e).__name__})"
-        try:
-            rows = con.execute("""SELECT key, id, data, description, metadata_ FROM artifact
-                                  WHERE flow_run_id IN audited OR task_run_id IN
-                                  (SELECT id FROM task_run WHERE flow_run_id IN audited)""").fetchall()
-        except sqlite3.Error as e:
-            unread["prefect:artifacts"] = f"the database could not be read ({type(e).__name__})"
-            rows = []
-        for key, id_, data, description, metadata in rows:
-            _artifact(docs, key, id_, _payload(data), description, _payload(metadata))
-    return docs, unread
-
-
-def prefect_sources(run_dir: Path) -> tuple[PrefectDocs | None, str, dict[str, str]]:
-    """The Prefect documents of the run's flow run: through the API when PREFECT_API_URL is
-    set, else from the local server's SQLite database, where a flow run made without a
-    server (Prefect's ephemeral one) left its logs. Returns (the documents or None, a note
-    for the report, what could not be read: source -> why). A run made by the flow that cannot
-    be read in Prefect is unread (the audit is then INCOMPLETE), never passed over."""
-    from flows.run_info import RUN_INFO, TOOL
-
-    info_path = Path(run_dir) / RUN_INFO
-    try:
-        info = json.loads(info_path.read_text()) if info_path.is_file() else None
-    except (OSError, ValueError) as e:
-        info = e
-    if not isinstance(info, dict):
-        why = ("not found" if info is None else f"not readable ({type(info).__name__})") + (
-            ": the flow run whose Prefect logs and artifacts the run published cannot be found")
-        return None, f"not scanned ({RUN_INFO} {why})", {"prefect": f"{RUN_INFO} {why}"}
-    flow_run_id = info.get("flow_run_id")
-    if not flow_run_id:
-        if info.get("tool") == TOOL:  # the flow always records its flow run
-            why = f"{RUN_INFO} was written by the flow but names no flow run: its Prefect logs cannot be found"
-            return None, f"not scanned ({why})", {"prefect": why}
-        return None, f"not scanned ({RUN_INFO} names no flow run: the run was not made by the flow)", {}
-    from prefect.settings import PREFECT_API_URL
-
-    if api := PREFECT_API_URL.value():  # the environment, the active profile or a test harness
-        where, read = f"server {api}", prefect_documents
-    else:
-        db = local_prefect_database()
-        if not isinstance(db, Path) or not db.is_file():
-            why = (f"PREFECT_API_URL is not set and there is no local SQLite database at {db}: set PREFECT_API_URL "
-                   "to the server that ran the flow")
-            return None, f"not scanned ({why})", {"prefect": why}
-        where, read = f"database {db}", lambda run_id: database_documents(db, run_id)
-    try:
-        docs, unread = read(str(flow_run_id))
-    except FlowRunNotFound:
-        why = f"flow run {flow_run_id} is not in the {where} (another server or a reset database?)"
-        return None, f"not scanned ({why})", {"prefect": why}
-    except Exception as e:  # unreachable server, a database of another schema
-        why = f"the {where} could not be read ({type(e).__name__})"
-        return None, f"not scanned ({why})", {"prefect": why}
-    n_artifacts = sum(name.startswith("prefect:artifact:") for name in docs)
-    return docs, (f"flow run {flow_run_id} from the {where}: {len(docs['prefect:logs'])} log lines, "
-                  f"{len(docs['prefect:states'])} state messages and data, {n_artifacts} artifact(s)"), unread
 
 
 # --- canaries ---------------------------------------------------------------------------

@@ -182,6 +182,8 @@ def run_audit(args) -> int:
 
     if args.empirical:
         return run_empirical(args, usage, user_errors())
+    if args.noise_off:
+        return usage("--noise-off goes with --empirical (dpdistill audit --empirical --noise-off RUN_DIR)")
     if args.canaries is None:
         if args.config or not args.run_dir or args.overrides:
             return usage("pass one run directory (dpdistill audit RUN_DIR), or --canaries N --config C")

@@ -1,6 +1,6 @@
 """`dpdistill audit`'s options, and its `--empirical` mode (pipeline/audits/empirical_run.py):
 
-    dpdistill audit --empirical runs/demo-... [--canaries 256] [teacher.KEY=VALUE ...]
+    dpdistill audit --empirical runs/demo-... [--canaries 1000] [--noise-off] [teacher.KEY=VALUE ...]
 
 Light at import, like flows/cli.py: torch, Opacus and the pipeline load in the handler.
 """
@@ -24,7 +24,7 @@ def add_audit_parser(sub) -> None:
                        help="dotted overrides (with --canaries); teacher.KEY=VALUE only (with --empirical)")
     audit.add_argument("--span", type=int, default=10, help="words in a matched span (default 10)")
     audit.add_argument("--canaries", type=int, metavar="N", help="insert N secret canaries and run the pipeline "
-                       "(with --empirical: N canaries each included with probability 1/2, default 256)")
+                       "(with --empirical: N canaries each included with probability 1/2, default 1000)")
     audit.add_argument("--config", help="YAML config of the canary run (with --canaries)")
     audit.add_argument("--repetitions", default="1,1,4,16",
                        help="copies of each canary, cycled over the canaries (default 1,1,4,16)")
@@ -32,9 +32,13 @@ def add_audit_parser(sub) -> None:
     audit.add_argument("--work-dir", help="a new directory for the secret data copy, 0700 and deleted when the audit "
                        "ends (default <run_root>/canaries-<time>); the run itself goes under run_root")
     audit.add_argument("--empirical", action="store_true",
-                       help="train the run's teacher twice more on its private split (kept with "
-                       "data.keep_private_copies=true) with secret canaries, with DP and with noise off; write the "
-                       "figures to RUN_DIR/private/empirical_audit.json (0600) and print aggregates only")
+                       help="train the run's teacher again on its private split (kept with "
+                       "data.keep_private_copies=true) with secret canaries, with DP (charged to the records' "
+                       "budget, checked against privacy.max_epsilon); write the figures to "
+                       "RUN_DIR/private/empirical_audit.json (0600) and print aggregates only")
+    audit.add_argument("--noise-off", action="store_true",
+                       help="with --empirical: also train with noise off, to measure the audit's power; its figures "
+                       "carry no DP guarantee, and the records' budget records a release without DP")
 
 
 def run_empirical(args, usage: Callable[[str], int], errors: tuple[type[Exception], ...]) -> int:
@@ -55,7 +59,8 @@ def run_empirical(args, usage: Callable[[str], int], errors: tuple[type[Exceptio
     if m < 2:
         return usage("--canaries must be at least 2")
     try:
-        path, report = empirical_audit(Path(args.run_dir), canaries=m, teacher_overrides=overrides or None)
+        path, report = empirical_audit(Path(args.run_dir), canaries=m, teacher_overrides=overrides or None,
+                                       noise_off=args.noise_off)
     except (EmpiricalAuditError, *errors) as e:  # messages name settings and files, never records
         return usage(str(e))
     print(format_summary(report))

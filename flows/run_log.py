@@ -220,6 +220,7 @@ def route_server_output() -> None:
         return proc
 
     def run_uvicorn_command(self):
+        private_prefect_database()  # before the server creates it
         server.subprocess = _WithPopen(piped)  # this module's Popen only, for this call
         try:
             return launch(self)
@@ -230,6 +231,31 @@ def route_server_output() -> None:
     # What it prints, its own PREFECT_SERVER_LOGGING_LEVEL chose (WARNING unless set): pass it all.
     logging.getLogger(SERVER_LOGGER).setLevel(logging.DEBUG)
     server.SubprocessASGIServer._dpdistill_routed = True
+
+
+def private_prefect_database() -> None:
+    """Make the temporary server's SQLite database 0600 (created so if new) and PREFECT_HOME,
+    where it lives by default, 0700, whatever the umask. It holds the run's logs, states and
+    artifacts, as private as the 0700 run directory; SQLite gave it 0644 under a 0755 home
+    (issue 62 item 7). SQLite creates its -wal, -shm and -journal files with the database
+    file's mode, so they follow it. A database elsewhere (PREFECT_SERVER_DATABASE_CONNECTION_URL)
+    keeps its folder's mode: that folder is the user's choice."""
+    from prefect.settings import PREFECT_HOME, PREFECT_SERVER_DATABASE_CONNECTION_URL
+    from sqlalchemy.engine import make_url
+
+    from pipeline.manifest import private_dir
+
+    url = make_url(PREFECT_SERVER_DATABASE_CONNECTION_URL.value())
+    if not (url.drivername.startswith("sqlite") and url.database and url.database != ":memory:"):
+        return  # a database server's own access rules apply
+    db, home = Path(url.database).expanduser().resolve(), Path(PREFECT_HOME.value()).expanduser().resolve()
+    if db.parent == home:
+        private_dir(home)
+    db.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(db, os.O_CREAT | os.O_WRONLY, 0o600))  # an empty file is an empty SQLite database
+    for path in (db, *(db.with_name(db.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
+        if path.exists():
+            os.chmod(path, 0o600)
 
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding flows/

@@ -3,21 +3,27 @@
     dpdistill audit RUN_DIR [--span 10]
 
 Every file of the run directory is read for what it holds, whatever its name or folder
-(`pipeline/audits/contents.py`): Parquet and Arrow IPC files as every cell of every type
-(strings, dictionary-encoded, binary, lists, structs) and their metadata, integer lists
-decoded as token ids with the run's tokenizer; JSON and JSON Lines as their strings and
-token ids; numpy text arrays; a torch file's strings through `torch.load(weights_only=True)`
-(never an arbitrary unpickle); safetensors' `__metadata__`; gzip, bz2, xz, zip and tar,
-each member again by content; anything else as text (UTF-8, UTF-16/32, Latin-1), HTML
-unescaped. Symlinks are followed while they stay inside the run directory, and read under
-their own name (a link publishes what it points to). Not read by design, and listed as
-such: the private split files the data stage wrote (`data/train|validation|test.parquet`,
-known by the path and sha256 its manifest gives them, so an edited split, a link to one or
-any other Parquet file under data/ is read) and tensors (a weight file's numbers; its text
-is read). Texts are normalised to lowercase words (split on non-word characters) and every
-window of `span` words is hashed; a window whose hash is one of the private records'
-windows is a hit. The result names files, counts and splits only: a matched span is never
-printed, logged, written or put in an exception message.
+(`pipeline/audits/contents.py`): Parquet and Arrow IPC files as every cell of every type and
+their metadata; JSON and JSON Lines; CSV by column; numpy arrays; a torch file through
+`torch.load(weights_only=True)` (never an arbitrary unpickle); safetensors' header and tensors;
+gzip, bz2, xz, zip and tar, each member (and its name) again by content; anything else as text
+(UTF-8, UTF-16/32, Latin-1), HTML unescaped. Numbers are read as token ids with the run's
+tokenizer (every integer array, tensor, column or list long enough to hold a span,
+`pipeline/audits/numbers.py`), and strings for what they hold encoded (base64, hex,
+URL-encoded, quoted-printable, escapes). A file's texts are read in order as one text
+(`pipeline/audits/pieces.py`): a record one word per string or row is found, so is one in BPE
+token strings or with each word in its own HTML tag. The names of every file and folder are a
+source of their own (`NAMES`): a file named with a span publishes it. Symlinks are followed
+while they stay inside the run directory, and read under their own name (a link publishes what
+it points to). Not read by design, and listed as such: the private split files the data stage
+wrote (`data/train|validation|test.parquet`, known by the path and sha256 its manifest gives
+them, so an edited split, a link to one or any other Parquet file under data/ is read) and their
+token-id copies. Float tensors whose values are not integers (a weight file's numbers) hold no
+text and are named in `not_scanned`. Texts are normalised to lowercase words (split on
+anything but letters and digits, underscores included) and every window of `span` words is
+hashed; a window whose hash is one of the private records' windows is a hit. The result names
+files, counts and splits only: a matched span is never printed, logged, written or put in an
+exception message, and a name that holds one is withheld.
 
 The private records are every split the run had: training, validation and test (the
 held-out splits are private records too, which the ledger's ε does not cover). They are the
@@ -33,23 +39,26 @@ could not be read is listed in `audit.json`'s `incomplete` (name -> why: a forma
 exception's type, never content) and the summary says "INCOMPLETE"; `dpdistill audit` then
 exits 3, or 1 when a span was found anyway: a file or archive member that is damaged, a
 pickle weights_only refuses, a numpy object array, zstd, binary of an unknown format (its
-bytes are still searched), token ids without a tokenizer, a symlink leaving the run directory
-or leading nowhere, a FIFO, socket or device, a folder that cannot be listed, and any
-Prefect source that cannot be read (`flows/audit.py`).
+bytes are still searched), numbers that may be token ids without a tokenizer to decode them,
+a symlink leaving the run directory or leading nowhere, a FIFO, socket or device, a folder
+that cannot be listed, and any Prefect source that cannot be read, or a run whose flow run is
+unknown (`flows/audit_prefect.py`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from pipeline.audits.contents import Notes, Unreadable, texts_in, texts_of
+from pipeline.audits.pieces import WordStream, words
 from pipeline.config import ConfigError, PipelineConfig, load_config
 from pipeline.records import SPLIT_KEY, TOKENIZED_DIR, read_split, split_key
 from pipeline.stages.data import prepare_data
@@ -58,16 +67,12 @@ from pipeline.manifest import MANIFEST, atomic_write_json, sha256_file
 AUDIT = "audit.json"
 DEFAULT_SPAN = 10
 SPLITS = ("train", "validation", "test")
-_WORD = re.compile(r"\w+")
+NAMES = "(file and folder names)"
+"""The source that holds the names of everything the run directory holds: a name can hold a span."""
 
 
 class AuditError(ValueError):
     """The run cannot be audited as asked; the message says why (never quoting a record)."""
-
-
-def words(text: str) -> list[str]:
-    """Lowercase words, split on non-word characters: 'Great—tacos!' -> ['great', 'tacos']."""
-    return _WORD.findall(text.lower())
 
 
 def shingles(text: str, span: int) -> Iterator[int]:
@@ -113,19 +118,35 @@ class RecordIndex:
 
 @dataclass
 class FileScan:
+    """One file's (or source's) texts read in order as one text (`WordStream`: adjacent
+    strings and rows, markup stripped, token strings glued); `hits` counts distinct spans."""
+
     bytes: int = 0
     texts: int = 0  # the texts read from it (cells, strings, documents)
     text_bytes: int = 0
     spans: int = 0
-    hits: int = 0
+    matched: set[int] = field(default_factory=set)  # the record windows found
     records: set[int] = field(default_factory=set)
+    stream: WordStream | None = field(default=None, repr=False)
+
+    @property
+    def hits(self) -> int:
+        return len(self.matched)
 
     def add(self, text: str, index: RecordIndex) -> None:
         self.text_bytes += len(text.encode("utf-8", "replace"))
-        for h in shingles(text, index.span):
-            self.spans += 1
+        self.stream = self.stream or WordStream(index.span)
+        self._check(self.stream.feed(text), index)
+
+    def close(self, index: RecordIndex) -> None:
+        if self.stream is not None:
+            self._check(self.stream.close(), index)
+
+    def _check(self, hashes: list[int], index: RecordIndex) -> None:
+        self.spans += len(hashes)
+        for h in hashes:
             if (i := index.owner.get(h)) is not None:
-                self.hits += 1
+                self.matched.add(h)
                 self.records.add(i)
 
     def summary(self) -> dict:
@@ -256,7 +277,8 @@ def _source_sha(run_dir: Path, key: str) -> str | None:
 
 def published(run_dir: Path) -> Iterator[tuple[str, Path | None, str | None]]:
     """Every file of the run directory, in name order: (its name relative to the run directory,
-    the path to read, None), or (name, None, why it cannot be read). Symlinks are followed
+    the path to read, None), (name, None, why it cannot be read), or, for a folder, before what
+    it holds, (name, None, None). Symlinks are followed
     while they stay inside the run directory (a file or folder linked there is published
     under the link's name too, so it is read under that name: a link to data/ would publish
     the private splits); one that leaves the run directory or leads nowhere is not followed and
@@ -280,6 +302,7 @@ def published(run_dir: Path) -> Iterator[tuple[str, Path | None, str | None]]:
             elif real.is_dir():
                 if real in ancestors:  # a link back up the tree: every file below is read already
                     continue
+                yield name, None, None
                 yield from walk(path, name, ancestors | {real})
             elif real.is_file():
                 yield name, path, None
@@ -302,11 +325,12 @@ def _tokenizer_dirs(run_dir: Path) -> Iterator[Path]:
 
 
 class TokenDecoder:
-    """Token ids to text with the run's tokenizer, loaded on the first call (most files
-    hold no ids). Rows with an id beyond its vocabulary are not its token ids: skipped."""
+    """Token ids to text with the run's tokenizer, loaded on the first call. A row is cut where
+    an id is not one of its vocabulary (negative, as padding labels are, or too large), and
+    each part of at least `min_ids` ids is decoded: fewer cannot hold a span."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir, self._tok = Path(run_dir), None
+    def __init__(self, run_dir: Path, min_ids: int = DEFAULT_SPAN):
+        self.run_dir, self._tok, self.min_ids = Path(run_dir), None, min_ids
 
     def __call__(self, rows: list[list[int]]) -> list[str]:
         if self._tok is None:
@@ -320,8 +344,15 @@ class TokenDecoder:
                     "tokenizer files into teacher/model"
                 )
             self._tok = AutoTokenizer.from_pretrained(str(found))
-        vocab = len(self._tok)
-        return self._tok.batch_decode([ids for ids in rows if max(ids, default=0) < vocab])
+        vocab, parts = len(self._tok), []
+        for ids in rows:
+            arr = np.asarray(ids, dtype=np.int64)
+            cuts = np.flatnonzero((arr < 0) | (arr >= vocab))
+            for part in np.split(arr, cuts):
+                part = part[1:] if len(part) and not 0 <= part[0] < vocab else part
+                if len(part) >= self.min_ids:
+                    parts.append(part.tolist())
+        return self._tok.batch_decode(parts) if parts else []
 
 
 @dataclass
@@ -350,6 +381,21 @@ def _scan(texts: Iterator[str], scan: "FileScan", notes: Notes, index: RecordInd
         notes.cannot(str(e))
     except Exception as e:
         notes.cannot(f"could not be read ({type(e).__name__})")
+    scan.close(index)
+
+
+class _Withheld:
+    """A name as the report may show it: one that holds a span of a private record (a file or
+    folder named with it, or inside such a folder) is withheld, numbered, since the report
+    never quotes a record."""
+
+    def __init__(self, index: RecordIndex):
+        self.index, self.names = index, {}
+
+    def __call__(self, name: str) -> str:
+        if name in self.names or any(h in self.index.owner for h in shingles(name, self.index.span)):
+            return self.names.setdefault(name, f"(a name holding a private span, #{len(self.names) + 1})")
+        return name
 
 
 def _scan_files(run_dir: Path, index: RecordIndex, splits: dict[Path, str], decode: TokenDecoder
@@ -360,9 +406,15 @@ def _scan_files(run_dir: Path, index: RecordIndex, splits: dict[Path, str], deco
     scans: dict[str, FileScan] = {}
     not_scanned: dict[str, str] = {}
     incomplete: dict[str, str] = {}
+    names, shown = FileScan(), _Withheld(index)
     for name, path, problem in published(run_dir):
+        names.texts += 1
+        names.add(name, index)  # a file or folder named with a span publishes it
+        name = shown(name)
         if problem:
             incomplete[name] = problem
+            continue
+        if path is None:  # a folder: its name is all it holds besides its files
             continue
         if path in splits:  # by the path the stage wrote it at: a link to it is read
             not_scanned[name] = splits[path]
@@ -375,12 +427,14 @@ def _scan_files(run_dir: Path, index: RecordIndex, splits: dict[Path, str], deco
         else:
             _scan(texts_of(path, decode, notes), scan, notes, index)
         if notes.tensors:
-            not_scanned[name] = (f"binary tensors ({', '.join(sorted(notes.tensors))}): the tensors are not read"
-                                 + ("; its other content is" if scan.texts else ""))
-        if scan.texts or not notes.tensors:
-            scans[name] = scan
+            not_scanned[name] = (f"binary tensors ({', '.join(sorted(notes.tensors))}): numbers that are not integers, "
+                                 "so no token ids; its other content is read")
+        scans[name] = scan
         if notes.unread:
             incomplete[name] = "; ".join(notes.unread)
+    names.close(index)
+    names.bytes = names.text_bytes
+    scans[NAMES] = names
     return scans, not_scanned, incomplete
 
 
@@ -405,7 +459,7 @@ def audit_run(
     private = {path: "private split" for path in splits.values()}
     private |= {path: f"private split (the token ids of data/{split}.parquet)"
                 for path, split in tokenized_copies(run_dir, splits).items()}
-    decode = TokenDecoder(run_dir)  # loaded once, if anything holds token ids
+    decode = TokenDecoder(run_dir, min_ids=span)  # loaded once, if anything holds token ids
     scans, not_scanned, incomplete = _scan_files(run_dir, index, private, decode)
     for name, docs in (extra or {}).items():
         notes, scan = Notes(), FileScan()

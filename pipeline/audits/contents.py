@@ -1,23 +1,30 @@
-"""The texts a published file holds, judged by its content, never by its name (issue 38).
+"""The texts a published file holds, judged by its content, never by its name (issues 38, 62).
 
     notes = Notes()
-    for text in texts_of(path, decode, notes): ...   # decode: token ids -> texts
+    for text in texts_of(path, decode, notes): ...   # decode: token-id rows -> texts
 
 Read by their first bytes: Parquet and Arrow IPC (file or stream) as every cell of every
 type (strings, dictionary-encoded, binary read again by content, lists, structs and maps
-walked, integer lists decoded as token ids) and their metadata; numpy `.npy` / `.npz` (text
-arrays as text; loaded without pickle); a torch file through `torch.load(weights_only=True)`
-(its strings and token-id lists; never an arbitrary unpickle); safetensors' header (the
-`__metadata__` and tensor names); gzip, bz2 and xz streams, zip and tar archives, each member
-read again by content; JSON and JSON Lines as their strings and integer lists (token ids);
-anything else as text (UTF-8, UTF-16/32 by BOM or by its NUL pattern, else Latin-1 when it has
-no binary control bytes), HTML unescaped.
+walked) and their metadata; numpy `.npy` / `.npz` (loaded without pickle); a torch file through
+`torch.load(weights_only=True)` (never an arbitrary unpickle); safetensors (the header's
+`__metadata__` and tensor names, and the tensors); gzip, bz2 and xz streams, zip and tar
+archives, each member (and its name) read again by content; JSON and JSON Lines; CSV and TSV
+by column; anything else as text (UTF-8, UTF-16/32 by BOM or by its NUL pattern, else Latin-1
+when it has no binary control bytes), HTML unescaped.
 
-Tensors (a weight file's numbers) are not read: `Notes.tensors` names their kinds. What
-cannot be read is never skipped in silence: `Notes.unread` says what, so that the audit
-reports it as INCOMPLETE (a pickle that weights_only refuses, a numpy object array, zstd,
-binary of an unknown format, token ids and no tokenizer, a member too large, a damaged file).
-Reasons name formats, members by number, and exception types: never content.
+Numbers are read as token ids (pipeline/audits/numbers.py): every integer array, tensor, Arrow
+or CSV column (one id a row), JSON list or column of a list of objects (ints, or floats that are
+integers), and run of integers in a text, long enough to hold a span (`decode.min_ids`). Every
+string is also read for what it may hold encoded (base64, hex, URL-encoded, quoted-printable,
+backslash escapes: pipeline/audits/pieces.py): what decodes to text, or to a known format, is
+read like any other content; what does not is no encoding of anything and is dropped.
+
+Float arrays whose values are not integers (a weight file's numbers) hold no text:
+`Notes.tensors` names their kinds. What cannot be read is never skipped in silence:
+`Notes.unread` says what, so that the audit reports it as INCOMPLETE (a pickle that weights_only
+refuses, a numpy object array, zstd, binary of an unknown format, token ids and no tokenizer, a
+member too large, a damaged file). Reasons name formats, members by number, and exception
+types: never content.
 """
 
 from __future__ import annotations
@@ -31,16 +38,25 @@ import lzma
 import struct
 import tarfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-Decode = Callable[[list[list[int]]], list[str]]
-"""Token-id rows to texts with the run's tokenizer; raises `Unreadable` when it has none."""
+from pipeline.audits.numbers import CHUNK, OVERLAP, csv_columns, id_rows, integer_cells, is_ids, number_runs
+from pipeline.audits.pieces import GLUE_BREAK, encodings
+
+
+class Decode(Protocol):
+    """Token-id rows to texts with the run's tokenizer; raises `Unreadable` when it has none."""
+
+    min_ids: int  # the fewest ids read as token ids: fewer cannot hold a span
+
+    def __call__(self, rows: list[list[int]]) -> list[str]: ...
 
 MAX_DEPTH = 4  # archives in archives: a gzip'd tar of a zip is read, deeper is noted unread
 MAX_INFLATED = 1 << 30  # bytes a compressed stream or an archive member may expand to
@@ -194,11 +210,50 @@ def _text(data: bytes, decode: Decode, notes: Notes, depth: int) -> Iterator[str
             if documents is not None:
                 yield from _values(documents, decode, notes, depth)
                 return
-    yield html.unescape(text)  # harmless for other text: only entities change
+    text = html.unescape(text)  # harmless for other text: only entities change
+    yield from _string(text, decode, notes, depth)
+    for cells in csv_columns(text) or []:  # a column one word (or one id) a row
+        if (ids := integer_cells(cells, decode.min_ids)) is not None:
+            yield from _token_texts([ids], decode, notes)
+        else:
+            yield " ".join(cells)
 
 
-def _is_token_ids(values) -> bool:
-    return len(values) >= 2 and all(type(v) is int and v >= 0 for v in values)
+def _string(text: str, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
+    """A string, then the token ids among its numbers and what it holds encoded."""
+    yield text
+    rows = list(number_runs(text, decode.min_ids))
+    if rows:
+        yield from _token_texts(rows, decode, notes)
+    if depth < MAX_DEPTH:
+        for decoded in encodings(text):
+            yield from _decoded(decoded, decode, notes, depth + 1)
+
+
+def _decoded(value: str | bytes, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
+    """What an encoding found in a string decodes to: a known format is read by content, text as
+    text; anything else was no encoding (a hash, an identifier) and is dropped without a note."""
+    if isinstance(value, str):
+        yield from _string(value, decode, notes, depth)
+    elif _known_format(value[:512]):
+        yield from _member(value, "encoded content", decode, notes, depth)
+    elif (text := _strict_text(value)) is not None:
+        yield from _string(text, decode, notes, depth)
+
+
+def _known_format(head: bytes) -> bool:
+    return head.startswith((b"PAR1", b"ARROW1", b"\x93NUMPY", b"PK\x03\x04", b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00",
+                            b"\x28\xb5\x2f\xfd")) or head[257:262] == b"ustar"
+
+
+def _strict_text(data: bytes) -> str | None:
+    """UTF-8 that reads as text (printable but for a few), else None."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    printable = sum(c.isprintable() or c in "\n\r\t" for c in text)
+    return text if text and printable >= 0.95 * len(text) else None
 
 
 def _token_texts(rows: list[list[int]], decode: Decode, notes: Notes) -> Iterator[str]:
@@ -208,29 +263,86 @@ def _token_texts(rows: list[list[int]], decode: Decode, notes: Notes) -> Iterato
         notes.cannot(str(e))
 
 
+def _numbers(values: list) -> np.ndarray | None:
+    """A list of numbers (not booleans) as an array, else None."""
+    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None
+    try:
+        return np.array(values, dtype=np.float64 if any(isinstance(v, float) for v in values) else np.int64)
+    except OverflowError:  # an int past int64: no token id
+        return None
+
+
+def _ids(flat: np.ndarray, decode: Decode, notes: Notes, kind: str | None) -> Iterator[str]:
+    """A flat numeric array read as token ids (pipeline/audits/numbers.py); a float one whose
+    values are not integers is a tensor of weights, named in `notes.tensors` as `kind` (None: a
+    column of figures, no tensor)."""
+    if is_ids(flat, decode.min_ids):
+        for row in id_rows(flat, decode.min_ids):
+            yield from _token_texts([row], decode, notes)
+    elif kind and flat.dtype.kind == "f" and flat.size >= decode.min_ids:
+        notes.tensors.add(kind)
+
+
 def _values(value, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
     if isinstance(value, str):
-        yield value
+        yield from _string(value, decode, notes, depth)
     elif isinstance(value, (bytes, bytearray, memoryview)):
         yield from _read(bytes(value), decode, notes, depth + 1)
     elif isinstance(value, dict):
+        if (numbers := _numbers(list(value.values()))) is not None:  # {"0": 464, "1": 3290, ...}
+            yield from _ids(numbers, decode, notes, "numbers")
         for k, v in value.items():
             yield from _values(k, decode, notes, depth)
+            yield GLUE_BREAK  # a key is no token string of its value's
             yield from _values(v, decode, notes, depth)
     elif isinstance(value, (list, tuple)):
-        if _is_token_ids(value):
-            yield from _token_texts([list(value)], decode, notes)
-        else:
-            for v in value:
-                yield from _values(v, decode, notes, depth)
+        yield from _list(list(value), decode, notes, depth)
     elif isinstance(value, np.ndarray):
         if value.dtype.kind in "USV":
             yield from _values(value.ravel().tolist(), decode, notes, depth)
-        else:
-            notes.tensors.add("numpy")
+        elif value.dtype.kind in "iuf":
+            yield from _ids(value.reshape(-1), decode, notes, "numpy")
     elif type(value).__module__.startswith("torch"):  # a tensor (weights_only admits nothing else of torch's)
-        notes.tensors.add("torch")
-    # numbers, None, dates, ...: no text
+        yield from _tensor(value, decode, notes)
+    # single numbers, None, dates, ...: no text
+
+
+def _list(items: list, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
+    """A list's numbers as token ids: itself, its one-number lists ([[464], [3290]]), or each key
+    of a list of objects ([{"id": 464}, ...], a table by rows); then every item."""
+    if (numbers := _numbers(items)) is not None:
+        yield from _ids(numbers, decode, notes, "numbers")
+        return
+    if items and all(isinstance(v, (list, tuple)) and len(v) == 1 for v in items):
+        if (numbers := _numbers([v[0] for v in items])) is not None:
+            yield from _ids(numbers, decode, notes, "numbers")
+    elif items and all(isinstance(v, dict) for v in items):
+        for key in dict.fromkeys(k for v in items for k in v):
+            if (numbers := _numbers([v.get(key) for v in items])) is not None:
+                yield from _ids(numbers, decode, notes, "numbers")
+    yield GLUE_BREAK  # a list's token strings start a run of their own
+    for v in items:
+        yield from _values(v, decode, notes, depth)
+
+
+def _tensor(t, decode: Decode, notes: Notes) -> Iterator[str]:
+    """A torch tensor's numbers: integer tensors as ids; a float one only when its first values
+    are integers (a weight's are not: the rest is never converted)."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    if flat.is_floating_point():
+        if flat.numel() < decode.min_ids:
+            return
+        if not is_ids(flat[:1024].double().numpy(), min(decode.min_ids, flat.numel())):
+            notes.tensors.add("torch")
+            return
+        flat = flat.double()
+    elif flat.dtype in (torch.bool, torch.complex64, torch.complex128) or flat.is_complex():
+        return
+    yield from _ids(flat.to(torch.int64).numpy() if not flat.is_floating_point() else flat.numpy(),
+                    decode, notes, "torch")
 
 
 # --- Parquet and Arrow ----------------------------------------------------------------------
@@ -250,30 +362,64 @@ def _is_list(t: pa.DataType) -> bool:
             or pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
 
 
-def _column(col: pa.Array, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
-    """Each cell of an Arrow column: strings as they are, integer lists as token ids (a batch
-    at a time), numbers skipped, everything else (binary, nested lists, structs, maps) walked."""
+def _column(col: pa.Array, decode: Decode, notes: Notes, depth: int, numbers: "_NumberColumns", i: int
+            ) -> Iterator[str]:
+    """Each cell of an Arrow column: strings (each, in order: a word a row reads as one text),
+    integer lists as token ids (the rows one after another: a record split over rows is found
+    too), number columns to `numbers` (token ids one a row, across batches), booleans and dates
+    skipped, everything else (binary, nested lists, structs, maps) walked."""
     if pa.types.is_dictionary(col.type):
         col = col.dictionary_decode()
     t = col.type
     if _is_text(t):
-        yield from (s for s in col.to_pylist() if s)
-    elif _is_list(t) and pa.types.is_integer(t.value_type):
-        rows = [ids for ids in col.to_pylist() if ids and _is_token_ids(ids)]
-        if rows:
-            yield from _token_texts(rows, decode, notes)
-    elif not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
-              or pa.types.is_temporal(t) or pa.types.is_decimal(t)):
+        for cell in col.to_pylist():
+            if cell:
+                yield from _string(cell, decode, notes, depth)
+    elif _is_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
+        values = col.flatten().drop_null().to_numpy(zero_copy_only=False)
+        yield from _ids(values, decode, notes, None)
+    elif pa.types.is_integer(t) or pa.types.is_floating(t):
+        yield from numbers.add(i, col.drop_null().to_numpy(zero_copy_only=False))
+    elif not (pa.types.is_boolean(t) or pa.types.is_null(t) or pa.types.is_temporal(t) or pa.types.is_decimal(t)):
         for cell in col.to_pylist():
             if cell is not None:
                 yield from _values(cell, decode, notes, depth)
 
 
+class _NumberColumns:
+    """The number columns of a table, read as token ids one a row across its batches: CHUNK
+    values at a time, the last OVERLAP kept for the next (a span across batches is found)."""
+
+    def __init__(self, decode: Decode, notes: Notes):
+        self.decode, self.notes = decode, notes
+        self.pending: dict[int, list[np.ndarray]] = {}
+        self.fresh: dict[int, int] = {}  # values not decoded yet
+
+    def add(self, i: int, values: np.ndarray) -> Iterator[str]:
+        self.pending.setdefault(i, []).append(values)
+        self.fresh[i] = self.fresh.get(i, 0) + len(values)
+        if sum(map(len, self.pending[i])) >= CHUNK:
+            yield from self._flush(i, keep=OVERLAP)
+
+    def _flush(self, i: int, keep: int = 0) -> Iterator[str]:
+        values = np.concatenate(self.pending.pop(i))
+        if self.fresh.pop(i, 0):
+            yield from _ids(values, self.decode, self.notes, None)
+        if keep:
+            self.pending[i], self.fresh[i] = [values[-keep:]], 0
+
+    def close(self) -> Iterator[str]:
+        for i in list(self.pending):
+            yield from self._flush(i)
+
+
 def _arrow_batches(schema: pa.Schema, batches, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
     yield from _metadata(schema.metadata)
+    numbers = _NumberColumns(decode, notes)
     for batch in batches:
-        for col in batch.columns:
-            yield from _column(col, decode, notes, depth)
+        for i, col in enumerate(batch.columns):
+            yield from _column(col, decode, notes, depth, numbers, i)
+    yield from numbers.close()
 
 
 def _parquet(source: Source, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
@@ -299,7 +445,7 @@ def _arrow_stream(source: Source):
 
 
 def _numpy(source: Source, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
-    try:  # mmap: a weight array's numbers are never read, only its header
+    try:  # mmap: a weight array is read only as far as its first values, which are not integers
         arr = (np.load(source, mmap_mode="r", allow_pickle=False) if isinstance(source, Path)
                else np.load(io.BytesIO(source), allow_pickle=False))
     except ValueError as e:  # numpy's refusal to load (or to map) Python objects
@@ -307,10 +453,15 @@ def _numpy(source: Source, decode: Decode, notes: Notes, depth: int) -> Iterator
             raise
         notes.cannot("numpy object array (needs pickle, which could run code): not unpickled")
         return
-    if arr.dtype.kind in "USV":  # text (or records of it); numbers are tensors, not read
+    if isinstance(arr, np.lib.npyio.NpzFile):  # not reached: .npz is a zip, read member by member
+        return
+    if arr.dtype.kind in "USV":  # text (or records of it)
         yield from _values(np.asarray(arr), decode, notes, depth)
-    else:
-        notes.tensors.add("numpy .npy")
+    elif arr.dtype.kind in "iuf":
+        yield from _ids(arr.reshape(-1), decode, notes, "numpy .npy")
+    elif arr.dtype.names:  # a structured array: each field a column
+        for name in arr.dtype.names:
+            yield from _values(np.asarray(arr[name]), decode, notes, depth)
 
 
 def _safetensors_header(source: Source, head: bytes) -> dict | None:
@@ -331,12 +482,29 @@ def _safetensors_header(source: Source, head: bytes) -> dict | None:
 
 
 def _safetensors(source: Source, head: bytes, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
-    """The header's text: its `__metadata__` (free-form strings) and the tensor names; the
-    tensors' dtypes, shapes and offsets hold none."""
+    """The header's text (its `__metadata__`, free-form strings, and the tensor names), then
+    each tensor's numbers: read as token ids where they are integers (a weight's first values
+    are not, and the rest of it is never read)."""
     header = _safetensors_header(source, head)
-    notes.tensors.add("safetensors")
     yield from _values(header.pop("__metadata__", None) or {}, decode, notes, depth)
     yield "\n".join(header)
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    if isinstance(source, bytes):
+        for t in load(source).values():
+            yield from _tensor(t, decode, notes)
+        return
+    with safe_open(str(source), framework="pt") as f:
+        for name in f.keys():
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            rows = 1024 if len(shape) < 2 else -(-1024 // max(1, int(np.prod(shape[1:]))))
+            first = part[:rows] if shape else f.get_tensor(name)
+            if first.is_floating_point() and not is_ids(first.reshape(-1)[:1024].double().numpy(), 1):
+                notes.tensors.add("safetensors")
+                continue
+            yield from _tensor(f.get_tensor(name) if shape else first, decode, notes)
 
 
 def _torch(stream, decode: Decode, notes: Notes, depth: int, mmap: bool = False) -> Iterator[str]:
@@ -365,6 +533,8 @@ def _zip(source: Source, decode: Decode, notes: Notes, depth: int) -> Iterator[s
     with _stream(source) as raw, zipfile.ZipFile(raw) as z:
         infos = [i for i in z.infolist() if not i.is_dir()]
         names = [i.filename for i in infos]
+        for info in z.infolist():  # a member's (or folder's) name can hold a span
+            yield from _string(info.filename, decode, notes, depth)
         if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):  # torch's format
             raw.seek(0)
             yield from _torch(source if isinstance(source, Path) else raw, decode, notes, depth,
@@ -382,6 +552,7 @@ def _zip(source: Source, decode: Decode, notes: Notes, depth: int) -> Iterator[s
 def _tar(source: Source, decode: Decode, notes: Notes, depth: int) -> Iterator[str]:
     with _stream(source) as raw, tarfile.open(fileobj=raw) as tar:
         for k, member in enumerate(tar.getmembers()):
+            yield from _string(member.name, decode, notes, depth)  # a name can hold a span
             if member.isdir():
                 continue
             if not member.isfile():  # links and devices inside an archive: nothing to read, say so

@@ -23,6 +23,15 @@ gives ε ≈ 2.9 for m = 100 and 5.1 for m = 1000
 (δ = 1e-5, the grid's correction included)): it shows leakage, it cannot show
 that an accountant's large ε is tight.
 
+Power: a bound of 0 from the DP training means something only if the same attack would have
+seen a training that leaks. The noise-off training (`--noise-off`: no DP, made on request) is
+that check: when its bound does not exceed the ledger's ε the audit had no power there, and
+`canaries_needed` says how many canaries the same rate of right guesses would need (more
+canaries tighten the binomial test; they do not make a training leak). Without it, `max_bound`
+says what m canaries can show at best (every guess right); the issue-62 review measured, on
+the demo config at the ledger's ε 1.998, a noise-off bound of 1.980 with 256 canaries (no power)
+and 2.774 with 1,000 (docs/privacy.md).
+
 Membership inference: the loss of each training member against each held-out (test)
 non-member; AUC (ties count ½) and the TPR at 1 % FPR (the threshold no more than 1 % of
 non-members pass; with fewer than 100 non-members that is none of them).
@@ -116,6 +125,68 @@ def one_run_audit(scores: Sequence[float], included: Sequence[bool], delta: floa
     best = max(tried, key=lambda t: (t["epsilon_lower_bound"], t["guesses"]))  # none above 0: the most guesses
     return {**best, "canaries": m, "included": int(np.sum(included)), "delta": delta, "confidence": confidence,
             "choices_scanned": len(pairs)}
+
+
+# --- power ----------------------------------------------------------------------------------
+
+MAX_CANARIES = 1 << 15  # beyond this many canaries `canaries_needed` stops looking (a training of them is impractical)
+
+
+def _scaled_bound(m: int, share: float, accuracy: float, delta: float, confidence: float) -> float:
+    """The bound of `m` canaries when the same share of them is guessed, as often right."""
+    r = max(1, round(share * m))
+    return epsilon_lower_bound(m, r, round(accuracy * r), delta, (1 - confidence) / len(choices(m)))
+
+
+def max_bound(m: int, delta: float, confidence: float = CONFIDENCE) -> float:
+    """The largest bound `m` canaries can give: every guess of the grid's best choice right."""
+    return max(_scaled_bound(m, (k_plus + k_minus) / m, 1.0, delta, confidence) for k_plus, k_minus in choices(m))
+
+
+def canaries_needed(result: dict, epsilon: float, confidence: float = CONFIDENCE) -> tuple[int | None, float]:
+    """The fewest canaries with which `result`'s best choice (`one_run_audit`: the same share of the
+    canaries guessed, as often right) would give a bound above `epsilon`, or None when no m up to
+    MAX_CANARIES would; and the largest bound seen. Not monotone in m: the test's δ term grows
+    with m (2mδ), so a large δ caps what any m can show; m is scanned in steps of 25 %."""
+    m, delta = result["canaries"], result["delta"]
+    share, accuracy = result["guesses"] / m, result["right"] / max(result["guesses"], 1)
+    bound = lambda n: _scaled_bound(n, share, accuracy, delta, confidence)  # noqa: E731
+    prev, n, best = None, m, 0.0
+    while n <= MAX_CANARIES:
+        b = bound(n)
+        best = max(best, b)
+        if b > epsilon:
+            if prev is None:
+                return n, best
+            low, high = prev, n
+            while high - low > max(1, low // 50):  # to 2 %: a count to round up, not a measurement
+                mid = (low + high) // 2
+                low, high = (mid, high) if bound(mid) <= epsilon else (low, mid)
+            return high, best
+        prev, n = n, max(n + 1, round(n * 1.25))
+    return None, best
+
+
+def power(m: int, delta: float, epsilon: float | None, noise_off: dict | None) -> dict:
+    """Whether the audit could show `epsilon`: measured by the noise-off training's result when
+    there is one, else only what m canaries can show at best (every guess right).
+    `canaries_for_power`: the m that would (None: none would, `best_lower_bound` says how close
+    any came)."""
+    cap = max_bound(m, delta)
+    out = {"epsilon": epsilon, "max_lower_bound": cap, "noise_off_lower_bound": None, "has_power": None,
+           "canaries_for_power": None, "best_lower_bound": None}
+    if epsilon is None:
+        return out
+    if noise_off is not None:
+        out["noise_off_lower_bound"] = noise_off["epsilon_lower_bound"]
+        out["has_power"] = noise_off["epsilon_lower_bound"] > epsilon
+        if not out["has_power"]:
+            out["canaries_for_power"], out["best_lower_bound"] = canaries_needed(noise_off, epsilon)
+    elif cap <= epsilon:
+        out["has_power"] = False
+        out["canaries_for_power"], out["best_lower_bound"] = canaries_needed(
+            {"canaries": m, "guesses": m, "right": m, "delta": delta}, epsilon)
+    return out
 
 
 # --- membership inference ---------------------------------------------------------------

@@ -46,7 +46,8 @@ import numpy as np
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.config import ConfigError
-from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, compose, current_stage_name, fmt_value
+from pipeline.privacy.ledger import (LedgerEntry, LedgerTotal, compose, current_stage_name, fmt_value,
+                                     with_pld_epsilons)
 from pipeline.locks import file_lock
 from pipeline.manifest import atomic_write_chunks, atomic_write_json, atomic_write_text, private_dir
 
@@ -339,6 +340,26 @@ def record_release(
     after the call and whether the release was new to it."""
     if not (entry.private and entry.epsilon):
         raise ValueError(f"{stage}: only a DP release with ε > 0 spends budget (got ε = {entry.epsilon})")
+    if entry.epsilon_replace_one is None:
+        # A stage may hand back an entry before its replace-one ε is computed (the validation
+        # monitor's: the run's ledger fills it in when it composes); the budget keeps it whole,
+        # else `ledger show` printed "-" for it (issue 62 item 4).
+        entry = with_pld_epsilons(entry)
+    return _append(run_root, budget_id, release_id, stage, run_dir, entry)
+
+
+def record_non_dp_release(run_root: Path, budget_id: str, *, release_id: str, stage: str, run_dir: Path,
+                          unit: str, note: str) -> DatasetBudget:
+    """Record a release computed from the records without DP (the empirical audit's noise-off
+    training, made only on request: issue 62 item 6), on this budget and every overlapping one,
+    so that every later total of these records says that their guarantee no longer covers
+    everything released from them (`compose` marks it NOT DP)."""
+    entry = LedgerEntry(stage=stage, private=False, epsilon=None, privacy_unit=unit, note=note)
+    return _append(run_root, budget_id, release_id, stage, run_dir, entry)[0]
+
+
+def _append(run_root: Path, budget_id: str, release_id: str, stage: str, run_dir: Path,
+            entry: LedgerEntry) -> tuple[DatasetBudget, bool]:
     path = budget_path(run_root, budget_id)
     private_dir(path.parent)
     release = Release(release_id=release_id, records_id=budget_id, stage=stage, run_dir=str(run_dir),
@@ -376,10 +397,11 @@ def dataset_total(
         entries = [e.model_copy(update={"privacy_unit": "record"}) for e in entries]
         note = "; user-level releases counted at record level"
     total = compose(entries, accountant, budget.delta if budget.delta is not None else run_delta)
-    n = len(budget.releases)
+    n = sum(r.entry.private for r in budget.releases)
     return total.model_copy(update={
         "note": f"{n} DP release{'s' * (n != 1)} on these records or records overlapping them, every run "
-        f"together{' and this run planned' if planned else ''}{note}",
+        f"together{' and this run planned' if planned else ''}{note}"
+        + ("" if total.complete else f"; {total.note}"),  # a release without DP: the guarantee says so
     })
 
 
@@ -423,9 +445,11 @@ def format_budget(budget: DatasetBudget, total: LedgerTotal | None) -> str:
         return "no DP release recorded on this dataset"
     rows = [("stage", "epsilon", "epsilon_replace_one", "delta", "mechanism", "recorded_at", "run_dir")]
     for r in budget.releases:
-        e = r.entry
+        # Recorded without its replace-one ε by a version before issue 62 (a monitor's entry):
+        # computed here, by dp-accounting alone (no Opacus, no torch).
+        e = r.entry if r.entry.epsilon_replace_one is not None else with_pld_epsilons(r.entry)
         rows.append((r.stage, fmt_value(e.epsilon), fmt_value(e.epsilon_replace_one), fmt_value(e.delta),
-                     e.mechanism or "-", r.recorded_at, r.run_dir))
+                     e.mechanism or ("-" if e.private else "NOT DP"), r.recorded_at, r.run_dir))
     widths = [max(len(row[i]) for row in rows) for i in range(6)]
     out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[6] for row in rows]
     if total is not None:

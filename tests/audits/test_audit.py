@@ -28,7 +28,7 @@ from conftest import PUBLIC, YELP_TRAIN, make_tiny_model, tiny_pipeline_dict
 from flows.audit import secret_work_dir
 from flows.cli import main
 from flows.run_info import RunDirError
-from pipeline.audits.audit import AUDIT, training_texts, words
+from pipeline.audits.audit import AUDIT, NAMES, training_texts, words
 from pipeline.batching import lm_batch
 from pipeline.audits.canaries import Canary, canary_exposures, make_canaries, write_canary_data
 from pipeline.config import DataConfig, config_from_dict, dump_config
@@ -42,15 +42,31 @@ def _public_sentences(n: int) -> list[str]:
     return [line.strip() for line in PUBLIC.read_text().splitlines() if len(line.split()) > 20][:n]
 
 
+@flow(name="tiny-run", persist_result=False)
+def _ordinary_flow() -> str:
+    from prefect.context import get_run_context
+
+    get_run_logger().info("an ordinary log line")
+    return str(get_run_context().flow_run.id)
+
+
+@pytest.fixture(scope="session")
+def ordinary_flow_run(prefect_server) -> str:
+    """A flow run of the session's Prefect server that holds no private record: the run
+    directories below name it, as a run made by the flow names its own."""
+    return _ordinary_flow()
+
+
 @pytest.fixture
-def run_dir(tmp_path, tiny_tokenizer) -> Path:
+def run_dir(tmp_path, tiny_tokenizer, ordinary_flow_run) -> Path:
     """A finished-looking run directory: config, private splits, checkpoint, report, shard,
-    model files (with the run's tokenizer), logs. Nothing published holds a private record."""
+    model files (with the run's tokenizer), logs, and its flow run in Prefect. Nothing published
+    holds a private record."""
     cfg = config_from_dict(tiny_pipeline_dict(tmp_path))
     run = tmp_path / "runs" / "tiny-1"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(dump_config(cfg))
-    (run / "run.json").write_text(json.dumps({"status": "completed"}))  # no flow run: no Prefect to read
+    _flow_run_json(run, ordinary_flow_run)
     prepare_data(cfg.data, run / "data", cfg.control_codes.domain, split_key(run.parent))
     train = read_split(run / "data" / "train.parquet")[1]
     public = _public_sentences(30)
@@ -61,11 +77,11 @@ def run_dir(tmp_path, tiny_tokenizer) -> Path:
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"n_layer": 1, "note": public[20]}))
     tiny_tokenizer.save_pretrained(model)
-    # Binary tensors the audit skips as weights (a torch zip, a true .npy): no text to find.
+    # Weights (a torch zip, a true .npy, safetensors): numbers that are no token ids, no text.
     (run / "teacher" / "checkpoint").mkdir()
-    torch.save({"weight": torch.zeros(4, 4)}, run / "teacher" / "checkpoint" / "state.pt")
-    np.save(run / "teacher" / "checkpoint" / "noise.npy", np.arange(16, dtype=np.uint32))
-    save_file({"weight": torch.zeros(4, 4)}, model / "model.safetensors")
+    torch.save({"weight": torch.randn(4, 4), "step": torch.tensor(36)}, run / "teacher" / "checkpoint" / "state.pt")
+    np.save(run / "teacher" / "checkpoint" / "noise.npy", np.random.default_rng(0).random(16, dtype=np.float32))
+    save_file({"weight": torch.randn(4, 4)}, model / "model.safetensors")
     assert train  # the private splits stay in data/ while the run is alive
     (run / "teacher" / "training_log.json").write_text(json.dumps({"history": [{"step": 1, "loss": 3.2}]}))
     return run
@@ -97,7 +113,7 @@ def test_clean_run_exits_0_and_writes_counts(run_dir, capsys):
     for weights in ("teacher/checkpoint/state.pt", "teacher/checkpoint/noise.npy", "teacher/model/model.safetensors"):
         assert report["not_scanned"][weights].startswith("binary tensors")
     assert set(report["private_records"]) == {"train", "validation", "test"}
-    assert "PREFECT_API_URL" in report["extra_sources"] or "no flow run" in report["extra_sources"]
+    assert report["extra_sources"].startswith("flow run") and report["files"]["prefect:flow_runs"]["bytes"] > 0
     assert "clean" in capsys.readouterr().out
 
 
@@ -309,6 +325,133 @@ def test_a_planted_span_is_found_by_content_whatever_holds_it(run_dir, plant, ca
     _assert_found(run_dir, secret, plant(run_dir, secret), "train", capsys)
 
 
+# --- issue 62: numbers as token ids, and text in pieces -------------------------------------
+
+
+def _ids_int64_npy(run: Path, secret: str) -> str:
+    np.save(run / "teacher" / "checkpoint" / "batch.npy", np.array(_ids(run, secret), dtype=np.int64))
+    return "teacher/checkpoint/batch.npy"  # was "binary tensors, not scanned", exit 0
+
+
+def _ids_int32_npy_as_padded_labels(run: Path, secret: str) -> str:
+    """A (2, T) batch of labels: padding -100, the record's ids in the second row."""
+    ids = _ids(run, secret)
+    labels = np.full((2, len(ids) + 8), -100, dtype=np.int32)
+    labels[1, 4:4 + len(ids)] = ids
+    np.save(run / "teacher" / "checkpoint" / "labels.npy", labels)
+    return "teacher/checkpoint/labels.npy"
+
+
+def _ids_tensor_in_torch_save(run: Path, secret: str) -> str:
+    torch.save({"weight": torch.randn(2, 2), "batch": torch.tensor([_ids(run, secret)])},
+               run / "teacher" / "checkpoint" / "batch.pt")
+    return "teacher/checkpoint/batch.pt"
+
+
+def _ids_tensor_in_safetensors(run: Path, secret: str) -> str:
+    save_file({"weight": torch.randn(2, 2), "ids": torch.tensor(_ids(run, secret))},
+              run / "teacher" / "model" / "extra.safetensors")
+    return "teacher/model/extra.safetensors"
+
+
+def _ids_parquet_int_column_one_per_row(run: Path, secret: str) -> str:
+    ids = _ids(run, secret)
+    pq.write_table(pa.table({"position": list(range(len(ids))), "token_id": ids}), run / "synthetic" / "ids.parquet")
+    return "synthetic/ids.parquet"
+
+
+def _ids_csv_column(run: Path, secret: str) -> str:
+    ids = _ids(run, secret)
+    (run / "teacher" / "tokens.csv").write_text("position,token_id\n" + "".join(f"{i},{t}\n" for i, t in enumerate(ids)))
+    return "teacher/tokens.csv"
+
+
+def _ids_json_floats(run: Path, secret: str) -> str:
+    (run / "synthetic" / "samples.json").write_text(json.dumps({"ids": [float(i) for i in _ids(run, secret)]}))
+    return "synthetic/samples.json"
+
+
+def _ids_printed_tensor_in_a_log(run: Path, secret: str) -> str:
+    (run / "debug.log").write_text(f"step 3 batch: tensor([{', '.join(map(str, _ids(run, secret)))}])\n")
+    return "debug.log"
+
+
+def _one_word_per_json_string(run: Path, secret: str) -> str:
+    (run / "synthetic" / "words.json").write_text(json.dumps({"words": secret.split()}))
+    return "synthetic/words.json"
+
+
+def _one_word_per_parquet_row(run: Path, secret: str) -> str:
+    pq.write_table(pa.table({"word": secret.split()}), run / "synthetic" / "words.parquet")
+    return "synthetic/words.parquet"
+
+
+def _bpe_token_strings(run: Path, secret: str) -> str:
+    from pipeline.models.base import load_tokenizer
+
+    tok = load_tokenizer(str(run / "teacher" / "model"))
+    tokens = tok.convert_ids_to_tokens(tok(secret, add_special_tokens=False)["input_ids"])
+    (run / "synthetic" / "tokens.json").write_text(json.dumps({"tokens": tokens}))
+    return "synthetic/tokens.json"
+
+
+def _html_a_span_per_word(run: Path, secret: str) -> str:
+    (run / "tokens.html").write_text("<html><body>" + "".join(
+        f'<span class="t">{html.escape(w)}</span>' for w in secret.split()) + "</body></html>")
+    return "tokens.html"
+
+
+def _base64_text(run: Path, secret: str) -> str:
+    import base64
+
+    (run / "notes.txt").write_text("payload: " + base64.b64encode(secret.encode()).decode() + "\n")
+    return "notes.txt"
+
+
+def _hex_text(run: Path, secret: str) -> str:
+    (run / "notes.txt").write_text("payload=" + secret.encode().hex() + "\n")
+    return "notes.txt"
+
+
+def _url_encoded_text(run: Path, secret: str) -> str:
+    import urllib.parse
+
+    (run / "links.txt").write_text("https://example.org/search?q=" + urllib.parse.quote(secret) + "\n")
+    return "links.txt"
+
+
+def _words_joined_with_underscores(run: Path, secret: str) -> str:
+    (run / "notes.txt").write_text("_".join(secret.split()))
+    return "notes.txt"
+
+
+def _a_file_named_with_the_span(run: Path, secret: str) -> str:
+    (run / "synthetic" / f"{secret}.txt").write_text("")
+    return NAMES
+
+
+def _a_folder_named_with_the_span(run: Path, secret: str) -> str:
+    (run / "_".join(secret.split())).mkdir()
+    return NAMES
+
+
+@pytest.mark.parametrize("plant", [
+    _ids_int64_npy, _ids_int32_npy_as_padded_labels, _ids_tensor_in_torch_save, _ids_tensor_in_safetensors,
+    _ids_parquet_int_column_one_per_row, _ids_csv_column, _ids_json_floats, _ids_printed_tensor_in_a_log,
+    _one_word_per_json_string, _one_word_per_parquet_row, _bpe_token_strings, _html_a_span_per_word,
+    _base64_text, _hex_text, _url_encoded_text, _words_joined_with_underscores, _a_file_named_with_the_span,
+    _a_folder_named_with_the_span,
+], ids=lambda f: f.__name__.strip("_"))
+def test_a_record_stored_as_numbers_or_in_pieces_is_found(run_dir, plant, capsys):
+    """Issue 62 findings 1 and 2: a training record's token ids stored as numbers (an int64 or
+    int32 .npy, a tensor in torch.save or safetensors, a Parquet int column or a CSV column one id
+    a row, JSON floats, a tensor printed in a log), or its text in pieces (a word per JSON string
+    or Parquet row, BPE token strings, a <span> per word, base64, hex, URL-encoded, words joined
+    with underscores, a file or folder named with it) exited 0 "clean". Each is found now."""
+    secret = _secret(run_dir, "train")
+    _assert_found(run_dir, secret, plant(run_dir, secret), "train", capsys)
+
+
 def _failing_stage() -> None:
     raise ValueError("an ordinary failure")
 
@@ -391,7 +534,8 @@ def test_a_default_run_s_local_prefect_database_is_read_whatever_its_artifacts_h
         assert main(["audit", str(run_dir)]) == 1
     out, err = capsys.readouterr()
     report = json.loads((run_dir / AUDIT).read_text())
-    assert report["files_with_hits"] == ["prefect:artifact:samples-columns", "prefect:logs"]
+    # The server's events copy what the artifact held (once its event service has stored them)
+    assert set(report["files_with_hits"]) - {"prefect:events"} == {"prefect:artifact:samples-columns", "prefect:logs"}
     assert report["private_records_found"] == {"train": 1, "validation": 1, "test": 0}
     assert "database" in report["extra_sources"] and report["incomplete"] == {}
     for key in ("teacher-progress", "raw-progress", "ledger-md", "ledger-rows", "report-link"):
@@ -402,6 +546,170 @@ def test_a_default_run_s_local_prefect_database_is_read_whatever_its_artifacts_h
     _assert_not_quoted(in_table, out, err, (run_dir / AUDIT).read_text())
 
 
+@pytest.fixture(scope="session")
+def published_flow_run(prefect_server, tmp_path_factory) -> str:
+    """A flow run of the session's server with task runs, artifacts of every type and logs,
+    none holding a private record."""
+    table = tmp_path_factory.mktemp("published") / "table.txt"
+    table.write_text("an ordinary table cell")
+    return _publishing_flow(str(table))
+
+
+def _copy_of_the_database(tmp_path: Path) -> Path:
+    """A copy of the session server's SQLite database, as an attacker would get one."""
+    import sqlite3
+    from contextlib import closing
+
+    from flows.audit import local_prefect_database
+
+    copy = tmp_path / "prefect-copy.db"
+    with closing(sqlite3.connect(local_prefect_database())) as source, closing(sqlite3.connect(copy)) as target:
+        source.backup(target)
+    return copy
+
+
+_NOW = "2026-01-01 00:00:00.000000"
+
+
+def _db_event_payload(con, run_id: str, secret: str) -> str:
+    resource = {"prefect.resource.id": f"prefect.flow-run.{run_id}"}
+    con.execute("INSERT INTO events (occurred, event, resource_id, resource, payload, received, recorded) "
+                "VALUES (?, 'dpdistill.note', ?, ?, ?, ?, ?)",
+                (_NOW, resource["prefect.resource.id"], json.dumps(resource), json.dumps({"note": secret}), _NOW, _NOW))
+    return "prefect:events"
+
+
+def _db_event_related_to_a_task_run(con, run_id: str, secret: str) -> str:
+    """An event about something else that names one of the run's task runs as related."""
+    [task_run] = con.execute("SELECT id FROM task_run WHERE flow_run_id = ? LIMIT 1", (run_id,)).fetchone()
+    related = {"prefect.resource.id": f"prefect.task-run.{task_run}", "prefect.resource.role": "task-run"}
+    con.execute("INSERT INTO events (id, occurred, event, resource_id, resource, related_resource_ids, related, payload, "
+                "received, recorded) VALUES ('e-1', ?, 'dpdistill.note', 'dpdistill.thing', ?, ?, ?, ?, ?, ?)",
+                (_NOW, json.dumps({"prefect.resource.id": "dpdistill.thing"}), json.dumps([related["prefect.resource.id"]]),
+                 json.dumps([related]), json.dumps({"note": secret}), _NOW, _NOW))
+    con.execute("INSERT INTO event_resources (occurred, resource_id, resource_role, resource, event_id) "
+                "VALUES (?, ?, 'task-run', ?, 'e-1')", (_NOW, related["prefect.resource.id"], json.dumps(related)))
+    return "prefect:events"
+
+
+def _db_task_run_name(con, run_id: str, secret: str) -> str:
+    con.execute("UPDATE task_run SET name = ? WHERE flow_run_id = ?", (secret, run_id))
+    return "prefect:task_runs"
+
+
+def _db_flow_run_name(con, run_id: str, secret: str) -> str:
+    con.execute("UPDATE flow_run SET name = ? WHERE id = ?", (secret, run_id))
+    return "prefect:flow_runs"
+
+
+def _db_artifact_collection_alone(con, run_id: str, secret: str) -> str:
+    """The latest artifact of a key, its artifact rows deleted."""
+    con.execute("UPDATE artifact_collection SET description = ?, flow_run_id = ? WHERE key = 'ledger-md'",
+                (secret, run_id))
+    con.execute("DELETE FROM artifact WHERE key = 'ledger-md'")
+    return "prefect:artifact:ledger-md"
+
+
+def _db_variable(con, run_id: str, secret: str) -> str:
+    con.execute("INSERT INTO variable (name, value) VALUES ('notes', ?)", (json.dumps(secret),))
+    return "prefect:table:variable"
+
+
+def _db_flow_run_input(con, run_id: str, secret: str) -> str:
+    con.execute("INSERT INTO flow_run_input (flow_run_id, key, value) VALUES (?, 'answer', ?)",
+                (run_id, json.dumps(secret)))
+    return "prefect:flow_run_input"
+
+
+@pytest.mark.parametrize("plant", [
+    _db_event_payload, _db_event_related_to_a_task_run, _db_task_run_name, _db_flow_run_name,
+    _db_artifact_collection_alone, _db_variable, _db_flow_run_input,
+], ids=lambda f: f.__name__.removeprefix("_db_"))
+def test_every_prefect_table_that_holds_text_is_read(run_dir, published_flow_run, tmp_path, plant, capsys):
+    """Issue 62 finding 3: a record planted in a copy of the run's Prefect database, in a table or
+    column the audit never read (an event's payload, a task run's or flow run's name, an artifact
+    collection whose artifact is gone, a variable, a flow run's input), exited 0 "clean"."""
+    import sqlite3
+    from contextlib import closing
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+
+    secret = _record(run_dir, "train")
+    _flow_run_json(run_dir, published_flow_run)
+    copy = _copy_of_the_database(tmp_path)
+    with closing(sqlite3.connect(copy)) as con:
+        source = plant(con, published_flow_run, secret)
+        con.commit()
+    with temporary_settings(updates={PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{copy}"},
+                            restore_defaults={PREFECT_API_URL}):
+        assert main(["audit", str(run_dir)]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads((run_dir / AUDIT).read_text())
+    assert report["files_with_hits"] == [source] and report["incomplete"] == {}, report["incomplete"]
+    _assert_not_quoted(secret, out, err, (run_dir / AUDIT).read_text())
+
+
+def test_a_database_table_the_audit_does_not_know_makes_it_incomplete(run_dir, published_flow_run, tmp_path, capsys):
+    """A newer Prefect's table could hold the run's text: named unread, never passed over."""
+    import sqlite3
+    from contextlib import closing
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+
+    _flow_run_json(run_dir, published_flow_run)
+    copy = _copy_of_the_database(tmp_path)
+    with closing(sqlite3.connect(copy)) as con:
+        con.execute("CREATE TABLE run_notes (flow_run_id TEXT, note TEXT)")
+        con.commit()
+    with temporary_settings(updates={PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{copy}"},
+                            restore_defaults={PREFECT_API_URL}):
+        assert main(["audit", str(run_dir)]) == 3
+    assert list(json.loads((run_dir / AUDIT).read_text())["incomplete"]) == ["prefect:table:run_notes"]
+    capsys.readouterr()
+
+
+def _api_flow_run_name(client, run_id: str, secret: str) -> str:
+    client.update_flow_run(run_id, name=secret)
+    return "prefect:flow_runs"
+
+
+def _api_task_run_name(client, run_id: str, secret: str) -> str:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    [task_run] = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))[:1]
+    client.set_task_run_name(task_run.id, secret)
+    return "prefect:task_runs"
+
+
+def _api_variable(client, run_id: str, secret: str) -> str:
+    from prefect.client.schemas.actions import VariableCreate
+
+    client.create_variable(VariableCreate(name="audit-test-notes", value=secret))
+    return "prefect:table:variable"
+
+
+@pytest.mark.parametrize("plant", [_api_flow_run_name, _api_task_run_name, _api_variable],
+                         ids=lambda f: f.__name__.removeprefix("_api_"))
+def test_prefect_names_and_variables_are_read_through_the_api(run_dir, prefect_server, tmp_path, plant, capsys):
+    """The same through the server's API (PREFECT_API_URL set), on a flow run of its own."""
+    from prefect.client.orchestration import get_client
+
+    secret = _record(run_dir, "train")
+    (tmp_path / "table.txt").write_text("an ordinary table cell")
+    run_id = _publishing_flow(str(tmp_path / "table.txt"))
+    _flow_run_json(run_dir, run_id)
+    with get_client(sync_client=True) as client:
+        source = plant(client, run_id, secret)
+        try:
+            assert main(["audit", str(run_dir)]) == 1
+        finally:  # the server's variables are every run's: the others' audits must not find it
+            if source == "prefect:table:variable":
+                client.delete_variable_by_name("audit-test-notes")
+    report = json.loads((run_dir / AUDIT).read_text())
+    assert report["files_with_hits"] == [source] and report["incomplete"] == {}
+    capsys.readouterr()
+
+
 def _unread_database(run: Path) -> str:
     _flow_run_json(run, "00000000-0000-4000-8000-000000000000")
     return "prefect"  # no PREFECT_API_URL and no database at PREFECT_SERVER_DATABASE_CONNECTION_URL
@@ -410,6 +718,16 @@ def _unread_database(run: Path) -> str:
 def _flow_run_json_without_id(run: Path) -> str:
     (run / "run.json").write_text(json.dumps({"tool": "dpdistill", "status": "completed"}))
     return "prefect"  # written by the flow, which always names its flow run: its logs cannot be found
+
+
+def _run_json_without_tool_or_flow_run_id(run: Path) -> str:
+    (run / "run.json").write_text(json.dumps({"status": "completed"}))
+    return "prefect"  # issue 62 item 5: passed as "not made by the flow", Prefect unread, exit 0
+
+
+def _no_run_json(run: Path) -> str:
+    (run / "run.json").unlink()
+    return "prefect"
 
 
 def _damaged_parquet(run: Path) -> str:
@@ -424,7 +742,8 @@ def _token_ids_without_tokenizer(run: Path) -> str:
     pq.write_table(pa.table({"token_ids": pa.array([ids], pa.list_(pa.int32()))}), run / "synthetic" / "ids.parquet")
     for p in (run / "teacher" / "model").glob("*token*"):
         p.unlink()
-    return "synthetic/ids.parquet"
+    # and the shard's sample_id column: ten integers in a row may be ids too (issue 62 item 1)
+    return ["synthetic/ids.parquet", "synthetic/shard-00000.parquet"]
 
 
 class _Opaque:
@@ -470,7 +789,7 @@ def _unknown_binary(run: Path) -> str:
 
 
 @pytest.mark.parametrize("make_unreadable", [
-    _unread_database, _flow_run_json_without_id, _damaged_parquet, _token_ids_without_tokenizer,
+    _unread_database, _flow_run_json_without_id, _run_json_without_tool_or_flow_run_id, _no_run_json, _damaged_parquet, _token_ids_without_tokenizer,
     _symlink_out_of_the_run_dir, _dangling_symlink, _fifo, _numpy_object_array, _torch_pickle_of_an_object,
     _zstd_file, _unknown_binary,
 ], ids=lambda f: f.__name__.strip("_"))
@@ -482,11 +801,14 @@ def test_what_cannot_be_read_makes_the_audit_incomplete_never_clean(run_dir, tmp
 
     source = make_unreadable(run_dir)
     nowhere = {PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{tmp_path / 'absent' / 'prefect.db'}"}
-    with temporary_settings(updates=nowhere, restore_defaults={PREFECT_API_URL}):
+    # Prefect's cases without a server or database; the others read the run's flow run from the server
+    with temporary_settings(updates=nowhere if source == "prefect" else {},
+                            restore_defaults={PREFECT_API_URL} if source == "prefect" else set()):
         assert main(["audit", str(run_dir)]) == 3
         out = capsys.readouterr().out
         report = json.loads((run_dir / AUDIT).read_text())
-        assert list(report["incomplete"]) == [source] and "INCOMPLETE" in out and source in out
+        sources = [source] if isinstance(source, str) else source
+        assert list(report["incomplete"]) == sources and "INCOMPLETE" in out and all(s in out for s in sources)
         assert "clean:" not in out and report["files"]["report.html"]["spans"] > 0  # the rest was read
         (run_dir / "notes.txt").write_text(_record(run_dir))
         assert main(["audit", str(run_dir)]) == 1

@@ -87,3 +87,51 @@ def test_extraction_figures():
     assert f["exact_match"] == pytest.approx(1 / 3)
     assert f["token_accuracy"] == pytest.approx((1 + 2 / 3 + 0) / 3)
     assert f["median_edit_distance"] == 1.0 and f["records"] == 3
+
+
+def test_power_says_when_the_noise_off_bound_is_not_above_the_ledger_epsilon_and_which_m_would_be():
+    """Issue 62 item 8: with 256 canaries the demo's noise-off bound (1.980) was below the DP run's
+    ledger ε (1.998), so its DP bound of 0 said nothing, and nothing said so. A noise-off result
+    like it (144 of 154 guesses right, bound 1.82) is named powerless, with the m at which the
+    same rate of right guesses would pass ε; one near chance gets no m."""
+    from pipeline.audits.empirical import _scaled_bound, power
+    from pipeline.audits.empirical_run import format_summary
+
+    rng = np.random.default_rng(0)
+    included = rng.random(256) < 0.5
+    leaky = one_run_audit(included + 0.6 * rng.standard_normal(256), included, 5.2e-5)
+    assert 1.0 < leaky["epsilon_lower_bound"] < 1.998
+    p = power(256, 5.2e-5, 1.998, leaky)
+    assert p["has_power"] is False and p["noise_off_lower_bound"] == leaky["epsilon_lower_bound"]
+    need = p["canaries_for_power"]
+    share, accuracy = leaky["guesses"] / 256, leaky["right"] / leaky["guesses"]
+    assert _scaled_bound(need, share, accuracy, 5.2e-5, 0.95) > 1.998 > _scaled_bound(need * 49 // 50 - 1, share,
+                                                                                      accuracy, 5.2e-5, 0.95)
+    chance = one_run_audit(rng.standard_normal(256), included, 5.2e-5)
+    assert power(256, 5.2e-5, 1.998, chance)["canaries_for_power"] is None
+
+    figures = {"auc": 0.5, "tpr_at_1pct_fpr": 0.0, "exact_match": 0.0, "token_accuracy": 0.0,
+               "median_edit_distance": 16.0}
+    model = lambda o: {"one_run": o, "membership": figures, "extraction": figures}  # noqa: E731
+    report = {"ledger_epsilon_teacher": 1.998, "audit_training_epsilon": 1.998, "audit_training_epsilon_replace_one": 3.0,
+              "delta": 5.2e-5, "noise_multiplier": 1.2, "power": p,
+              "models": {"dp": model(chance), "noise_off": model(leaky)}}
+    printed = format_summary(report)
+    assert "NO POWER: the noise-off training's bound" in printed and f"--canaries {need} would" in printed
+    report["power"] = power(256, 5.2e-5, 1.998, None)  # not measured: 256 canaries could show 3.66
+    assert "power: not measured" in format_summary(report) and "--noise-off" in format_summary(report)
+
+
+def test_a_dp_bound_above_the_epsilon_is_said_to_happen_at_the_confidence_level_not_called_a_bug():
+    from pipeline.audits.empirical_run import format_summary
+
+    rng = np.random.default_rng(1)
+    included = rng.random(64) < 0.5
+    o = one_run_audit(included + 0.01 * rng.standard_normal(64), included, 1e-5)
+    figures = {"auc": 0.5, "tpr_at_1pct_fpr": 0.0, "exact_match": 0.0, "token_accuracy": 0.0,
+               "median_edit_distance": 16.0}
+    report = {"ledger_epsilon_teacher": 0.5, "audit_training_epsilon": 0.5, "audit_training_epsilon_replace_one": 0.9,
+              "delta": 1e-5, "noise_multiplier": 3.0, "power": None,
+              "models": {"dp": {"one_run": o, "membership": figures, "extraction": figures}}}
+    assert o["epsilon_lower_bound"] > 0.5
+    assert "up to 5 % of audits" in format_summary(report)

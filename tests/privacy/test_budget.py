@@ -435,3 +435,56 @@ def test_an_unreadable_key_stops_with_how_to_fix_it(tmp_path, monkeypatch):
         budget_of(root, tmp_path / "train.parquet")  # `plan` too
     monkeypatch.undo()
     assert records_key(root) == key
+
+
+def test_ledger_show_gives_the_replace_one_epsilon_of_every_release_on_the_dataset(tmp_path, capsys):
+    """Issue 62 item 4: the teacher-validation entry (teacher.monitor=dp, pipeline/privacy/monitor.py)
+    reaches the budget without its replace-one ε, and `ledger show`'s dataset table printed "-" for
+    it. A release is recorded with it now, and a budget written before gets it when shown."""
+    from pipeline.privacy.monitor import gaussian_entry
+
+    root = tmp_path / "runs"
+    run = root / "tiny-1"
+    run.mkdir(parents=True)
+    teacher = _teacher(1.0, 30)
+    released = gaussian_entry("teacher-validation", z=5.0, releases=6, delta=DELTA, accountant="prv",
+                              unit="record", secure=True, note="validation loss")
+    assert released.epsilon_replace_one is None  # as the monitor makes it
+    write_ledger(run / "ledger.json", PrivacyLedger(entries=[teacher, released],
+                                                    total=compose([teacher, released], "prv", DELTA)))
+    atomic_write_json(run / "run.json", {"tool": "dpdistill", "run_root": str(root), "dataset_sha256": SHA})
+    record_release(root, SHA, release_id="1" * 64, stage="teacher", run_dir=run, entry=teacher)
+    budget, _ = record_release(root, SHA, release_id="1" * 64 + ":validation", stage="teacher-validation",
+                               run_dir=run, entry=released)
+    assert all(r.entry.epsilon_replace_one for r in budget.releases)
+    stored = json.loads(budget_path(root, SHA).read_text())
+    stored["releases"][1]["entry"]["epsilon_replace_one"] = None  # a budget written before the fix
+    budget_path(root, SHA).write_text(json.dumps(stored))
+    assert main(["ledger", "show", str(run)]) == 0
+    section = capsys.readouterr().out.split("All releases on this dataset")[1]
+    [row] = [line for line in section.splitlines() if line.startswith("teacher-validation")]
+    assert row.split()[2] != "-" and float(row.split()[2]) > 0  # a clipped mean: about its add/remove ε
+
+
+def test_a_release_without_dp_is_recorded_and_every_total_of_the_records_says_so(tmp_path, capsys):
+    """Issue 62 item 6: the empirical audit's noise-off training (made only on request) is a release
+    without DP on the records; their budget records it, and `ledger show` and every total say that
+    the guarantee no longer covers everything released from them."""
+    from pipeline.privacy.budget import record_non_dp_release
+
+    root = tmp_path / "runs"
+    run = root / "tiny-1"
+    run.mkdir(parents=True)
+    entry = _teacher(1.0, 30)
+    write_ledger(run / "ledger.json", PrivacyLedger(entries=[entry], total=compose([entry], "prv", DELTA)))
+    atomic_write_json(run / "run.json", {"tool": "dpdistill", "run_root": str(root), "dataset_sha256": SHA})
+    record_release(root, SHA, release_id="1" * 64, stage="teacher", run_dir=run, entry=entry)
+    budget = record_non_dp_release(root, SHA, release_id="2" * 64, stage="empirical-audit-noise-off", run_dir=run,
+                                   unit="record", note="NOT DP: trained with σ = 0")
+    total = dataset_total(budget, "prv", DELTA)
+    assert total.epsilon == pytest.approx(entry.epsilon) and not total.complete
+    assert "1 DP release" in total.note and "NOT differentially private: empirical-audit-noise-off" in total.note
+    assert main(["ledger", "show", str(run)]) == 0
+    section = capsys.readouterr().out.split("All releases on this dataset")[1]
+    [row] = [line for line in section.splitlines() if line.startswith("empirical-audit-noise-off")]
+    assert "NOT DP" in row and "NOT differentially private" in section
