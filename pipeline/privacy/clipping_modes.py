@@ -82,7 +82,7 @@ def mode_problems(model: nn.Module, modes=MODES) -> dict[str, list[str]]:
     for mode in modes:
         if trace is not None and not found[mode]:
             found[mode] = trace.problems(mode)
-        if trace is not None and not found[mode] and (failed := _dry_run(model, mode)):
+        if trace is not None and not found[mode] and (failed := _dry_run(model, mode, trace.inputs)):
             found[mode] = [failed]
     return found
 
@@ -116,12 +116,12 @@ def _opacus_problem(module: nn.Module) -> str | None:
     return None
 
 
-def _batch(model: nn.Module) -> dict[str, torch.Tensor]:
+def _batch(model: nn.Module, masked: bool = True) -> dict[str, torch.Tensor]:
     """The teacher stage's inputs (pipeline/batching.py lm_batch), (BATCH, LENGTH) of token 0."""
     device = next(model.parameters()).device
     ids = torch.zeros(BATCH, LENGTH, dtype=torch.long, device=device)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "position_ids": torch.arange(LENGTH, device=device).expand(BATCH, LENGTH).contiguous()}
+    return {"input_ids": ids, "position_ids": torch.arange(LENGTH, device=device).expand(BATCH, LENGTH).contiguous(),
+            **({"attention_mask": torch.ones_like(ids)} if masked else {})}
 
 
 def _per_example(out) -> torch.Tensor:
@@ -153,29 +153,40 @@ class _Trace(TorchFunctionMode):
         self.outside: dict[str, int | None] = {}  # parameter name -> id of the module that used it
         self.outputs: dict[int, tuple[torch.Tensor, int]] = {}  # id(output) -> (it, id of the trainable layer)
         self.modified: dict[int, int | None] = {}  # id(trainable layer) -> id of the module changing its output
+        self.inputs: dict[str, torch.Tensor] = {}  # the batch that ran: the dry run's too
 
     @classmethod
     def run(cls, model: nn.Module) -> _Trace | str | None:
         """The trace of one forward; a problem line if the forward raised; None (and a warning)
-        if it could not run on the meta device for want of values."""
-        trace, was_training = cls(model), model.training
-        pre = torch.nn.modules.module.register_module_forward_pre_hook(trace._enter)
-        post = torch.nn.modules.module.register_module_forward_hook(trace._leave, always_call=True)
+        if it could not run on the meta device for want of values. There, transformers' sdpa mask
+        asks whether every position is real (`padding_mask.all()`), a value the device lacks: the
+        forward is tried again without attention_mask, which calls the same layers the same way."""
+        for masked in (True, False):
+            trace = cls(model)
+            try:
+                trace.inputs = _batch(model, masked)
+                trace._forward(model)
+                return trace
+            except Exception as e:
+                error = e
+                if "meta" not in str(e).lower():
+                    return (f"{_where(e, model)}: the model's forward failed on a batch shaped as the teacher's "
+                            f"(input_ids, attention_mask, position_ids of ({BATCH}, {LENGTH})): {_first_line(e)}")
+        log.warning("preflight could not run %s on the meta device (%s: %s); its clipping is checked when the "
+                    "teacher stage wraps it", type(model).__name__, type(error).__name__, error)
+        return None
+
+    def _forward(self, model: nn.Module) -> None:
+        was_training = model.training
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(self._enter)
+        post = torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True)
         try:
-            with torch.enable_grad(), trace:
-                model.train()(**_batch(model))
-        except Exception as e:
-            if "meta" in str(e).lower():
-                log.warning("preflight could not run %s on the meta device (%s: %s); its clipping is checked "
-                            "when the teacher stage wraps it", type(model).__name__, type(e).__name__, e)
-                return None
-            return (f"{_where(e, model)}: the model's forward failed on a batch shaped as the teacher's "
-                    f"(input_ids, attention_mask, position_ids of ({BATCH}, {LENGTH})): {_first_line(e)}")
+            with torch.enable_grad(), self:
+                model.train()(**self.inputs)
         finally:
             pre.remove()
             post.remove()
             model.train(was_training)
-        return trace
 
     def _enter(self, module, args):
         if id(module) in self.names:
@@ -240,7 +251,7 @@ def _carries_grad(out) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
 
 
-def _dry_run(model: nn.Module, mode: str) -> str | None:
+def _dry_run(model: nn.Module, mode: str, inputs: dict) -> str | None:
     """What one DP-SGD step of `mode` raises on a copy of the model, wrapped as the teacher stage
     wraps it (σ = 0, nothing learned), as a problem line; None when the step runs. Ghost runs the
     hooks step (the module docstring's check 3 says why)."""
@@ -255,7 +266,7 @@ def _dry_run(model: nn.Module, mode: str) -> str | None:
                 module=model, optimizer=torch.optim.SGD(params, lr=0.0), data_loader=loader, noise_multiplier=0.0,
                 max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=step)
             dp_model, optimizer = made[0], made[1]
-            CLIPPING[step](dp_model, optimizer, _per_example(dp_model.train()(**_batch(model))))
+            CLIPPING[step](dp_model, optimizer, _per_example(dp_model.train()(**inputs)))
             optimizer.step()
     except Exception as e:
         hint = next((h for key, h in _HINTS.items() if key in str(e)), None)

@@ -117,3 +117,15 @@ def test_a_one_element_gate_is_clipped_exactly_in_every_mode():
     want, clip = reference(model, inputs, labels)
     for mode in MODES:
         assert_clipped_sums_equal(mode_clipped_sum(model, mode, inputs, labels, clip), want)
+
+
+def test_preflight_runs_a_model_with_sdpa_attention_on_the_meta_device(caplog):
+    """transformers' sdpa mask reads whether every position is real, a value the meta device lacks:
+    the trace runs again without the mask rather than skipping the checks (with a warning)."""
+    with torch.device("meta"):
+        model = CLIPPING_FAMILIES["llama"](300)
+    model.config._attn_implementation = "sdpa"  # what from_config picks for a model of the hub
+    untie_lm_head(model)
+    with caplog.at_level("WARNING", logger="pipeline.privacy.clipping_modes"):
+        assert mode_problems(model) == {mode: [] for mode in MODES}
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
