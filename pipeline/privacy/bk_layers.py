@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.privacy import bk_kernel
-from pipeline.privacy.bk_rules import AFFINE_SCALE, ONE_PLUS_SCALE, SCALE, WHICH_MODE, apply_linear
+from pipeline.privacy.bk_rules import ONE_PLUS_SCALE, SCALE, WHICH_MODE, apply_linear
 
 
 # --- one call's per-example gradient of one parameter, kept in factored form -------------------
