@@ -5,20 +5,18 @@
 
 pipeline/preflight.py checks that the models exist without importing torch; this reads their
 configs and builds each on the meta device (no weights read, no memory), untied and wrapped as
-the DP-SGD stage will, and asks the code that will run it: book-keeping clipping for every
-parameterised layer (pipeline/privacy/bk_layers.py), bitfit for bias terms, the fast decode engine for
-the teacher, one tokenizer for teacher and student (the KL and the evaluation compare their
+the DP-SGD stage will, and asks the code that will run it: the clipping mode, on every layer and
+through one traced forward and one DP-SGD step on the meta device
+(pipeline/privacy/clipping_modes.py), bitfit for bias terms, the fast decode engine for the
+teacher, one tokenizer for teacher and student (the KL and the evaluation compare their
 tokens), the teacher's positions for `teacher.max_length`. A model the user chose is refused
-here, naming the module, its class and the settings that can run it, never minutes later by an
-error from inside a stage (issue 35).
+here, naming the module, its class and the settings that can run it (a clipping mode that clips
+it exactly, or none), never minutes later by an error from inside a stage (issues 35, 62).
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
-from opacus.utils.module_utils import trainable_modules
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import PipelineConfig, TeacherConfig
@@ -27,7 +25,7 @@ from pipeline.models import decoding
 from pipeline.models.base import (BUILTIN_PREFIX, load_tokenizer, model_positions, same_tokenizer, shipped_path,
                                   untie_lm_head)
 from pipeline.preflight import PreflightError
-from pipeline.privacy.bk_layers import bk_problems
+from pipeline.privacy.clipping_modes import MODES, advice, mode_problems
 from pipeline.privacy.dpsgd import TeacherError
 from pipeline.stages.teacher.trainable import prepare_trainable
 
@@ -86,29 +84,24 @@ def _dp_sgd_problems(field: str, name: str, config, t: TeacherConfig) -> list[st
         model = prepare_trainable(model, t)
     except TeacherError as e:
         return [f"{field} {name!r}: {e}"]
-    if t.grad_sample_mode == "bk":
-        problems, clipping = bk_problems(model), "book-keeping clipping (teacher.grad_sample_mode=bk)"
-    else:
-        problems = [f"{n} ({type(m).__name__}): {why}; use teacher.grad_sample_mode=bk"
-                    for n, m in trainable_modules(model) if (why := _opacus_problem(m))]
-        clipping = f"Opacus' {t.grad_sample_mode} clipping (teacher.grad_sample_mode={t.grad_sample_mode})"
+    return clipping_problems(field, name, model, t)
+
+
+def clipping_problems(field: str, name: str, model: torch.nn.Module, t: TeacherConfig) -> list[str]:
+    """What `t.grad_sample_mode` cannot clip exactly in `model` (as the DP-SGD stage will wrap it),
+    in one line with a mode that can, or none. The other modes are checked only to advise, and
+    only those the config allows beside `t`'s settings (ghost and hooks need lm_head untied)."""
+    mode = t.grad_sample_mode
+    problems = mode_problems(model, [mode])[mode]
     if not problems:
         return []
+    others = [m for m in MODES if m != mode and (t.untie_lm_head or m == "bk")]
+    found = mode_problems(model, others) if others else {}
+    clipping = "book-keeping clipping" if mode == "bk" else f"Opacus' {mode} clipping"
+    clipping += f" (teacher.grad_sample_mode={mode})"
     more = f" (and {len(problems) - MAX_NAMED} more)" if len(problems) > MAX_NAMED else ""
-    return [f"{field} {name!r}: {clipping} cannot train {'; '.join(problems[:MAX_NAMED])}{more}"]
-
-
-def _opacus_problem(module: torch.nn.Module) -> str | None:
-    """Why Opacus' hooks (ghost and hooks clipping) cannot wrap this trainable layer. They compute
-    per-sample gradients of any layer (functorch for unknown ones), but refuse a layer holding
-    buffers (Gemma's scaled embedding), and detach every positional input of the layer, so one
-    whose forward takes numbers (OPT's learned positions: a mask and an int offset) fails."""
-    if next(module.buffers(), None) is not None:
-        return "a trainable layer holding buffers, which Opacus refuses"
-    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
-    if any(p.annotation in (int, float, bool, "int", "float", "bool") for p in params):
-        return "its forward takes numbers beside tensors, which Opacus' hooks cannot detach"
-    return None
+    return [f"{field} {name!r}: {clipping} cannot train {'; '.join(problems[:MAX_NAMED])}{more}; "
+            f"{advice(found, mode)}"]
 
 
 def _tokenizer_problem(cfg: PipelineConfig) -> str | None:

@@ -102,6 +102,84 @@ FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
 }
 
 
+# --- the families whose layers clipping must handle besides (issue 62): the clipping and preflight
+# matrix (tests/privacy/test_clipping_families.py), not yet every stage (tests/stages/test_families.py)
+
+def falcon(vocab_size: int = 300, eos_id: int = 0) -> PreTrainedModel:  # Falcon-7B style: tied
+    """FalconLinear (an nn.Linear subclass computing x Wᵀ + b its own way), multi-query attention,
+    attention and MLP in parallel, the MLP's output added to in place (`mlp_output += ...`)."""
+    return _build(transformers.FalconForCausalLM, transformers.FalconConfig(
+        vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        multi_query=True, parallel_attn=True, bias=False, ffn_hidden_size=2 * HIDDEN, max_position_embeddings=POSITIONS,
+        hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=True))
+
+
+def stablelm(vocab_size: int = 300, eos_id: int = 0) -> PreTrainedModel:  # StableLM-2 style: untied
+    """LayerNorm with biases, q/k/v biases, a quarter of each head rotated, and (as StableLM-2-12B)
+    a LayerNorm per head on q and k (a ModuleList of LayerNorms over head slices)."""
+    return _build(transformers.StableLmForCausalLM, transformers.StableLmConfig(
+        vocab_size=vocab_size, **_GQA, use_qkv_bias=True, qk_layernorm=True, partial_rotary_factor=0.25,
+        hidden_dropout=0.0, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=False))
+
+
+def cohere(vocab_size: int = 300, eos_id: int = 0) -> PreTrainedModel:  # Command-R style: tied
+    """CohereLayerNorm (mean-centred, no bias), attention and MLP in parallel, logits scaled."""
+    return _build(transformers.CohereForCausalLM, transformers.CohereConfig(
+        vocab_size=vocab_size, **_GQA, logit_scale=0.25, bos_token_id=eos_id, eos_token_id=eos_id,
+        pad_token_id=eos_id, tie_word_embeddings=True))
+
+
+def olmo2(vocab_size: int = 300, eos_id: int = 0) -> PreTrainedModel:
+    """Norms after attention and MLP (not before), RMSNorm on the whole q and k projections."""
+    return _build(transformers.Olmo2ForCausalLM, transformers.Olmo2Config(
+        vocab_size=vocab_size, **_GQA, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        tie_word_embeddings=False))
+
+
+def granite(vocab_size: int = 300, eos_id: int = 0) -> PreTrainedModel:  # Granite-3 style: tied
+    """Llama's layers with Granite-3's scalars on the embedding, the residuals, attention and logits."""
+    return _build(transformers.GraniteForCausalLM, transformers.GraniteConfig(
+        vocab_size=vocab_size, **_GQA, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.0625, logits_scaling=8.0, bos_token_id=eos_id, eos_token_id=eos_id,
+        pad_token_id=eos_id, tie_word_embeddings=True))
+
+
+def starcoder2(vocab_size: int = 300, eos_id: int = 0) -> PreTrainedModel:  # tied
+    """LayerNorm with biases, biases on every linear map, a plain (c_fc, c_proj) MLP."""
+    return _build(transformers.Starcoder2ForCausalLM, transformers.Starcoder2Config(
+        vocab_size=vocab_size, **_GQA, use_bias=True, residual_dropout=0.0, embedding_dropout=0.0,
+        bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=True))
+
+
+def qwen3(vocab_size: int = 300, eos_id: int = 0) -> PreTrainedModel:  # Qwen3-0.6B style: tied
+    """RMSNorm per head on q and k (a weight of the head size on (B, T, heads, head_dim))."""
+    return _build(transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        vocab_size=vocab_size, **_GQA, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=True))
+
+
+def gemma2(vocab_size: int = 300, eos_id: int = 0) -> PreTrainedModel:  # tied
+    """Gemma's (1+w)·x̂ norms before and after attention and MLP, soft-capped attention and
+    logits, sliding-window layers (a window of 4, shorter than the test records)."""
+    return _build(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+        vocab_size=vocab_size, **_GQA, query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=4,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, tie_word_embeddings=True))
+
+
+def gemma3(vocab_size: int = 300, eos_id: int = 0) -> PreTrainedModel:  # Gemma-3-1B style: text only, tied
+    """Gemma2's layout with per-head q/k norms and local/global rotary bases."""
+    return _build(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+        vocab_size=vocab_size, **_GQA, query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, tie_word_embeddings=True))
+
+
+MORE_FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
+    "falcon": falcon, "stablelm": stablelm, "cohere": cohere, "olmo2": olmo2, "granite": granite,
+    "starcoder2": starcoder2, "qwen3": qwen3, "gemma2": gemma2, "gemma3": gemma3,
+}
+CLIPPING_FAMILIES = FAMILIES | MORE_FAMILIES  # every family clipping and preflight are checked on
+
+
 def save_pair(name: str, tokenizer, root: Path) -> dict[str, Path]:
     """A teacher of family `name` (seeded) and a student of its family, one layer and half as
     wide (the head size kept), saved with `tokenizer` under root/name/{teacher,student}."""
@@ -186,3 +264,66 @@ def every_stage(family: str, dirs: dict[str, Path], splits, out: Path, runtime) 
     for name in ("dp_teacher", "student"):
         assert math.isfinite(metrics["perplexity"][name]["windowed"]), (name, metrics["perplexity"])
     return seconds
+
+
+# --- models no family ships, which a user's own code could make (issue 62 items 9-13) -------------
+
+class ToyConfig(transformers.PretrainedConfig):
+    model_type = "dpdistill_toy"
+
+    def __init__(self, vocab_size: int = 50, hidden_size: int = 16, kind: str = "plain",
+                 max_position_embeddings: int = POSITIONS, **kwargs):
+        self.vocab_size, self.hidden_size, self.kind = vocab_size, hidden_size, kind
+        self.max_position_embeddings = max_position_embeddings
+        super().__init__(**{"tie_word_embeddings": False, **kwargs})
+
+
+class _Gate(torch.nn.Module):
+    """A ReZero-style gate y = w·x, one weight (shape (1,)) over every feature."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((1,), 0.3))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class ToyLM(PreTrainedModel):
+    """A tiny causal LM whose middle does what `config.kind` says: "outside" also uses lin.weight
+    through F.linear in its own forward (items 9, 10), "twice" calls lin twice (item 13), "gate"
+    adds a 1-element ReZero gate (item 11). Registered with transformers' Auto classes, so a
+    saved one goes through preflight from its directory like any family."""
+
+    config_class = ToyConfig
+
+    def __init__(self, config: ToyConfig):
+        super().__init__(config)
+        d = config.hidden_size
+        self.embed = torch.nn.Embedding(config.vocab_size, d)
+        self.lin = torch.nn.Linear(d, d)
+        self.gate = _Gate() if config.kind == "gate" else None
+        self.lm_head = torch.nn.Linear(d, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        h = self.embed(input_ids)  # (B, T, d)
+        if self.config.kind == "outside":
+            h = self.lin(h) + torch.nn.functional.linear(h, self.lin.weight)
+        elif self.config.kind == "twice":
+            h = self.lin(torch.tanh(self.lin(h)))
+        elif self.config.kind == "gate":
+            h = h + self.gate(torch.tanh(self.lin(h)))
+        else:
+            h = self.lin(h)
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.lm_head(h))  # (B, T, V)
+
+
+transformers.AutoConfig.register(ToyConfig.model_type, ToyConfig, exist_ok=True)
+transformers.AutoModelForCausalLM.register(ToyConfig, ToyLM, exist_ok=True)

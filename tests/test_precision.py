@@ -20,7 +20,7 @@ import pipeline.stages.distill
 import pipeline.stages.evaluate
 import pipeline.stages.generate
 import pipeline.stages.logit_cache
-import pipeline.privacy.bk_layers
+import pipeline.privacy.bk_rules
 import pipeline.stages.teacher.monitor
 import pipeline.stages.teacher.recipe
 from pipeline.models.base import untie_lm_head
@@ -185,7 +185,7 @@ OBSERVED = [
     (pipeline.stages.distill, "distill", "distillation"), (pipeline.stages.evaluate, "perplexity", "evaluation"),
     (pipeline.stages.evaluate, "_adherence", "code adherence"),
     # bk's rule for a norm layer: its own forward probed once at wrap time, on a float32 CPU copy
-    (pipeline.privacy.bk_layers, "_elementwise_kind", "bk probe"),
+    (pipeline.privacy.bk_rules, "_elementwise_kind", "bk probe"),
 ]
 TRAINING = {"teacher training", "teacher validation", "distillation"}  # fp32 master weights, autocast
 

@@ -13,7 +13,9 @@ speed advantage. Registered here:
 
 LayerNorm gets a norm sampler too: its per-example gradient is one d-vector per example
 (no larger than a row of activations), so it is computed and its norm taken; with it every
-parameterised layer of GPT-2 (Embedding, Conv1D, LayerNorm, Linear) has a norm sampler.
+parameterised layer of GPT-2 (Embedding, Conv1D, LayerNorm, Linear) has a norm sampler. Its
+grad sampler replaces Opacus' own, which reads `layer.bias.requires_grad` and so crashed on a
+LayerNorm without bias (StableLM-2's per-head q/k norms; issue 62), in ghost and hooks alike.
 
 Importing this module registers both (idempotent).
 """
@@ -25,9 +27,9 @@ import time
 
 import torch
 from opacus.accountants.analysis import rdp as _opacus_rdp
-from opacus.grad_sample.layer_norm import compute_layer_norm_grad_sample
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from opacus.grad_sample.utils import register_grad_sampler, register_norm_sampler
+from opacus.utils.tensor_utils import sum_over_all_but_batch_and_last_n
 from transformers.pytorch_utils import Conv1D
 
 
@@ -44,6 +46,19 @@ def compute_conv1d_grad_sample(layer: Conv1D, activations: list[torch.Tensor], b
 
 
 register_norm_sampler(Conv1D)(compute_linear_norm_sample)
+
+
+@register_grad_sampler(torch.nn.LayerNorm)
+def compute_layer_norm_grad_sample(layer: torch.nn.LayerNorm, activations: list[torch.Tensor], backprops: torch.Tensor):
+    """Per-sample gradients of a LayerNorm's weight and bias (each (N, *normalized_shape)), Opacus'
+    arithmetic, with or without a bias."""
+    out = {}
+    if layer.weight.requires_grad:
+        normed = torch.nn.functional.layer_norm(activations[0], layer.normalized_shape, eps=layer.eps)
+        out[layer.weight] = sum_over_all_but_batch_and_last_n(normed * backprops, layer.weight.dim())
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = sum_over_all_but_batch_and_last_n(backprops, layer.bias.dim())
+    return out
 
 
 @register_norm_sampler(torch.nn.LayerNorm)

@@ -31,27 +31,31 @@ noise and optimizer (DPDDP's too) are used unchanged: `BookKeepingPrivacyEngine`
 Opacus' PrivacyEngine with `grad_sample_mode="bk"` mapped to this module and to the
 ghost-clipping optimizer.
 
-Layers are matched on what they compute, not on their class name (issue 35), so that every
-decoder family (GPT-2, Llama, Qwen2, Mistral, Gemma, GPT-NeoX, Phi-3, OPT: tests/families.py)
-runs without a rule of its own:
+Layers are matched on what they compute, not on their class name (issues 35 and 62), so that
+every decoder family (tests/families.py: GPT-2, Llama, Qwen2, Mistral, Gemma, GPT-NeoX, Phi-3,
+OPT, Falcon, StableLM, Cohere, OLMo-2, Granite, StarCoder2, Qwen3, Gemma 2 and 3) runs without
+a rule of its own (pipeline/privacy/bk_rules.py says which rule each layer gets):
 
-- linear maps: nn.Linear and subclasses that keep its forward (peft's LoRA adapters are
-  nn.Linear), GPT-2's Conv1D (the same map, W stored transposed);
+- linear maps: nn.Linear (peft's LoRA adapters are nn.Linear), GPT-2's Conv1D (the same map,
+  W stored transposed), and any leaf module with a 2-D weight whose own forward, run on a small
+  stand-in, computes one of the two (Falcon's FalconLinear);
 - embedding lookups: nn.Embedding and its subclasses. A subclass with a forward of its own
   (OPT's learned positions, Gemma's √d-scaled embedding) keeps it: only the lookup it
   reaches through `super().forward` is bk's (see `_RoutedLookup`);
-- elementwise scales of a leaf module's 1-D `weight` (and 1-D `bias`) on a normalised input,
-  y = c(x) + w ⊙ s(x) + b: LayerNorm with or without bias, RMSNorm as w·x̂ (Llama, Qwen2,
-  Mistral, Phi-3; c = 0) and as (1+w)·x̂ (Gemma; c = s). Found by running the module's own
-  forward at w = 0, 1 and a random vector and checking that the output is affine in w
-  (`_elementwise_kind`), so a new norm class with the same arithmetic needs nothing here. At
-  run time s(x) (and c(x) for the general form) come from that same forward with w = 1 or
-  0 substituted, so the dtype and the fp32 upcasts are the module's own.
+- elementwise scales of a leaf module's `weight` (and a `bias` of its shape),
+  y = c(x) + w ⊙ s(x) + b, w broadcast over the input's trailing axes: LayerNorm with or
+  without bias, RMSNorm as w·x̂ (Llama, Qwen2, Mistral, Phi-3; c = 0) and as (1+w)·x̂ (Gemma;
+  c = s), a per-head norm, a 1-element gate x·w. Found by running the module's own forward at
+  w = 0, 1 and a random value and checking that the output is affine in w, so a new norm
+  class with the same arithmetic needs nothing here. At run time s(x) (and c(x) for the
+  general form) come from that same forward with w = 1 or 0 substituted, so the dtype and
+  the fp32 upcasts are the module's own.
 
 Anything else with trainable parameters of its own is refused by name and class before any
-patching (`bk_problems`, which preflight can call on a model built on the meta device). The
-rules, the autograd Functions and the per-use norms are in pipeline/privacy/bk_layers.py; this
-module wraps the model with them and forms the clipped sums.
+patching (`bk_problems`, which preflight calls on a model built on the meta device, before it
+runs one step of every clipping mode there: pipeline/privacy/clipping_modes.py). The autograd
+Functions and the per-use norms are in pipeline/privacy/bk_layers.py; this module wraps the
+model with them and forms the clipped sums.
 
 Exactness guards, each found by an independent check (issue 35):
 - a module called more than once in one forward (a reused layer, an adapter applied twice):
@@ -72,6 +76,7 @@ wrapped model is an error.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -84,10 +89,10 @@ from torch import nn
 
 from pipeline.devices import ieee_fp32_products
 from pipeline.privacy import noise
-from pipeline.privacy.bk_layers import (BF16_NORM_MARGIN, EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED,
-                                        OTHER_MODES, SPLIT_ERROR, Keep, SquaredNorms, UnsupportedLayer, Use,
-                                        elementwise_forward, embedding_forward, layer_rule, linear_forward,
-                                        problem_line, routed_class, trainable_here)
+from pipeline.privacy.bk_layers import (BF16_NORM_MARGIN, SPLIT_ERROR, Keep, SquaredNorms, Use, elementwise_forward,
+                                        embedding_forward, linear_forward, routed_class)
+from pipeline.privacy.bk_rules import (EMBEDDING, EMBEDDING_ROUTED, LINEAR, LINEAR_TRANSPOSED, WHICH_MODE,
+                                       UnsupportedLayer, layer_rule, problem_line, trainable_here)
 
 BK = "bk"
 
@@ -116,7 +121,8 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
                     problems.append(problem_line(name, module, str(e)))
         if problems:  # refused before anything is patched
             raise NotImplementedError("bk clipping has no rule for " + (
-                problems[0] if len(problems) == 1 else f"{len(problems)} modules:\n" + "\n".join(problems)))
+                problems[0] if len(problems) == 1 else f"{len(problems)} modules:\n" + "\n".join(problems))
+                + f"\n({WHICH_MODE})")
         self._check_shared_weights(m, rules)
         for name, module in m.named_modules():
             if name in rules:
@@ -212,12 +218,15 @@ class GradSampleModuleBookKeeping(AbstractGradSampleModule):
                 f"bk clipping: autograd reached {', '.join(bypassed)} outside the layer bk clips it in (the "
                 "parameter is also used directly, e.g. F.linear(x, layer.weight) in another module's forward), "
                 "so that gradient would be added unclipped and break the DP guarantee; use each trainable "
-                f"parameter only through its own module, or freeze it ({OTHER_MODES} may handle such a model)"
+                "parameter only through its own module, or freeze it (no clipping mode clips such a use: ghost's "
+                "norms would miss it, hooks would drop its gradient)"
             )
         # Autocast off and fp32 products in full fp32 whoever calls: under autocast matmul and bmm
         # would form the norms and sums in bf16, under TF32 (or oneDNN's bf16 mode on a CPU) with a
         # 10-bit (8-bit) significand, and a norm rounded down clips by less than C.
-        with torch.no_grad(), torch.autocast(per_example_loss.device.type, enabled=False), ieee_fp32_products():
+        device = per_example_loss.device.type  # meta: preflight's dry run, which has no autocast
+        no_autocast = contextlib.nullcontext() if device == "meta" else torch.autocast(device, enabled=False)
+        with torch.no_grad(), no_autocast, ieee_fp32_products():
             sq, split_sq = _per_example_sq_norms(kept, batch, per_example_loss.device)  # (B,) each
             # With bf16 factors each example's clipped part may exceed Cᵢ‖∇ℓᵢ‖ by the split's error,
             # at most Cᵢ·SPLIT_ERROR·√(split_sq) (_MatmulUse.weighted_sum): clip by the sum of the two.

@@ -1,8 +1,7 @@
-"""Book-keeping clipping's layers (pipeline/privacy/bk.py wraps the model with them): which rule
-each parameterised layer gets, by what it computes; the autograd Functions that keep each use's
-input and output gradient in the one backward; each use's per-example squared norm and its
-cross terms with another use of the same parameter; and `bk_problems`, the same classification
-without wrapping (preflight calls it on a model built on the meta device).
+"""Book-keeping clipping's layers (pipeline/privacy/bk.py wraps the model with them): the
+autograd Functions that keep each use's input and output gradient in the one backward; each
+use's per-example squared norm and its cross terms with another use of the same parameter; and
+each rule's forward. Which rule a layer gets, by what it computes, is pipeline/privacy/bk_rules.py.
 """
 
 from __future__ import annotations
@@ -13,16 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from pipeline.privacy import bk_kernel
-
-OTHER_MODES = "use teacher.grad_sample_mode=ghost or hooks"
-
-# The rules, by what the layer computes (see the module docstring).
-LINEAR, LINEAR_TRANSPOSED = "linear", "linear (W stored transposed)"
-EMBEDDING, EMBEDDING_ROUTED = "embedding", "embedding (the subclass's own forward around the lookup)"
-SCALE, ONE_PLUS_SCALE, AFFINE_SCALE = "w·s(x) + b", "(1+w)·s(x) + b", "c(x) + w·s(x) + b"
+from pipeline.privacy.bk_rules import ONE_PLUS_SCALE, SCALE, WHICH_MODE, apply_linear
 
 
 # --- one call's per-example gradient of one parameter, kept in factored form -------------------
@@ -55,7 +47,7 @@ class Use:
         if not self.flat or self.rows % batch:
             raise RuntimeError(
                 f"bk clipping: {name} saw a batch whose rows are not the loss's examples "
-                f"(a model that reshapes the batch dimension), so bk cannot tell whose gradient is whose; {OTHER_MODES}")
+                f"(a model that reshapes the batch dimension), so bk cannot tell whose gradient is whose; {WHICH_MODE}")
         self._regroup(batch)
         self.rows = batch
 
@@ -221,12 +213,20 @@ def _lookup_head_dot(lookup: _LookupUse, head: _MatmulUse) -> torch.Tensor:
 
 
 class _VectorUse(Use):
-    """A bias or a norm weight: the per-example gradients (B, p) are small, formed outright
-    from the per-position ones x3 (B, T, p) by summing over T."""
+    """A bias, a norm's weight or a gate's: the per-example gradients (B, n), n the parameter's
+    size, are small, formed outright from the per-position products x (B, ..., *) by summing
+    every axis the parameter broadcasts over: the positions (and heads), and for a 1-element
+    gate x·w the features too (issue 62: summed over positions only, a gate's gradient had the
+    input's width, its norm was wrong and its sum did not fit the parameter)."""
 
-    def __init__(self, x3: torch.Tensor, flat: bool):
-        self.per = x3[:, 0] if x3.shape[1] == 1 else x3.sum(1)  # (B, p); a view when T = 1
-        self.rows, self.flat = x3.shape[0], flat
+    def __init__(self, x: torch.Tensor, shape: torch.Size, flat: bool):
+        lead = x.dim() - len(shape)  # the example's axis and the positions'
+        if lead < 1:
+            raise RuntimeError(f"bk clipping: a parameter of shape {tuple(shape)} scaled an input of shape "
+                               f"{tuple(x.shape)}, which has no example axis; {WHICH_MODE}")
+        target = (x.shape[0],) + (1,) * (lead - 1) + tuple(shape)
+        self.per = (x if x.shape == target else x.sum_to_size(target)).reshape(x.shape[0], -1)  # (B, n)
+        self.shape, self.rows, self.flat = shape, x.shape[0], flat
 
     def _regroup(self, batch: int) -> None:
         self.per = self.per.reshape(batch, -1, self.per.shape[-1]).sum(1)
@@ -238,7 +238,7 @@ class _VectorUse(Use):
         return (self.per * other.per).sum(1)
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        return coef @ self.per  # (B,) @ (B, p) -> (p,)
+        return (coef @ self.per).view(self.shape)  # (B,) @ (B, n) -> (n,), the parameter's shape
 
 
 Keep = Callable[[list], None]  # receives [(parameter, Use)] from one call's backward
@@ -254,6 +254,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     forward, and their backward (which autocast does not cover) uses the same dtype, instead
     of being decorated with torch.amp.custom_fwd for one fixed device type."""
     kind = x.device.type
+    if kind == "meta":  # preflight's dry run on the meta device (no autocast there)
+        return x.dtype
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
@@ -303,15 +305,6 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _apply_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """x Wᵀ + b (nn.Linear's layout) or x W + b (Conv1D's, `transposed`)."""
-    if not transposed:
-        return F.linear(x, w, b)
-    if b is None:
-        return x @ w
-    return torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
-
-
 # --- the layers' autograd Functions: input gradient out, per-example factors kept ---------------
 
 class _LinearFn(torch.autograd.Function):
@@ -326,7 +319,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.save_for_backward(xc, weight)
         ctx.transposed, ctx.keep, ctx.weight, ctx.bias, ctx.dt = transposed, keep, weight, bias, dt
         # every operand already in dt, autocast's own dtype when it is on: it casts nothing more
-        return _apply_linear(xc, _as(weight, dt), None if bias is None else _as(bias, dt), transposed)
+        return apply_linear(xc, _as(weight, dt), None if bias is None else _as(bias, dt), transposed)
 
     @staticmethod
     def backward(ctx, g):
@@ -343,7 +336,7 @@ class _LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             uses.append((ctx.weight, _MatmulUse(a3, g3, ctx.transposed, flat)))
         if ctx.bias is not None and ctx.needs_input_grad[2]:
-            uses.append((ctx.bias, _VectorUse(_as(g3, torch.float32), flat)))
+            uses.append((ctx.bias, _VectorUse(_as(g, torch.float32), ctx.bias.shape, flat)))
         ctx.keep(uses)
         return grad_x, None, None, None, None
 
@@ -371,9 +364,10 @@ class _EmbeddingFn(torch.autograd.Function):
 
 
 class _ScaleFn(torch.autograd.Function):
-    """An elementwise scale y = c + w ⊙ s + b (`one_plus`: y = c + (1 + w) ⊙ s + b) on s (B, T, d)
-    (and c, None when 0) computed by the module's own forward; per-example gradients Σₜ gₜ ⊙ sₜ
-    and Σₜ gₜ are d-vectors, formed here. The product runs in fp32 (at least) and the output
+    """An elementwise scale y = c + w ⊙ s + b (`one_plus`: y = c + (1 + w) ⊙ s + b) on s (B, T, ...)
+    (and c, None when 0) computed by the module's own forward, w broadcast over s's trailing axes;
+    per-example gradients Σ gₜ ⊙ sₜ and Σ gₜ over every axis w broadcasts over have w's size,
+    formed here (`_VectorUse`). The product runs in fp32 (at least) and the output
     takes s's dtype, which is the module's own output dtype (s came out of its forward)."""
 
     @staticmethod
@@ -391,115 +385,18 @@ class _ScaleFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         s, weight = ctx.saved_tensors
-        g3, flat = _flat3(g).float(), g.dim() == 2  # (B, T, d)
+        g32, flat = g.float(), g.dim() == 2  # (B, T, ...), or (B·T, d) without a sequence axis
         uses = []
         if ctx.needs_input_grad[2]:
-            uses.append((ctx.weight, _VectorUse(g3 * _flat3(s.detach()).float(), flat)))
+            uses.append((ctx.weight, _VectorUse(g32 * s.detach().float(), weight.shape, flat)))
         if ctx.bias is not None and ctx.needs_input_grad[3]:
-            uses.append((ctx.bias, _VectorUse(g3, flat)))
+            uses.append((ctx.bias, _VectorUse(g32, ctx.bias.shape, flat)))
         ctx.keep(uses)
         grad_s = None
         if ctx.needs_input_grad[0]:
             scale = weight.float() + 1 if ctx.one_plus else weight.float()
-            grad_s = (g.float() * scale).to(g.dtype)  # autograd casts it to s's dtype
+            grad_s = (g32 * scale).sum_to_size(s.shape).to(g.dtype)  # autograd casts it to s's dtype
         return grad_s, (g if ctx.needs_input_grad[1] else None), None, None, None, None
-
-
-# --- what a layer computes: one classification for the wrapper and for preflight ---------------
-
-class UnsupportedLayer(Exception):
-    """bk has no rule for a module; the message says why."""
-
-
-def trainable_here(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters(recurse=False))
-
-
-def _elementwise_kind(module: nn.Module) -> str:
-    """SCALE, ONE_PLUS_SCALE or AFFINE_SCALE when `module` computes y = c(x) + w ⊙ s(x) + b in
-    its 1-D `weight` w (and 1-D `bias` b), else UnsupportedLayer. Found by running the module's own
-    forward (on a float32 CPU copy: a model built on the meta device has no values) on a
-    probe input at w = 0, 1 and a random r: y(r) must be y(0) + r ⊙ (y(1) - y(0)) to float32
-    rounding, and y(0) = 0 means c = 0 (w·x̂), y(0) = y(1) - y(0) means c = s ((1+w)·x̂)."""
-    params = dict(module.named_parameters(recurse=False))
-    weight, bias = params.get("weight"), params.get("bias")
-    if (weight is None or weight.dim() != 1 or set(params) - {"weight", "bias"}
-            or (bias is not None and bias.shape != weight.shape)
-            or next(module.children(), None) is not None or next(module.buffers(), None) is not None):
-        raise UnsupportedLayer("not a linear map, an embedding lookup, or an elementwise scale c(x) + w·s(x) + b of a "
-                      "leaf module's 1-D weight (and 1-D bias) without buffers")
-    probe = copy.deepcopy(module)
-    probe.__dict__.pop("forward", None)  # a module bk already patched: probe its class's forward
-    if any(p.is_meta for p in probe.parameters()):
-        probe = probe.to_empty(device="cpu")  # the values are substituted below anyway
-    probe = probe.to("cpu", torch.float32).train()  # train: a dropout inside fails the affinity check
-    gen = torch.Generator().manual_seed(0)  # a fixed probe: the same verdict each time, global RNG untouched
-    d = weight.shape[0]
-    x = torch.randn(2, 3, d, generator=gen) * 2 + 0.5  # (2, 3, d), non-zero mean: LayerNorm centres it
-    r, rb = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
-
-    def out(w, b=None):
-        subs = {"weight": w} | ({} if bias is None else {"bias": torch.zeros(d) if b is None else b})
-        return torch.func.functional_call(probe, subs, (x,))
-
-    try:
-        with torch.no_grad():
-            y0, y1, yr, y1_again = out(torch.zeros(d)), out(torch.ones(d)), out(r), out(torch.ones(d))
-            yb = None if bias is None else out(torch.zeros(d), rb)
-    except Exception as e:  # any failure means: not this rule (the message says what happened)
-        raise UnsupportedLayer(f"not an elementwise scale c(x) + w·s(x) + b: its forward raised {type(e).__name__} "
-                      f"on a (2, 3, {d}) probe ({e})") from e
-    if not all(isinstance(y, torch.Tensor) and y.shape == x.shape for y in (y0, y1, yr)):
-        raise UnsupportedLayer("not an elementwise scale c(x) + w·s(x) + b: its output does not have its input's shape")
-    s = y1 - y0  # (2, 3, d)
-    tol = 1e-6 * (1 + max(y.abs().max().item() for y in (y0, y1, yr)))
-
-    def close(a, b):
-        return torch.allclose(a, b, rtol=1e-5, atol=tol)
-
-    if not (torch.equal(y1, y1_again) and close(yr, y0 + r * s) and (yb is None or close(yb, y0 + rb))):
-        raise UnsupportedLayer("not an elementwise scale c(x) + w·s(x) + b: its output is not affine in its weight "
-                      "and bias, or not deterministic")
-    if y0.abs().max() <= tol:
-        return SCALE
-    return ONE_PLUS_SCALE if close(y0, s) else AFFINE_SCALE
-
-
-def layer_rule(module: nn.Module) -> str:
-    """The rule bk clips `module`'s own trainable parameters by (LINEAR, ..., AFFINE_SCALE);
-    raises UnsupportedLayer with the reason when there is none."""
-    if isinstance(module, (nn.Linear, Conv1D)):
-        base = nn.Linear if isinstance(module, nn.Linear) else Conv1D
-        if type(module).forward is not base.forward:  # its forward may use W in any way
-            raise UnsupportedLayer(f"a {base.__name__} subclass with a forward of its own")
-        return LINEAR if base is nn.Linear else LINEAR_TRANSPOSED
-    if isinstance(module, nn.Embedding):
-        if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
-            raise UnsupportedLayer("an embedding with max_norm, sparse or scale_grad_by_freq")
-        return EMBEDDING if type(module).forward is nn.Embedding.forward else EMBEDDING_ROUTED
-    return _elementwise_kind(module)
-
-
-def problem_line(name: str, module: nn.Module, reason: str) -> str:
-    return f"{name or 'the model'} ({type(module).__name__}): {reason}; {OTHER_MODES}"
-
-
-def bk_problems(model: nn.Module) -> list[str]:
-    """One line per module with trainable parameters of its own that bk clipping has no rule
-    for, naming its path, its class, the reason and the modes that can run it; [] when bk can
-    clip the model as it stands (its trainable parameters now: apply LoRA or BiTFiT first).
-    Patches nothing and runs no backward; works on a model built on the meta device (only the
-    norm-like modules run, on tiny CPU copies). Tied weights are not checked here: the
-    pipeline unties lm_head before wrapping, or keeps it tied (teacher.untie_lm_head=false), which
-    bk clips exactly; GradSampleModuleBookKeeping refuses any other sharing when it wraps."""
-    problems = []
-    for name, module in model.named_modules():
-        if trainable_here(module):
-            try:
-                layer_rule(module)
-            except UnsupportedLayer as e:
-                problems.append(problem_line(name, module, str(e)))
-    return problems
 
 
 # --- patching: each rule's forward -------------------------------------------------------------
@@ -549,9 +446,9 @@ def elementwise_forward(module: nn.Module, kind: str, keep: Keep):
         weight, bias = module.weight, module._parameters.get("bias")
         key = (w, weight.shape, weight.dtype, weight.device, bias is None)
         if (consts := made.get(key)) is None:
-            consts = made[key] = {"weight": torch.full_like(weight, w, requires_grad=False)}  # (d,)
-            if bias is not None:
-                consts["bias"] = torch.zeros_like(bias, requires_grad=False)
+            consts = made[key] = {"weight": torch.full_like(weight, w, requires_grad=False)}  # w's shape
+            if "bias" in module._parameters:  # None stays None: LayerNorm(bias=False) reads self.bias
+                consts["bias"] = None if bias is None else torch.zeros_like(bias, requires_grad=False)
         return consts
 
     def own_forward(x, w: float):

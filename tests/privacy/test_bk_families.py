@@ -8,7 +8,6 @@ forward (exact), and a parameter used outside its module (refused)."""
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -18,75 +17,37 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
-from families import FAMILIES
-from pipeline.batching import TokenizedRecords, lm_batch
+from families import CLIPPING_FAMILIES, FAMILIES
+from per_example import TEXTS, assert_clipped_sums_equal
+from per_example import batch as _batch
+from per_example import clipped_sum as _clipped_sum
+from per_example import lm_loss as _lm_loss
+from per_example import per_example_grads as _per_example_grads
 from pipeline.models.base import untie_lm_head
 from pipeline.privacy import bk_layers as bk
+from pipeline.privacy import bk_rules
 from pipeline.privacy.bk import GradSampleModuleBookKeeping
-from pipeline.privacy.bk_layers import bk_problems, layer_rule
+from pipeline.privacy.bk_rules import bk_problems, layer_rule
 from pipeline.models.losses import per_sequence_loss
 
 ROOT = Path(__file__).resolve().parents[2]
-TEXTS = [  # four lengths: a padded batch
-    "Great tacos and friendly staff.",
-    "Never again.",
-    "The room was clean but the bed was hard, and the breakfast was cold.",
-    "Ok",
-]
-
-
-def _batch(tokenizer) -> tuple[dict, torch.Tensor]:
-    ids = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in TEXTS]
-    data = TokenizedRecords(ids, tokenizer.pad_token_id, 24)
-    assert len(set(data.lengths.tolist())) == len(TEXTS)
-    batch = lm_batch(data.ids, data.lengths)
-    return batch, batch.pop("labels")
-
-
-def _per_example_grads(model: nn.Module, loss_fn, *inputs) -> dict[str, torch.Tensor]:
-    """{name: (B, *shape)}: each example's gradient of its own loss, by torch.func on a copy.
-    `loss_fn(model_call, *one_example)` gets each input without its batch dimension."""
-    ref = copy.deepcopy(model)
-    params = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
-    buffers = dict(ref.named_buffers())
-
-    def loss_of(p, *one):
-        return loss_fn(lambda **kw: functional_call(ref, (p, buffers), args=(), kwargs=kw), *one)
-
-    return vmap(grad(loss_of), in_dims=(None,) + (0,) * len(inputs))(params, *inputs)
-
-
-def _clipped_sum(grads: dict[str, torch.Tensor], max_grad_norm: float):
-    """Opacus' clipping of per-example gradients {name: (B, ...)}: (clipped sums, factors)."""
-    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()  # (B,)
-    coef = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-    return {n: torch.einsum("b,b...->...", coef, g) for n, g in grads.items()}, coef, norms
 
 
 def _assert_clipped_sums_equal(model: nn.Module, want: dict[str, torch.Tensor]) -> None:
-    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        assert got[name] is not None, name
-        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    assert_clipped_sums_equal({n: p.grad for n, p in model.named_parameters() if p.requires_grad}, want)
 
 
-def _lm_loss(call, ids, mask, positions, labels):
-    logits = call(input_ids=ids[None], attention_mask=mask[None], position_ids=positions[None]).logits
-    return per_sequence_loss(logits, labels[None])[0]
-
-
-TIED = [f for f in FAMILIES if FAMILIES[f](8).config.tie_word_embeddings]  # as each family builds it
+TIED = [f for f in CLIPPING_FAMILIES if CLIPPING_FAMILIES[f](8).config.tie_word_embeddings]  # as each builds it
 
 
 @pytest.mark.parametrize("family", list(FAMILIES) + [f"{f}-tied" for f in TIED])
 def test_bk_equals_an_independent_per_example_reference(tiny_tokenizer, family):
     """`-tied`: the family's lm_head left tied to its input embedding (teacher.untie_lm_head=false),
     one weight with two uses: the reference's per-example gradient of that weight is the sum of
-    both (torch.func differentiates the one tensor), and bk must clip by its norm."""
-    model = FAMILIES[family.removesuffix("-tied")](len(tiny_tokenizer))
+    both (torch.func differentiates the one tensor), and bk must clip by its norm. Every family
+    untied, in every clipping mode: tests/privacy/test_clipping_modes.py."""
+    model = CLIPPING_FAMILIES[family.removesuffix("-tied")](len(tiny_tokenizer))
     if family.endswith("-tied"):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     else:
@@ -113,7 +74,7 @@ def test_bk_equals_an_independent_per_example_reference(tiny_tokenizer, family):
 def test_preflight_accepts_every_family_even_on_the_meta_device():
     """bk_problems is what preflight calls before any stage: no weights needed (the norms are
     probed on tiny CPU copies), nothing patched."""
-    for family, build in FAMILIES.items():
+    for family, build in CLIPPING_FAMILIES.items():
         with torch.device("meta"):
             model = build(300)
         assert bk_problems(model) == [], family
@@ -123,14 +84,14 @@ def test_preflight_accepts_every_family_even_on_the_meta_device():
 def test_the_norms_are_told_apart_by_their_arithmetic():
     """One probed rule: Llama-like RMSNorm is w·x̂ (c = 0), Gemma's is (1+w)·x̂ (c = s),
     LayerNorm with or without bias is w·x̂ + b, a module adding its input is c + w·s."""
-    assert layer_rule(FAMILIES["llama"](300).model.norm) == bk.SCALE
-    assert layer_rule(FAMILIES["phi3"](300).model.norm) == bk.SCALE
-    assert layer_rule(FAMILIES["gemma"](300).model.norm) == bk.ONE_PLUS_SCALE
-    assert layer_rule(nn.LayerNorm(8)) == bk.SCALE
-    assert layer_rule(nn.LayerNorm(8, bias=False)) == bk.SCALE
-    assert layer_rule(_ResidualNorm(8)) == bk.AFFINE_SCALE
-    assert layer_rule(FAMILIES["opt"](300).model.decoder.embed_positions) == bk.EMBEDDING_ROUTED
-    assert layer_rule(FAMILIES["gpt2"](300).transformer.h[0].attn.c_attn) == bk.LINEAR_TRANSPOSED
+    assert layer_rule(FAMILIES["llama"](300).model.norm) == bk_rules.SCALE
+    assert layer_rule(FAMILIES["phi3"](300).model.norm) == bk_rules.SCALE
+    assert layer_rule(FAMILIES["gemma"](300).model.norm) == bk_rules.ONE_PLUS_SCALE
+    assert layer_rule(nn.LayerNorm(8)) == bk_rules.SCALE
+    assert layer_rule(nn.LayerNorm(8, bias=False)) == bk_rules.SCALE
+    assert layer_rule(_ResidualNorm(8)) == bk_rules.AFFINE_SCALE
+    assert layer_rule(FAMILIES["opt"](300).model.decoder.embed_positions) == bk_rules.EMBEDDING_ROUTED
+    assert layer_rule(FAMILIES["gpt2"](300).transformer.h[0].attn.c_attn) == bk_rules.LINEAR_TRANSPOSED
 
 
 class _SquaredScale(nn.Module):
@@ -149,7 +110,7 @@ def test_preflight_names_each_module_it_cannot_clip():
     problems = bk_problems(model)
     assert len(problems) == 2
     assert problems[0].startswith("1 (Conv2d): ") and problems[1].startswith("2 (_SquaredScale): ")
-    assert all(p.endswith("use teacher.grad_sample_mode=ghost or hooks") for p in problems)
+    assert not any("grad_sample_mode" in p for p in problems)  # preflight says which mode can (test_clipping_modes)
     assert "not affine in its weight" in problems[1]
     with pytest.raises(NotImplementedError) as refused:  # the wrapper: the same lines, nothing patched
         GradSampleModuleBookKeeping(model)
