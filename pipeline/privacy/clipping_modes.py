@@ -41,6 +41,7 @@ import logging
 import traceback
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
@@ -82,8 +83,10 @@ def mode_problems(model: nn.Module, modes=MODES) -> dict[str, list[str]]:
     for mode in modes:
         if trace is not None and not found[mode]:
             found[mode] = trace.problems(mode)
-        if trace is not None and not found[mode] and (failed := _dry_run(model, mode, trace.inputs)):
-            found[mode] = [failed]
+        if trace is not None and not found[mode]:
+            with _attention(model, trace.attention):  # the step runs as the trace ran, on the same batch
+                if failed := _dry_run(model, mode, trace.inputs):
+                    found[mode] = [failed]
     return found
 
 
@@ -124,6 +127,20 @@ def _batch(model: nn.Module, masked: bool = True) -> dict[str, torch.Tensor]:
             **({"attention_mask": torch.ones_like(ids)} if masked else {})}
 
 
+@contextmanager
+def _attention(model: nn.Module, implementation: str | None):
+    """The model with another attention implementation for the block (None: as it is)."""
+    before = getattr(model.config, "_attn_implementation", None)
+    if implementation is None or before == implementation or not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 def _per_example(out) -> torch.Tensor:
     logits = out.logits if hasattr(out, "logits") else out  # (B, T, V)
     return logits.float().mean(tuple(range(1, logits.dim())))  # (B,)
@@ -154,18 +171,24 @@ class _Trace(TorchFunctionMode):
         self.outputs: dict[int, tuple[torch.Tensor, int]] = {}  # id(output) -> (it, id of the trainable layer)
         self.modified: dict[int, int | None] = {}  # id(trainable layer) -> id of the module changing its output
         self.inputs: dict[str, torch.Tensor] = {}  # the batch that ran: the dry run's too
+        self.attention: str | None = None  # the attention implementation it ran with (None: the model's)
 
     @classmethod
     def run(cls, model: nn.Module) -> _Trace | str | None:
         """The trace of one forward; a problem line if the forward raised; None (and a warning)
         if it could not run on the meta device for want of values. There, transformers' sdpa mask
         asks whether every position is real (`padding_mask.all()`), a value the device lacks: the
-        forward is tried again without attention_mask, which calls the same layers the same way."""
-        for masked in (True, False):
+        forward is tried again with eager attention (GPT-2, Llama, ...), then without
+        attention_mask (GPT-2 then asks whether a padding id is in the batch, a value too). Each
+        calls the same parameterised layers the same way: attention's kernel holds no weight."""
+        tries = ((True, None), (True, "eager"), (False, None))
+        for masked, attention in tries:
             trace = cls(model)
+            trace.attention = attention
             try:
-                trace.inputs = _batch(model, masked)
-                trace._forward(model)
+                with _attention(model, attention):
+                    trace.inputs = _batch(model, masked)
+                    trace._forward(model)
                 return trace
             except Exception as e:
                 error = e

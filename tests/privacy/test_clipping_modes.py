@@ -129,3 +129,17 @@ def test_preflight_runs_a_model_with_sdpa_attention_on_the_meta_device(caplog):
     with caplog.at_level("WARNING", logger="pipeline.privacy.clipping_modes"):
         assert mode_problems(model) == {mode: [] for mode in MODES}
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_the_shipped_gpt2_is_traced_on_the_meta_device_in_every_mode(caplog):
+    """The demo's own teacher: GPT-2 asks the meta device for values under sdpa attention (the
+    mask's `.all()`) and without a mask (is a padding id in the batch?), so preflight traces and
+    steps it with eager attention; it must neither warn that it could not check it nor refuse it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.models.base import shipped_path
+
+    with caplog.at_level("WARNING"):
+        verdicts = _verdicts(AutoModelForCausalLM.from_config, AutoConfig.from_pretrained(shipped_path("builtin:teacher")))
+    assert verdicts == {mode: [] for mode in MODES}
+    assert not [r for r in caplog.records if "could not run" in r.getMessage()]
