@@ -485,7 +485,7 @@ def run_flow(args, cfg) -> int:
                 server.start()
                 from pipeline.plan import make_plan
 
-                plan = make_plan(cfg, timing=False, split=split)
+                plan = make_plan(cfg, split=split)
                 from flows.pipeline_flow import dp_distill
 
                 server.wait()
@@ -559,7 +559,8 @@ def run_pipeline(args) -> int:
             # noise after it. Warnings still show, in our format (set before Opacus's, a no-op then).
             logging.basicConfig(format="dpdistill: %(levelname)s: %(message)s")
             logging.getLogger("pipeline").setLevel(logging.WARNING)
-            from pipeline.plan import estimate_seconds, format_plan, format_times, make_plan  # torch, Opacus; no Prefect
+            from pipeline.plan import format_plan, format_times, make_plan  # torch, Opacus; no Prefect
+            from pipeline.plan_time import estimate_seconds
             from pipeline.stages.data import planned_split
 
             # Progress on stderr while it works, the plan itself on stdout: its privacy numbers and
@@ -569,7 +570,7 @@ def run_pipeline(args) -> int:
             def say(line: str) -> None:
                 print(f"{line} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
             split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
-            plan = make_plan(cfg, timing=False, say=say, split=split)
+            plan = make_plan(cfg, say=say, split=split)
             print(format_plan(plan), flush=True)
             print(planned_budget(cfg, plan), flush=True)  # refused past privacy.max_epsilon: a user error, exit code 2
             for warning in plan.warnings:

@@ -255,7 +255,7 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     cfg = config_from_dict(tree)
     data = prepare_data(cfg.data, tmp_path / "data", code_domain=cfg.control_codes.domain)
     root = cfg.run_root.resolve()
-    plan = make_plan(cfg, timing=False)
+    plan = make_plan(cfg)
     assert "within privacy.max_epsilon=10" in planned_budget(cfg, plan)  # nothing spent yet: 8 + 1 fits
 
     budget_id = register_records(root, record_digests(*read_split(data.train), records_key(root)))
