@@ -36,10 +36,8 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.locks import file_lock
 from pipeline.manifest import MANIFEST, sha256_file
-from pipeline.models.base import (
-    ModelError, corpus_paragraphs, encode_paragraphs, load_tokenizer, non_embedding_parameters, train_on_blocks,
-    validation_perplexity,
-)
+from pipeline.models.base import ModelError, corpus_paragraphs, load_tokenizer
+from pipeline.models.pretrain import encode_paragraphs, non_embedding_parameters, train_on_blocks, validation_perplexity
 from pipeline.models.cache import (
     cache_problems, cached_model_dir, finish_cache_entry, how_to_make, model_cache_dir, student_name,
 )
