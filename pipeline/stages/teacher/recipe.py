@@ -372,10 +372,18 @@ def train_teacher(
         sum(p.numel() for p in run.model.parameters() if p.requires_grad),
         f", data-parallel rank {run.rank} of {run.world}" if run.world > 1 else "",
     )
+    _train_steps(run, cfg, on_progress, progress_every)
+    return _save(run, _ledger_entry(run), **paths)
+
+
+def _train_steps(run: Run, cfg: TeacherConfig, on_progress: Callable[[dict], None] | None,
+                 progress_every: float) -> None:
+    """The logical steps left after `run.resumed_from`, each followed by its record, a checkpoint
+    every `cfg.checkpoint_every` steps and a progress line when one is due."""
     t0, done = time.time(), run.resumed_from
     # Steps, ε and time only: the size or token count of a Poisson batch is private, and so is
     # one step's duration: lines only every TIMING_WINDOW_STEPS steps.
-    steps_log = ProgressLog(log, stage, "steps", run.steps_allowed, every=progress_every, done=run.resumed_from,
+    steps_log = ProgressLog(log, run.stage, "steps", run.steps_allowed, every=progress_every, done=run.resumed_from,
                             window=TIMING_WINDOW_STEPS)
     while done < run.steps_allowed:
         with BatchMemoryManager(data_loader=run.loader, max_physical_batch_size=cfg.physical_batch_size,
@@ -396,7 +404,6 @@ def train_teacher(
                     on_progress({**record, "done": done, "total": run.steps_allowed})
                 if done >= run.steps_allowed:
                     break
-    return _save(run, _ledger_entry(run), **paths)
 
 
 def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stage: str,
