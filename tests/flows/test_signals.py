@@ -129,7 +129,7 @@ def test_the_temporary_servers_own_lines_go_through_logging(tmp_path):
         import flows  # as the CLI: Prefect's environment first
         import prefect.main
         from prefect.server.api.server import SubprocessASGIServer
-        from flows.cli import EarlyServer
+        from flows.cli_run import EarlyServer
         early = EarlyServer()
         early.start()
         early.wait()
@@ -158,7 +158,7 @@ def test_a_server_that_does_not_answer_in_time_is_an_error_not_a_hang(tmp_path):
     probe = """if True:
         import flows
         import prefect.main
-        from flows.cli import EarlyServer
+        from flows.cli_run import EarlyServer
         early = EarlyServer()
         early.start()
         early.wait()
@@ -207,7 +207,7 @@ def test_a_run_killed_outright_does_not_leave_its_server_running(tmp_path):
         import flows
         import prefect.main
         from prefect.server.api.server import SubprocessASGIServer
-        from flows.cli import EarlyServer
+        from flows.cli_run import EarlyServer
         early = EarlyServer()
         early.start()
         early.wait()
