@@ -57,6 +57,7 @@ from pipeline.models import decoding
 from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions
 from pipeline.progress import DEFAULT_EVERY, ProgressLog
 from pipeline.stages.sampling import SCHEMA, GenerateError, sample_shard
+from pipeline.tokenized import hf_datasets
 
 log = logging.getLogger(__name__)
 
@@ -472,8 +473,6 @@ def synthetic_ids(path: Path, split: str, out_file: Path):
     shard, a batch at a time, into one Arrow file `out_file` and returned memory-mapped as a
     `datasets.Dataset`: random access for shuffled epochs without the set in memory.
     Synthetic data is public (post-processing of the DP teacher); the caller deletes the file."""
-    import datasets
-
     schema = pa.schema([("sample_id", pa.int64()), ("n_prompt_tokens", pa.int32()),
                         ("token_ids", pa.list_(pa.int32()))])
     out_file = Path(out_file)
@@ -482,4 +481,4 @@ def synthetic_ids(path: Path, split: str, out_file: Path):
         for batch in _scanner(path, split, schema.names).to_batches():
             writer.write_batch(pa.RecordBatch.from_arrays(
                 [batch.column(name).cast(schema.field(name).type) for name in schema.names], schema=schema))
-    return datasets.Dataset.from_file(str(out_file))
+    return hf_datasets().Dataset.from_file(str(out_file))
