@@ -226,11 +226,10 @@ def join_teacher(cfg) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    from pipeline.devices import Runtime
+    from pipeline.devices import Runtime  # torch; the stage (Opacus, transformers) loads in the ranks only
     from pipeline.stages.teacher import ddp as teacher_ddp
-    from pipeline.stages.teacher import recipe as teacher
 
-    return teacher_ddp.join(processes=t.processes, backend=t.ddp_backend, nodes=teacher.nodes(t),
+    return teacher_ddp.join(processes=t.processes, backend=t.ddp_backend, nodes=teacher_ddp.Nodes.of(t),
                             threads=Runtime.from_config(cfg).threads_for(t.processes))
 
 
@@ -250,7 +249,8 @@ def run_pipeline(args) -> int:
         except PreflightError as e:
             print(f"dpdistill: error: {e}", file=sys.stderr)
             return 2
-    quiet_libraries()
+    if args.command != "join-teacher":  # its ranks, not this process, load the libraries
+        quiet_libraries()
     if args.command in ("run", "plan"):
         from pipeline.preflight import PreflightError
         from pipeline.preflight_models import require_models  # torch: the models' configs on the meta device

@@ -428,17 +428,12 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
             "prompt": dataclasses.asdict(prompt)}
     teacher_ddp.launch(args, target="pipeline.stages.teacher.recipe:ddp_worker", processes=cfg.processes,
                        backend=cfg.ddp_backend, threads=threads, work=out_dir / teacher_ddp.WORKDIR, stage=stage,
-                       on_progress=on_progress, error=TeacherError, nodes=nodes(cfg))
+                       on_progress=on_progress, error=TeacherError, nodes=teacher_ddp.Nodes.of(cfg))
     result = finished_teacher(out_dir)
     if result is None:
         raise TeacherError(f"{stage}: torchrun exited cleanly but {out_dir} holds no finished teacher; "
                            f"see {out_dir / teacher_ddp.WORKDIR}")
     return result
-
-
-def nodes(cfg: TeacherConfig, job_id: str = "dpdistill") -> teacher_ddp.Nodes:
-    """The machines of a data-parallel teacher (one unless `cfg.nnodes` > 1)."""
-    return teacher_ddp.Nodes(cfg.nnodes, cfg.rdzv_endpoint, job_id, cfg.rdzv_timeout)
 
 
 def ddp_worker(args: dict, on_progress: Callable[[dict], None] | None) -> None:
