@@ -66,7 +66,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from pipeline.config import GenerateConfig  # noqa: E402
 from pipeline.models.base import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.prompts import HEADER  # noqa: E402
-from pipeline.stages import generate as generate_stage  # noqa: E402
+from pipeline.stages import sampling  # noqa: E402
 
 TEACHER = ROOT / "pipeline" / "models" / "builtin" / "teacher"
 CATEGORIES = ["Restaurants", "Bars", "Shopping", "Beauty & Spas", "Hotels & Travel"]
@@ -132,7 +132,7 @@ def bench_vllm(python: str, model, tok, samples: int, rounds: int) -> float:
     per_round = samples // rounds
     rng = np.random.default_rng(0)
     prompts = [HEADER.ids(tok, c)
-               for c in generate_stage.sample_control_codes(CODES, per_round, rng)]
+               for c in sampling.sample_control_codes(CODES, per_round, rng)]
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -155,19 +155,18 @@ def bench_teacher(name: str, model, tok, samples: int, rounds: int, old=None) ->
     recipes = RECIPES + ((("old", 256),) if old is not None else ())
     per_round = samples // rounds
     totals = {recipe: [0, 0.0] for recipe in recipes}  # new tokens, seconds
-    new_engine = generate_stage.decoding
+    new_engine = sampling.decoding
     for r in range(rounds):
         for engine, rows in recipes:
             cfg = GenerateConfig(num_samples=per_round, batch_size=rows, top_k=50, top_p=0.9, max_length=128,
                                  validation_fraction=0.0, engine="hf" if engine == "hf" else "fast")
-            generate_stage.decoding = old if engine == "old" else new_engine
+            sampling.decoding = old if engine == "old" else new_engine
             try:
                 t0 = time.perf_counter()
-                _, stats = generate_stage._generate_shard(model, tok, cfg, CODES, 0, per_round, shard_seed=r,
-                                                          keep_empty=True)
+                _, stats = sampling.sample_shard(model, tok, cfg, CODES, 0, per_round, shard_seed=r, keep_empty=True)
                 seconds = time.perf_counter() - t0
             finally:
-                generate_stage.decoding = new_engine
+                sampling.decoding = new_engine
             totals[engine, rows][0] += stats["new_tokens"]
             totals[engine, rows][1] += seconds
             print(f"| {name} | {r} | {engine} | {rows} | {per_round} | {stats['new_tokens']} | {seconds:.1f} | "

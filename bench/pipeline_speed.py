@@ -64,7 +64,8 @@ from pipeline.batching import IGNORE  # noqa: E402
 from pipeline.config import DistillConfig, GenerateConfig  # noqa: E402
 from pipeline.models.base import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.stages import distill as distill_stage  # noqa: E402
-from pipeline.stages.generate import _generate_shard, generate_synthetic  # noqa: E402
+from pipeline.stages.generate import generate_synthetic  # noqa: E402
+from pipeline.stages.sampling import sample_shard  # noqa: E402
 
 TEACHER = ROOT / "pipeline" / "models" / "builtin" / "teacher"
 STUDENT = ROOT / "pipeline" / "models" / "builtin" / "student"
@@ -92,7 +93,7 @@ def bench_generation(samples: int, rounds: int) -> float:
             cfg = GenerateConfig(num_samples=per_round, batch_size=rows, top_k=50, top_p=0.9, max_length=128,
                                  validation_fraction=0.0, engine=engine)
             t0 = time.perf_counter()
-            _, stats = _generate_shard(model, tok, cfg, CODES, 0, per_round, shard_seed=r, keep_empty=True)
+            _, stats = sample_shard(model, tok, cfg, CODES, 0, per_round, shard_seed=r, keep_empty=True)
             seconds = time.perf_counter() - t0
             for i, value in enumerate((stats["new_tokens"], seconds, per_round)):
                 totals[engine, rows][i] += value

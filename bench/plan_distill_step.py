@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.devices import Runtime  # noqa: E402
 from pipeline.models.base import shipped_path  # noqa: E402
-from pipeline.plan import _typical_lengths  # noqa: E402
+from pipeline.plan_time import _typical_lengths  # noqa: E402
 from pipeline.stages.distill import distill  # noqa: E402
 from pipeline.stages.generate import read_synthetic  # noqa: E402
 from pipeline.timing import StepTimer  # noqa: E402

@@ -179,7 +179,7 @@ def _wall(info: dict) -> str:
 
 def status_and_ledger(run_dir: Path) -> list[str]:
     """`dpdistill status RUN_DIR` as it prints, and `ledger show`'s table in its main columns."""
-    from flows.cli import print_status
+    from flows.cli_inspect import print_status
     from pipeline.privacy.ledger import fmt_value, read_ledger, table_rows
 
     buf = io.StringIO()

@@ -230,7 +230,7 @@ class Budget:
         from pipeline.plan import make_plan
         from pipeline.privacy.ledger import compose
 
-        planned = [(c, make_plan(self.run_config(row, c, x), timing=False, split=self.split))
+        planned = [(c, make_plan(self.run_config(row, c, x), split=self.split))
                    for c in candidates(self.cfg, row, self.grid)]
         accountant, delta = self.cfg.teacher.accountant, planned[0][1].total.accountant_delta()
         if row in SHARED:
@@ -467,6 +467,7 @@ def plan_text(budget: Budget, items: list[Run | Choice], epsilons: dict[str, flo
     """The run list and the wall time `dpdistill plan` estimates for each run (from scratch; a
     DPKD candidate that reuses its repeat's teacher without the teacher stage)."""
     from pipeline.plan import make_plan
+    from pipeline.plan_time import estimate_seconds
 
     timed: dict[tuple, dict[str, float]] = {}
     runs = [i for i in items if isinstance(i, Run)]
@@ -484,7 +485,8 @@ def plan_text(budget: Budget, items: list[Run | Choice], epsilons: dict[str, flo
         key = _time_key(cfg)
         if key not in timed:
             print(f"plan: timing a {run.row} run", flush=True)
-            timed[key] = {s: t or 0.0 for s, (t, _) in make_plan(cfg, timing=True, split=budget.split).seconds.items()}
+            seconds = estimate_seconds(cfg, make_plan(cfg, split=budget.split), budget.split)
+            timed[key] = {s: t or 0.0 for s, (t, _) in seconds.items()}
         stages = timed[key]
         seconds = sum(s for name, s in stages.items() if not (run.shares_teacher and name == "teacher"))
         total += seconds

@@ -20,6 +20,10 @@ Two phases per method (ours, DP-SGD of the student, DPKD):
 
 The report ends with `table=deployable-public corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed
 test perplexity of the chosen settings) and `table=defaults corpus=NAME ...` (the config's).
+
+Its data: the configs read the Yelp split and the tweets in ../shared/data beside the checkout
+(not shipped; experiments/shared.py); without them it exits with one line (exit code 2) before
+any work; `--report-only` needs no data.
 """
 
 from __future__ import annotations

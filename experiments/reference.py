@@ -420,7 +420,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     import flows  # noqa: F401  (log routing before Prefect and Opacus are imported)
-    from flows.cli import quiet_libraries
+    from flows.cli_run import quiet_libraries
     from pipeline.config import ConfigError, load_config
     from pipeline.manifest import private_dir
 

@@ -19,6 +19,11 @@ The report ends with the issue's lines, one per code column and one per corpus:
 `synthetic model=M corpus=C column=COL runs=K f1=M±S chance=C reference=R mauve=X` (ours' synthetic
 text) and `student model=M corpus=C runs=K ours=M±S public_only=M±S dpsgd=M±S teacher=M±S
 base_teacher=X` (windowed test perplexity), then the same student line on the text alone.
+
+Its data: the SmolLM2 configs read the tweets and the Yelp split in ../shared/data beside the
+checkout (not shipped; experiments/shared.py); without them it exits with one line (exit code 2)
+before any work; `--report-only` needs no data. The models: `dpdistill models fetch smollm2-135m`
+and `dpdistill models student smollm2-135m --layers 4` first.
 """
 
 from __future__ import annotations

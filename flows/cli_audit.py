@@ -7,8 +7,16 @@ Light at import, like flows/cli.py: torch, Opacus and the pipeline load in the h
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+from flows.cli_run import quiet_libraries, user_errors
+from pipeline.config import load_config
+
+AUDIT_INCOMPLETE = 3
+"""`dpdistill audit`'s exit status when nothing was found but not everything could be read."""
 
 
 def add_audit_parser(sub) -> None:
@@ -66,3 +74,61 @@ def run_empirical(args, usage: Callable[[str], int], errors: tuple[type[Exceptio
     print(format_summary(report))
     print(f"written: {path} (0600: figures about private records; not in the report)")
     return 0
+
+
+def run_audit(args) -> int:
+    """`dpdistill audit`: 0 clean (everything read, nothing found), 1 a leak, 2 a usage error,
+    3 incomplete (nothing found, but something the run publishes could not be read: a clean
+    exit would be a claim about what was not read). Counts and names only."""
+    import prefect.main  # noqa: F401  (before pipeline.* imports Opacus: see flows/__init__.py)
+    from pipeline.audits.audit import AuditError, audit_run, format_audit
+
+    def usage(msg: str) -> int:
+        print(f"dpdistill audit: error: {msg}", file=sys.stderr)
+        return 2
+
+    if args.empirical:
+        return run_empirical(args, usage, user_errors())
+    if args.noise_off:
+        return usage("--noise-off goes with --empirical (dpdistill audit --empirical --noise-off RUN_DIR)")
+    if args.canaries is None:
+        if args.config or not args.run_dir or args.overrides:
+            return usage("pass one run directory (dpdistill audit RUN_DIR), or --canaries N --config C")
+        from flows.audit import prefect_sources
+
+        run_dir = Path(args.run_dir)
+        if not (run_dir / "config.yaml").is_file():
+            return usage(f"{run_dir} holds no config.yaml: pass a run directory")
+        extra, note, unread = prefect_sources(run_dir)
+        try:
+            result = audit_run(run_dir, span=args.span, extra=extra, extra_note=note, extra_unread=unread)
+        except (AuditError, *user_errors()) as e:  # their messages name rows and fields, never records
+            return usage(str(e))
+        print(format_audit(result.report))
+        print(f"written: {result.path}")
+        return 1 if result.leak else AUDIT_INCOMPLETE if result.incomplete else 0
+
+    if not args.config:
+        return usage("--canaries needs --config, e.g. --config configs/demo.yaml")
+    overrides = ([args.run_dir] if args.run_dir else []) + args.overrides  # key=value lands in run_dir first
+    if any("=" not in o for o in overrides):
+        return usage("with --canaries, pass no run directory: the tool makes its own run")
+    try:
+        repetitions = tuple(int(r) for r in args.repetitions.split(","))
+    except ValueError:
+        return usage(f"--repetitions {args.repetitions!r}: use comma-separated counts, e.g. 1,1,4,16")
+    if args.canaries < 1 or args.candidates < 1 or min(repetitions) < 1:
+        return usage("--canaries, --candidates and every repetition must be at least 1")
+    quiet_libraries()
+    from flows.audit import canary_audit, format_canary_report
+
+    try:
+        cfg = load_config(args.config, overrides)
+        work = Path(args.work_dir) if args.work_dir else cfg.run_root / f"canaries-{time.strftime('%Y%m%d-%H%M%S')}"
+        path, report = canary_audit(cfg, args.canaries, work, repetitions, args.candidates)
+    except user_errors() as e:
+        return usage(str(e))
+    print(format_canary_report(report))
+    print(f"written: {path}")
+    verbatim = report["verbatim_audit"]
+    return 1 if verbatim["total_hits"] else AUDIT_INCOMPLETE if verbatim["incomplete"] else 0

@@ -92,7 +92,7 @@ def dp_distill(
     with ExitStack() as made_here:  # the split this flow makes for its plan, deleted on the way out
         if plan is None:
             planned, split = made_here.enter_context(split_for_plan(cfg, rerun or []))
-            plan = make_plan(cfg, timing=False, split=planned)
+            plan = make_plan(cfg, split=planned)
         logger.info("%s", format_plan(plan))
         for warning in plan.warnings:
             logger.warning("%s", warning)

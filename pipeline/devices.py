@@ -162,7 +162,7 @@ def adamw(params, lr: float, weight_decay: float = 0.01, fused: bool = True) -> 
     On a CPU it is the difference between ~1 s and ~0.1 s a step at SmolLM2's 163 M parameters
     (`bench/adamw.py`), for the private and the non-private step alike. `fused=False`: torch's
     loop, for a build whose weights must stay bit-identical to earlier builds (the model cache's
-    public students, pipeline/models/base.py train_on_blocks)."""
+    public students, pipeline/models/pretrain.py train_on_blocks)."""
     params = list(params)
     fused = fused and bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
                                            for p in params)

@@ -1,7 +1,7 @@
 """The data stage's split made ahead of a run, for its plan, then moved into the run by the data stage.
 
     with split_ahead(cfg.data, root, cfg.control_codes.domain, sources) as ahead:  # root: prepare_run_root's
-        plan = make_plan(cfg, timing=False, split=ahead.planned)
+        plan = make_plan(cfg, split=ahead.planned)
         ...  # the data stage: adopt(ahead.path, run_dir / "data", ...), or its own split if None
 
 A run needs its split before anything starts: the plan takes N, the validation units and the test

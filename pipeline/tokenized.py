@@ -32,8 +32,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -44,6 +44,9 @@ from pipeline.manifest import sha256_file
 from pipeline.prompts import HEADER, PromptFormat
 from pipeline.records import TOKENIZED_DIR, parquet_batches
 
+if TYPE_CHECKING:
+    import datasets
+
 COLUMN = "input_ids"
 PROMPT_COLUMN = "n_prompt"  # each record's prompt tokens, the first of its ids
 IDS_FILE = "ids.arrow"
@@ -51,12 +54,23 @@ FORMAT = 2  # 2: with PROMPT_COLUMN (in the file's key: a folder written before 
 # Records per tokenizer call: work enough for the Rust tokenizer's threads; its per-call
 # Encodings (~70 bytes a token: strings, offsets, masks) stay ~20 MB.
 BATCH = 1024
-FEATURES = datasets.Features({COLUMN: datasets.Sequence(datasets.Value("int32")),
-                             PROMPT_COLUMN: datasets.Value("int32")})
 
-# Nothing in the `datasets` cache under ~/.cache/huggingface/datasets, even from a later
-# transform of these Datasets: files are written only where this module names them.
-datasets.disable_caching()
+
+@functools.cache
+def hf_datasets():
+    """The `datasets` module, imported on first use (with pandas, about a second: `dpdistill plan`
+    and the model builders never need it), with its cache off: nothing in the `datasets` cache
+    under ~/.cache/huggingface/datasets, even from a later transform of these Datasets; files
+    are written only where this module (or the caller) names them."""
+    import datasets
+
+    datasets.disable_caching()
+    return datasets
+
+
+def _features():
+    ds = hf_datasets()
+    return ds.Features({COLUMN: ds.Sequence(ds.Value("int32")), PROMPT_COLUMN: ds.Value("int32")})
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -93,7 +107,7 @@ def _encoder(tokenizer, prompt: PromptFormat = HEADER):
 def _write_ids(split_path: Path, tokenizer, out_file: Path, prompt: PromptFormat) -> None:
     """Stream the split through the tokenizer into an Arrow file, a batch at a time: memory
     holds one batch of texts, never the split (its texts are the largest thing in it)."""
-    encode, schema = _encoder(tokenizer, prompt), FEATURES.arrow_schema  # with the features `datasets` reads back
+    encode, schema = _encoder(tokenizer, prompt), _features().arrow_schema  # with the features `datasets` reads back
     fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f, pa.ipc.new_stream(f, schema) as writer:
         for batch in parquet_batches(split_path, columns=["control_code", "text"], batch_size=BATCH):
@@ -125,7 +139,7 @@ def tokenized_split(split_path: Path, tokenizer, prompt: PromptFormat = HEADER) 
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return datasets.Dataset.from_file(str(final / IDS_FILE))  # memory-mapped, not read
+    return hf_datasets().Dataset.from_file(str(final / IDS_FILE))  # memory-mapped, not read
 
 
 def tokenized_path(split_path: Path, tokenizer, split_sha256: str | None = None,

@@ -12,6 +12,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -191,6 +193,38 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def migrated_prefect_db(request, tmp_path_factory) -> Path:
+    """A Prefect SQLite database with every migration applied, made once per Prefect version and
+    kept in pytest's cache between sessions (per session without the cache plugin). A server
+    started on an empty PREFECT_HOME runs every migration first: 8.5 s to healthy against 4 s on a
+    copy of this, at load 3.5 on 2 cores (`prefect_home`)."""
+    import prefect
+
+    name = f"prefect-db-{prefect.__version__}"
+    cache = getattr(request.config, "cache", None)
+    where = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
+    db = where / "prefect.db"
+    if not db.is_file():
+        build = Path(tempfile.mkdtemp(dir=where))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"PREFECT_HOME": str(build)}
+        subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env,
+                       check=True, capture_output=True, timeout=600)
+        os.replace(build / "prefect.db", db)  # whole or not at all: a second worker may be making its own
+        shutil.rmtree(build, ignore_errors=True)
+    return db
+
+
+@pytest.fixture
+def prefect_home(tmp_path, migrated_prefect_db) -> Path:
+    """A new PREFECT_HOME (`tmp_path/prefect_home`) holding a copy of the migrated database, for a
+    test that starts a Prefect server of its own: its server, its database, no migrations to wait for."""
+    home = tmp_path / "prefect_home"
+    home.mkdir()
+    shutil.copyfile(migrated_prefect_db, home / "prefect.db")
+    return home
 
 
 def make_synthetic(teacher_dir: Path, out: Path, num_samples: int):

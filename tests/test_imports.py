@@ -1,6 +1,7 @@
 """The import graph of pipeline/ and flows/ has no cycle (issue 24): two modules that import
 each other, however indirectly, cannot be read or tested one at a time. Every import counts,
-a lazy one inside a function included."""
+a lazy one inside a function included. And their shape (issue 61): no module over 600 lines
+(pipeline/config.py apart) and no function over 80."""
 
 from __future__ import annotations
 
@@ -95,10 +96,37 @@ def test_the_privacy_package_imports_no_stage():
     assert not {m: d for m, d in bad.items() if d}
 
 
-MAX_LINES = 650  # a module longer than this holds more than one thing (pipeline/config.py: one model per stage)
+MAX_LINES = 600  # a module longer than this holds more than one thing (pipeline/config.py: one model per stage)
+MAX_FUNCTION_LINES = 80  # a function a reader holds on one screen (CONVENTIONS 14)
+
+
+def _modules() -> list[Path]:
+    return [p for pkg in OWN for p in sorted((ROOT / pkg).rglob("*.py"))]
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`path:line name (n lines)` of each function or method of `path` longer than `limit` lines,
+    from its `def` to its last line (decorators apart), nested ones too."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{node.lineno} {node.name} ({n} lines)"
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (n := node.end_lineno - node.lineno + 1) > limit]
 
 
 def test_no_module_is_longer_than_a_reader_holds():
-    long = {str(p.relative_to(ROOT)): n for pkg in OWN for p in (ROOT / pkg).rglob("*.py")
+    long = {str(p.relative_to(ROOT)): n for p in _modules()
             if (n := len(p.read_text().splitlines())) > MAX_LINES and p != ROOT / "pipeline" / "config.py"}
-    assert not long, f"over {MAX_LINES} lines: {long}"
+    assert not long, f"over {MAX_LINES} lines: {long}; split the module by what its parts decide"
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = [f for p in _modules() for f in long_functions(p)]
+    assert not long, f"over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_function_check_counts_from_def_to_the_last_line(tmp_path):
+    def body(indent: int) -> str:
+        return "".join(f"{' ' * indent}x{i} = {i}\n" for i in range(79))
+
+    (tmp_path / "m.py").write_text(f"def fits():\n{body(4)}\n\nclass C:\n    def too_long(self):\n{body(8)}        pass\n")
+    assert long_functions(tmp_path / "m.py") == [f"{tmp_path / 'm.py'}:84 too_long (81 lines)"]

@@ -111,5 +111,5 @@ def test_the_control_plans_no_release(tmp_path):
 
     tree = tiny_pipeline_dict(tmp_path)
     tree["distill"]["method"] = "public_only"
-    plan = make_plan(config_from_dict(tree), timing=False)
+    plan = make_plan(config_from_dict(tree))
     assert plan.entries == [] and plan.dp_sgd == {} and plan.total.epsilon == 0 and plan.total.complete

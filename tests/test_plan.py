@@ -21,8 +21,8 @@ from cli_probe import child_pythonpath
 from pipeline.config import config_from_dict
 from pipeline.devices import CPU_FP32, Runtime, cpu_has_native_bf16, slow_bf16_warning
 from pipeline.models.base import SHIPPED, causal_lm_from_config
-from pipeline.plan import (Plan, _new_tokens, _typical_lengths, format_plan, format_times, ignored_distill_settings,
-                           make_plan, padded_tokens)
+from pipeline.plan import Plan, format_plan, format_times, ignored_distill_settings, make_plan
+from pipeline.plan_time import _new_tokens, _typical_lengths, padded_tokens
 from pipeline.privacy.control_codes import release_control_codes
 from pipeline.privacy.ledger import compose
 from pipeline.stages.data import prepare_data
@@ -46,7 +46,7 @@ def _files(root: Path) -> set[tuple[str, float]]:
 def test_plan_gives_the_numbers_a_real_teacher_run_records(tmp_path, tiny_model_dir):
     cfg = config_from_dict(_tree(tmp_path, tiny_model_dir))
     before = _files(tmp_path)
-    plan = make_plan(cfg, timing=False)
+    plan = make_plan(cfg)
     assert _files(tmp_path) == before and not cfg.run_root.exists()  # nothing written
 
     data = prepare_data(cfg.data, tmp_path / "data", code_domain=cfg.control_codes.domain)
@@ -245,7 +245,7 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned_once(tmp_path, tiny_model_d
 
     cfg = config_from_dict({**_tree(tmp_path, tiny_model_dir), "precision": "bf16"})
     expected = [] if cpu_has_native_bf16() is not False else [slow_bf16_warning(cpu, "bf16")]
-    assert make_plan(cfg, timing=False).warnings == expected
+    assert make_plan(cfg).warnings == expected
 
 
 def test_a_dp_sgd_student_says_which_distill_settings_it_does_not_read(tmp_path, tiny_model_dir):
@@ -255,7 +255,7 @@ def test_a_dp_sgd_student_says_which_distill_settings_it_does_not_read(tmp_path,
     tree = _tree(tmp_path, tiny_model_dir)
     tree["distill"] = {"student_model": tree["distill"]["student_model"], "method": "dp_sgd", "epochs": 5,
                        "learning_rate": 1e-3}
-    plan = make_plan(config_from_dict(tree), timing=False)
+    plan = make_plan(config_from_dict(tree))
     assert [e.stage for e in plan.entries] == ["dp-student"]  # the flow stage's name, in the ledger too
     [line] = plan.warnings
     assert "distill.epochs=5, distill.learning_rate=0.001 are not used" in line
@@ -276,13 +276,13 @@ def test_the_monitor_and_the_private_selection_are_named_and_counted_in_validati
     tree["data"] = {"path": str(yelp_by_users(tmp_path)), "user_column": "author", "validation_fraction": 0.1, "test_fraction": 0.1}
     tree["teacher"].update(monitor="dp", batch_size=8, physical_batch_size=8)
     tree["distill"].update(select_by="private_validation", candidates=[{"alpha": 0.4}, {"alpha": 1.0}])
-    both = make_plan(config_from_dict(tree), timing=False)
+    both = make_plan(config_from_dict(tree))
     [selection] = [line for line in format_plan(both).splitlines() if line.startswith("  distillation-selection:")]
     assert "over the first 27 validation and training users" in selection
     assert both.selection_noise_sd == pytest.approx({e.stage: e for e in both.entries}["distillation-selection"]
                                                     .noise_multiplier * 10 / 27)
     tree["distill"]["selection_split"] = "validation"
-    plan = make_plan(config_from_dict(tree), timing=False)
+    plan = make_plan(config_from_dict(tree))
     text = format_plan(plan)
     assert text.count("control codes:") == 1
     [monitor] = [line for line in text.splitlines() if line.startswith("  teacher-validation: Gaussian release")]

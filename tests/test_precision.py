@@ -20,6 +20,7 @@ import pipeline.stages.distill
 import pipeline.stages.evaluate
 import pipeline.stages.generate
 import pipeline.stages.logit_cache
+import pipeline.stages.sampling
 import pipeline.privacy.bk_rules
 import pipeline.stages.teacher.monitor
 import pipeline.stages.teacher.recipe
@@ -181,7 +182,9 @@ def _pipeline(splits, model_dir: Path, out: Path, runtime: Runtime) -> dict:
 OBSERVED = [
     (pipeline.stages.teacher.recipe, "_step", "teacher training"),
     (pipeline.stages.teacher.monitor, "per_record_losses", "teacher validation"),
-    (pipeline.stages.generate, "_generate_shard", "generation"), (pipeline.stages.logit_cache, "_write_shard", "logit cache"),
+    # one shard's samples, as the stage draws them and as the selection's untruncated samples are drawn
+    (pipeline.stages.generate, "sample_shard", "generation"), (pipeline.stages.sampling, "sample_shard", "generation"),
+    (pipeline.stages.logit_cache, "_write_shard", "logit cache"),
     (pipeline.stages.distill, "distill", "distillation"), (pipeline.stages.evaluate, "perplexity", "evaluation"),
     (pipeline.stages.evaluate, "_adherence", "code adherence"),
     # bk's rule for a norm layer: its own forward probed once at wrap time, on a float32 CPU copy

@@ -11,8 +11,8 @@ retrains by distillation, Sreenivas et al. 2024), the embeddings, final norm and
 Cut out, the layers no longer fit together (a 4-of-30 SmolLM2 scored 2,035 test perplexity
 in the preview of issue 36), so the student is *healed*: trained on public text to match the
 teacher's next-token distribution, KL(teacher ‖ student) on every token (Minitron's
-logit-only distillation), with the loop, corpus reading and held-out perplexity that
-build the builtin models (pipeline/models/base.py). It reads no private data, like
+logit-only distillation), with the loop and held-out perplexity that pretrain the builtin
+models (pipeline/models/pretrain.py) and their corpus reading (pipeline/models/base.py). It reads no private data, like
 `build-base`; the teacher is the public base model, never a DP one.
 
 The corpus's last `eval_tokens` tokens are held out; its card (README.md) gives the
@@ -36,10 +36,8 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.locks import file_lock
 from pipeline.manifest import MANIFEST, sha256_file
-from pipeline.models.base import (
-    ModelError, corpus_paragraphs, encode_paragraphs, load_tokenizer, non_embedding_parameters, train_on_blocks,
-    validation_perplexity,
-)
+from pipeline.models.base import ModelError, corpus_paragraphs, load_tokenizer
+from pipeline.models.pretrain import encode_paragraphs, non_embedding_parameters, train_on_blocks, validation_perplexity
 from pipeline.models.cache import (
     cache_problems, cached_model_dir, finish_cache_entry, how_to_make, model_cache_dir, student_name,
 )

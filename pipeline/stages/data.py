@@ -7,19 +7,13 @@ The stage streams its input (Arrow batches of 16k rows; never every text in Pyth
 two passes: the first validates and formats each batch into a temporary 0600 file, with each
 record's unit (its user, or its row) hashed under the run root's secret split key, and hashed
 for the test draw; the second routes every record to its split by its ranks among those hashes.
-Test is the units of lowest hash under a public salt (`data.test_split=fixed`, issue 60: the
-same records in every run and checkout; at record level the hash is of the record itself, see
-`_test_hashes`) or of lowest keyed hash (`keyed`); validation the units of lowest keyed hash
-among the rest. Each draw is uniformly random, as a permutation would give, with its exact
-sizes; which units train and which validate is the same on every run under one run root (one
-key) and is not told by anything a run publishes (the seed is not used).
+The rule (which units are test, validation, train) is pipeline/stages/data_split.py's.
 
 This module reads private data. Errors name the row and the column, never the content.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -39,15 +33,13 @@ from pipeline.config import DataConfig
 from pipeline.manifest import MANIFEST, atomic_write_json, missing_outputs, write_manifest
 from pipeline.records import (CODE_JOINER, ROW_GROUP, TOKENIZED_DIR, DataError, code_name, column_type_problem,
                               parquet_batches, read_batches, read_split, read_table, read_users, split_key)
+from pipeline.stages.data_split import SplitSizes, digest, hashes_for_test, read_hash_column, split_sizes
 
 log = logging.getLogger(__name__)
 
 MAX_PROBLEMS = 20  # unusable records named in one error
 DELETED = "deleted.json"  # beside the manifest: the private splits deleted after evaluation, by name and sha256
 FORMAT_ROWS = 8_192  # rows validated at a time: their texts are Python strings while they are
-# data.test_split=fixed hashes the units under this public salt, not the secret key, so that every run
-# root and checkout holds out the same test records (issue 60); a new salt would be a new test split.
-TEST_SPLIT_SALT = b"dpdistill/test-split/v1"
 
 
 @dataclass(frozen=True)
@@ -198,22 +190,14 @@ def _format_codes(
     return records.codes, records.texts, records.users, findings.dropped
 
 
-def _digest(*parts: str, key: bytes = b"") -> int:
-    h = hashlib.blake2b(digest_size=8, key=key)
-    for part in parts:
-        h.update(part.encode("utf-8", "surrogatepass"))
-        h.update(b"\0")
-    return int.from_bytes(h.digest(), "little")
-
-
 def _copy_hashes(records: _Records) -> dict[str, np.ndarray]:
     """Each record's 8-byte hash of (codes, text), and by user of (user, codes, text): what
     counting exact copies needs, 8 bytes a record instead of its text."""
     n = len(records.texts)
-    out = {"copy": np.fromiter((_digest(c, t) for c, t in zip(records.codes, records.texts)), np.uint64, n)}
+    out = {"copy": np.fromiter((digest(c, t) for c, t in zip(records.codes, records.texts)), np.uint64, n)}
     if records.users is not None:
         out["user_copy"] = np.fromiter(
-            (_digest(u, c, t) for u, c, t in zip(records.users, records.codes, records.texts)), np.uint64, n)
+            (digest(u, c, t) for u, c, t in zip(records.users, records.codes, records.texts)), np.uint64, n)
     return out
 
 
@@ -354,15 +338,6 @@ def _records_table(records: _Records, hashes: dict[str, np.ndarray] | None = Non
     return pa.table(columns | (hashes or {}), schema=_split_schema(records.users is not None, hashes is not None))
 
 
-def _read_column(path: Path, name: str, n: int) -> np.ndarray:
-    """One uint64 column of a formatted file, read batch by batch into one array (no second copy)."""
-    out, i = np.empty(n, np.uint64), 0
-    for batch in parquet_batches(path, columns=[name]):
-        out[i:i + batch.num_rows] = batch.column(0).to_numpy()
-        i += batch.num_rows
-    return out
-
-
 def _write_split(path: Path, codes: list[str], texts: list[str], users: list[str] | None) -> None:
     """Write one private split (a small one, whole), readable by its owner only (0600)."""
     writer = _SplitWriter(path, _split_schema(users is not None))
@@ -374,8 +349,8 @@ def _format_file(cfg: DataConfig, path: Path, max_records: int | None, where: st
                  domain: dict[str, list[str]] | None, out: Path, key: bytes) -> _Findings:
     """Pass 1: stream one input through validation into the temporary 0600 file `out`, each
     record with its unit's keyed hash (column `unit`: the unit is the user, or the record's data
-    row), the hash that draws test (`unit_test`, `_test_hashes`) and the hashes that count exact
-    copies (warned about here)."""
+    row), the hash that draws test (`unit_test`, data_split.py `hashes_for_test`) and the hashes
+    that count exact copies (warned about here)."""
     batches = read_batches(path, max_records)
     _check_columns(batches.schema, cfg, where)
     findings, allowed = _Findings(where), _allowed(domain)
@@ -384,119 +359,16 @@ def _format_file(cfg: DataConfig, path: Path, max_records: int | None, where: st
         for batch in (b.slice(i, FORMAT_ROWS) for b in batches for i in range(0, b.num_rows, FORMAT_ROWS)):
             records = _format_batch(batch, cfg, allowed, findings.rows + 1, findings)
             ids = records.users if records.users is not None else map(str, records.rows)
-            unit = np.fromiter((_digest(u, key=key) for u in ids), np.uint64, len(records.texts))
-            writer.write(_records_table(records, {"unit": unit, "unit_test": _test_hashes(cfg, records, unit),
-                                                  **_copy_hashes(records)}))
+            unit = np.fromiter((digest(u, key=key) for u in ids), np.uint64, len(records.texts))
+            test = hashes_for_test(cfg, records.codes, records.texts, records.users, unit)
+            writer.write(_records_table(records, {"unit": unit, "unit_test": test, **_copy_hashes(records)}))
         findings.raise_if_unusable(cfg)
     except BaseException:
         writer.discard()
         raise
     writer.close()
-    _warn_copies(where, lambda name: _read_column(out, name, findings.kept), cfg.user_column is not None)
+    _warn_copies(where, lambda name: read_hash_column(out, name, findings.kept), cfg.user_column is not None)
     return findings
-
-
-def _test_hashes(cfg: DataConfig, records: _Records, unit: np.ndarray) -> np.ndarray:
-    """Each record's hash for the test draw. 'keyed': its unit's keyed hash (`unit`). 'fixed': under
-    the public TEST_SPLIT_SALT, of its user, or at record level of the record itself (codes and
-    text), not of its row: removing one row renumbers every later one, so a public hash of rows
-    would move many other records in or out of test (and training) between neighbouring files."""
-    n = len(records.texts)
-    if cfg.test_split == "keyed":
-        return unit
-    if records.users is not None:
-        return np.fromiter((_digest(u, key=TEST_SPLIT_SALT) for u in records.users), np.uint64, n)
-    return np.fromiter((_digest(c, t, key=TEST_SPLIT_SALT) for c, t in zip(records.codes, records.texts)),
-                       np.uint64, n)
-
-
-class _TestDraw:
-    """Which records are test, batch by batch in file order: those of test hash below `test_max`, and
-    of those at `test_max` the first `n_tied` (None: all, one user's records). At record level the
-    tie is exact copies of one record: taking the first keeps the sizes exact, and removing any
-    other record leaves the order (hash, then file order) of the rest as it was."""
-
-    def __init__(self, test_max: np.uint64 | None, n_tied: int | None):
-        self.test_max, self.left = test_max, n_tied
-
-    def __call__(self, hashes: np.ndarray) -> np.ndarray:
-        if self.test_max is None:  # data.test_path: no unit of this file is test
-            return np.zeros(len(hashes), bool)
-        test = hashes < self.test_max
-        tied = np.flatnonzero(hashes == self.test_max)
-        if self.left is not None:
-            tied = tied[:self.left]
-            self.left -= len(tied)
-        test[tied] = True
-        return test
-
-
-@dataclass(frozen=True)
-class _Sizes:
-    """Held-out units: the `n_test` units of lowest test hash (`unit_test`), then, of the others,
-    the `n_validation` of lowest keyed hash (`unit`). With test hash = keyed hash
-    (data.test_split=keyed) that is the `n_test` lowest keyed hashes, then the next `n_validation`."""
-
-    test_max: np.uint64 | None  # the largest test hash in test (None: no test units, data.test_path)
-    n_tied: int | None  # of the records at test_max, how many are test (None: all)
-    ranked: np.ndarray  # the keyed hashes of the distinct units not in test, ascending
-    n_test: int
-    n_validation: int
-
-    def test_draw(self) -> _TestDraw:
-        """A fresh draw for one pass over the formatted file, in its order."""
-        return _TestDraw(self.test_max, self.n_tied)
-
-    def side(self, units: np.ndarray, test: np.ndarray) -> np.ndarray:
-        """0 test, 1 validation, 2 train for each record's keyed hash and test draw."""
-        rank = np.searchsorted(self.ranked, units)  # a test unit's rank means nothing: overruled by `test`
-        return np.where(test, 0, np.where(rank < self.n_validation, 1, 2))
-
-    @property
-    def n_train(self) -> int:
-        return len(self.ranked) - self.n_validation
-
-
-def _ranked(hashes: np.ndarray, users: bool) -> np.ndarray:
-    """The distinct units' hashes, ascending (`hashes` is sorted in place: no copy of 8 bytes a
-    record when every record is its own unit)."""
-    hashes.sort()
-    return np.unique(hashes) if users else hashes
-
-
-def _read_units(path: Path, n: int, draw: _TestDraw) -> np.ndarray:
-    """The keyed hashes of a formatted file's records not in test, read batch by batch into one
-    array (a view of its first part: no second copy)."""
-    out, i = np.empty(n, np.uint64), 0
-    for batch in parquet_batches(path, columns=["unit", "unit_test"]):
-        units = batch.column(0).to_numpy()[~draw(batch.column(1).to_numpy())]
-        out[i:i + len(units)] = units
-        i += len(units)
-    return out[:i]
-
-
-def _sizes(cfg: DataConfig, formatted: Path, n: int, users: bool) -> _Sizes:
-    """The split's sizes over the distinct units of the formatted file `formatted` (`n` records);
-    one array of 8 bytes a record at a time, as each ranking is made."""
-    test_max, n_tied, n_test = None, None, 0
-    if cfg.test_path is None:
-        tests = _ranked(_read_column(formatted, "unit_test", n), users)
-        n_test = max(1, int(round(cfg.test_fraction * len(tests))))
-        test_max = tests[n_test - 1]
-        if not users:  # records are ranked with their copies: the first n_test of them, not every copy
-            n_tied = n_test - int(np.searchsorted(tests, test_max))
-        del tests  # before the second ranking: never two arrays of 8 bytes a record
-    draw = _TestDraw(test_max, n_tied)
-    ranked = _ranked(_read_units(formatted, n, draw), users)  # the units left: all but the n_test
-    n_val = int(round(cfg.validation_fraction * len(ranked)))
-    sizes = _Sizes(test_max, n_tied, ranked, n_test, n_val)
-    if sizes.n_train < 2:
-        raise DataError(
-            f"only {max(0, sizes.n_train)} training {'user' if users else 'record'}(s) "
-            "after the split; DP-SGD needs many: use a larger data.path or lower "
-            "data.validation_fraction / data.test_fraction"
-        )
-    return sizes
 
 
 ARROW_JEMALLOC_DECAY_MS = 1000  # Arrow's own setting, restored after the stage
@@ -575,7 +447,7 @@ def _split_files(cfg: DataConfig, code_domain, key: bytes, formatted: Path, form
     try:
         findings = _format_file(cfg, cfg.path, cfg.max_records, f"data.path {str(cfg.path)!r}", code_domain,
                                 formatted, key)
-        sizes = _sizes(cfg, formatted, findings.kept, users)
+        sizes = split_sizes(cfg, formatted, findings.kept, users)
         test_findings = None
         if cfg.test_path is not None:
             test_findings = _format_file(cfg, cfg.test_path, cfg.max_test_records,
@@ -587,12 +459,12 @@ def _split_files(cfg: DataConfig, code_domain, key: bytes, formatted: Path, form
     return findings, test_findings, sizes, counts
 
 
-def _write_splits(formatted: Path, formatted_test: Path | None, sizes: _Sizes, paths: dict[str, Path],
+def _write_splits(formatted: Path, formatted_test: Path | None, sizes: SplitSizes, paths: dict[str, Path],
                   users: bool) -> dict[str, int]:
     """Pass 2: every record of `formatted` to its unit's side (all of `formatted_test` to test),
     in file order; the splits written whole or not at all. Returns each split's record count."""
     writers = {name: _SplitWriter(path, _split_schema(users)) for name, path in paths.items()}
-    sides = ["test", "validation", "train"]  # _Sizes.side's 0, 1, 2
+    sides = ["test", "validation", "train"]  # SplitSizes.side's 0, 1, 2
     counts, draw = dict.fromkeys(paths, 0), sizes.test_draw()
     try:
         for batch in parquet_batches(formatted):

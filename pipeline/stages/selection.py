@@ -34,7 +34,8 @@ from pipeline.batching import IGNORE, lm_batch
 from pipeline.models.losses import kl_teacher_student
 from pipeline.models.scoring import by_length
 from pipeline.reports import SELECTION_CRITERIA as CRITERIA
-from pipeline.stages.generate import sample_untruncated, synthetic_head, synthetic_prompt
+from pipeline.stages.generate import synthetic_head, synthetic_prompt
+from pipeline.stages.sampling import sample_untruncated
 from pipeline.tokenized import ListIds
 
 log = logging.getLogger(__name__)

@@ -135,16 +135,16 @@ def test_ephemeral_server_timeout_defaults_to_180_unless_set():
 def test_ephemeral_server_timeout_is_one_line(monkeypatch, capsys, tmp_path):
     import types
 
-    from flows import cli
+    from flows import cli, cli_run
 
     monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     timeout = RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
-    message = cli.prefect_server_error(timeout)
+    message = cli_run.prefect_server_error(timeout)
     assert "\n" not in message and "within 180 s" in message
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher" in message
     assert "prefect server start" in message and "PREFECT_API_URL=" in message
-    assert cli.prefect_server_error(RuntimeError("something else")) is None
-    assert cli.prefect_server_error(ValueError("ephemeral Prefect API server")) is None
+    assert cli_run.prefect_server_error(RuntimeError("something else")) is None
+    assert cli_run.prefect_server_error(ValueError("ephemeral Prefect API server")) is None
 
     # `run` catches it where the temporary server's start is awaited, before the flow: a
     # stand-in server raises it (no real one started), a stand-in flow is never reached.
@@ -158,10 +158,10 @@ def test_ephemeral_server_timeout_is_one_line(monkeypatch, capsys, tmp_path):
     def dp_distill(cfg, run_dir=None, rerun=None, plan=None, split=None):
         raise AssertionError("the flow ran without a server")
 
-    monkeypatch.setattr(cli, "EarlyServer", TimedOutServer)
+    monkeypatch.setattr(cli_run, "EarlyServer", TimedOutServer)
     monkeypatch.setitem(sys.modules, "flows.pipeline_flow", types.SimpleNamespace(dp_distill=dp_distill))
-    monkeypatch.setattr(cli, "quiet_libraries", lambda: None)
-    monkeypatch.setattr(cli, "user_errors", lambda: (cli.ConfigError,))
+    monkeypatch.setattr(cli_run, "quiet_libraries", lambda: None)
+    monkeypatch.setattr(cli_run, "user_errors", lambda: (cli_run.ConfigError,))
     assert cli.main(["run", "--config", str(ROOT / "configs" / "demo.yaml"), f"run_root={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == f"dpdistill: error: {message}" and "Traceback" not in err
@@ -174,7 +174,7 @@ def test_ephemeral_server_timeout_is_one_line(monkeypatch, capsys, tmp_path):
         def wait(self):
             pass
 
-    monkeypatch.setattr(cli, "EarlyServer", Server)
+    monkeypatch.setattr(cli_run, "EarlyServer", Server)
 
     monkeypatch.setitem(sys.modules, "flows.pipeline_flow", types.SimpleNamespace(dp_distill=other))
     assert cli.main(["run", "--config", str(ROOT / "configs" / "demo.yaml"), f"run_root={tmp_path}"]) == 1

@@ -328,7 +328,7 @@ def test_a_dp_tokenizer_run_learns_its_vocabulary_after_the_data_and_accounts_it
     tree = tiny_pipeline_dict(tmp_path)
     tree["base_models"] |= {"tokenizer": "dp", "tokenizer_epsilon": 8.0, "tokenizer_max_words": 8}
     cfg = config_from_dict(tree)
-    plan = make_plan(cfg, timing=False)
+    plan = make_plan(cfg)
     run = Path(dp_distill(cfg))
     stages = json.loads((run / "stages.json").read_text())
     assert list(stages)[:2] == ["data", "base-models"]

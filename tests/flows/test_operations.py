@@ -15,7 +15,8 @@ import yaml
 from conftest import tiny_pipeline_dict
 
 from flows.caching import stages_to_rerun
-from flows.cli import main, make_deployment
+from flows.cli import main
+from flows.cli_run import make_deployment
 from flows.pipeline_flow import dp_distill
 from pipeline.privacy.budget import dataset_total, read_budget
 from pipeline.config import config_from_dict

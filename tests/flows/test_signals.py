@@ -24,11 +24,11 @@ from conftest import ROOT, tiny_pipeline_dict
 from cli_probe import child_pythonpath
 
 
-def cli_env(tmp_path: Path) -> dict:
+def cli_env(home: Path) -> dict:
     """Without the caller's Prefect settings: the run starts its own temporary server (in its
-    process group), on a database of its own."""
+    process group), on a database of its own in `home` (conftest's `prefect_home`: migrated)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    return env | {"PREFECT_HOME": str(tmp_path / "prefect_home"), "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
+    return env | {"PREFECT_HOME": str(home), "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
 
 
 def _group(pgid: int) -> list[psutil.Process]:
@@ -52,14 +52,14 @@ def _stage_status(run_root: Path, stage: str) -> str | None:
     return None
 
 
-def test_sigterm_stops_the_run_and_the_same_command_continues_it(tmp_path):
+def test_sigterm_stops_the_run_and_the_same_command_continues_it(tmp_path, prefect_home):
     tree = tiny_pipeline_dict(tmp_path)
     tree["teacher"] |= {"epochs": 4, "batch_size": 8, "physical_batch_size": 8, "checkpoint_every": 2}
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tree))
     run_root = Path(tree["run_root"])
     command = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
-    env = cli_env(tmp_path)
+    env = cli_env(prefect_home)
 
     with (tmp_path / "out.txt").open("w") as out:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=out,
@@ -119,7 +119,7 @@ def test_the_signal_not_the_error_it_caused_is_why_a_run_stopped(tmp_path):
     assert stages == {"data": {"status": "ran"}, "teacher": {"status": "interrupted"}}
 
 
-def test_the_temporary_servers_own_lines_go_through_logging(tmp_path):
+def test_the_temporary_servers_own_lines_go_through_logging(prefect_home):
     """The temporary Prefect server that `dpdistill run` starts (`EarlyServer`) has its output
     logged, line by line at the line's level: on the terminal and in run.log, and silenced by
     `mute_terminal` after an interrupt. Inherited, it printed a SIGTERM'd server's traceback on
@@ -129,7 +129,7 @@ def test_the_temporary_servers_own_lines_go_through_logging(tmp_path):
         import flows  # as the CLI: Prefect's environment first
         import prefect.main
         from prefect.server.api.server import SubprocessASGIServer
-        from flows.cli import EarlyServer
+        from flows.cli_run import EarlyServer
         early = EarlyServer()
         early.start()
         early.wait()
@@ -143,7 +143,7 @@ def test_the_temporary_servers_own_lines_go_through_logging(tmp_path):
                 t.join(30)  # the pipe's last lines, after the server exited
         print("PID", pid)
     """
-    env = cli_env(tmp_path) | {"PREFECT_SERVER_LOGGING_LEVEL": "INFO"}  # lines at every start and stop
+    env = cli_env(prefect_home) | {"PREFECT_SERVER_LOGGING_LEVEL": "INFO"}  # lines at every start and stop
     p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     pid = int(p.stdout.split("PID")[-1])
@@ -158,12 +158,12 @@ def test_a_server_that_does_not_answer_in_time_is_an_error_not_a_hang(tmp_path):
     probe = """if True:
         import flows
         import prefect.main
-        from flows.cli import EarlyServer
+        from flows.cli_run import EarlyServer
         early = EarlyServer()
         early.start()
         early.wait()
     """
-    env = cli_env(tmp_path) | {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}  # never in time
+    env = cli_env(tmp_path / "prefect_home") | {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}  # never in time
     p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "Timed out while attempting to connect to ephemeral Prefect API server" in p.stderr, p.stderr
 
@@ -189,8 +189,8 @@ def test_a_signal_python_can_only_report_stays_off_the_terminal(tmp_path):
             Finalised()
             time.sleep(30)  # the exception was reported, not raised: the watcher ends the run
     """
-    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=cli_env(tmp_path), capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=cli_env(tmp_path / "prefect_home"),
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 143, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1].startswith("dpdistill: interrupted (SIGTERM)"), p.stderr[-3000:]
@@ -198,7 +198,7 @@ def test_a_signal_python_can_only_report_stays_off_the_terminal(tmp_path):
     assert "Traceback" in logged and "Interrupted: SIGTERM" in logged, logged
 
 
-def test_a_run_killed_outright_does_not_leave_its_server_running(tmp_path):
+def test_a_run_killed_outright_does_not_leave_its_server_running(prefect_home):
     """SIGKILL (the OOM killer, `kill -9`) gives the run no chance to stop the temporary Prefect
     server it started: the server lived on as an orphan, polling its database. Now it ends
     itself once its parent is gone (flows/server_guard.py)."""
@@ -207,14 +207,14 @@ def test_a_run_killed_outright_does_not_leave_its_server_running(tmp_path):
         import flows
         import prefect.main
         from prefect.server.api.server import SubprocessASGIServer
-        from flows.cli import EarlyServer
+        from flows.cli_run import EarlyServer
         early = EarlyServer()
         early.start()
         early.wait()
         print("PID", SubprocessASGIServer().server_process.pid, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """
-    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=cli_env(tmp_path), capture_output=True,
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=cli_env(prefect_home), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     server = psutil.Process(int(p.stdout.split("PID")[-1]))

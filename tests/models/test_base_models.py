@@ -14,9 +14,10 @@ from pipeline.models import base as models
 from pipeline.config import BaseModelsConfig, ConfigError, load_config
 from pipeline.manifest import MANIFEST
 from pipeline.models.base import (
-    SHIPPED, build_base_models, export_base_models, fused_gelu, load_causal_lm, load_tokenizer, non_embedding_parameters,
-    public_corpus, same_tokenizer,
+    SHIPPED, build_base_models, export_base_models, fused_gelu, load_causal_lm, load_tokenizer, public_corpus,
+    same_tokenizer,
 )
+from pipeline.models.pretrain import non_embedding_parameters
 from pipeline.preflight import PreflightError, require_inputs
 from tests.conftest import PUBLIC, tiny_pipeline_dict
 

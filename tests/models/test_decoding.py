@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 
 from pipeline.config import GenerateConfig
 from pipeline.models.decoding import _empty_slots, _forward_one, _Refill, ban_repeated_ngrams, truncated_logits
-from pipeline.stages.generate import _generate_shard
+from pipeline.stages.sampling import sample_shard
 from conftest import make_tiny_model
 
 CODE = "Category: A"
@@ -96,7 +96,7 @@ def _samples(model, tok, engine: str, seed: int, *, top_k: int, top_p: float, te
     prompt = len(tok.encode(f"{CODE}\n\n", add_special_tokens=False))  # data.prompt_for's layout
     cfg = GenerateConfig(num_samples=N, batch_size=500, max_length=prompt + NEW, top_k=top_k, top_p=top_p,
                          temperature=temperature, validation_fraction=0.0, engine=engine)
-    rows, _ = _generate_shard(model, tok, cfg, {CODE: 1.0}, 0, N, seed, keep_empty=True)
+    rows, _ = sample_shard(model, tok, cfg, {CODE: 1.0}, 0, N, seed, keep_empty=True)
     out = np.full((N, NEW), -1)
     for i, (seq, start) in enumerate(zip(rows["token_ids"], rows["n_prompt_tokens"])):
         new = seq[start:]

@@ -80,7 +80,8 @@ BUDGET = HealingBudget(steps=8, seq_len=32, batch_size=4, learning_rate=3e-3, ev
 
 
 def _held_out_kl(teacher, student, tok, corpus) -> float:
-    from pipeline.models.base import corpus_paragraphs, encode_paragraphs
+    from pipeline.models.base import corpus_paragraphs
+    from pipeline.models.pretrain import encode_paragraphs
 
     ids = encode_paragraphs(tok, corpus_paragraphs(corpus, "corpus"))[-BUDGET.eval_tokens:]
     blocks = torch.tensor(ids).view(-1, BUDGET.seq_len)
@@ -151,7 +152,7 @@ def test_an_interrupted_healing_continues_to_the_same_model(tmp_path, tiny_token
     """Issue 59 item 5: a killed build resumes from its last checkpoint, and the student it ends
     with is the one an uninterrupted build makes (weights equal)."""
     from conftest import make_tiny_model
-    from pipeline.models.base import train_on_blocks
+    from pipeline.models.pretrain import train_on_blocks
 
     blocks = torch.randint(0, len(tiny_tokenizer), (16, 12))
 

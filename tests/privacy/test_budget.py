@@ -241,7 +241,7 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     """privacy.max_epsilon: the teacher stage refuses before it trains (its directory never
     appears), naming the field, the current total and the fix; `plan` refuses the same run."""
     from conftest import tiny_pipeline_dict
-    from flows.cli import planned_budget
+    from flows.cli_plan import planned_budget
     from flows.tasks import _dp_train
     from pipeline.config import config_from_dict
     from pipeline.plan import make_plan
@@ -255,7 +255,7 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     cfg = config_from_dict(tree)
     data = prepare_data(cfg.data, tmp_path / "data", code_domain=cfg.control_codes.domain)
     root = cfg.run_root.resolve()
-    plan = make_plan(cfg, timing=False)
+    plan = make_plan(cfg)
     assert "within privacy.max_epsilon=10" in planned_budget(cfg, plan)  # nothing spent yet: 8 + 1 fits
 
     budget_id = register_records(root, record_digests(*read_split(data.train), records_key(root)))

@@ -114,10 +114,10 @@ def test_the_planned_release_composes_into_the_run_total(tmp_path):
     """`dpdistill plan` (and the flow's max_epsilon pre-check) sees the selection's release: one
     more Gaussian history, composed by the accountant with the codes' and the teacher's."""
     tree = tiny_pipeline_dict(tmp_path)
-    plain = make_plan(config_from_dict(tree), timing=False)
+    plain = make_plan(config_from_dict(tree))
     tree["distill"] |= {"select_by": "private_validation", "selection_epsilon": 0.5,
                         "candidates": [{"alpha": 0.4}, {"alpha": 1.0}]}
-    plan = make_plan(config_from_dict(tree), timing=False)
+    plan = make_plan(config_from_dict(tree))
     stages = [e.stage for e in plan.entries]
     assert stages == [*(e.stage for e in plain.entries), private_selection.STAGE]
     selected = plan.entries[-1]
@@ -128,4 +128,4 @@ def test_the_planned_release_composes_into_the_run_total(tmp_path):
     assert compose(plan.entries, "prv", plan.total.delta).epsilon == pytest.approx(plan.total.epsilon)
     # DP-Syn trains one student: nothing to choose, nothing released.
     tree["distill"]["method"] = "dp_syn"
-    assert private_selection.STAGE not in [e.stage for e in make_plan(config_from_dict(tree), timing=False).entries]
+    assert private_selection.STAGE not in [e.stage for e in make_plan(config_from_dict(tree)).entries]

@@ -16,7 +16,7 @@ from pipeline.batching import TokenizedRecords, lm_batch
 from pipeline.config import DataConfig
 from pipeline.prompts import header
 from pipeline.records import encode_record
-from pipeline.stages.generate import SCHEMA
+from pipeline.stages.sampling import SCHEMA
 
 COLOR = {"red": "Color: red", "blue": "Color: blue"}  # value -> code part ('{column}: {value}', column Color)
 # Public toy text: each code is followed by its own word, repeated.

@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader
 from pipeline.config import DataConfig
 from pipeline.records import TOKENIZED_DIR, encode_record, read_split
 from pipeline.stages.data import delete_private_copies, prepare_data
-from pipeline.stages.generate import SCHEMA, read_synthetic, synthetic_head, synthetic_ids, synthetic_texts
+from pipeline.stages.generate import read_synthetic, synthetic_head, synthetic_ids, synthetic_texts
+from pipeline.stages.sampling import SCHEMA
 from pipeline.privacy.dpsgd import OneRecordPerUser, Pick, RankShareSampler, shortest_first
 from pipeline.tokenized import ListIds, TokenIds, pad_collate, token_column, tokenized_split
 from tests.conftest import YELP_TEST, YELP_TRAIN

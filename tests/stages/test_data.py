@@ -15,6 +15,7 @@ from conftest import YELP_TEST, YELP_TRAIN
 from pipeline.privacy.control_codes import domain_codes
 from pipeline.config import ConfigError, DataConfig, config_from_dict
 from pipeline.stages import data as data_stage
+from pipeline.stages import data_split
 from pipeline.prompts import header
 from pipeline.records import (SPLIT_KEY, DataError, encode_record, read_split, read_table, read_users,
                               split_key)
@@ -467,7 +468,7 @@ def test_a_keyed_test_split_is_the_rule_before_issue_60_bit_for_bit(tmp_path, us
     assert _splits(one)["test"] != _splits(other)["test"]
     if not users:  # the fixed rule hashes a record's codes and text, not its row: no salt gives the keyed rule
         return
-    monkeypatch.setattr(data_stage, "TEST_SPLIT_SALT", KEYS[0])
+    monkeypatch.setattr(data_split, "TEST_SPLIT_SALT", KEYS[0])
     fixed = prepare_data(cfg.model_copy(update={"test_split": "fixed"}), tmp_path / "fixed", key=KEYS[0])
     for split in SIDES:
         assert getattr(fixed, split).read_bytes() == getattr(one, split).read_bytes(), split

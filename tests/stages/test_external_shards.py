@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 
 from pipeline.config import GenerateConfig
 from pipeline.prompts import header
-from pipeline.stages.generate import SCHEMA, generate_synthetic, plan_generation, read_synthetic
+from pipeline.stages.generate import generate_synthetic, plan_generation, read_synthetic
+from pipeline.stages.sampling import SCHEMA
 from pipeline.models.base import load_tokenizer
 from test_generate import CODES, _codes_file, _ledger
 

@@ -13,9 +13,8 @@ import torch
 
 from pipeline.config import GenerateConfig
 from pipeline.prompts import header
-from pipeline.stages.generate import (
-    GenerateError, SCHEMA, _validation_positions, generate_synthetic, read_synthetic, sample_control_codes,
-)
+from pipeline.stages.generate import GenerateError, generate_synthetic, read_synthetic
+from pipeline.stages.sampling import SCHEMA, _validation_positions, sample_control_codes
 from pipeline.privacy.ledger import LedgerEntry
 from pipeline.models.base import load_tokenizer
 

@@ -15,7 +15,7 @@ from pipeline.config import ConfigError, DistillConfig, config_from_dict
 from pipeline.models.base import load_causal_lm
 from pipeline.models.scoring import nll_by_owner
 from pipeline.stages.distill import distill
-from pipeline.stages.generate import sample_untruncated
+from pipeline.stages.sampling import sample_untruncated
 from pipeline.stages.selection import choose, criterion_study, score_students, spearman
 from pipeline.tokenized import ListIds
 from conftest import make_tiny_model, tiny_pipeline_dict
@@ -270,7 +270,7 @@ def test_what_each_criterion_chooses_in_the_planted_case(planted):
     assert choose(rows, "untruncated_ce") != "alpha=1.0"
 
     from pipeline.prompts import header
-    from pipeline.stages.generate import sample_untruncated
+    from pipeline.stages.sampling import sample_untruncated
 
     tok, teacher = planted["tok"], planted["teacher"]
     n_prompt = len(tok.encode(header("Category: A"), add_special_tokens=False))

@@ -77,6 +77,13 @@ class Nodes:
     job_id: str = "dpdistill"
     timeout: int = 900
 
+    @classmethod
+    def of(cls, cfg, job_id: str = "dpdistill") -> Nodes:
+        """The machines of a data-parallel teacher config (`teacher.nnodes`, `rdzv_endpoint`,
+        `rdzv_timeout`): one unless nnodes > 1. Read here, not in the recipe, so that `dpdistill
+        join-teacher` makes them without importing the stage."""
+        return cls(cfg.nnodes, cfg.rdzv_endpoint, job_id, cfg.rdzv_timeout)
+
     def torchrun_args(self, processes: int, *, host: bool) -> list[str]:
         """torchrun's options for `processes` ranks on this node; `host`: this node holds the
         rendezvous store (node 0, which runs the flow)."""

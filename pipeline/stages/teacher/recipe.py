@@ -372,10 +372,18 @@ def train_teacher(
         sum(p.numel() for p in run.model.parameters() if p.requires_grad),
         f", data-parallel rank {run.rank} of {run.world}" if run.world > 1 else "",
     )
+    _train_steps(run, cfg, on_progress, progress_every)
+    return _save(run, _ledger_entry(run), **paths)
+
+
+def _train_steps(run: Run, cfg: TeacherConfig, on_progress: Callable[[dict], None] | None,
+                 progress_every: float) -> None:
+    """The logical steps left after `run.resumed_from`, each followed by its record, a checkpoint
+    every `cfg.checkpoint_every` steps and a progress line when one is due."""
     t0, done = time.time(), run.resumed_from
     # Steps, ε and time only: the size or token count of a Poisson batch is private, and so is
     # one step's duration: lines only every TIMING_WINDOW_STEPS steps.
-    steps_log = ProgressLog(log, stage, "steps", run.steps_allowed, every=progress_every, done=run.resumed_from,
+    steps_log = ProgressLog(log, run.stage, "steps", run.steps_allowed, every=progress_every, done=run.resumed_from,
                             window=TIMING_WINDOW_STEPS)
     while done < run.steps_allowed:
         with BatchMemoryManager(data_loader=run.loader, max_physical_batch_size=cfg.physical_batch_size,
@@ -396,7 +404,6 @@ def train_teacher(
                     on_progress({**record, "done": done, "total": run.steps_allowed})
                 if done >= run.steps_allowed:
                     break
-    return _save(run, _ledger_entry(run), **paths)
 
 
 def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stage: str,
@@ -421,17 +428,12 @@ def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stag
             "prompt": dataclasses.asdict(prompt)}
     teacher_ddp.launch(args, target="pipeline.stages.teacher.recipe:ddp_worker", processes=cfg.processes,
                        backend=cfg.ddp_backend, threads=threads, work=out_dir / teacher_ddp.WORKDIR, stage=stage,
-                       on_progress=on_progress, error=TeacherError, nodes=nodes(cfg))
+                       on_progress=on_progress, error=TeacherError, nodes=teacher_ddp.Nodes.of(cfg))
     result = finished_teacher(out_dir)
     if result is None:
         raise TeacherError(f"{stage}: torchrun exited cleanly but {out_dir} holds no finished teacher; "
                            f"see {out_dir / teacher_ddp.WORKDIR}")
     return result
-
-
-def nodes(cfg: TeacherConfig, job_id: str = "dpdistill") -> teacher_ddp.Nodes:
-    """The machines of a data-parallel teacher (one unless `cfg.nnodes` > 1)."""
-    return teacher_ddp.Nodes(cfg.nnodes, cfg.rdzv_endpoint, job_id, cfg.rdzv_timeout)
 
 
 def ddp_worker(args: dict, on_progress: Callable[[dict], None] | None) -> None:
