@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.shared import (  # noqa: E402  the data in ../shared
-    RULE_CANDIDATES, add_results_option, append_result, finish, read_results, refresh_selections, require_data,
+    RULE_CANDIDATES, add_results_option, finish, read_results, refresh_selections, require_data, run_recorded,
     selection_of)
 # (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
 ROWS = {
@@ -230,15 +230,8 @@ def main(argv: list[str]) -> int:
             if any(r["row"] == label and r["repeat"] == k for r in read_results(results_path, cfg.name)):
                 continue
             extra = list(args.overrides) + ([f"teacher.target_epsilon={args.dpkd_epsilon}"] if label == "DPKD" else [])
-            print(f"== {label} run {k}", flush=True)
-            try:
-                result = run_one(args.config, label, k, extra)
-            except Exception as e:  # name it, go on with the others; a restart retries it
-                print(f"== {label} run {k} failed: {e!r}", flush=True)
-                failed.append(f"{label} r{k}")
-                continue
-            append_result(results_path, {"config": cfg.name, **result})
-            print(f"== {label} run {k}: {result['student']:.1f} ({result['seconds']:.0f} s)", flush=True)
+            run_recorded(results_path, cfg.name, f"{label} run {k}",
+                         lambda label=label, k=k, extra=extra: run_one(args.config, label, k, extra), failed)
     text = report(read_results(results_path, cfg.name), corpus, model)
     return finish(root / f"{cfg.name}-confirmation.md", text, failed)
 

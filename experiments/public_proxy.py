@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
-from experiments.shared import add_results_option, append_result, finish, read_results, require_data  # noqa: E402
+from experiments.shared import add_results_option, finish, read_results, require_data, run_recorded  # noqa: E402
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's learning rate
 EXTEND = 3  # at most this many more factors of 2 past the grid's edge
@@ -155,15 +155,12 @@ def main(argv: list[str]) -> int:
         base = _value(cfg, METHODS[method][1])  # candidates are multiples of the private config's value
         while (todo := _todo(read_results(results_path, cfg.name), method, args.repeats)) is not None:
             phase, multiple, repeat = todo
-            print(f"== {method} {phase} m={multiple:g} r{repeat}", flush=True)
-            try:
-                result = run_one(args.proxy if phase == "proxy" else args.config, method, multiple, base, phase,
-                                 repeat, list(args.overrides))
-            except Exception as e:  # name it, go on with the next method; a restart retries it
-                print(f"== {method} {phase} m={multiple:g} r{repeat} failed: {e!r}", flush=True)
-                failed.append(f"{method} {phase} m={multiple:g} r{repeat}")
-                break
-            append_result(results_path, {"config": cfg.name, "proxy": proxy.name, **result})
+            done = run_recorded(
+                results_path, cfg.name, f"{method} {phase} m={multiple:g} r{repeat}",
+                lambda: run_one(args.proxy if phase == "proxy" else args.config, method, multiple, base, phase, repeat,
+                                list(args.overrides)), failed, extra={"proxy": proxy.name})
+            if done is None:
+                break  # go on with the next method; a restart retries it
     text = report(read_results(results_path, cfg.name), cfg.name)
     root = Path(cfg.run_root)
     root.mkdir(parents=True, exist_ok=True)

@@ -99,6 +99,22 @@ def append_result(path: Path, result: dict) -> None:
         f.write(json.dumps(result) + "\n")
 
 
+def run_recorded(path: Path, config: str, what: str, run, failed: list[str], extra: dict | None = None) -> dict | None:
+    """`run()` one study run named `what`, its result appended to the study's jsonl `path` (with
+    its `config` name and `extra`); a run that raises is named, added to `failed` and skipped (a
+    restart retries it), so that the study goes on with the others."""
+    print(f"== {what}", flush=True)
+    try:
+        result = run()
+    except Exception as e:  # name it, go on with the others
+        print(f"== {what} failed: {e!r}", flush=True)
+        failed.append(what)
+        return None
+    append_result(path, {"config": config, **(extra or {}), **result})
+    print(f"== {what}: {result['student']:.1f} ({result['seconds']:.0f} s)", flush=True)
+    return result
+
+
 def _lock_of(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 

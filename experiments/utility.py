@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
-from experiments.shared import add_results_option, append_result, finish, read_results, require_data  # noqa: E402
+from experiments.shared import add_results_option, finish, read_results, require_data, run_recorded  # noqa: E402
 
 # Each corpus's prompt (pipeline/prompts.py), with room for it: the chat-templated prompt is
 # ~11 (tweets) and ~20 (Yelp) tokens longer than the header, so the rows that use it get that
@@ -169,15 +169,9 @@ def main(argv: list[str]) -> int:
         if any(r["row"] == row and r["repeat"] == k and r.get("target_epsilon") == args.epsilon
                for r in read_results(results_path, cfg.name)):
             continue
-        print(f"== {row} run {k}", flush=True)
-        try:
-            result = run_one(args.config, cfg.name, row, k, list(args.overrides), args.epsilon)
-        except Exception as e:  # name it, go on with the others; a restart retries it
-            print(f"== {row} run {k} failed: {e!r}", flush=True)
-            failed.append(f"{row} r{k}")
-            continue
-        append_result(results_path, {"config": cfg.name, **result})
-        print(f"== {row} run {k}: {result['student']:.1f} ({result['seconds']:.0f} s)", flush=True)
+        run_recorded(results_path, cfg.name, f"{row} run {k}",
+                     lambda row=row, k=k: run_one(args.config, cfg.name, row, k, list(args.overrides), args.epsilon),
+                     failed)
     main_rows = [r for r in read_results(results_path, cfg.name) if r.get("target_epsilon") is None]
     text = report(main_rows, cfg.name, model)
     return finish(root / f"{cfg.name}-utility.md", text, failed)

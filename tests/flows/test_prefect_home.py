@@ -23,7 +23,7 @@ def test_the_temporary_servers_database_is_0600_in_a_0700_home_whatever_the_umas
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.actions import VariableCreate
         from prefect.server.api.server import SubprocessASGIServer
-        from flows.cli import EarlyServer
+        from flows.cli_run import EarlyServer
         early = EarlyServer()
         early.start()
         early.wait()

@@ -152,12 +152,8 @@ def test_ledger_show_reads_the_stored_total_without_the_accountant(tmp_path):
     from pipeline.privacy.budget import store_total, stored_total
     from cli_probe import _cli
 
-    root = tmp_path / "runs"
-    run = root / "tiny-1"
-    run.mkdir(parents=True)
     entry = _teacher(1.0, 30)
-    write_ledger(run / "ledger.json", PrivacyLedger(entries=[entry], total=compose([entry], "prv", DELTA)))
-    atomic_write_json(run / "run.json", {"tool": "dpdistill", "run_root": str(root), "dataset_sha256": SHA})
+    root, run = _run_with_ledger(tmp_path, [entry])
     budget, _ = record_release(root, SHA, release_id="1" * 64, stage="teacher", run_dir=run, entry=entry)
     total = dataset_total(budget, "prv", DELTA)
     store_total(root, SHA, "prv", DELTA, total)
@@ -174,6 +170,16 @@ def test_ledger_show_reads_the_stored_total_without_the_accountant(tmp_path):
 
 
 # --- keyed by the records (issue 21 item 4) ----------------------------------------------
+
+def _run_with_ledger(tmp_path, entries: list[LedgerEntry]):
+    """(run root, run directory) of a finished run whose ledger holds `entries`, on the SHA records."""
+    root = tmp_path / "runs"
+    run = root / "tiny-1"
+    run.mkdir(parents=True)
+    write_ledger(run / "ledger.json", PrivacyLedger(entries=entries, total=compose(entries, "prv", DELTA)))
+    atomic_write_json(run / "run.json", {"tool": "dpdistill", "run_root": str(root), "dataset_sha256": SHA})
+    return root, run
+
 
 def _records(n: int, start: int = 0) -> tuple[list[str], list[str]]:
     return [f"code {i % 3}" for i in range(start, start + n)], [f"review number {i}" for i in range(start, start + n)]
@@ -472,12 +478,8 @@ def test_a_release_without_dp_is_recorded_and_every_total_of_the_records_says_so
     the guarantee no longer covers everything released from them."""
     from pipeline.privacy.budget import record_non_dp_release
 
-    root = tmp_path / "runs"
-    run = root / "tiny-1"
-    run.mkdir(parents=True)
     entry = _teacher(1.0, 30)
-    write_ledger(run / "ledger.json", PrivacyLedger(entries=[entry], total=compose([entry], "prv", DELTA)))
-    atomic_write_json(run / "run.json", {"tool": "dpdistill", "run_root": str(root), "dataset_sha256": SHA})
+    root, run = _run_with_ledger(tmp_path, [entry])
     record_release(root, SHA, release_id="1" * 64, stage="teacher", run_dir=run, entry=entry)
     budget = record_non_dp_release(root, SHA, release_id="2" * 64, stage="empirical-audit-noise-off", run_dir=run,
                                    unit="record", note="NOT DP: trained with σ = 0")
