@@ -7,7 +7,11 @@ no torch, no Prefect."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,3 +200,27 @@ def test_the_layout_names_every_module():
                if p.name != "__init__.py"]
     missing = [m for m in modules if m not in named]
     assert not missing, "modules docs/pipeline.md's Layout block does not name:\n" + "\n".join(missing)
+
+
+REPORT_BLOCK = re.compile(r"^<!-- report: (python [^\n]+) -->\n(.*?)^<!-- /report -->$", re.M | re.S)
+
+
+def _report_blocks() -> list[tuple[str, str, str]]:
+    return [(str(page.relative_to(ROOT)), cmd, text) for page in sorted((ROOT / "docs").glob("*.md"))
+            for cmd, text in REPORT_BLOCK.findall(page.read_text(encoding="utf-8"))]
+
+
+def test_the_docs_hold_report_blocks():
+    assert len(_report_blocks()) >= 2  # the confirmation's two studies at least (issue 60 item 2)
+
+
+@pytest.mark.parametrize("page, command, text", _report_blocks(), ids=lambda x: x if isinstance(x, str) and x.endswith(".md") else "")
+def test_every_report_block_is_what_its_command_prints(page, command, text, tmp_path):
+    """Issue 60 item 2: a results table in the docs is the output of a documented --report-only
+    command on a tracked results file, verbatim; it fails when either drifts."""
+    argv = shlex.split(command)
+    assert "--report-only" in argv and argv[0] == "python", command
+    done = subprocess.run([sys.executable, *argv[1:], f"run_root={tmp_path}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert text.strip() in done.stdout, f"{page}: the block under `{command}` is not what it prints now"
