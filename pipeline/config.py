@@ -334,6 +334,15 @@ class TeacherConfig(_Section):
         16, ge=1, description="Examples per forward/backward pass (BatchMemoryManager)."
     )
     learning_rate: float = Field(1e-4, gt=0, description="Also the DP-SGD student's (distill.method=dp_sgd, dpkd).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="The learning rate over the logical steps: 'constant'; 'linear' or 'cosine': a linear "
+        "warm-up over `lr_warmup_fraction` of the steps, then a decay to 0. More steps at the same ε carry "
+        "more noise each; a decaying rate averages it out at the end (issue 59 item 3). A public setting: it "
+        "costs no privacy.",
+    )
+    lr_warmup_fraction: float = Field(
+        0.05, ge=0, lt=1, description="With lr_schedule linear or cosine: the share of steps of the warm-up.")
     weight_decay: float = Field(0.0, ge=0)
     max_length: int = Field(128, ge=8, description="Tokens per training record (truncated).")
     accountant: Literal["prv", "rdp", "gdp"] = Field("prv", description="Opacus accountant.")
@@ -462,7 +471,7 @@ class TeacherConfig(_Section):
 # Teacher settings added after stage caches and checkpoints existed: while at these defaults they
 # stay out of the teacher's cache key and a checkpoint's fingerprint, so what was made before them
 # (a study's shared DPKD teacher, an interrupted run's checkpoint) is still found.
-LATER_DEFAULTS = {"untie_lm_head": True}
+LATER_DEFAULTS = {"untie_lm_head": True, "lr_schedule": "constant", "lr_warmup_fraction": 0.05}
 
 
 def at_later_defaults(cfg: TeacherConfig) -> set[str]:

@@ -484,3 +484,38 @@ def test_a_handed_plan_gives_the_sigma_the_stage_calibrates_itself(splits, tiny_
     assert recipe._schedule(cfg, splits.n_train, "record", stale, "teacher") == mine
     n = splits.n_train
     assert f"plan was made for {n + 1} records, but the training split has {n} records" in caplog.text
+
+
+def test_the_learning_rate_schedule_warms_up_then_decays(splits, tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 59 item 3: teacher.lr_schedule linear or cosine sets each logical step's rate, a
+    function of the step alone (a resumed run needs no scheduler state); constant leaves it."""
+    from pipeline.stages.teacher import recipe
+    from pipeline.stages.teacher.recipe import lr_factor
+
+    cfg = TeacherConfig(lr_schedule="linear", lr_warmup_fraction=0.1)
+    assert [round(lr_factor(cfg, s, 20), 3) for s in (0, 1, 2, 11, 19)] == [0.5, 1.0, 1.0, 0.5, 0.056]
+    cosine = cfg.model_copy(update={"lr_schedule": "cosine"})
+    assert lr_factor(cosine, 2, 20) == 1.0 and lr_factor(cosine, 11, 20) == pytest.approx(0.5)
+    assert lr_factor(TeacherConfig(), 7, 20) == 1.0
+    seen = []
+    real = recipe.set_learning_rate
+
+    def spy(run, step):
+        real(run, step)
+        seen.append((step, run.optimizer.param_groups[0]["lr"]))
+    monkeypatch.setattr(recipe, "set_learning_rate", spy)
+    cfg, result = _teacher(splits, tiny_model_dir, tmp_path, lr_schedule="cosine", lr_warmup_fraction=0.2)
+    steps = result.ledger.steps
+    assert [s for s, _ in seen] == list(range(steps + 1))  # before each step, and after the last
+    rates = [lr for _, lr in seen[:steps]]
+    assert rates == [pytest.approx(cfg.learning_rate * lr_factor(cfg, s, steps)) for s in range(steps)]
+    assert max(rates) == pytest.approx(cfg.learning_rate) and rates[-1] < rates[len(rates) // 2]
+
+
+def test_a_schedule_at_its_default_leaves_the_teacher_key_as_it_was(tiny_config):
+    from flows.tasks import teacher_task
+
+    key = teacher_task.cache_policy.config_of(tiny_config)["teacher"]
+    assert "lr_schedule" not in key and "lr_warmup_fraction" not in key
+    linear = tiny_config.model_copy(update={"teacher": tiny_config.teacher.model_copy(update={"lr_schedule": "linear"})})
+    assert teacher_task.cache_policy.config_of(linear)["teacher"]["lr_schedule"] == "linear"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -385,6 +386,7 @@ def _train_steps(run: Run, cfg: TeacherConfig, on_progress: Callable[[dict], Non
     # one step's duration: lines only every TIMING_WINDOW_STEPS steps.
     steps_log = ProgressLog(log, run.stage, "steps", run.steps_allowed, every=progress_every, done=run.resumed_from,
                             window=TIMING_WINDOW_STEPS)
+    set_learning_rate(run, done)
     while done < run.steps_allowed:
         with BatchMemoryManager(data_loader=run.loader, max_physical_batch_size=cfg.physical_batch_size,
                                 optimizer=run.optimizer) as physical_loader:
@@ -394,6 +396,7 @@ def _train_steps(run: Run, cfg: TeacherConfig, on_progress: Callable[[dict], Non
                     continue  # logical batch not finished yet
                 record = _record_step(run, t0)
                 done = record["step"]
+                set_learning_rate(run, done)  # the next step's
                 if done % cfg.checkpoint_every == 0 and done < run.steps_allowed:
                     save_checkpoint(run)
                 if run.rank == 0 and steps_log.due(done):
@@ -404,6 +407,25 @@ def _train_steps(run: Run, cfg: TeacherConfig, on_progress: Callable[[dict], Non
                     on_progress({**record, "done": done, "total": run.steps_allowed})
                 if done >= run.steps_allowed:
                     break
+
+
+def lr_factor(cfg: TeacherConfig, step: int, total: int) -> float:
+    """The share of `cfg.learning_rate` at logical step `step` (0-based) of `total`: 1 throughout
+    ('constant'), else a linear warm-up over `lr_warmup_fraction` of the steps, then a linear or
+    cosine decay towards 0. A function of the step alone, so a resumed run needs no scheduler state."""
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    warmup = max(1, round(cfg.lr_warmup_fraction * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    left = (step - warmup) / max(1, total - warmup)  # 0 after the warm-up, 1 at the end
+    return 1 - left if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * left))
+
+
+def set_learning_rate(run: Run, step: int) -> None:
+    """The learning rate of logical step `step` (`lr_factor`), on every parameter group."""
+    for group in run.optimizer.param_groups:
+        group["lr"] = run.cfg.learning_rate * lr_factor(run.cfg, step, run.steps_allowed)
 
 
 def _train_data_parallel(cfg: TeacherConfig, *, out_dir: Path, on_progress, stage: str,
