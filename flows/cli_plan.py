@@ -22,6 +22,7 @@ def run_plan(cfg) -> int:
     logging.getLogger("pipeline").setLevel(logging.WARNING)
     from pipeline.plan import format_plan, format_times, make_plan  # torch, Opacus; no Prefect
     from pipeline.plan_time import estimate_seconds
+    from pipeline.privacy.budget import budget_of
     from pipeline.stages.data import planned_split
 
     # Progress on stderr while it works, the plan itself on stdout: its privacy numbers and
@@ -30,10 +31,12 @@ def run_plan(cfg) -> int:
 
     def say(line: str) -> None:
         print(f"{line} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
-    split = planned_split(cfg.data, Path(cfg.run_root), cfg.control_codes.domain)
+    root = Path(cfg.run_root).resolve()
+    # One split, read twice: the plan's sizes and test records, and the training records' budget.
+    split, budget = planned_split(cfg.data, root, cfg.control_codes.domain, lambda train: budget_of(root, train))
     plan = make_plan(cfg, say=say, split=split)
     print(format_plan(plan), flush=True)
-    print(planned_budget(cfg, plan), flush=True)  # refused past privacy.max_epsilon: a user error, exit code 2
+    print(planned_budget(cfg, plan, budget), flush=True)  # refused past privacy.max_epsilon: a user error, exit code 2
     for warning in plan.warnings:
         print(f"dpdistill: warning: {warning}", file=sys.stderr, flush=True)
     plan.seconds = estimate_seconds(cfg, plan, split, say)
@@ -41,14 +44,11 @@ def run_plan(cfg) -> int:
     return 0
 
 
-def planned_budget(cfg, plan) -> str:
-    """`plan`'s lines on the training records' budget under run_root: spent by earlier runs, and
+def planned_budget(cfg, plan, budget) -> str:
+    """`plan`'s lines on the training records' `budget` under run_root: spent by earlier runs, and
     with this run; BudgetExceeded past privacy.max_epsilon. Writes nothing."""
-    from pipeline.privacy.budget import budget_of, check_max_epsilon, dataset_total
-    from pipeline.stages.data import with_training_split
+    from pipeline.privacy.budget import check_max_epsilon, dataset_total
 
-    root = Path(cfg.run_root).resolve()
-    budget = with_training_split(cfg.data, root, cfg.control_codes.domain, lambda train: budget_of(root, train))
     delta, accountant, limit = plan.total.accountant_delta(), cfg.teacher.accountant, cfg.privacy.max_epsilon
     spent = dataset_total(budget, accountant, delta)
     total = check_max_epsilon(budget, plan.entries, limit, accountant, delta)

@@ -517,9 +517,14 @@ def _planned(cfg: DataConfig, code_domain, run_root: Path, read) -> object:
         return read(prepare_data(cfg, Path(tmp), code_domain, key))
 
 
-def planned_split(cfg: DataConfig, run_root: Path, code_domain: dict[str, list[str]] | None = None) -> PlannedSplit:
-    """The split the data stage will make, read and validated the same way, kept nowhere."""
-    return _planned(cfg, code_domain, run_root, read_planned)
+def planned_split(cfg: DataConfig, run_root: Path, code_domain: dict[str, list[str]] | None = None,
+                  read_train=None):
+    """The split the data stage will make, read and validated the same way, kept nowhere. With
+    `read_train`: (that split, `read_train(path)` of its training file), from the one split
+    (`dpdistill plan` reads the records' budget there)."""
+    if read_train is None:
+        return _planned(cfg, code_domain, run_root, read_planned)
+    return _planned(cfg, code_domain, run_root, lambda result: (read_planned(result), read_train(result.train)))
 
 
 def read_planned(result: DataResult) -> PlannedSplit:

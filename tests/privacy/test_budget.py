@@ -262,7 +262,12 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     data = prepare_data(cfg.data, tmp_path / "data", code_domain=cfg.control_codes.domain)
     root = cfg.run_root.resolve()
     plan = make_plan(cfg)
-    assert "within privacy.max_epsilon=10" in planned_budget(cfg, plan)  # nothing spent yet: 8 + 1 fits
+    from pipeline.privacy.budget import budget_of
+    from pipeline.stages.data import planned_split
+
+    def planned(cfg):  # as `dpdistill plan` reads it: the records' budget from the plan's one split
+        return planned_split(cfg.data, root, cfg.control_codes.domain, lambda train: budget_of(root, train))[1]
+    assert "within privacy.max_epsilon=10" in planned_budget(cfg, plan, planned(cfg))  # nothing spent yet: 8 + 1 fits
 
     budget_id = register_records(root, record_digests(*read_split(data.train), records_key(root)))
     earlier = next(e for e in plan.entries if e.stage == "teacher")
@@ -276,7 +281,7 @@ def test_a_run_over_max_epsilon_is_refused_before_training_and_in_plan(tmp_path,
     assert "Fix: lower teacher.target_epsilon" in message and "raise privacy.max_epsilon" in message
     assert not (tmp_path / "run" / "teacher").exists()
     with pytest.raises(BudgetExceeded, match="privacy.max_epsilon=10.0"):
-        planned_budget(cfg, plan)
+        planned_budget(cfg, plan, planned(cfg))
 
 
 def test_digests_streamed_from_a_split_file_match_and_read_budgets_written_before(tmp_path):
