@@ -227,6 +227,7 @@ def test_every_report_block_is_what_its_command_prints(page, command, text, tmp_
 
 
 def _plain(text: str) -> str:
-    """The text with a heading's level or bold left out (a page fits a report's headings to its own)."""
+    """The text with a heading's level or bold left out, and a code fence's lines (a page fits a
+    report's headings to its own, and may fence its plain `key=value` lines)."""
     return "\n".join(re.sub(r"^(#+ |\*\*)(.*?)(\*\*)?$", r"\2", line) if line.startswith(("#", "**")) else line
-                     for line in text.splitlines())
+                     for line in text.splitlines() if line != "```")
