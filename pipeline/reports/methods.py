@@ -154,8 +154,8 @@ def verdict(runs: list[Scored]) -> str | None:
     if untuned := _untuned_baselines(by_method, anchor, means):
         text += (" " + " and ".join(_words(m) for m in untuned) + " trained the student with ours' `teacher` "
                  "settings unchanged (learning rate, epochs, batch), which were chosen for the teacher; a small "
-                 "student often needs others (on the real pair of docs/real_model.md, four times the learning rate "
-                 "cut DP-SGD's perplexity about 3-fold): try a few before reading this as a win.")
+                 "student often needs others (on the real pair's Yelp reviews of docs/real_model.md, four times the "
+                 "learning rate cut DP-SGD's perplexity by a quarter, 371 to 283): try a few before reading this as a win.")
     if mixed := [m for m, rs in by_method.items() if len({r.settings for r in rs}) > 1]:
         text += (" The runs of " + ", ".join(_words(m) for m in mixed) + " differ in their settings: each mean "
                  "mixes them.")

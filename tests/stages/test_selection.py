@@ -143,7 +143,7 @@ def test_spearman_and_the_criterion_study():
 
 
 def test_the_criterion_study_against_the_text_alone_can_disagree_with_the_windowed_one():
-    """SmolLM2 on the airline tweets (docs/real_model.md, run r1): α = 0.4 won on the windowed
+    """SmolLM2 on the airline tweets (docs/real_model.md, run r1, since withdrawn, in git history): α = 0.4 won on the windowed
     figure by the code header alone, which the KL skips; on the text alone α = 1, the rule's
     choice, was the better candidate. The evaluation records both studies."""
     from pipeline.stages.evaluate import _selection_table

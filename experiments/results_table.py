@@ -1,0 +1,78 @@
+"""The README's results table (issue 60 item 5): per corpus, the student of ours beside the
+baselines a user would run (DP-SGD and DPKD of the same student at the whole ε with the config's
+settings), the ε = 0 control and the teachers; windowed test perplexity and on the text alone.
+Every cell is the mean ± sd of a tracked results file's runs, scored on the corpus's fixed test
+split; a cell whose file holds no such figure prints "–".
+
+    .venv/bin/python experiments/results_table.py --report-only   # print the table
+    .venv/bin/python experiments/results_table.py                 # and rewrite the README's block
+
+The README's block is checked against `--report-only` by tests/test_docs.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.shared import read_results  # noqa: E402
+from experiments.utility import _mean_sd  # noqa: E402
+
+RESULTS = ROOT / "docs" / "results"
+# corpus, results file, its config's name (None: every line), the file's row label of each column
+SOURCES = (
+    ("Yelp, builtin 5.3 M → 1.5 M", "yelp.jsonl", None,
+     {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}),
+    ("Yelp, SmolLM2-135M → 4 layers", "smollm2_yelp.jsonl", "smollm2-yelp",
+     {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}),
+    ("Tweets, SmolLM2-135M → 4 layers", "utility.jsonl", "smollm2-airline",
+     {"ours": "ours", "dpsgd": "dp-sgd", "public_only": "public-only"}),
+)
+COLUMNS = ("ours", "dpsgd", "dpkd", "public_only")
+# figure: (the student's key, the DP teacher's, the base teacher's, the base student's)
+FIGURES = (("windowed", ("student", "dp_teacher", "base_teacher", "zero_shot")),
+           ("text alone", ("student_text_windowed", "dp_teacher_text", "base_teacher_text", None)))
+
+
+def table() -> str:
+    lines = ["| corpus | test perplexity | ours | DP-SGD | DPKD | ε = 0 control | DP teacher | base teacher "
+             "| base student |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for corpus, name, config, labels in SOURCES:
+        runs = [r for r in read_results(RESULTS / name, config) if r.get("target_epsilon") is None]
+        of = {col: [r for r in runs if r["row"] == labels.get(col)] for col in COLUMNS}
+        if not of["ours"]:
+            continue
+        for what, (student, *references) in FIGURES:
+            cells = [_mean_sd([r.get(student) for r in of[col]]) for col in COLUMNS]
+            if set(cells) == {"–"}:
+                continue  # an older study that did not record this figure
+            cells += [_mean_sd([r.get(key) for r in of["ours"]] if key else []) for key in references]
+            lines.append(f"| {corpus} | {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def rewrite_readme(text: str, readme: Path = ROOT / "README.md") -> None:
+    block = re.compile(r"(<!-- report: python experiments/results_table.py --report-only -->\n).*?(<!-- /report -->)", re.S)
+    page = readme.read_text(encoding="utf-8")
+    if not block.search(page):
+        raise SystemExit(f"experiments/results_table.py: {readme} holds no block of this command to rewrite")
+    readme.write_text(block.sub(lambda m: m.group(1) + text + m.group(2), page), encoding="utf-8")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--report-only", action="store_true", help="print the table; leave the README as it is")
+    args = p.parse_args(argv)
+    text = table()
+    print(text, end="")
+    if not args.report_only:
+        rewrite_readme(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
