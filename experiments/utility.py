@@ -9,7 +9,10 @@ at the full ε. Three runs a row; resumable; every finished run appended to a tr
         --results docs/results/utility.jsonl --report-only
 
 Rows (ROWS): `ours-header` (the config as shipped: the codes as a header), `ours` (the corpus's
-prompt template, PROMPTS), `public-only` (distill.method=public_only with the same prompt; no DP
+prompt template, PROMPTS), `ours-kept` (ours' DP teacher and synthetic text, run k's, reused from
+the stage cache: its student learns only from the samples the teacher recognises as written for
+their codes, distill.keep_samples=code_adherent, and the classifier is also trained on those
+alone; run it right after `ours`), `public-only` (distill.method=public_only with the same prompt; no DP
 noise, so its repeats differ by their seed) and `dp-sgd` (distill.method=dp_sgd at the config's
 settings and its whole ε). A DP row's repeat k > 1 reruns the stage that draws its noise and all
 after it, as experiments/confirmation.py does. The test split is each corpus's fixed one (Yelp's
@@ -49,10 +52,14 @@ PROMPTS = {
     "smollm2-yelp": ("data.prompt_template=Write a Yelp review of a business with these details. {label1}. {label2}.",
                      "data.system_prompt=''", "teacher.max_length=116", "generate.max_length=116"),
 }
-# row: (overrides, the stage whose rerun draws fresh DP noise; None: repeats differ by their seed)
+PAIRED = "paired"
+"""A row that reuses the DP teacher and synthetic text `ours` run k just made (its stages cached)."""
+# row: (overrides, the stage whose rerun draws fresh DP noise; None: repeats differ by their seed;
+# PAIRED: the row after `ours` in each repeat, on its teacher and text)
 ROWS = {
     "ours-header": (("distill.method=distil",), "control-codes"),
     "ours": (("distill.method=distil", "PROMPT"), "control-codes"),
+    "ours-kept": (("distill.method=distil", "PROMPT", "distill.keep_samples=code_adherent"), PAIRED),
     "public-only": (("distill.method=public_only", "PROMPT"), None),
     "dp-sgd": (("distill.method=dp_sgd",), "dp-student"),
 }
@@ -74,7 +81,8 @@ def overrides(row: str, corpus: str, repeat: int, epsilon: float | None = None) 
     return out
 
 
-def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], epsilon: float | None = None) -> dict:
+def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], epsilon: float | None = None,
+            paired_with: dict | None = None) -> dict:
     from flows.pipeline_flow import dp_distill
     from flows.run_info import stages_to_rerun
     from pipeline.config import load_config
@@ -84,7 +92,8 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], e
     cfg = cfg.model_copy(update={"name": f"{cfg.name}-{row.replace('-', '')}{tag}-r{repeat}"})
     noisy = ROWS[row][1]
     t0 = time.monotonic()
-    run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy, None) if repeat > 1 and noisy else None))
+    fresh = repeat > 1 and noisy not in (None, PAIRED)
+    run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy, None) if fresh else None))
     out = _result(row, repeat, run_dir, time.monotonic() - t0)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     ppl = metrics["perplexity"]
@@ -92,7 +101,13 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], e
     out["base_teacher_text"] = ppl.get("base_teacher", {}).get("text_only", {}).get("windowed")
     out["dp_teacher_text"] = ppl.get("dp_teacher", {}).get("text_only", {}).get("windowed")
     out["mauve"] = (metrics.get("mauve") or {}).get("mauve")
+    if kept := metrics.get("downstream_kept"):  # ours-kept: the classifier on the samples kept alone
+        out["downstream_kept"] = {c: {"macro_f1": v["synthetic"]["macro_f1"], "synthetic_train": v["synthetic_train"]}
+                                  for c, v in kept["columns"].items() if "synthetic" in v}
     out["target_epsilon"] = epsilon  # None: the config's own (about 2), the study's main rows
+    if paired_with is not None:  # the same DP teacher scores the same test split the same
+        out["paired_with"] = paired_with["run_dir"]
+        out["paired"] = out["dp_teacher"] == paired_with["dp_teacher"]
     return out
 
 
@@ -126,6 +141,13 @@ def report(results: list[dict], corpus: str, model: str) -> str:
                 f"f1={_mean_sd([s['macro_f1'] for s in scores], 3)} chance={scores[0]['chance_macro_f1']:.3f} "
                 f"reference={statistics.mean(ref):.3f} mauve={_mean_sd([r.get('mauve') for r in ours], 3)}\n"
                 if ref else "")
+    kept = by_row.get("ours-kept", [])  # issue 59 item 4: the classifier on the samples the teacher recognises
+    for column in sorted({c for r in kept for c in r.get("downstream_kept", {})}):
+        scores = [r["downstream_kept"][column] for r in kept if column in r.get("downstream_kept", {})]
+        out += (f"synthetic-kept model={model} corpus={corpus} column={column} runs={len(scores)} "
+                f"f1={_mean_sd([s['macro_f1'] for s in scores], 3)} "
+                f"samples={_mean_sd([s['synthetic_train'] for s in scores], 0)} "
+                f"paired={sum(bool(r.get('paired')) for r in kept)}\n")
     for key, what in (("student", ""), ("student_text_windowed", " figure=text_alone")):
         teacher_key = "dp_teacher" if key == "student" else "dp_teacher_text"
         base_key = "base_teacher" if key == "student" else "base_teacher_text"
@@ -169,8 +191,17 @@ def main(argv: list[str]) -> int:
         if any(r["row"] == row and r["repeat"] == k and r.get("target_epsilon") == args.epsilon
                for r in read_results(results_path, cfg.name)):
             continue
+        paired_with = None
+        if ROWS[row][1] == PAIRED:
+            paired_with = next((r for r in read_results(results_path, cfg.name) if r["row"] == "ours"
+                                and r["repeat"] == k and r.get("target_epsilon") == args.epsilon), None)
+            if paired_with is None:
+                print(f"experiments/utility.py: {row} run {k} reuses ours run {k}'s teacher and text, which is not "
+                      f"done: run the rows ours,{row} in that order", file=sys.stderr)
+                continue
         run_recorded(results_path, cfg.name, f"{row} run {k}",
-                     lambda row=row, k=k: run_one(args.config, cfg.name, row, k, list(args.overrides), args.epsilon),
+                     lambda row=row, k=k, p=paired_with: run_one(args.config, cfg.name, row, k, list(args.overrides),
+                                                                 args.epsilon, p),
                      failed)
     main_rows = [r for r in read_results(results_path, cfg.name) if r.get("target_epsilon") is None]
     text = report(main_rows, cfg.name, model)

@@ -394,5 +394,6 @@ def evaluation_task(
         adherence_model="dp_teacher" if teacher is not None else "base_teacher",  # the teacher that wrote the text
         cache_dir=Path(cfg.run_root).resolve() / PERPLEXITY_DIR,  # the base models score once per run root
         code_columns=cfg.data.code_columns, selection=selection, prompt=PromptFormat.of(cfg.data),
+        kept_samples=getattr(student, "kept_samples", None),  # distill.keep_samples=code_adherent
     )
     return {**metrics, "evaluation_dir": str(out_dir)}

@@ -60,3 +60,17 @@ def test_the_privacy_utility_figure_is_drawn_from_the_results(tmp_path):
     assert figure.series(results, "student_text_windowed", "dp-sgd") == [(0.5, 400.0, 0.0)]
     out = figure.draw(results, tmp_path / "fig.png", "airline")
     assert out.stat().st_size > 10_000
+
+
+def test_the_kept_row_reuses_ours_teacher_and_reports_its_classifier():
+    """Issue 59 item 4: ours-kept keeps ours' run k (no fresh noise, no new seed) and learns from the
+    samples the teacher recognises; its lines say how many were kept and whether each run was paired."""
+    kept = utility.overrides("ours-kept", "smollm2-airline", 2)
+    assert kept[-1] == "distill.keep_samples=code_adherent" and not any(o.startswith("seed=") for o in kept)
+    ds = {"sentiment": {"macro_f1": 0.40, "chance_macro_f1": 0.333, "real_reference_macro_f1": 0.555}}
+    results = [_run("ours", 1, 150.0, 200.0, downstream=ds)]
+    results += [_run("ours-kept", 1, 151.0, 201.0, paired=True,
+                     downstream_kept={"sentiment": {"macro_f1": 0.45, "synthetic_train": 900}})]
+    text = utility.report(results, "smollm2-airline", "smollm2-135m")
+    assert ("synthetic-kept model=smollm2-135m corpus=smollm2-airline column=sentiment runs=1 f1=0.450±nan "
+            "samples=900±nan paired=1") in text

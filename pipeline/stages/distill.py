@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 
 SCRATCH = ".synthetic_ids"  # out_dir's memory-mapped copy of the synthetic ids, while the stage runs
+KEPT_SAMPLES = "kept_samples.json"  # keep_samples=code_adherent: the ids of the synthetic samples kept
 
 
 class DistillError(ValueError):
@@ -86,6 +87,8 @@ class DistillResult:
     """Each candidate's student checkpoint, when `keep_candidates` (evaluated on the test split too)."""
     selection_ledger: LedgerEntry | None = None
     """select_by=private_validation: the noisy private scores' release, composed into the run's total."""
+    kept_samples: Path | None = None
+    """keep_samples=code_adherent: the JSON list of the synthetic train samples' ids kept (KEPT_SAMPLES)."""
 
     def releases(self) -> dict[str, LedgerEntry]:
         """The stage's DP release: the private selection's, when it made one."""
@@ -567,6 +570,11 @@ def _save(cfg: DistillConfig, out_dir: Path, logs: dict[str, dict], ckpts: dict[
             shutil.rmtree(out_dir / "candidates", ignore_errors=True)
         atomic_write_json(out_dir / "selection.json", selection)
     run = logs[chosen]
+    kept_samples = None
+    if cfg.keep_samples != "all":  # which samples the student learnt from: the evaluation's classifier reads them
+        kept_samples = out_dir / KEPT_SAMPLES
+        atomic_write_json(kept_samples, {"rule": cfg.keep_samples,
+                                         "sample_ids": setup.train_table["sample_id"].to_pylist()})
     atomic_write_json(out_dir / "training_log.json", {
         "history": run["history"], "validation": run["validation"], "stopped_early": run["stopped_early"],
         "seconds": sum(r["seconds"] for r in logs.values()), "chosen": chosen or None,
@@ -578,7 +586,8 @@ def _save(cfg: DistillConfig, out_dir: Path, logs: dict[str, dict], ckpts: dict[
         out_dir,
         stage="distillation",
         inputs={"synthetic": Path(synthetic_path), "teacher": Path(teacher_dir)},
-        outputs={"model": ckpt} | ({"selection": out_dir / "selection.json"} if selection else {}),
+        outputs={"model": ckpt} | ({"selection": out_dir / "selection.json"} if selection else {})
+        | ({"kept_samples": kept_samples} if kept_samples else {}),
         extra={"student_model": student_model, "steps": sum(r["steps"] for r in logs.values()), "seconds": seconds,
                "best_validation_loss": run["best_validation_loss"], "teacher_top_k": cfg.teacher_top_k,
                "teacher_cache": str(cache.path) if cache else None,
@@ -591,4 +600,4 @@ def _save(cfg: DistillConfig, out_dir: Path, logs: dict[str, dict], ckpts: dict[
     return DistillResult(checkpoint=ckpt, train_loss=[h["loss"] for h in run["history"]], seconds=seconds,
                          teacher_cache=cache.path if cache else None, train_samples=run["train_samples"],
                          available_samples=setup.available, selection=selection, candidates=kept,
-                         selection_ledger=selection_ledger)
+                         selection_ledger=selection_ledger, kept_samples=kept_samples)

@@ -218,6 +218,7 @@ def evaluate_models(
     code_columns: list[str] | None = None,
     selection: dict | None = None,
     prompt: PromptFormat = HEADER,
+    kept_samples: Path | None = None,
 ) -> dict:
     """Perplexity of each named model on the test split, each record after its `prompt`;
     writes `out_dir/metrics.json`.
@@ -232,7 +233,9 @@ def evaluate_models(
     (pipeline/stages/adherence.py `declared_values`), scores the code adherence of
     `cfg.adherence_samples` synthetic samples. With `cache_dir`, perplexities are read from and
     written to it (module docstring). With `selection` (the distillation's), metrics get the
-    selection table and the criterion study.
+    selection table and the criterion study. With `kept_samples` (the distillation's
+    keep_samples=code_adherent list), the downstream classifier is also trained on the kept
+    samples alone (`downstream_kept`): does keeping them help the classifier?
 
     The recipe: `_Scorer` scores each model (or reads its cached perplexity) → the DP teacher's
     checks of the synthetic text (`_teacher_checks`) → `_synthetic_vs_real` → `_save`.
@@ -252,7 +255,7 @@ def evaluate_models(
     if selection is not None:
         result["selection"] = _selection_table(selection, result["perplexity"])
     if synthetic_path is not None:
-        result |= _synthetic_vs_real(scorer.tokenizer, synthetic_path, codes, texts, code_columns, seed)
+        result |= _synthetic_vs_real(scorer.tokenizer, synthetic_path, codes, texts, code_columns, seed, kept_samples)
     return _save(result, out_dir, test_path)
 
 
@@ -331,7 +334,7 @@ def _teacher_checks(model, tok, synthetic_path: Path, texts: list[str], code_val
 
 
 def _synthetic_vs_real(tok, synthetic_path: Path, codes: list[str], texts: list[str], code_columns: list[str] | None,
-                       seed: int) -> dict:
+                       seed: int, kept_samples: Path | None = None) -> dict:
     """Text properties of the synthetic and real test texts, and the downstream classifier."""
     # On a sample: the first texts of each (shards are i.i.d. samples of the teacher), read
     # lazily, never the whole synthetic set in memory; the same number on each side, since
@@ -347,6 +350,9 @@ def _synthetic_vs_real(tok, synthetic_path: Path, codes: list[str], texts: list[
     out = {"text_properties": props}
     if code_columns:
         out["downstream"] = _downstream(synthetic_path, codes, texts, code_columns, seed)
+        if kept_samples is not None:
+            kept = set(json.loads(Path(kept_samples).read_text())["sample_ids"])
+            out["downstream_kept"] = _downstream(synthetic_path, codes, texts, code_columns, seed, kept)
     return out
 
 
@@ -380,11 +386,13 @@ def _selection_table(selection: dict, metrics: dict) -> dict:
 
 
 def _downstream(synthetic_path: Path, test_codes: list[str], test_texts: list[str], code_columns: list[str],
-                seed: int) -> dict:
-    head = synthetic_head(synthetic_path, DOWNSTREAM_SAMPLE, "train")
+                seed: int, kept: set[int] | None = None) -> dict:
+    """The downstream classifier trained on the first synthetic train samples (of those `kept`)."""
+    head = synthetic_head(synthetic_path, DOWNSTREAM_SAMPLE, "train", ids=None if kept is None else sorted(kept))
     result = code_classification(head["control_code"].to_pylist(), head["text"].to_pylist(), test_codes,
                                  test_texts, code_columns, seed)
-    log.info("evaluation: downstream classifier of the codes (%s); %s", result["measures"],
+    log.info("evaluation: downstream classifier of the codes%s (%s); %s",
+             "" if kept is None else f", trained on the {head.num_rows} samples kept", result["measures"],
              "; ".join(classification_lines(result)))
     return result
 

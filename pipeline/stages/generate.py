@@ -31,6 +31,7 @@ import functools
 import hashlib
 import json
 import logging
+import operator
 import os
 import socket
 import time
@@ -451,18 +452,20 @@ def read_synthetic(path: Path, split: str | None = None) -> pa.Table:
     return table
 
 
-def _scanner(path: Path, split: str | None, columns: list[str]):
+def _scanner(path: Path, split: str | None, columns: list[str], ids: list[int] | None = None):
     import pyarrow.dataset as ds  # lazy: batches are read as the scanner is consumed
 
     shards = ds.dataset([str(f) for f in synthetic_files(path)], format="parquet")
-    return shards.scanner(columns=columns, filter=None if split is None else ds.field("split") == split)
+    where = [ds.field("split") == split] if split is not None else []
+    where += [ds.field("sample_id").isin(pa.array(ids, pa.int64()))] if ids is not None else []
+    return shards.scanner(columns=columns, filter=functools.reduce(operator.and_, where) if where else None)
 
 
 def synthetic_head(path: Path, n: int, split: str | None = None,
-                   columns: tuple[str, ...] = ("control_code", "text")) -> pa.Table:
-    """The first `n` samples (of `split`), reading shards in order only until it has them:
-    for a 10M-sample set, one shard, not the set."""
-    return _scanner(path, split, list(columns)).head(n)
+                   columns: tuple[str, ...] = ("control_code", "text"), ids: list[int] | None = None) -> pa.Table:
+    """The first `n` samples (of `split`; of those whose sample_id is in `ids`), reading shards
+    in order only until it has them: for a 10M-sample set, one shard, not the set."""
+    return _scanner(path, split, list(columns), ids).head(n)
 
 
 def synthetic_texts(path: Path, n: int, split: str | None = None) -> list[str]:

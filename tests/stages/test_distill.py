@@ -380,3 +380,13 @@ def test_keep_samples_code_adherent_trains_on_what_the_teacher_recognises(synthe
     assert result.train_samples == result.available_samples == len(kept)
     assert any(f"keeping {len(kept)} of the {available} synthetic train samples" in r.getMessage()
                for r in caplog.records)
+    # The ids kept are published beside the student, and the evaluation's classifier can learn from them alone.
+    assert set(json.loads(result.kept_samples.read_text())["sample_ids"]) == set(kept)
+    from pipeline.stages.evaluate import _downstream
+    from pipeline.stages.generate import synthetic_head
+
+    head = synthetic_head(synthetic.path, available, "train")
+    codes, texts = head["control_code"].to_pylist(), head["text"].to_pylist()
+    every, only_kept = (_downstream(synthetic.path, codes, texts, ["Category"], 0, ids) for ids in (None, set(kept)))
+    assert every["columns"]["Category"]["synthetic_train"] == available
+    assert only_kept["columns"]["Category"]["synthetic_train"] == len(kept)
