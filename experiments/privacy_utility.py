@@ -23,6 +23,7 @@ from experiments.shared import read_results  # noqa: E402
 
 FIGURES = (("student_text_windowed", "dp_teacher_text", "base_teacher_text", "on the text alone"),
            ("student", "dp_teacher", "base_teacher", "windowed"))
+SWEEP = (0.5, 1, 2, 4, 8)  # the target ε of the sweep (docs/utility.md)
 LINES = (("ours", "ours (distilled from the DP teacher)", "tab:blue"),
          ("dp-sgd", "DP-SGD of the student", "tab:red"))
 
@@ -51,6 +52,7 @@ def draw(results: list[dict], out: Path, title: str) -> Path:
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig = Figure(figsize=(10, 4))
     for ax, (key, teacher_key, base_key, what) in zip(fig.subplots(1, 2), FIGURES):
@@ -69,6 +71,10 @@ def draw(results: list[dict], out: Path, title: str) -> Path:
                 ax.axhline(value, ls=style, color="tab:green" if style == "--" else "black", label=label)
         ax.set(xscale="log", yscale="log", xlabel="total ε of the run (ledger, add/remove)",
                ylabel=f"test perplexity, {what}", title=f"{title}: student, {what}")
+        ax.set_xticks(SWEEP, [f"{e:g}" for e in SWEEP], minor=False)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_formatter(ScalarFormatter())  # plain numbers, not powers of ten
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
         ax.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
