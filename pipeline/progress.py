@@ -144,3 +144,19 @@ class ProgressLog:
         self.logger.info("%s", progress_line(self.stage, done, self.total, self.unit, made=rate_made,
                                              elapsed=now - self.t0, seconds=seconds, counts=counts, values=values))
         return True
+
+
+def on_batch_lines(logger: logging.Logger | logging.LoggerAdapter, stage: str, unit: str,
+                   every: float = DEFAULT_EVERY) -> Callable[[int, int], None]:
+    """An `on_batch(done, total)` callback that logs throttled progress lines, for a loop whose
+    total is known only at its first batch; timed from when the callback is made."""
+    lines, started = None, time.monotonic()
+
+    def on_batch(done: int, total: int) -> None:
+        nonlocal lines
+        if lines is None:
+            lines = ProgressLog(logger, stage, unit, total, every=every, started=started)
+        lines.update(done)
+
+    return on_batch
+

@@ -56,7 +56,7 @@ from pipeline.stages.logit_cache import CachedTopK, build_teacher_cache
 from pipeline.models.losses import TopKLogits, distillation_loss, prompt_mask
 from pipeline.manifest import atomic_write_json, write_manifest
 from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions, same_tokenizer
-from pipeline.progress import DEFAULT_EVERY, ProgressLog
+from pipeline.progress import DEFAULT_EVERY, ProgressLog, on_batch_lines
 from pipeline.tokenized import TokenIds
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def _setup(cfg: DistillConfig, *, synthetic_path: Path, teacher_dir: Path, stude
 
 
 def _kept(cfg: DistillConfig, setup: _Setup, *, synthetic_path: Path, teacher_dir: Path,
-          code_values: dict[str, dict[str, str]] | None, runtime: Runtime) -> _Setup:
+          code_values: dict[str, dict[str, str]] | None, runtime: Runtime, progress_every: float) -> _Setup:
     """distill.keep_samples=code_adherent: only the synthetic train samples the teacher that wrote
     them recognises as written for their codes (issue 59 item 4). It reads the teacher and its
     text only: post-processing, no privacy cost."""
@@ -162,7 +162,8 @@ def _kept(cfg: DistillConfig, setup: _Setup, *, synthetic_path: Path, teacher_di
     if teacher is None:  # teacher_top_k: its logits are cached, the model is loaded for this only
         teacher = load_causal_lm(str(teacher_dir), dtype=runtime.dtype).eval().to(runtime.device)
     kept = adherent_samples(teacher, setup.tok, synthetic_path, code_values, setup.available, cfg.batch_size,
-                            synthetic_prompt(synthetic_path))
+                            synthetic_prompt(synthetic_path),
+                            on_batch_lines(log, "distillation: code adherence", "sequences", progress_every))
     table = setup.train_table.filter(pc.is_in(setup.train_table["sample_id"], pa.array(sorted(kept), pa.int64())))
     log.info("distillation: keeping %d of the %d synthetic train samples, those the teacher recognises as written "
              "for their codes (distill.keep_samples=code_adherent)", table.num_rows, setup.available)
@@ -506,7 +507,7 @@ def distill(
         log.info("distillation: teacher top-%d logits from %s", setup.cache.k, setup.cache.path)
     try:
         setup = _kept(cfg, setup, synthetic_path=synthetic_path, teacher_dir=teacher_dir, code_values=code_values,
-                      runtime=runtime)
+                      runtime=runtime, progress_every=progress_every)
         scorer = _private_scorer(cfg, setup, len(candidates), private_validation)
         totals = {name: _n_steps(c, len(_train_rows(c, setup, synthetic_path))) for name, c in candidates}
         progress = _Progress(sum(totals.values()), on_progress, progress_every)

@@ -56,7 +56,7 @@ from pipeline.stages.selection import criterion_study
 from pipeline.manifest import atomic_write_json, hash_paths, private_dir, write_manifest
 from pipeline.models.base import load_causal_lm, load_tokenizer, model_positions, same_tokenizer
 from pipeline.models.scoring import nll_by_owner_and_part, token_windows
-from pipeline.progress import DEFAULT_EVERY, ProgressLog
+from pipeline.progress import DEFAULT_EVERY, ProgressLog, on_batch_lines
 from pipeline.tokenized import ListIds, token_column, tokenized_split
 
 log = logging.getLogger(__name__)
@@ -462,16 +462,8 @@ def _adherence(model, tok, synthetic_path: Path, code_values: dict[str, dict[str
                progress_every: float, prompt: PromptFormat) -> dict:
     """Code adherence of the synthetic samples, scored by `model` (the DP teacher); progress lines
     count the candidate sequences scored (public synthetic text: no private count)."""
-    lines, started = None, time.monotonic()
-
-    def on_batch(done: int, total: int) -> None:
-        nonlocal lines
-        if lines is None:  # timed from the start: the first batch is done when its total is known
-            lines = ProgressLog(log, "code adherence", "sequences", total, every=progress_every, started=started)
-        lines.update(done)
-
-    result = code_adherence(model, tok, synthetic_path, code_values, cfg.adherence_samples, cfg.batch_size, on_batch,
-                            prompt=prompt)
+    result = code_adherence(model, tok, synthetic_path, code_values, cfg.adherence_samples, cfg.batch_size,
+                            on_batch_lines(log, "code adherence", "sequences", progress_every), prompt=prompt)
     log.info("evaluation: code adherence (%s) of %d synthetic samples (%d skipped, %d truncated): overall %s, all "
              "columns %s; %s", result["measures"], result["samples"], result["skipped"], result["truncated"],
              result["overall"], result["all_columns"],
