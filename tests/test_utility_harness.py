@@ -74,3 +74,13 @@ def test_the_kept_row_reuses_ours_teacher_and_reports_its_classifier():
     text = utility.report(results, "smollm2-airline", "smollm2-135m")
     assert ("synthetic-kept model=smollm2-135m corpus=smollm2-airline column=sentiment runs=1 f1=0.450±nan "
             "samples=900±nan paired=1") in text
+
+
+def test_the_header_and_control_rows_get_their_synthetic_text_scored_too():
+    """P1 compares ours' classifier with the header's; the ε = 0 control's text is scored beside."""
+    ds = {"sentiment": {"macro_f1": 0.38, "chance_macro_f1": 0.333, "real_reference_macro_f1": 0.555}}
+    results = [_run("ours", 1, 150.0, 200.0, downstream=ds), _run("ours-header", 1, 190.0, 380.0, downstream=ds)]
+    text = utility.report(results, "smollm2-airline", "smollm2-135m")
+    assert ("synthetic row=ours-header model=smollm2-135m corpus=smollm2-airline column=sentiment runs=1 "
+            "f1=0.380±nan mauve=0.410±nan") in text
+    assert "synthetic row=public-only" not in text  # no run of it: no line
