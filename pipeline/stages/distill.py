@@ -87,8 +87,7 @@ class DistillResult:
     """Each candidate's student checkpoint, when `keep_candidates` (evaluated on the test split too)."""
     selection_ledger: LedgerEntry | None = None
     """select_by=private_validation: the noisy private scores' release, composed into the run's total."""
-    kept_samples: Path | None = None
-    """keep_samples=code_adherent: the JSON list of the synthetic train samples' ids kept (KEPT_SAMPLES)."""
+    kept_samples: Path | None = None  # keep_samples=code_adherent: the ids of the samples kept (KEPT_SAMPLES)
 
     def releases(self) -> dict[str, LedgerEntry]:
         """The stage's DP release: the private selection's, when it made one."""
@@ -149,11 +148,11 @@ def _setup(cfg: DistillConfig, *, synthetic_path: Path, teacher_dir: Path, stude
                   validation=validation, available=train_table.num_rows, scratch=scratch)
 
 
-def _kept(cfg: DistillConfig, setup: _Setup, *, synthetic_path: Path, teacher_dir: Path,
+def _kept(cfg: DistillConfig, setup: _Setup, *, synthetic_path: Path, teacher_dir: Path, out_dir: Path,
           code_values: dict[str, dict[str, str]] | None, runtime: Runtime, progress_every: float) -> _Setup:
     """distill.keep_samples=code_adherent: only the synthetic train samples the teacher that wrote
     them recognises as written for their codes (issue 59 item 4). It reads the teacher and its
-    text only: post-processing, no privacy cost."""
+    text only: post-processing, no privacy cost. Their ids go beside the student, for the evaluation."""
     if cfg.keep_samples == "all":
         return setup
     if not code_values:
@@ -170,6 +169,7 @@ def _kept(cfg: DistillConfig, setup: _Setup, *, synthetic_path: Path, teacher_di
     if table.num_rows == 0:
         raise DistillError("distill.keep_samples=code_adherent kept no synthetic sample: the teacher recognises "
                            "none as written for its codes; use distill.keep_samples=all")
+    atomic_write_json(out_dir / KEPT_SAMPLES, {"rule": cfg.keep_samples, "sample_ids": table["sample_id"].to_pylist()})
     return replace(setup, train_table=table, available=table.num_rows)
 
 
@@ -506,8 +506,8 @@ def distill(
     if setup.cache is not None:
         log.info("distillation: teacher top-%d logits from %s", setup.cache.k, setup.cache.path)
     try:
-        setup = _kept(cfg, setup, synthetic_path=synthetic_path, teacher_dir=teacher_dir, code_values=code_values,
-                      runtime=runtime, progress_every=progress_every)
+        setup = _kept(cfg, setup, synthetic_path=synthetic_path, teacher_dir=teacher_dir, out_dir=out_dir,
+                      code_values=code_values, runtime=runtime, progress_every=progress_every)
         scorer = _private_scorer(cfg, setup, len(candidates), private_validation)
         totals = {name: _n_steps(c, len(_train_rows(c, setup, synthetic_path))) for name, c in candidates}
         progress = _Progress(sum(totals.values()), on_progress, progress_every)
@@ -571,11 +571,7 @@ def _save(cfg: DistillConfig, out_dir: Path, logs: dict[str, dict], ckpts: dict[
             shutil.rmtree(out_dir / "candidates", ignore_errors=True)
         atomic_write_json(out_dir / "selection.json", selection)
     run = logs[chosen]
-    kept_samples = None
-    if cfg.keep_samples != "all":  # which samples the student learnt from: the evaluation's classifier reads them
-        kept_samples = out_dir / KEPT_SAMPLES
-        atomic_write_json(kept_samples, {"rule": cfg.keep_samples,
-                                         "sample_ids": setup.train_table["sample_id"].to_pylist()})
+    kept_samples = out_dir / KEPT_SAMPLES if cfg.keep_samples != "all" else None  # written by _kept
     atomic_write_json(out_dir / "training_log.json", {
         "history": run["history"], "validation": run["validation"], "stopped_early": run["stopped_early"],
         "seconds": sum(r["seconds"] for r in logs.values()), "chosen": chosen or None,
