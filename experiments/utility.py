@@ -8,13 +8,13 @@ at the full ε. Three runs a row; resumable; every finished run appended to a tr
     .venv/bin/python experiments/utility.py --config configs/smollm2_airline.yaml \
         --results docs/results/utility.jsonl --report-only
 
-Rows (ROWS): `ours-header` (the config as shipped: the codes as a header), `ours` (the corpus's
+Rows (ROWS): `ours-header` (the codes as a header, HEADER, as the configs shipped them before this study), `ours` (the corpus's
 prompt template, PROMPTS), `ours-kept` (ours' DP teacher and synthetic text, run k's, reused from
 the stage cache: its student learns only from the samples the teacher recognises as written for
 their codes, distill.keep_samples=code_adherent, and the classifier is also trained on those
 alone; run it right after `ours`), `public-only` (distill.method=public_only with the same prompt; no DP
 noise, so its repeats differ by their seed) and `dp-sgd` (distill.method=dp_sgd at the config's
-settings and its whole ε). A DP row's repeat k > 1 reruns the stage that draws its noise and all
+settings and its whole ε, on records with the header, as it ran in issue 36). A DP row's repeat k > 1 reruns the stage that draws its noise and all
 after it, as experiments/confirmation.py does. The test split is each corpus's fixed one (Yelp's
 test file; the tweets' data.test_split=fixed, issue 60).
 
@@ -54,14 +54,16 @@ PROMPTS = {
 }
 PAIRED = "paired"
 """A row that reuses the DP teacher and synthetic text `ours` run k just made (its stages cached)."""
+# The header form, whatever the config ships: the rows that compare against it keep it.
+HEADER = ("data.prompt_template=null", "data.system_prompt=null", "teacher.max_length=64", "generate.max_length=64")
 # row: (overrides, the stage whose rerun draws fresh DP noise; None: repeats differ by their seed;
 # PAIRED: the row after `ours` in each repeat, on its teacher and text)
 ROWS = {
-    "ours-header": (("distill.method=distil",), "control-codes"),
+    "ours-header": (("distill.method=distil", "HEADER"), "control-codes"),
     "ours": (("distill.method=distil", "PROMPT"), "control-codes"),
     "ours-kept": (("distill.method=distil", "PROMPT", "distill.keep_samples=code_adherent"), PAIRED),
     "public-only": (("distill.method=public_only", "PROMPT"), None),
-    "dp-sgd": (("distill.method=dp_sgd",), "dp-student"),
+    "dp-sgd": (("distill.method=dp_sgd", "HEADER"), "dp-student"),
 }
 
 
@@ -71,7 +73,7 @@ def overrides(row: str, corpus: str, repeat: int, epsilon: float | None = None) 
     a tenth on the control codes and the rest on DP-SGD (the DP-SGD student: all of it)."""
     out = []
     for o in ROWS[row][0]:
-        out += list(PROMPTS[corpus]) if o == "PROMPT" else [o]
+        out += list(PROMPTS[corpus]) if o == "PROMPT" else list(HEADER) if o == "HEADER" else [o]
     if ROWS[row][1] is None:
         out.append(f"seed={repeat - 1}")
     elif epsilon is not None:

@@ -34,7 +34,7 @@ def test_the_report_ends_with_the_issues_lines():
 
 
 def test_each_prompted_row_takes_its_corpus_prompt_and_the_control_varies_its_seed():
-    assert utility.overrides("ours-header", "smollm2-airline", 2) == ["distill.method=distil"]
+    assert utility.overrides("ours-header", "smollm2-airline", 2) == ["distill.method=distil", *utility.HEADER]
     ours = utility.overrides("ours", "smollm2-airline", 1)
     assert ours[0] == "distill.method=distil" and ours[1:] == list(utility.PROMPTS["smollm2-airline"])
     assert utility.overrides("public-only", "smollm2-yelp", 3)[-1] == "seed=2"
@@ -84,3 +84,13 @@ def test_the_header_and_control_rows_get_their_synthetic_text_scored_too():
     assert ("synthetic row=ours-header model=smollm2-135m corpus=smollm2-airline column=sentiment runs=1 "
             "f1=0.380±nan mauve=0.410±nan") in text
     assert "synthetic row=public-only" not in text  # no run of it: no line
+
+
+def test_the_shipped_tweets_config_is_the_ours_row_and_the_header_rows_keep_the_header():
+    """The tweets config ships what won (the prompt; docs/utility.md): `ours` resolves to it exactly,
+    so its runs reuse their stages; the header rows still run the header at 64 positions."""
+    shipped = load_config(ROOT / "configs/smollm2_airline.yaml")
+    assert load_config(ROOT / "configs/smollm2_airline.yaml", list(utility.PROMPTS["smollm2-airline"])) == shipped
+    header = load_config(ROOT / "configs/smollm2_airline.yaml", utility.overrides("dp-sgd", "smollm2-airline", 1)[1:])
+    assert header.data.prompt_template is None and header.data.system_prompt is None
+    assert header.teacher.max_length == header.generate.max_length == 64
