@@ -159,4 +159,3 @@ def on_batch_lines(logger: logging.Logger | logging.LoggerAdapter, stage: str, u
         lines.update(done)
 
     return on_batch
-
