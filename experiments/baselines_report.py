@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from experiments.shared import mean_sd
+
 K = 4
 """Candidate settings per method (experiments/baselines.py's default grid; --grid k2: 2)."""
 METHODS = ("ours", "dpsgd", "dpkd")
@@ -28,15 +30,6 @@ ORACLE_ROW = {"ours": "ours", "dpsgd": "dpsgd", "dpkd": "dpkd"}
 """The runs whose candidates are trained at the full ε (ours: the zero-cost rule's run)."""
 PRIVATE_ROW = {"ours": "ourspriv", "dpsgd": "dpsgddep", "dpkd": "dpkddep"}
 """The runs whose candidates and private selection share the total ε."""
-
-
-def mean_sd(values: list[float]) -> str:
-    """`M±S` (sample sd; nan for one value), `–` for none."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.mean(values):.1f}±{sd:.1f}"
 
 
 def _mean(values: list[float | None], digits: int) -> str:

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.shared import (  # noqa: E402  the data in ../shared
-    RULE_CANDIDATES, add_results_option, finish, read_results, refresh_selections, require_data, run_recorded,
+    RULE_CANDIDATES, add_results_option, finish, mean_sd, read_results, refresh_selections, require_data, run_recorded,
     selection_of)
 # (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
 ROWS = {
@@ -66,6 +66,8 @@ def _result(label: str, repeat: int, run_dir: Path, seconds: float) -> dict:
            "student_text_windowed": text["windowed"], "student_text_per_record_median": text["per_record_median"],
            "student_text_per_record_token_weighted": text["per_record_token_weighted"],
            "zero_shot": ppl["base_student"]["windowed"], "dp_teacher": ppl.get("dp_teacher", {}).get("windowed"),
+           "dp_teacher_text": ppl.get("dp_teacher", {}).get("text_only", {}).get("windowed"),
+           "mauve": (metrics.get("mauve") or {}).get("mauve"),
            "epsilon": ledger["total"]["epsilon"], "delta": ledger["total"]["delta"]}
     if sel := metrics.get("selection"):
         out["selection"] = {**selection_of(metrics), "criterion_study": sel.get("criterion_study"),
@@ -94,13 +96,6 @@ def run_one(config: str, label: str, repeat: int, extra: list[str]) -> dict:
     return _result(label, repeat, run_dir, time.monotonic() - t0)
 
 
-def _mean_sd(values: list[float]) -> str:
-    if not values:
-        return "–"
-    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.mean(values):.1f}±{sd:.1f}"
-
-
 # The table's columns after the windowed figure (a result from before issue 37 has only the first):
 # per record, then on the text alone, with the control-code header left out of the targets.
 STUDENT_FIGURES = ("student_per_record_mean", "student_per_record_median", "student_per_record_token_weighted",
@@ -122,7 +117,7 @@ def report(results: list[dict], corpus: str, model: str | None = None) -> str:
         if label in extra:
             vals = [v for v in extra[label] if v is not None]
             if vals:
-                lines.append(f"| {label} | {len(vals)} | {_mean_sd(vals)} | {', '.join(f'{v:.1f}' for v in vals)} "
+                lines.append(f"| {label} | {len(vals)} | {mean_sd(vals)} | {', '.join(f'{v:.1f}' for v in vals)} "
                              "| | | | | | | | |")
             continue
         rows = by_row.get(label, [])
@@ -131,8 +126,8 @@ def report(results: list[dict], corpus: str, model: str | None = None) -> str:
             each = ", ".join(f"{v:.1f}" for v in vals)
             epsilons = ", ".join(f"{r['epsilon']:.3f}" for r in rows)
             seconds = ", ".join(f"{r['seconds']:.0f}" for r in rows)
-            figures = " | ".join(_mean_sd([r[k] for r in rows if r.get(k) is not None]) for k in STUDENT_FIGURES)
-            lines.append(f"| {label} | {len(rows)} | {_mean_sd(vals)} | {each} | {figures} | {epsilons} | {seconds} |")
+            figures = " | ".join(mean_sd([r[k] for r in rows if r.get(k) is not None]) for k in STUDENT_FIGURES)
+            lines.append(f"| {label} | {len(rows)} | {mean_sd(vals)} | {each} | {figures} | {epsilons} | {seconds} |")
     out = "\n".join(lines)
     if ours and any("selection" in r for r in ours):
         out += "\n\nSelection in each `ours` run (test perplexity computed after the choice):\n\n"
@@ -151,8 +146,8 @@ def report(results: list[dict], corpus: str, model: str | None = None) -> str:
             regrets = [x for x in regrets if x is not None]
             if regrets:
                 out += (f"\nRegret of the chosen candidate by {what} (its figure minus the best candidate's): "
-                        f"{_mean_sd(regrets)} ({', '.join(f'{x:.1f}' for x in regrets)}).\n")
-    summary = {k: _mean_sd([r["student"] for r in by_row.get(label, [])])
+                        f"{mean_sd(regrets)} ({', '.join(f'{x:.1f}' for x in regrets)}).\n")
+    summary = {k: mean_sd([r["student"] for r in by_row.get(label, [])])
                for k, label in (("ours", "ours"), ("dpsgd", "DP-SGD"), ("dpkd", "DPKD"))}
     out += f"\ncorpus={corpus} ours={summary['ours']} dpsgd={summary['dpsgd']} dpkd={summary['dpkd']}\n"
     if model:

@@ -7,19 +7,23 @@ any private record, beside the config's own setting. Resumable; every run append
     .venv/bin/python experiments/public_proxy.py --config configs/reference.yaml --proxy configs/airline.yaml \
         --results docs/results/public_proxy.jsonl --report-only
 
-Two phases per method (ours, DP-SGD of the student, DPKD):
+Two phases per method (ours, DP-SGD of the student, DPKD; and `teacher`, ours' DP teacher's
+learning rate, issue 59 item 3):
 1. **Proxy.** One run of each candidate learning rate (`MULTIPLES` × the private config's value:
    `distill.learning_rate` for ours, `teacher.learning_rate` for the DP-SGD students, which train
-   with the teacher section) on the proxy config, treated as public: its test split may be read.
-   The candidate of lowest windowed test perplexity there is chosen; while it is the grid's
-   largest or smallest, the grid grows by one more factor of 2 that way (at most `EXTEND` times),
-   so that the chosen one is interior.
+   with the teacher section, and for `teacher`) on the proxy config, treated as public: its test
+   split may be read. The candidate of lowest windowed test perplexity there (the student's; for
+   `teacher`, the DP teacher's) is chosen; while it is the grid's largest or smallest, the grid
+   grows by one more factor of 2 that way (at most `EXTEND` times), so that the chosen one is
+   interior. At multiple 1 ours and `teacher` run the same config: their runs count for both.
 2. **Private.** The chosen learning rate and the config's own (multiple 1), three runs each on
    the private config at its whole ε (fresh DP noise each: the noisy stage is rerun), on its
    fixed test split (issue 60).
 
-The report ends with `table=deployable-public corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed
-test perplexity of the chosen settings) and `table=defaults corpus=NAME ...` (the config's).
+The report ends with `teacher corpus=NAME settings=chosen|default ...` (the DP teacher, the student,
+MAUVE and the synthetic text's classifier, with the teacher's chosen learning rate and the config's),
+then `table=deployable-public corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexity of
+the chosen settings) and `table=defaults corpus=NAME ...` (the config's).
 
 Its data: the configs read the Yelp split and the tweets in ../shared/data beside the checkout
 (not shipped; experiments/shared.py); without them it exits with one line (exit code 2) before
@@ -29,7 +33,6 @@ any work; `--report-only` needs no data.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,14 +40,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
-from experiments.shared import add_results_option, finish, read_results, require_data, run_recorded  # noqa: E402
+from experiments.shared import (  # noqa: E402
+    add_results_option, finish, mean_sd, read_results, require_data, run_recorded)
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's learning rate
 EXTEND = 3  # at most this many more factors of 2 past the grid's edge
-# method: (its distill.method, the field its candidates set, the stage whose rerun draws fresh noise)
-METHODS = {"ours": ("distil", "distill.learning_rate", "control-codes"),
-           "dpsgd": ("dp_sgd", "teacher.learning_rate", "dp-student"),
-           "dpkd": ("dpkd", "teacher.learning_rate", "dp-student")}
+# method: (its distill.method, the field its candidates set, the stage whose rerun draws fresh noise,
+# the proxy's figure it is chosen by: a windowed test perplexity of the result's)
+METHODS = {"ours": ("distil", "distill.learning_rate", "control-codes", "student"),
+           "dpsgd": ("dp_sgd", "teacher.learning_rate", "dp-student", "student"),
+           "dpkd": ("dpkd", "teacher.learning_rate", "dp-student", "student"),
+           # Issue 59 item 3: ours' DP teacher's learning rate, chosen by the DP teacher's own figure
+           "teacher": ("distil", "teacher.learning_rate", "teacher", "dp_teacher")}
+TABLE = ("ours", "dpsgd", "dpkd")  # the methods of the table= lines
 
 
 def _value(cfg, field: str) -> float:
@@ -57,7 +65,7 @@ def run_one(config: str, method: str, multiple: float, base: float, phase: str, 
     from flows.run_info import stages_to_rerun
     from pipeline.config import load_config
 
-    name, field, noisy = METHODS[method]
+    name, field, noisy, _ = METHODS[method]
     overrides = [f"distill.method={name}", f"{field}={base * multiple:.6g}", *extra]
     cfg = load_config(config, overrides)
     cfg = cfg.model_copy(update={"name": f"{cfg.name}-{phase}-{method}-m{multiple:g}-r{repeat}"})
@@ -67,10 +75,23 @@ def run_one(config: str, method: str, multiple: float, base: float, phase: str, 
             **_result(method, repeat, run_dir, time.monotonic() - t0)}
 
 
+def runs_of(results: list[dict], method: str, phase: str, multiple: float | None = None) -> list[dict]:
+    """The runs of `method` in `phase` (at `multiple`). At multiple 1 a method runs the config as it
+    is, as another method of the same distill.method does (ours and teacher): their runs count for both."""
+    same = {m for m, spec in METHODS.items() if spec[0] == METHODS[method][0]}
+    return [r for r in results if r["phase"] == phase and (multiple is None or r["multiple"] == multiple)
+            and (r["method"] == method or (r["multiple"] == 1.0 and r["method"] in same))]
+
+
+def _proxy(results: list[dict], method: str) -> dict[float, float]:
+    """The proxy's figure of each multiple run: the one `method` is chosen by."""
+    return {r["multiple"]: r[METHODS[method][3]] for r in runs_of(results, method, "proxy")}
+
+
 def chosen(results: list[dict], method: str) -> float | None:
     """The proxy's choice: the multiple of lowest windowed test perplexity, once it is interior to
     the multiples run (or the grid can grow no more); None while the grid still has to grow."""
-    runs = {r["multiple"]: r["student"] for r in results if r["phase"] == "proxy" and r["method"] == method}
+    runs = _proxy(results, method)
     if not runs:
         return None
     best = min(runs, key=runs.get)
@@ -90,44 +111,47 @@ def next_multiple(runs: dict[float, float], best: float) -> float | None:
     return edge if allowed else None
 
 
-def _mean_sd(values: list[float]) -> str:
-    if not values:
-        return "–"
-    return f"{statistics.mean(values):.1f}±{statistics.stdev(values) if len(values) > 1 else float('nan'):.1f}"
-
-
 def report(results: list[dict], corpus: str) -> str:
-    lines = ["| method | proxy: multiple → windowed test perplexity | chosen | private: chosen, windowed "
-             "| text alone | private: the config's, windowed | text alone |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| method | proxy: multiple → windowed test perplexity (teacher: the DP teacher's) | chosen "
+             "| private: chosen, windowed | text alone | private: the config's, windowed | text alone |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     summary = {"chosen": {}, "default": {}}
     for method in METHODS:
-        proxy = sorted((r["multiple"], r["student"]) for r in results if r["phase"] == "proxy" and r["method"] == method)
         pick = chosen(results, method)
-        private = {m: [r for r in results if r["phase"] == "private" and r["method"] == method and r["multiple"] == m]
-                   for m in {pick, 1.0} if m is not None}
         cells = []
         for m, key in ((pick, "chosen"), (1.0, "default")):
-            runs = private.get(m, [])
-            summary[key][method] = _mean_sd([r["student"] for r in runs])
-            cells += [summary[key][method], _mean_sd([r["student_text_windowed"] for r in runs])]
-        lines.append(f"| {method} | {', '.join(f'{m:g} → {p:.1f}' for m, p in proxy) or '–'} "
-                     f"| {'–' if pick is None else f'{pick:g}'} | " + " | ".join(cells) + " |")
+            runs = runs_of(results, method, "private", m) if m is not None else []
+            summary[key][method] = runs
+            cells += [mean_sd([r["student"] for r in runs]), mean_sd([r["student_text_windowed"] for r in runs])]
+        proxy = ", ".join(f"{m:g} → {p:.1f}" for m, p in sorted(_proxy(results, method).items()))
+        lines.append(f"| {method} | {proxy or '–'} | {'–' if pick is None else f'{pick:g}'} | " + " | ".join(cells) + " |")
     out = "\n".join(lines) + "\n\n"
+    for settings in ("chosen", "default"):  # issue 59 item 3: what the teacher's choice does to the text
+        runs = summary[settings]["teacher"]
+        multiple = chosen(results, "teacher") if settings == "chosen" else 1.0
+        columns = sorted({c for r in runs for c in r.get("downstream", {})})
+        out += (f"teacher corpus={corpus} settings={settings} multiple={'–' if multiple is None else f'{multiple:g}'} "
+                f"runs={len(runs)} dp_teacher={mean_sd([r['dp_teacher'] for r in runs])} "
+                f"student={mean_sd([r['student'] for r in runs])} "
+                f"text={mean_sd([r['student_text_windowed'] for r in runs])} "
+                f"mauve={mean_sd([r.get('mauve') for r in runs], 3)}"
+                + "".join(f" f1.{c}={mean_sd([r['downstream'][c]['macro_f1'] for r in runs if c in r['downstream']], 3)}"
+                          for c in columns)
+                + "\n")
     for table, key in (("deployable-public", "chosen"), ("defaults", "default")):
-        s = summary[key]
-        out += f"table={table} corpus={corpus} ours={s['ours']} dpsgd={s['dpsgd']} dpkd={s['dpkd']}\n"
+        out += f"table={table} corpus={corpus} " + " ".join(
+            f"{m}={mean_sd([r['student'] for r in summary[key][m]])}" for m in TABLE) + "\n"
     return out
 
 
 def _todo(results: list[dict], method: str, repeats: int) -> tuple[str, float, int] | None:
     """The next run of `method`: a proxy candidate, else a private repeat of the chosen or the default."""
-    proxy = {r["multiple"]: r["student"] for r in results if r["phase"] == "proxy" and r["method"] == method}
+    proxy = _proxy(results, method)
     pick = chosen(results, method)
     if pick is None:
         return "proxy", next_multiple(proxy, min(proxy, key=proxy.get)) if proxy else MULTIPLES[0], 1
     for m in dict.fromkeys((pick, 1.0)):
-        done = {r["repeat"] for r in results if r["phase"] == "private" and r["method"] == method
-                and r["multiple"] == m}
+        done = {r["repeat"] for r in runs_of(results, method, "private", m)}
         if missing := [k for k in range(1, repeats + 1) if k not in done]:
             return "private", m, missing[0]
     return None

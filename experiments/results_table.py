@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.shared import read_results  # noqa: E402
-from experiments.utility import _mean_sd  # noqa: E402
+from experiments.shared import mean_sd  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 # corpus, results file, its config's name (None: every line), the file's row label of each column
@@ -47,10 +47,10 @@ def table() -> str:
         if not of["ours"]:
             continue
         for what, (student, *references) in FIGURES:
-            cells = [_mean_sd([r.get(student) for r in of[col]]) for col in COLUMNS]
+            cells = [mean_sd([r.get(student) for r in of[col]]) for col in COLUMNS]
             if set(cells) == {"–"}:
                 continue  # an older study that did not record this figure
-            cells += [_mean_sd([r.get(key) for r in of["ours"]] if key else []) for key in references]
+            cells += [mean_sd([r.get(key) for r in of["ours"]] if key else []) for key in references]
             lines.append(f"| {corpus} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -147,3 +148,12 @@ def selection_of(metrics: dict) -> dict:
                                                (figures(c["candidate"]).get("text_only") or {}).get("windowed")),
                  "test_per_record_token_weighted": figures(c["candidate"]).get("per_record_token_weighted")}
                 for c in sel["candidates"]]}
+
+
+def mean_sd(values: list[float | None], digits: int = 1) -> str:
+    """`M±S` over the values that are not None (sample sd; nan for one value), `–` for none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+    return f"{statistics.mean(values):.{digits}f}±{sd:.{digits}f}"

@@ -41,7 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
-from experiments.shared import add_results_option, finish, read_results, require_data, run_recorded  # noqa: E402
+from experiments.shared import (  # noqa: E402
+    add_results_option, finish, mean_sd, read_results, require_data, run_recorded)
 
 # Each corpus's prompt (pipeline/prompts.py), with room for it: the chat-templated prompt is
 # ~11 (tweets) and ~20 (Yelp) tokens longer than the header, so the rows that use it get that
@@ -101,8 +102,6 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], e
     ppl = metrics["perplexity"]
     out["base_teacher"] = ppl.get("base_teacher", {}).get("windowed")
     out["base_teacher_text"] = ppl.get("base_teacher", {}).get("text_only", {}).get("windowed")
-    out["dp_teacher_text"] = ppl.get("dp_teacher", {}).get("text_only", {}).get("windowed")
-    out["mauve"] = (metrics.get("mauve") or {}).get("mauve")
     if kept := metrics.get("downstream_kept"):  # ours-kept: the classifier on the samples kept alone
         out["downstream_kept"] = {c: {"macro_f1": v["synthetic"]["macro_f1"], "synthetic_train": v["synthetic_train"]}
                                   for c, v in kept["columns"].items() if "synthetic" in v}
@@ -111,14 +110,6 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], e
         out["paired_with"] = paired_with["run_dir"]
         out["paired"] = out["dp_teacher"] == paired_with["dp_teacher"]
     return out
-
-
-def _mean_sd(values: list[float], digits: int = 1) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.mean(values):.{digits}f}±{sd:.{digits}f}"
 
 
 def report(results: list[dict], corpus: str, model: str) -> str:
@@ -130,41 +121,41 @@ def report(results: list[dict], corpus: str, model: str) -> str:
     for row in ROWS:
         rs = by_row.get(row, [])
         if rs:
-            lines.append(f"| {row} | {len(rs)} | {_mean_sd([r['student'] for r in rs])} "
-                         f"| {_mean_sd([r['student_text_windowed'] for r in rs])} "
-                         f"| {_mean_sd([r.get('dp_teacher') for r in rs])} | {_mean_sd([r.get('dp_teacher_text') for r in rs])} "
-                         f"| {_mean_sd([r.get('mauve') for r in rs], 3)} | {_mean_sd([r['epsilon'] for r in rs], 3)} |")
+            lines.append(f"| {row} | {len(rs)} | {mean_sd([r['student'] for r in rs])} "
+                         f"| {mean_sd([r['student_text_windowed'] for r in rs])} "
+                         f"| {mean_sd([r.get('dp_teacher') for r in rs])} | {mean_sd([r.get('dp_teacher_text') for r in rs])} "
+                         f"| {mean_sd([r.get('mauve') for r in rs], 3)} | {mean_sd([r['epsilon'] for r in rs], 3)} |")
     out = "\n".join(lines) + "\n\n"
     ours = by_row.get("ours", [])
     for column in sorted({c for r in ours for c in r.get("downstream", {})}):
         scores = [r["downstream"][column] for r in ours if column in r.get("downstream", {})]
         ref = [s["real_reference_macro_f1"] for s in scores if s.get("real_reference_macro_f1") is not None]
         out += (f"synthetic model={model} corpus={corpus} column={column} runs={len(scores)} "
-                f"f1={_mean_sd([s['macro_f1'] for s in scores], 3)} chance={scores[0]['chance_macro_f1']:.3f} "
-                f"reference={statistics.mean(ref):.3f} mauve={_mean_sd([r.get('mauve') for r in ours], 3)}\n"
+                f"f1={mean_sd([s['macro_f1'] for s in scores], 3)} chance={scores[0]['chance_macro_f1']:.3f} "
+                f"reference={statistics.mean(ref):.3f} mauve={mean_sd([r.get('mauve') for r in ours], 3)}\n"
                 if ref else "")
     for row in ("ours-header", "public-only"):  # the same classifier on the other rows' synthetic text (P1)
         rs = by_row.get(row, [])
         for column in sorted({c for r in rs for c in r.get("downstream", {})}):
             f1 = [r["downstream"][column]["macro_f1"] for r in rs if column in r.get("downstream", {})]
             out += (f"synthetic row={row} model={model} corpus={corpus} column={column} runs={len(f1)} "
-                    f"f1={_mean_sd(f1, 3)} mauve={_mean_sd([r.get('mauve') for r in rs], 3)}\n")
+                    f"f1={mean_sd(f1, 3)} mauve={mean_sd([r.get('mauve') for r in rs], 3)}\n")
     kept = by_row.get("ours-kept", [])  # issue 59 item 4: the classifier on the samples the teacher recognises
     for column in sorted({c for r in kept for c in r.get("downstream_kept", {})}):
         scores = [r["downstream_kept"][column] for r in kept if column in r.get("downstream_kept", {})]
         out += (f"synthetic-kept model={model} corpus={corpus} column={column} runs={len(scores)} "
-                f"f1={_mean_sd([s['macro_f1'] for s in scores], 3)} "
-                f"samples={_mean_sd([s['synthetic_train'] for s in scores], 0)} "
+                f"f1={mean_sd([s['macro_f1'] for s in scores], 3)} "
+                f"samples={mean_sd([s['synthetic_train'] for s in scores], 0)} "
                 f"paired={sum(bool(r.get('paired')) for r in kept)}\n")
     for key, what in (("student", ""), ("student_text_windowed", " figure=text_alone")):
         teacher_key = "dp_teacher" if key == "student" else "dp_teacher_text"
         base_key = "base_teacher" if key == "student" else "base_teacher_text"
         base = [r[base_key] for r in ours if r.get(base_key) is not None]
         runs = min((len(by_row.get(row, [])) for row in ("ours", "public-only", "dp-sgd")), default=0)
-        out += (f"student model={model} corpus={corpus}{what} runs={runs} ours={_mean_sd([r[key] for r in ours])} "
-                f"public_only={_mean_sd([r[key] for r in by_row.get('public-only', [])])} "
-                f"dpsgd={_mean_sd([r[key] for r in by_row.get('dp-sgd', [])])} "
-                f"teacher={_mean_sd([r.get(teacher_key) for r in ours])} "
+        out += (f"student model={model} corpus={corpus}{what} runs={runs} ours={mean_sd([r[key] for r in ours])} "
+                f"public_only={mean_sd([r[key] for r in by_row.get('public-only', [])])} "
+                f"dpsgd={mean_sd([r[key] for r in by_row.get('dp-sgd', [])])} "
+                f"teacher={mean_sd([r.get(teacher_key) for r in ours])} "
                 f"base_teacher={statistics.mean(base):.1f}\n" if base else "")
     return out
 

@@ -12,9 +12,9 @@ proxy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(proxy)
 
 
-def _run(phase, method, multiple, student, repeat=1):
+def _run(phase, method, multiple, student, repeat=1, dp_teacher=50.0):
     return {"phase": phase, "method": method, "multiple": multiple, "repeat": repeat, "student": student,
-            "student_text_windowed": student * 2}
+            "student_text_windowed": student * 2, "dp_teacher": dp_teacher}
 
 
 def test_the_grid_grows_past_an_edge_until_the_best_is_interior():
@@ -42,3 +42,24 @@ def test_the_report_ends_with_the_deployable_public_and_the_defaults_lines():
     assert lines[-2] == "table=deployable-public corpus=reference ours=152.0±1.0 dpsgd=172.0±1.0 dpkd=182.0±1.0"
     assert lines[-1] == "table=defaults corpus=reference ours=152.0±1.0 dpsgd=172.0±1.0 dpkd=182.0±1.0"
     assert "| dpsgd | 0.5 → 300.0, 1 → 200.0, 2 → 210.0, 4 → 260.0 | 1 |" in lines[2 + 1]
+
+
+def test_the_teacher_is_chosen_by_the_dp_teachers_figure_and_shares_ours_runs_at_the_configs_own():
+    # ours' proxy run at multiple 1 is the config as it is: the teacher's grid counts it
+    results = [_run("proxy", "ours", 1.0, 200, dp_teacher=60.0)]
+    assert proxy._todo(results, "teacher", 3) == ("proxy", 0.5, 1)
+    results += [_run("proxy", "teacher", m, s, dp_teacher=d) for m, s, d in ((0.5, 150, 70.0), (2.0, 260, 45.0),
+                                                                            (4.0, 280, 50.0))]
+    assert proxy.chosen(results, "teacher") == 2.0  # the lowest DP teacher, not the lowest student (0.5)
+    assert proxy.chosen(results, "ours") is None  # ours' own grid is its distillation's learning rate
+    results += [_run("private", "teacher", 2.0, 190 + k, k, dp_teacher=40.0 + k) for k in (1, 2, 3)]
+    results += [_run("private", "ours", 1.0, 200 + k, k, dp_teacher=50.0) for k in (1, 2)]
+    assert proxy._todo(results, "teacher", 3) == ("private", 1.0, 3)  # ours' two default runs count
+    results.append(_run("private", "teacher", 1.0, 203, 3))
+    assert proxy._todo(results, "teacher", 3) is None
+    assert [r["repeat"] for r in proxy.runs_of(results, "ours", "private", 1.0)] == [1, 2, 3]
+    assert proxy.runs_of(results, "dpsgd", "private", 1.0) == []  # another distill.method: another config
+    lines = proxy.report(results, "smollm2-yelp").strip().splitlines()
+    assert lines[-4] == ("teacher corpus=smollm2-yelp settings=chosen multiple=2 runs=3 dp_teacher=42.0±1.0 "
+                         "student=192.0±1.0 text=384.0±2.0 mauve=–")
+    assert lines[-3].startswith("teacher corpus=smollm2-yelp settings=default multiple=1 runs=3 dp_teacher=50.0±0.0")
