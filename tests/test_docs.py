@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments.refresh_reports import as_markdown, is_current
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), ROOT / "pipeline/privacy/README.md",
                 ROOT / "data/README.md", ROOT / "pipeline/models/builtin/README.md"})
@@ -224,11 +226,14 @@ def test_every_report_block_is_what_its_command_prints(page, command, text, tmp_
     done = subprocess.run([sys.executable, *argv[1:], *run_root], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert _plain(text).strip() in _plain(done.stdout), f"{page}: the block under `{command}` is not what it prints now"
+    assert is_current(text, done.stdout), (f"{page}: the block under `{command}` is not what it prints now; "
+                                           f"experiments/refresh_reports.py {page} rewrites it")
 
 
-def _plain(text: str) -> str:
-    """The text with a heading's level or bold left out, and a code fence's lines (a page fits a
-    report's headings to its own, and may fence its plain `key=value` lines)."""
-    return "\n".join(re.sub(r"^(#+ |\*\*)(.*?)(\*\*)?$", r"\2", line) if line.startswith(("#", "**")) else line
-                     for line in text.splitlines() if line != "```")
+def test_a_refreshed_block_fences_its_result_lines_and_is_current():
+    output = "| row | runs |\n|---|---:|\n| ours | 3 |\n\nsynthetic model=m corpus=c f1=0.5\ntable=oracle corpus=c ours=1\n"
+    block = as_markdown(output)
+    assert block == ("| row | runs |\n|---|---:|\n| ours | 3 |\n\n```\nsynthetic model=m corpus=c f1=0.5\n"
+                     "table=oracle corpus=c ours=1\n```\n")
+    assert is_current(block, output) and is_current("**Wall time**\n", "## Wall time\n")
+    assert not is_current(block, output.replace("f1=0.5", "f1=0.6"))
