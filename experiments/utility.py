@@ -12,7 +12,9 @@ Rows (ROWS): `ours-header` (the codes as a header, HEADER, as the configs shippe
 prompt template, PROMPTS), `ours-kept` (ours' DP teacher and synthetic text, run k's, reused from
 the stage cache: its student learns only from the samples the teacher recognises as written for
 their codes, distill.keep_samples=code_adherent, and the classifier is also trained on those
-alone; run it right after `ours`), `public-only` (distill.method=public_only with the same prompt; no DP
+alone; run it right after `ours`), `ours-long` (paired the same way: the student distilled for 4
+epochs of the same synthetic text instead of 1, the best on the synthetic validation split kept,
+issue 59 item 5), `public-only` (distill.method=public_only with the same prompt; no DP
 noise, so its repeats differ by their seed) and `dp-sgd` (distill.method=dp_sgd at the config's
 settings and its whole ε, on records with the header, as it ran in issue 36). A DP row's repeat k > 1 reruns the stage that draws its noise and all
 after it, as experiments/confirmation.py does. The test split is each corpus's fixed one (Yelp's
@@ -21,7 +23,9 @@ test file; the tweets' data.test_split=fixed, issue 60).
 The report ends with the issue's lines, one per code column and one per corpus:
 `synthetic model=M corpus=C column=COL runs=K f1=M±S chance=C reference=R mauve=X` (ours' synthetic
 text) and `student model=M corpus=C runs=K ours=M±S public_only=M±S dpsgd=M±S teacher=M±S
-base_teacher=X` (windowed test perplexity), then the same student line on the text alone.
+base_teacher=X` (windowed test perplexity), then the same student line on the text alone. Before
+them, a paired row's `paired row=R corpus=C runs=K student_minus_ours=M±S text_minus_ours=M±S`:
+each of its runs minus the ours run whose teacher and text it reused.
 
 Its data: the SmolLM2 configs read the tweets and the Yelp split in ../shared/data beside the
 checkout (not shipped; experiments/shared.py); without them it exits with one line (exit code 2)
@@ -63,6 +67,7 @@ ROWS = {
     "ours-header": (("distill.method=distil", "HEADER"), "control-codes"),
     "ours": (("distill.method=distil", "PROMPT"), "control-codes"),
     "ours-kept": (("distill.method=distil", "PROMPT", "distill.keep_samples=code_adherent"), PAIRED),
+    "ours-long": (("distill.method=distil", "PROMPT", "distill.epochs=4"), PAIRED),
     "public-only": (("distill.method=public_only", "PROMPT"), None),
     "dp-sgd": (("distill.method=dp_sgd", "HEADER"), "dp-student"),
 }
@@ -147,6 +152,14 @@ def report(results: list[dict], corpus: str, model: str) -> str:
                 f"f1={mean_sd([s['macro_f1'] for s in scores], 3)} "
                 f"samples={mean_sd([s['synthetic_train'] for s in scores], 0)} "
                 f"paired={sum(bool(r.get('paired')) for r in kept)}\n")
+    for row in (r for r, spec in ROWS.items() if spec[1] == PAIRED):  # each run minus the ours run it reused
+        pairs = [(r, o) for r in by_row.get(row, []) for o in ours
+                 if r.get("paired_with") is not None and r["paired_with"] == o.get("run_dir")]
+        if pairs:
+            out += (f"paired row={row} corpus={corpus} runs={len(pairs)} "
+                    f"student_minus_ours={mean_sd([r['student'] - o['student'] for r, o in pairs])} "
+                    f"text_minus_ours={mean_sd([r['student_text_windowed'] - o['student_text_windowed'] for r, o in pairs])}"
+                    "\n")
     for key, what in (("student", ""), ("student_text_windowed", " figure=text_alone")):
         teacher_key = "dp_teacher" if key == "student" else "dp_teacher_text"
         base_key = "base_teacher" if key == "student" else "base_teacher_text"

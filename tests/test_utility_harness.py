@@ -94,3 +94,13 @@ def test_the_shipped_tweets_config_is_the_ours_row_and_the_header_rows_keep_the_
     header = load_config(ROOT / "configs/smollm2_airline.yaml", utility.overrides("dp-sgd", "smollm2-airline", 1)[1:])
     assert header.data.prompt_template is None and header.data.system_prompt is None
     assert header.teacher.max_length == header.generate.max_length == 64
+
+
+def test_a_paired_row_is_reported_run_by_run_against_the_ours_run_it_reused():
+    """ours-long (issue 59 item 5) and ours-kept reuse ours' run k: the paired difference is their figure."""
+    long = utility.overrides("ours-long", "smollm2-airline", 1)
+    assert long[-1] == "distill.epochs=4" and not any(o.startswith("seed=") for o in long)
+    results = [_run("ours", k, 150.0 + k, 200.0 + 2 * k, run_dir=f"r{k}") for k in (1, 2)]
+    results += [_run("ours-long", k, 120.0 + 3 * k, 190.0, paired_with=f"r{k}") for k in (1, 2)]
+    text = utility.report(results, "smollm2-airline", "smollm2-135m")
+    assert "paired row=ours-long corpus=smollm2-airline runs=2 student_minus_ours=-27.0±1.4 text_minus_ours=-13.0±1.4" in text
