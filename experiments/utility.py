@@ -154,7 +154,7 @@ def report(results: list[dict], corpus: str, model: str) -> str:
                 f"paired={sum(bool(r.get('paired')) for r in kept)}\n")
     for row in (r for r, spec in ROWS.items() if spec[1] == PAIRED):  # each run minus the ours run it reused
         pairs = [(r, o) for r in by_row.get(row, []) for o in ours
-                 if r.get("paired_with") is not None and r["paired_with"] == o.get("run_dir")]
+                 if r.get("paired") and r.get("paired_with") == o.get("run_dir")]
         if pairs:
             out += (f"paired row={row} corpus={corpus} runs={len(pairs)} "
                     f"student_minus_ours={mean_sd([r['student'] - o['student'] for r, o in pairs])} "
@@ -179,6 +179,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config", default="configs/smollm2_airline.yaml")
     p.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. ours,public-only")
     p.add_argument("--repeats", type=int, default=3, help="runs per row")
+    p.add_argument("--runs", default=None, help="only these repeats, e.g. 3 or 2,3 (a paired row pairs with the "
+                   "ours run whose teacher the stage cache holds: the last one run)")
     p.add_argument("--epsilon", type=float, default=None,
                    help="the privacy-utility sweep (issue 59 item 6): run the rows at this total target ε "
                    "instead of the config's; the main rows' report leaves these runs out")
@@ -198,7 +200,8 @@ def main(argv: list[str]) -> int:
     results_path = args.results or root / "utility.jsonl"
     model = cfg.teacher.model.removeprefix("cache:")
     failed = []
-    schedule = [(row, k) for k in range(1, args.repeats + 1) for row in args.rows.split(",")]
+    repeats = [int(k) for k in args.runs.split(",")] if args.runs else range(1, args.repeats + 1)
+    schedule = [(row, k) for k in repeats for row in args.rows.split(",")]
     for row, k in [] if args.report_only else schedule:
         if any(r["row"] == row and r["repeat"] == k and r.get("target_epsilon") == args.epsilon
                for r in read_results(results_path, cfg.name)):

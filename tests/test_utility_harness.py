@@ -101,6 +101,7 @@ def test_a_paired_row_is_reported_run_by_run_against_the_ours_run_it_reused():
     long = utility.overrides("ours-long", "smollm2-airline", 1)
     assert long[-1] == "distill.epochs=4" and not any(o.startswith("seed=") for o in long)
     results = [_run("ours", k, 150.0 + k, 200.0 + 2 * k, run_dir=f"r{k}") for k in (1, 2)]
-    results += [_run("ours-long", k, 120.0 + 3 * k, 190.0, paired_with=f"r{k}") for k in (1, 2)]
+    results += [_run("ours-long", k, 120.0 + 3 * k, 190.0, paired_with=f"r{k}", paired=True) for k in (1, 2)]
+    results.append(_run("ours-long", 3, 100.0, 150.0, paired_with="r3", paired=False))  # another teacher: left out
     text = utility.report(results, "smollm2-airline", "smollm2-135m")
     assert "paired row=ours-long corpus=smollm2-airline runs=2 student_minus_ours=-27.0±1.4 text_minus_ours=-13.0±1.4" in text
