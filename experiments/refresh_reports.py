@@ -51,7 +51,7 @@ def plain(text: str) -> str:
 
 def is_current(block: str, output: str) -> bool:
     """Whether a block is what its command prints (a page may hold part of the output, fit to its style)."""
-    return plain(block).strip() in plain(output)
+    return bool(plain(block).strip()) and plain(block).strip() in plain(output)
 
 
 def refresh(page: Path) -> list[str]:

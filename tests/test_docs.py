@@ -236,4 +236,4 @@ def test_a_refreshed_block_fences_its_result_lines_and_is_current():
     assert block == ("| row | runs |\n|---|---:|\n| ours | 3 |\n\n```\nsynthetic model=m corpus=c f1=0.5\n"
                      "table=oracle corpus=c ours=1\n```\n")
     assert is_current(block, output) and is_current("**Wall time**\n", "## Wall time\n")
-    assert not is_current(block, output.replace("f1=0.5", "f1=0.6"))
+    assert not is_current(block, output.replace("f1=0.5", "f1=0.6")) and not is_current("\n", output)
