@@ -623,7 +623,7 @@ class DistillConfig(_Section):
         "synthetic data and reused by every student; at T = 1 the KL compares the k tokens and the "
         "rest of the vocabulary as one bucket, at T ≠ 1 it renormalises over the k tokens (k = vocabulary "
         "size: exact). Twice as fast a step, but the student does not learn the shape of the teacher's "
-        "tail: on the demo, k = 64 gave a 31-40 % higher test perplexity (docs/reference.md).",
+        "tail, which cost test perplexity on the demo (experiments/teacher_cache_quality.py measures how much).",
     )
     keep_samples: Literal["all", "code_adherent"] = Field(
         "all",
