@@ -14,7 +14,8 @@ the stage cache: its student learns only from the samples the teacher recognises
 their codes, distill.keep_samples=code_adherent, and the classifier is also trained on those
 alone; run it right after `ours`), `ours-long` (paired the same way: the student distilled for 4
 epochs of the same synthetic text instead of 1, the best on the synthetic validation split kept,
-issue 59 item 5), `public-only` (distill.method=public_only with the same prompt; no DP
+issue 59 item 5; `ours-8l` the same with an 8-layer student, `dpdistill models student smollm2-135m
+--layers 8` first), `public-only` (distill.method=public_only with the same prompt; no DP
 noise, so its repeats differ by their seed) and `dp-sgd` (distill.method=dp_sgd at the config's
 settings and its whole ε, on records with the header, as it ran in issue 36). A DP row's repeat k > 1 reruns the stage that draws its noise and all
 after it, as experiments/confirmation.py does. The test split is each corpus's fixed one (Yelp's
@@ -68,6 +69,8 @@ ROWS = {
     "ours": (("distill.method=distil", "PROMPT"), "control-codes"),
     "ours-kept": (("distill.method=distil", "PROMPT", "distill.keep_samples=code_adherent"), PAIRED),
     "ours-long": (("distill.method=distil", "PROMPT", "distill.epochs=4"), PAIRED),
+    "ours-8l": (("distill.method=distil", "PROMPT", "distill.epochs=4", "distill.student_model=cache:smollm2-135m-8l"),
+                PAIRED),
     "public-only": (("distill.method=public_only", "PROMPT"), None),
     "dp-sgd": (("distill.method=dp_sgd", "HEADER"), "dp-student"),
 }

@@ -105,3 +105,12 @@ def test_a_paired_row_is_reported_run_by_run_against_the_ours_run_it_reused():
     results.append(_run("ours-long", 3, 100.0, 150.0, paired_with="r3", paired=False))  # another teacher: left out
     text = utility.report(results, "smollm2-airline", "smollm2-135m")
     assert "paired row=ours-long corpus=smollm2-airline runs=2 student_minus_ours=-27.0±1.4 text_minus_ours=-13.0±1.4" in text
+
+
+def test_every_rows_overrides_load_on_both_configs():
+    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+        for row in utility.ROWS:
+            cfg = load_config(ROOT / config, utility.overrides(row, name, 2))
+            assert cfg.name == name
+    assert load_config(ROOT / "configs/smollm2_airline.yaml",
+                       utility.overrides("ours-8l", "smollm2-airline", 1)).distill.student_model == "cache:smollm2-135m-8l"
