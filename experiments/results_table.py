@@ -19,8 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import read_results  # noqa: E402
-from experiments.shared import mean_sd  # noqa: E402
+from experiments.shared import mean_sd, read_results  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 # corpus, results file, its config's name (None: every line), the file's row label of each column
