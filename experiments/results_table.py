@@ -1,8 +1,9 @@
 """The README's results table (issue 60 item 5): per corpus, the student of ours beside the
-baselines a user would run (DP-SGD and DPKD of the same student at the whole ε with the config's
-settings), the ε = 0 control and the teachers; windowed test perplexity and on the text alone.
-Every cell is the mean ± sd of a tracked results file's runs, scored on the corpus's fixed test
-split; a cell whose file holds no such figure prints "–".
+baselines a user would run (DP-SGD and DPKD of the same student at the whole ε: with the learning
+rate chosen on a public proxy corpus where experiments/public_proxy.py has run it, its cell marked
+"ᵖ", else with the config's settings), the ε = 0 control and the teachers; windowed test
+perplexity and on the text alone. Every cell is the mean ± sd of a tracked results file's runs,
+scored on the corpus's fixed test split; a cell whose file holds no such figure prints "–".
 
     .venv/bin/python experiments/results_table.py --report-only   # print the table
     .venv/bin/python experiments/results_table.py                 # and rewrite the README's block
@@ -19,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from experiments.public_proxy import chosen, runs_of  # noqa: E402
 from experiments.shared import mean_sd, read_results  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
@@ -32,6 +34,7 @@ SOURCES = (
      {"ours": "ours", "dpsgd": "dp-sgd", "public_only": "public-only"}),
 )
 COLUMNS = ("ours", "dpsgd", "dpkd", "public_only")
+PROXY = "ᵖ"  # the mark of a cell at the learning rate chosen on the public proxy (public_proxy.jsonl)
 # figure: (the student's key, the DP teacher's, the base teacher's, the base student's)
 FIGURES = (("windowed", ("student", "dp_teacher", "base_teacher", "zero_shot")),
            ("text alone", ("student_text_windowed", "dp_teacher_text", "base_teacher_text", None)))
@@ -45,13 +48,28 @@ def table() -> str:
         of = {col: [r for r in runs if r["row"] == labels.get(col)] for col in COLUMNS}
         if not of["ours"]:
             continue
+        proxied = proxy_runs(config)
+        of |= proxied
         for what, (student, *references) in FIGURES:
-            cells = [mean_sd([r.get(student) for r in of[col]]) for col in COLUMNS]
+            cells = [mean_sd([r.get(student) for r in of[col]]) + (PROXY if col in proxied else "") for col in COLUMNS]
             if set(cells) == {"–"}:
                 continue  # an older study that did not record this figure
             cells += [mean_sd([r.get(key) for r in of["ours"]] if key else []) for key in references]
             lines.append(f"| {corpus} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def proxy_runs(config: str | None) -> dict[str, list[dict]]:
+    """The baselines' private runs at the learning rate the public proxy chose (experiments/
+    public_proxy.py, issue 60 item 3), of each baseline that has them on this config."""
+    if config is None:
+        return {}
+    results = read_results(RESULTS / "public_proxy.jsonl", config)
+    out = {}
+    for col in ("dpsgd", "dpkd"):
+        if (pick := chosen(results, col)) is not None and (runs := runs_of(results, col, "private", pick)):
+            out[col] = runs
+    return out
 
 
 def rewrite_readme(text: str, readme: Path = ROOT / "README.md") -> None:

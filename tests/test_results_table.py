@@ -1,0 +1,44 @@
+"""experiments/results_table.py: the README's table takes a baseline's cell from the public proxy's
+chosen learning rate where that study ran it, marked, and from the config's settings elsewhere."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("results_table", ROOT / "experiments" / "results_table.py")
+results_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(results_table)
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _row(row: str, student: float, repeat: int = 1) -> dict:
+    return {"config": "smollm2-yelp", "row": row, "repeat": repeat, "student": student,
+            "student_text_windowed": student + 50, "dp_teacher": 57.0, "zero_shot": 598.0}
+
+
+def _proxy(phase: str, method: str, multiple: float, student: float, repeat: int = 1) -> dict:
+    return {"config": "smollm2-yelp", "phase": phase, "method": method, "multiple": multiple, "repeat": repeat,
+            "student": student, "student_text_windowed": student + 80, "dp_teacher": 50.0}
+
+
+def test_a_baselines_cell_is_the_proxys_choice_where_it_ran_and_the_configs_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setattr(results_table, "RESULTS", tmp_path)
+    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", "smollm2_yelp.jsonl", "smollm2-yelp",
+                                                    {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}),))
+    _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("ours", 202.0, 2),
+                                              _row("DP-SGD", 368.0), _row("DPKD", 366.0)])
+    # DP-SGD's proxy grid picks 2 (interior); DPKD's best sits at the edge, so it has no choice yet
+    _write(tmp_path / "public_proxy.jsonl", [
+        _proxy("proxy", "dpsgd", 0.5, 580.0), _proxy("proxy", "dpsgd", 1.0, 465.0), _proxy("proxy", "dpsgd", 2.0, 427.0),
+        _proxy("proxy", "dpsgd", 4.0, 428.0), _proxy("private", "dpsgd", 2.0, 304.0),
+        _proxy("private", "dpsgd", 2.0, 308.0, 2), _proxy("private", "dpsgd", 1.0, 365.0),
+        _proxy("proxy", "dpkd", 0.5, 600.0), _proxy("proxy", "dpkd", 1.0, 500.0)])
+    windowed, text = results_table.table().splitlines()[2:]
+    assert windowed == "| Yelp | windowed | 201.0±1.4 | 306.0±2.8ᵖ | 366.0±nan | – | 57.0±0.0 | – | 598.0±0.0 |"
+    assert text.split(" | ")[2:5] == ["251.0±1.4", "386.0±2.8ᵖ", "416.0±nan"]
