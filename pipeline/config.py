@@ -658,7 +658,7 @@ class DistillConfig(_Section):
         "'teacher_kl' the mean per-token KL(teacher || student), 'untruncated_ce' the student's "
         "cross-entropy on them (the same ranking in expectation, noisier); "
         "'synthetic_validation_ce' the student's best CE on the truncated synthetic validation split "
-        "(ranked alpha the wrong way on Yelp, docs/reference.md; kept for comparison). These cost no "
+        "(it rewards the truncated distribution the test text does not follow; kept for comparison). These cost no "
         "privacy. 'private_validation': each student's loss on the PRIVATE validation split, clipped and "
         "released with Gaussian noise at `selection_epsilon` (pipeline/privacy/private_selection.py), a "
         "DP release of its own in the ledger, composed into the run's total.",

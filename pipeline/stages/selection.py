@@ -5,8 +5,9 @@ epochs, ...) and the one closest to the DP teacher is kept. "Closest" is measure
 fresh set of texts the DP teacher samples from its *whole* distribution: no top-k, no top-p,
 temperature 1. The synthetic training data is truncated (top-k 50, top-p 0.9), so a CE on it
 rewards a student that learned the truncated distribution, whose tail never happens; the
-test data has a tail. docs/reference.md measured that the CE on the truncated synthetic
-validation split ranked α the wrong way on Yelp.
+test data has a tail. (The reference study saw the CE on the truncated synthetic validation
+split rank α the wrong way on Yelp; its figures are withdrawn, no tracked file holds them:
+docs/reference.md.)
 
 - `teacher_kl`: mean per-token KL(teacher ‖ student) over the untruncated samples, every
   position (control codes and eos included, as the test perplexity counts them).
