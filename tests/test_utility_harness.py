@@ -34,9 +34,13 @@ def test_the_report_ends_with_the_issues_lines():
 
 
 def test_each_prompted_row_takes_its_corpus_prompt_and_the_control_varies_its_seed():
-    assert utility.overrides("ours-header", "smollm2-airline", 2) == ["distill.method=distil", *utility.HEADER]
+    assert utility.overrides("ours-header", "smollm2-airline", 2) == ["distill.method=distil", *utility.HEADER,
+                                                                       "distill.epochs=1"]
     ours = utility.overrides("ours", "smollm2-airline", 1)
-    assert ours[0] == "distill.method=distil" and ours[1:] == list(utility.PROMPTS["smollm2-airline"])
+    assert ours[0] == "distill.method=distil" and ours[1:-1] == list(utility.PROMPTS["smollm2-airline"])
+    # the tweets config ships the 4 epochs that won (ours-long); the rows keep the 1 they ran with
+    assert load_config(ROOT / "configs/smollm2_airline.yaml").distill.epochs == 4
+    assert load_config(ROOT / "configs/smollm2_airline.yaml", ours).distill.epochs == 1
     assert utility.overrides("public-only", "smollm2-yelp", 3)[-1] == "seed=2"
 
 
