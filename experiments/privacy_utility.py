@@ -52,10 +52,11 @@ def draw(results: list[dict], out: Path, title: str) -> Path:
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
-    fig = Figure(figsize=(10, 4))
-    for ax, (key, teacher_key, base_key, what) in zip(fig.subplots(1, 2), FIGURES):
+    fig = Figure(figsize=(10, 4.6))
+    axes = fig.subplots(1, 2)
+    for ax, (key, teacher_key, base_key, what) in zip(axes, FIGURES):
         for row, label, color in LINES:
             points = series(results, key, row)
             if points:
@@ -74,9 +75,11 @@ def draw(results: list[dict], out: Path, title: str) -> Path:
         ax.set_xticks(SWEEP, [f"{e:g}" for e in SWEEP], minor=False)
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.yaxis.set_major_formatter(ScalarFormatter())  # plain numbers, not powers of ten
+        ax.yaxis.set_minor_locator(LogLocator(subs=(2, 3, 5)))
         ax.yaxis.set_minor_formatter(ScalarFormatter())
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    # one legend for both panels, below them, clear of the points
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
