@@ -89,10 +89,11 @@ def _proxy(results: list[dict], method: str) -> dict[float, float]:
 
 
 def chosen(results: list[dict], method: str) -> float | None:
-    """The proxy's choice: the multiple of lowest windowed test perplexity, once it is interior to
-    the multiples run (or the grid can grow no more); None while the grid still has to grow."""
+    """The proxy's choice: the multiple of lowest windowed test perplexity, once the first grid has
+    run in full and the best is interior to the multiples run (or the grid can grow no more); None
+    while the grid still has to run or grow."""
     runs = _proxy(results, method)
-    if not runs:
+    if not runs or any(m not in runs for m in MULTIPLES):
         return None
     best = min(runs, key=runs.get)
     if min(runs) < best < max(runs) or next_multiple(runs, best) is None:

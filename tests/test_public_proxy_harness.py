@@ -27,6 +27,16 @@ def test_the_grid_grows_past_an_edge_until_the_best_is_interior():
     assert todo == ("private", 8.0, 1)  # then the chosen, three runs, then the config's own
 
 
+def test_the_whole_first_grid_runs_before_a_choice_even_when_an_inner_best_shows_early():
+    """The plan names its candidates (0.5, 1, 2, 4): an interior best after three of them is not yet
+    the choice; the builtin Yelp pair had stopped at 0.5, 1, 2 before this was fixed."""
+    results = [_run("proxy", "dpsgd", m, p) for m, p in ((0.5, 120.7), (1.0, 102.4), (2.0, 106.1))]
+    assert proxy.chosen(results, "dpsgd") is None
+    assert proxy._todo(results, "dpsgd", 3) == ("proxy", 4.0, 1)
+    results.append(_run("proxy", "dpsgd", 4.0, 99.0))  # the fourth wins at the edge: the grid grows
+    assert proxy._todo(results, "dpsgd", 3) == ("proxy", 8.0, 1)
+
+
 def test_a_best_at_the_grids_limit_is_kept_when_it_may_grow_no_more():
     results = [_run("proxy", "ours", m, 100 / m) for m in (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)]
     assert proxy.next_multiple({r["multiple"]: r["student"] for r in results}, 32.0) is None  # 4 × 2³
