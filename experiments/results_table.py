@@ -24,14 +24,15 @@ from experiments.public_proxy import chosen, runs_of  # noqa: E402
 from experiments.shared import mean_sd, read_results  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
-# corpus, results file, its config's name (None: every line), the file's row label of each column
+# corpus, results file, its config's name (None: every line), the file's row label of each column,
+# the config's name in public_proxy.jsonl
 SOURCES = (
     ("Yelp, builtin 5.3 M → 1.5 M", "yelp.jsonl", None,
-     {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}),
+     {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}, "reference"),
     ("Yelp, SmolLM2-135M → 4 layers", "smollm2_yelp.jsonl", "smollm2-yelp",
-     {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}),
+     {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}, "smollm2-yelp"),
     ("Tweets, SmolLM2-135M → 4 layers", "utility.jsonl", "smollm2-airline",
-     {"ours": "ours", "dpsgd": "dp-sgd", "public_only": "public-only"}),
+     {"ours": "ours", "dpsgd": "dp-sgd", "public_only": "public-only"}, "smollm2-airline"),
 )
 COLUMNS = ("ours", "dpsgd", "dpkd", "public_only")
 PROXY = "ᵖ"  # the mark of a cell at the learning rate chosen on the public proxy (public_proxy.jsonl)
@@ -43,12 +44,12 @@ FIGURES = (("windowed", ("student", "dp_teacher", "base_teacher", "zero_shot")),
 def table() -> str:
     lines = ["| corpus | test perplexity | ours | DP-SGD | DPKD | ε = 0 control | DP teacher | base teacher "
              "| base student |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for corpus, name, config, labels in SOURCES:
+    for corpus, name, config, labels, proxy_config in SOURCES:
         runs = [r for r in read_results(RESULTS / name, config) if r.get("target_epsilon") is None]
         of = {col: [r for r in runs if r["row"] == labels.get(col)] for col in COLUMNS}
         if not of["ours"]:
             continue
-        proxied = proxy_runs(config)
+        proxied = proxy_runs(proxy_config)
         of |= proxied
         for what, (student, *references) in FIGURES:
             cells = [mean_sd([r.get(student) for r in of[col]]) + (PROXY if col in proxied else "") for col in COLUMNS]
@@ -59,11 +60,9 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def proxy_runs(config: str | None) -> dict[str, list[dict]]:
+def proxy_runs(config: str) -> dict[str, list[dict]]:
     """The baselines' private runs at the learning rate the public proxy chose (experiments/
     public_proxy.py, issue 60 item 3), of each baseline that has them on this config."""
-    if config is None:
-        return {}
     results = read_results(RESULTS / "public_proxy.jsonl", config)
     out = {}
     for col in ("dpsgd", "dpkd"):

@@ -30,7 +30,7 @@ def _proxy(phase: str, method: str, multiple: float, student: float, repeat: int
 def test_a_baselines_cell_is_the_proxys_choice_where_it_ran_and_the_configs_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setattr(results_table, "RESULTS", tmp_path)
     monkeypatch.setattr(results_table, "SOURCES", (("Yelp", "smollm2_yelp.jsonl", "smollm2-yelp",
-                                                    {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}),))
+                                                    {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}, "smollm2-yelp"),))
     _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("ours", 202.0, 2),
                                               _row("DP-SGD", 368.0), _row("DPKD", 366.0)])
     # DP-SGD's proxy grid picks 2 (interior); DPKD's best sits at the edge, so it has no choice yet
