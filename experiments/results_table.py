@@ -53,8 +53,8 @@ def table() -> str:
         of |= proxied
         for what, (student, *references) in FIGURES:
             cells = [mean_sd([r.get(student) for r in of[col]]) + (PROXY if col in proxied else "") for col in COLUMNS]
-            if set(cells) == {"–"}:
-                continue  # an older study that did not record this figure
+            if cells[0] == "–":
+                continue  # an older study that did not record this figure of ours: nothing to compare
             cells += [mean_sd([r.get(key) for r in of["ours"]] if key else []) for key in references]
             lines.append(f"| {corpus} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
