@@ -4,6 +4,7 @@ reference lines, drawn from the tracked results of experiments/utility.py (never
 
     .venv/bin/python experiments/privacy_utility.py --results docs/results/utility.jsonl \
         --config-name smollm2-airline --out docs/img/privacy_utility.png
+    .venv/bin/python experiments/privacy_utility.py --report-only   # the figure's points as a table
 
 The sweep's runs: `experiments/utility.py --epsilon E` for E in 0.5, 1, 2, 4, 8 (the main rows,
 at the config's own ε, count as theirs). x is each run's ledger total ε (add/remove), y its
@@ -19,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import read_results  # noqa: E402
+from experiments.shared import mean_sd, read_results  # noqa: E402
 
 FIGURES = (("student_text_windowed", "dp_teacher_text", "base_teacher_text", "on the text alone"),
            ("student", "dp_teacher", "base_teacher", "windowed"))
@@ -45,6 +46,22 @@ def series(results: list[dict], key: str, row: str) -> list[tuple[float, float, 
 def _mean(results: list[dict], row: str, key: str) -> float | None:
     values = [r[key] for r in results if r["row"] == row and r.get(key) is not None]
     return statistics.mean(values) if values else None
+
+
+def table(results: list[dict]) -> str:
+    """The figure's points: each row's student at each target ε (the main rows, at the config's own
+    ε of about 2, count as 2), mean ± sd (runs), windowed and on the text alone."""
+    lines = ["| row | test perplexity | " + " | ".join(f"ε {e:g}" for e in SWEEP) + " |",
+             "|---|---|" + "---:|" * len(SWEEP)]
+    for row, _, _ in LINES:
+        for key, _, _, what in reversed(FIGURES):
+            cells = []
+            for e in SWEEP:
+                runs = [r[key] for r in results if r["row"] == row and r.get(key) is not None
+                        and (r.get("target_epsilon") or 2) == e]
+                cells.append(f"{mean_sd(runs)} ({len(runs)})" if runs else "–")
+            lines.append(f"| {row} | {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def draw(results: list[dict], out: Path, title: str) -> Path:
@@ -90,12 +107,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "results" / "utility.jsonl")
     p.add_argument("--config-name", default="smollm2-airline", help="the config whose runs are drawn")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "privacy_utility.png")
+    p.add_argument("--report-only", action="store_true", help="print the figure's points as a table; draw nothing")
     args = p.parse_args(argv)
     results = read_results(args.results, args.config_name)
     if not results:
         print(f"experiments/privacy_utility.py: no run of {args.config_name} in {args.results}", file=sys.stderr)
         return 2
-    print(draw(results, args.out, args.config_name))
+    if args.report_only:
+        print(table(results), end="")
+    else:
+        print(draw(results, args.out, args.config_name))
     return 0
 
 

@@ -62,6 +62,9 @@ def test_the_privacy_utility_figure_is_drawn_from_the_results(tmp_path):
     assert figure.series(results, "student", "ours") == [(1.98, 151.5, 0.7071067811865476), (7.9, 121.5,
                                                                                               0.7071067811865476)]
     assert figure.series(results, "student_text_windowed", "dp-sgd") == [(0.5, 400.0, 0.0)]
+    points = figure.table(results).splitlines()
+    assert points[2] == "| ours | windowed | – | – | 151.5±0.7 (2) | – | 121.5±0.7 (2) |"  # the main rows count as ε 2
+    assert points[5] == "| dp-sgd | on the text alone | 400.0±nan (1) | – | – | – | – |"
     out = figure.draw(results, tmp_path / "fig.png", "airline")
     assert out.stat().st_size > 10_000
 
