@@ -29,14 +29,19 @@ LINES = (("ours", "ours (distilled from the DP teacher)", "tab:blue"),
          ("dp-sgd", "DP-SGD of the student", "tab:red"))
 
 
-def series(results: list[dict], key: str, row: str) -> list[tuple[float, float, float]]:
-    """(mean ledger ε, mean, sd) of `key` for `row`'s runs at each target ε, by ε."""
-    groups: dict[object, list[dict]] = {}
+def by_target(results: list[dict], key: str, row: str) -> dict[float | None, list[dict]]:
+    """`row`'s runs that have `key`, by their target ε (None: the config's own, about 2)."""
+    groups: dict[float | None, list[dict]] = {}
     for r in results:
         if r["row"] == row and r.get(key) is not None:
             groups.setdefault(r.get("target_epsilon"), []).append(r)
+    return groups
+
+
+def series(results: list[dict], key: str, row: str) -> list[tuple[float, float, float]]:
+    """(mean ledger ε, mean, sd) of `key` for `row`'s runs at each target ε, by ε."""
     out = []
-    for runs in groups.values():
+    for runs in by_target(results, key, row).values():
         ys = [r[key] for r in runs]
         out.append((statistics.mean(r["epsilon"] for r in runs), statistics.mean(ys),
                     statistics.stdev(ys) if len(ys) > 1 else 0.0))
@@ -55,11 +60,10 @@ def table(results: list[dict]) -> str:
              "|---|---|" + "---:|" * len(SWEEP)]
     for row, _, _ in LINES:
         for key, _, _, what in reversed(FIGURES):
-            cells = []
-            for e in SWEEP:
-                runs = [r[key] for r in results if r["row"] == row and r.get(key) is not None
-                        and (r.get("target_epsilon") or 2) == e]
-                cells.append(f"{mean_sd(runs)} ({len(runs)})" if runs else "–")
+            groups = by_target(results, key, row)
+            groups[2] = groups.pop(None, []) + groups.get(2, [])  # the main rows count as ε 2
+            cells = [f"{mean_sd([r[key] for r in groups[e]])} ({len(groups[e])})" if groups.get(e) else "–"
+                     for e in SWEEP]
             lines.append(f"| {row} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
