@@ -169,7 +169,7 @@ def model_lines(by_row: dict[str, list[dict]], model: str, corpus: str, summary:
     for c in columns:
         f1 = [r["downstream"][c]["macro_f1"] for r in ours if c in r.get("downstream", {})]
         first = next(r["downstream"][c] for r in ours if c in r.get("downstream", {}))
-        sd = f"{statistics.stdev(f1):.3f}" if len(f1) > 1 else "nan"
+        sd = f"{statistics.stdev(f1):.3f}" if len(f1) > 1 else "–"
         ref = first.get("real_reference_macro_f1")
         out += (f"downstream model={model} corpus={corpus} column={c} synthetic_f1={statistics.mean(f1):.3f} "
                 f"chance={first['chance_macro_f1']:.3f} sd={sd} runs={len(f1)} real_reference={_f(ref, 3)}\n")

@@ -151,9 +151,10 @@ def selection_of(metrics: dict) -> dict:
 
 
 def mean_sd(values: list[float | None], digits: int = 1) -> str:
-    """`M±S` over the values that are not None (sample sd; nan for one value), `–` for none."""
+    """`M±S` over the values that are not None (sample sd; `M±–` for one value, whose sd is
+    undefined), `–` for none."""
     values = [v for v in values if v is not None]
     if not values:
         return "–"
-    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.mean(values):.{digits}f}±{sd:.{digits}f}"
+    sd = f"{statistics.stdev(values):.{digits}f}" if len(values) > 1 else "–"
+    return f"{statistics.mean(values):.{digits}f}±{sd}"

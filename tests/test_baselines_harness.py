@@ -22,7 +22,7 @@ from experiments import baselines_report as rep  # noqa: E402
 
 def test_mean_and_sd_are_formatted_as_the_summary_lines_need():
     assert rep.mean_sd([160.0, 162.0, 164.0]) == "162.0±2.0"
-    assert rep.mean_sd([180.0]) == "180.0±nan"
+    assert rep.mean_sd([180.0]) == "180.0±–"
     assert rep.mean_sd([]) == "–" and rep.mean_sd([None]) == "–"
 
 
@@ -82,11 +82,11 @@ def test_oracle_deployable_rule_and_the_summary_lines_on_fabricated_rows():
 
     lines = rep.report(results, "airline").strip().splitlines()
     assert lines[-3:] == ["table=oracle corpus=airline ours=155.0±7.1 dpsgd=182.0±2.8 dpkd=–",
-                          "table=deployable corpus=airline ours=160.0±14.1 dpsgd=205.0±nan dpkd=–",
+                          "table=deployable corpus=airline ours=160.0±14.1 dpsgd=205.0±– dpkd=–",
                           "rule corpus=airline candidates=4 spearman=0.60 regret=5.0"]
     assert "private corpus=airline method=ours candidates=4 spearman=1.00 regret=0.0" in lines
     assert "private corpus=airline method=dpsgd candidates=4 spearman=0.80 regret=5.0" in lines
-    assert "table=deployable-private corpus=airline ours=165.0±nan dpsgd=205.0±nan dpkd=–" in lines
+    assert "table=deployable-private corpus=airline ours=165.0±– dpsgd=205.0±– dpkd=–" in lines
     wall = next(line for line in lines if line.startswith("wall "))
     assert wall == "wall corpus=airline runs=17 selections=1 seconds=14660 hours=4.1"
     text = "\n".join(lines)
@@ -115,10 +115,10 @@ def test_the_choices_on_training_and_validation_records_are_rows_of_their_own():
     [ours] = rep.rule_study(results, "ours", private=True, split="train+validation")
     assert ours["regret"] == pytest.approx(3.0) and ours["spearman"] == pytest.approx(0.8)
     lines = rep.report(results, "airline").strip().splitlines()
-    assert "table=deployable-private-trainval corpus=airline ours=168.0±nan dpsgd=200.0±nan dpkd=–" in lines
+    assert "table=deployable-private-trainval corpus=airline ours=168.0±– dpsgd=200.0±– dpkd=–" in lines
     assert "private-trainval corpus=airline method=dpsgd candidates=4 spearman=1.00 regret=0.0" in lines
-    assert "table=deployable-private corpus=airline ours=165.0±nan dpsgd=205.0±nan dpkd=–" in lines
-    assert any(line.startswith("| DP-SGD (private selection, training + validation) | 1 | 200.0±nan") for line in lines)
+    assert "table=deployable-private corpus=airline ours=165.0±– dpsgd=205.0±– dpkd=–" in lines
+    assert any(line.startswith("| DP-SGD (private selection, training + validation) | 1 | 200.0±–") for line in lines)
 
 
 def test_on_the_text_alone_the_tables_and_the_rule_use_the_text_only_figures():
@@ -338,7 +338,7 @@ def test_ours_row_is_taken_from_the_confirmation_only_where_it_ran_the_grid(tmp_
     transcribed.append({"kind": "selection", "row": "dpsgddep", "repeat": 1, "chosen": "lr=0.002,epochs=1",
                         "selection_epsilon": 0.2, "epsilon": 1.98})
     text = rep.report(rows + transcribed, "smollm2-yelp", 2)
-    assert "table=deployable corpus=smollm2-yelp ours=201.3±3.3 dpsgd=286.2±nan dpkd=–" in text
+    assert "table=deployable corpus=smollm2-yelp ours=201.3±3.3 dpsgd=286.2±– dpkd=–" in text
     assert "| dpsgddep | 2 | –, – | – |" in text
     for bad, why in ((confirmation(3, [1.0, 2.0], "alpha=1.0", select_by="untruncated_ce"), "untruncated_ce"),
                      (confirmation(3, [1.0, 2.0], "alpha=1.0", alphas=(0.0, 1.0)), "[0.0, 1.0]"),

@@ -26,7 +26,7 @@ def test_the_report_gives_mean_and_sd_and_ends_with_the_summary_line():
                _run("ours", 3, 164.0, selection=sel), _run("DP-SGD", 1, 180.0), _run("DP-SGD", 2, 184.0),
                _run("DPKD", 1, 185.0)]
     text = confirmation.report(results, "airline")
-    assert text.strip().splitlines()[-1] == "corpus=airline ours=162.0±2.0 dpsgd=182.0±2.8 dpkd=185.0±nan"
+    assert text.strip().splitlines()[-1] == "corpus=airline ours=162.0±2.0 dpsgd=182.0±2.8 dpkd=185.0±–"
     assert "| ours | 3 | 162.0±2.0 | 160.0, 162.0, 164.0 |" in text
     assert "| DP teacher | 3 | 122.0±1.0 |" in text and "| zero-shot | 3 | 500.0±0.0 |" in text
     assert "| r1 | → | alpha=1.0 | 0.2000 |" in text and "Regret" in text
@@ -44,7 +44,7 @@ def test_the_table_gives_the_per_record_and_text_only_figures_and_reads_older_re
     assert "| text alone: windowed |" in lines[0]
     assert ("| ours | 2 | 161.0±1.4 | 160.0, 162.0 | 128.8±1.1 | 151.0±1.4 | 171.0±1.4 | 301.0±1.4 | 281.0±1.4 "
             "| 321.0±1.4 | 1.980, 1.980 | 100, 100 |") in lines
-    assert "| DP-SGD | 1 | 180.0±nan | 180.0 | 144.0±nan | – | – | – | – | – | 1.980 | 100 |" in lines
+    assert "| DP-SGD | 1 | 180.0±– | 180.0 | 144.0±– | – | – | – | – | – | 1.980 | 100 |" in lines
     assert all(line.count("|") == lines[0].count("|") for line in lines[:6])  # every row has every column
 
 
@@ -78,7 +78,7 @@ def test_with_a_cached_model_the_report_ends_with_the_model_and_downstream_lines
                _run("DP-SGD", 1, 700.0), _run("DP-SGD", 2, 740.0), _run("DPKD", 1, 750.0)]
     lines = confirmation.report(results, "airline", "smollm2-135m").strip().splitlines()
     assert lines[-2] == ("model=smollm2-135m corpus=airline runs=1 ours=179.0±1.4 dpsgd=720.0±28.3 "
-                         "dpkd=750.0±nan zero_shot=500.0")
+                         "dpkd=750.0±– zero_shot=500.0")
     assert lines[-1] == ("downstream model=smollm2-135m corpus=airline column=sentiment synthetic_f1=0.370 "
                          "chance=0.333 sd=0.014 runs=2 real_reference=0.555")
     assert not confirmation.report(results, "airline").strip().splitlines()[-1].startswith("downstream")
@@ -98,6 +98,6 @@ def test_the_results_file_can_be_a_tracked_one_outside_the_run_root(tmp_path, ca
     assert confirmation.main(["--config", "configs/smollm2_yelp.yaml", f"run_root={root}", "--results", str(path),
                               "--report-only", "--corpus", "yelp"]) == 0
     out = capsys.readouterr().out
-    assert "corpus=yelp ours=201.0±nan dpsgd=– dpkd=–" in out
+    assert "corpus=yelp ours=201.0±– dpsgd=– dpkd=–" in out
     assert "| r1 | → | alpha=1.0 | – | – | – | 201.0 |" in out
     assert not (root / "confirmation.jsonl").exists()
