@@ -170,7 +170,7 @@ def _dp_train(
     kd: KnowledgeDistillation | None = None,
 ) -> TeacherResult:
     """The DP-SGD stage `stage` with its σ, q, steps and δ from the run's plan (its share of the
-    budget: DPKD gives ε/2 each to the teacher and the student), calibrated once, at the run's start."""
+    budget: DPKD's teacher and student compose to the run's ε), calibrated once, at the run's start."""
     out_dir = run_dir / STAGE_DIRS[stage]  # teacher/, or student/ for the dp-student stage
     done = finished_teacher(out_dir)
     if done is not None:
@@ -227,7 +227,7 @@ def _within_max_epsilon(cfg: PipelineConfig, data: DataResult, stage: str, plan:
 
 
 def _planned_epsilon(stage: str) -> Callable[[Plan], dict]:
-    """What a DP-SGD stage's key holds of the plan: its share of the budget (DPKD: ε/2), as "epsilon"."""
+    """What a DP-SGD stage's key holds of the plan: its share of the budget (DPKD: ~0.73 ε), as "epsilon"."""
     return lambda plan: {"epsilon": plan.dp_sgd[stage].target_epsilon}
 
 

@@ -552,8 +552,8 @@ class DistillConfig(_Section):
         DISTIL.name,
         description="'distil': ours, KD from the DP teacher on synthetic data; 'dp_syn': synthetic "
         "data only (α=0); 'dp_sgd': the student itself DP fine-tuned on the private data at the "
-        "teacher's ε; 'dpkd': teacher at ε/2, then the student DP fine-tuned at ε/2 with the KD "
-        "loss on private data. dp_sgd and dpkd train the student with the `teacher` section's "
+        "teacher's ε; 'dpkd': the teacher, then the student DP fine-tuned with the KD loss on private "
+        "data, at equal shares of ε that the accountant composes to the teacher's ε. dp_sgd and dpkd train the student with the `teacher` section's "
         "settings (epochs, batch_size, learning_rate, max_grad_norm, max_length, ...), not this "
         "section's epochs, batch_size or learning_rate: tune them there (a warning names any set here). "
         "'public_only': the ε = 0 control, ours' distillation from text the base teacher (teacher.model, "

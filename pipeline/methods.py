@@ -5,6 +5,7 @@ the flow, the reports and the experiments read the spec.
     spec = method_spec(cfg.distill.method)
     spec.stages              # ('control-codes', 'teacher', 'generation', 'distillation', 'evaluation')
     spec.budget_shares       # {'teacher': 1.0}: each DP-SGD stage's share of teacher.target_epsilon
+                             # (pipeline/plan.py dp_sgd_budgets scales several up to compose to it)
 
 Adding a method is one `Method` here and its tests (CONVENTIONS 17). A method's stages follow from
 its fields, so the flow's order (codes, teacher, generation, student, evaluation) is written once.
