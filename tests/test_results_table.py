@@ -40,5 +40,5 @@ def test_a_baselines_cell_is_the_proxys_choice_where_it_ran_and_the_configs_else
         _proxy("private", "dpsgd", 2.0, 308.0, 2), _proxy("private", "dpsgd", 1.0, 365.0),
         _proxy("proxy", "dpkd", 0.5, 600.0), _proxy("proxy", "dpkd", 1.0, 500.0)])
     windowed, text = results_table.table().splitlines()[2:]
-    assert windowed == "| Yelp | windowed | 201.0±1.4 | 306.0±2.8ᵖ | 366.0±nan | – | 57.0±0.0 | – | 598.0±0.0 |"
-    assert text.split(" | ")[2:5] == ["251.0±1.4", "386.0±2.8ᵖ", "416.0±nan"]
+    assert windowed == "| Yelp | windowed | 201.0±1.4 | 306.0±2.8ᵖ | 366.0±– | – | 57.0±0.0 | – | 598.0±0.0 |"
+    assert text.split(" | ")[2:5] == ["251.0±1.4", "386.0±2.8ᵖ", "416.0±–"]

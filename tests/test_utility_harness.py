@@ -64,7 +64,7 @@ def test_the_privacy_utility_figure_is_drawn_from_the_results(tmp_path):
     assert figure.series(results, "student_text_windowed", "dp-sgd") == [(0.5, 400.0, 0.0)]
     points = figure.table(results).splitlines()
     assert points[2] == "| ours | windowed | – | – | 151.5±0.7 (2) | – | 121.5±0.7 (2) |"  # the main rows count as ε 2
-    assert points[5] == "| dp-sgd | on the text alone | 400.0±nan (1) | – | – | – | – |"
+    assert points[5] == "| dp-sgd | on the text alone | 400.0±– (1) | – | – | – | – |"
     out = figure.draw(results, tmp_path / "fig.png", "airline")
     assert out.stat().st_size > 10_000
 
@@ -79,8 +79,8 @@ def test_the_kept_row_reuses_ours_teacher_and_reports_its_classifier():
     results += [_run("ours-kept", 1, 151.0, 201.0, paired=True,
                      downstream_kept={"sentiment": {"macro_f1": 0.45, "synthetic_train": 900}})]
     text = utility.report(results, "smollm2-airline", "smollm2-135m")
-    assert ("synthetic-kept model=smollm2-135m corpus=smollm2-airline column=sentiment runs=1 f1=0.450±nan "
-            "samples=900±nan paired=1") in text
+    assert ("synthetic-kept model=smollm2-135m corpus=smollm2-airline column=sentiment runs=1 f1=0.450±– "
+            "samples=900±– paired=1") in text
 
 
 def test_the_header_and_control_rows_get_their_synthetic_text_scored_too():
@@ -89,7 +89,7 @@ def test_the_header_and_control_rows_get_their_synthetic_text_scored_too():
     results = [_run("ours", 1, 150.0, 200.0, downstream=ds), _run("ours-header", 1, 190.0, 380.0, downstream=ds)]
     text = utility.report(results, "smollm2-airline", "smollm2-135m")
     assert ("synthetic row=ours-header model=smollm2-135m corpus=smollm2-airline column=sentiment runs=1 "
-            "f1=0.380±nan mauve=0.410±nan") in text
+            "f1=0.380±– mauve=0.410±–") in text
     assert "synthetic row=public-only" not in text  # no run of it: no line
 
 
