@@ -33,7 +33,8 @@ from pipeline.privacy.dp_vocabulary import planned_entry as planned_vocabulary_e
 from pipeline.privacy import monitor as dp_monitor
 from pipeline.privacy import private_selection
 from pipeline.privacy.control_codes import STAGE as CODES_STAGE
-from pipeline.privacy.ledger import LedgerEntry, LedgerTotal, composed, run_delta, with_pld_epsilons
+from pipeline.privacy.ledger import (
+    LedgerEntry, LedgerTotal, composed, composing_accountant, run_delta, with_pld_epsilons)
 from pipeline.privacy.pld import DP_SGD_REPLACE_SENSITIVITY, HISTOGRAM_REPLACE_SENSITIVITY
 from pipeline.stages.data import PlannedSplit, planned_split
 from pipeline.privacy.dpsgd import DpSgdPlan, plan_dp_sgd
@@ -90,9 +91,7 @@ def dp_sgd_budgets(cfg: PipelineConfig, n: int, unit: str = "record") -> dict[st
     def total(scale: float) -> float:
         plans = [plan_dp_sgd(t, n, unit, eps * scale) for eps in shares.values()]
         history = [(p.sigma, p.sample_rate, p.steps_allowed) for p in plans]
-        # compose's choice: Opacus' GDP accountant reads only the last entry of a mixed history
-        accountant = "rdp" if t.accountant == "gdp" and len({(s, q) for s, q, _ in history}) > 1 else t.accountant
-        return epsilon_of(accountant, history, plans[0].delta)
+        return epsilon_of(composing_accountant(t.accountant, history), history, plans[0].delta)
 
     low, high = 1.0, t.target_epsilon / max(shares.values())  # at `high` one stage alone spends the target
     while high - low > 1e-4 and t.target_epsilon - total(low) > BUDGET_TOLERANCE:

@@ -163,6 +163,12 @@ def with_pld_epsilons(entry: LedgerEntry) -> LedgerEntry:
     return entry.model_copy(update=_pld_epsilons([entry], entry.delta))
 
 
+def composing_accountant(accountant: str, history: list[tuple[float, float, int]]) -> str:
+    """The accountant a joint history is composed with: rdp in place of gdp when the history mixes
+    (σ, q), since Opacus' GDP accountant reads only its last entry."""
+    return "rdp" if accountant == "gdp" and len({(s, q) for s, q, _ in history}) > 1 else accountant
+
+
 def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> LedgerTotal:
     """The run's total: Gaussian histories through the accountant at `delta`, pure-ε ones
     added; its δ is `delta` plus each thresholded release's `delta_threshold`."""
@@ -172,12 +178,10 @@ def compose(entries: list[LedgerEntry], accountant: str, delta: float) -> Ledger
         raise ValueError(f"cannot compose mechanisms with different privacy units: {sorted(units)}")
     history = [h for e in dp for h in e.history]
     pure = [e for e in dp if e.mechanism == "geometric"]
-    used = accountant
+    used = composing_accountant(accountant, history)
     parts = []
     eps = 0.0
     if history:
-        if accountant == "gdp" and len({(s, q) for s, q, _ in history}) > 1:
-            used = "rdp"  # Opacus' GDP accountant reads only its last history entry
         from pipeline.privacy.accountant import epsilon_of  # Opacus and torch: only when there is something to compose
 
         eps = epsilon_of(used, history, delta)

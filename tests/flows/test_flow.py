@@ -230,8 +230,8 @@ def test_the_flow_plans_once_and_hands_each_dp_sgd_stage_its_plan(prefect_server
     """Issue 39: the plan the run logs at its start is its only one (privacy.max_epsilon's checks
     included), and each DP-SGD stage trains with its σ, q, steps and δ, calibrated once: σ is the
     one the stage would calibrate itself for its share of the budget (DPKD: equal shares that
-    compose to the run's ε). The distillation's candidates, built when the config was validated, are read once, by the stage,
-    which trains and selects with them; a DP-SGD student never reads them."""
+    compose to the run's ε). The distillation's candidates, built when the config was validated,
+    are read once, by the stage, which trains and selects with them; a DP-SGD student never reads them."""
     from conftest import tiny_pipeline_dict
     from pipeline import plan as plan_module
     from pipeline.config import DistillConfig, config_from_dict

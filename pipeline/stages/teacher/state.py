@@ -87,7 +87,7 @@ class Run:
     sample_rate: float  # as accounted
     total_steps: int
     steps_allowed: int
-    target_epsilon: float  # this stage's share of the budget (DPKD: ~0.73 ε each), σ's target
+    target_epsilon: float  # this stage's share of the budget (DPKD: one of two equal shares), σ's target
     fingerprint: str
     monitor: Monitor | None  # what the published validation loss is computed on (None: not monitored)
     noise_source: str  # what the generators' streams came from (a resumed run: as its checkpoint says)
