@@ -227,7 +227,8 @@ def _within_max_epsilon(cfg: PipelineConfig, data: DataResult, stage: str, plan:
 
 
 def _planned_epsilon(stage: str) -> Callable[[Plan], dict]:
-    """What a DP-SGD stage's key holds of the plan: its share of the budget (DPKD: one of two equal shares), as "epsilon"."""
+    """What a DP-SGD stage's key holds of the plan: its share of the budget (DPKD: one of two equal
+    shares), as "epsilon"."""
     return lambda plan: {"epsilon": plan.dp_sgd[stage].target_epsilon}
 
 

@@ -141,7 +141,8 @@ def poisson_schedule(n: int, batch_size: int, epochs: int, unit: str = "record")
 def calibrate_noise(cfg: TeacherConfig, sample_rate: float, steps: int, delta: float,
                     target_epsilon: float | None = None) -> tuple[float, int]:
     """(σ for the target (ε, δ) after `steps`, the steps that stay within it), by the accountant.
-    `target_epsilon`: the stage's share of the budget (DPKD's teacher: one of two equal shares), else `cfg.target_epsilon`.
+    `target_epsilon`: the stage's share of the budget (DPKD's teacher: one of two equal shares),
+    else `cfg.target_epsilon`.
 
     Bounded in time (privacy.CALIBRATION_DEADLINE_S): PRV never returns at a very large ε.
     """

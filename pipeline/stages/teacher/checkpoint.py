@@ -73,7 +73,8 @@ def checkpoint_fingerprint(
     number of data-parallel processes (a DPDDP checkpoint holds wrapped weights and
     per-rank RNG states) and checkpoint layout (2: per-rank secret generator states).
     `target_epsilon`: the stage's share of the budget, in place of the config's (DPKD: one of two
-    equal shares), as when the flow handed the stage a config rewritten with it: checkpoints made then still resume."""
+    equal shares), as when the flow handed the stage a config rewritten with it: checkpoints made
+    then still resume."""
     spec = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "processes", "ddp_backend", *NODE_FIELDS,
                                                 *at_later_defaults(cfg)})
     if target_epsilon is not None:

@@ -350,9 +350,8 @@ def train_teacher(
     autocast, fp32 master weights and losses) and CPU threads of this process.
 
     `dp_sgd`: σ, q, steps and δ as the run's plan calibrated them once for this stage's share of
-    the budget (the flow hands them down; DPKD's two DP-SGD stages compose to the run's ε). Without it,
-    they are
-    made from `cfg` (`cfg.target_epsilon`) by the same function, `dpsgd.plan_dp_sgd`.
+    the budget (the flow hands them down; DPKD's two DP-SGD stages compose to the run's ε). Without
+    it, they are made from `cfg` (`cfg.target_epsilon`) by the same function, `dpsgd.plan_dp_sgd`.
     """
     paths = dict(train_path=Path(train_path), validation_path=Path(validation_path), base_model=base_model,
                  monitor_path=None if monitor_path is None else Path(monitor_path))
