@@ -1,8 +1,8 @@
 """The README's results table (issue 60 item 5): per corpus, the student of ours beside the
-baselines a user would run (DP-SGD and DPKD of the same student at the whole ε: with the learning
-rate chosen on a public proxy corpus where experiments/public_proxy.py has run it, its cell marked
-"ᵖ", else with the config's settings), the ε = 0 control and the teachers; windowed test
-perplexity and on the text alone. Every cell is the mean ± sd of a tracked results file's runs,
+baselines a user would run (DP-SGD and DPKD of the same student at the whole ε), the ε = 0 control
+and the teachers; windowed test perplexity and on the text alone. Ours and the baselines each run
+as a user would: with the learning rate chosen on a public proxy corpus where
+experiments/public_proxy.py has run it, the cell marked "ᵖ", else with the config's settings. Every cell is the mean ± sd of a tracked results file's runs,
 scored on the corpus's fixed test split; a cell whose file holds no such figure prints "–".
 
     .venv/bin/python experiments/results_table.py --report-only   # print the table
@@ -61,11 +61,11 @@ def table() -> str:
 
 
 def proxy_runs(config: str) -> dict[str, list[dict]]:
-    """The baselines' private runs at the learning rate the public proxy chose (experiments/
-    public_proxy.py, issue 60 item 3), of each baseline that has them on this config."""
+    """The private runs at the learning rate the public proxy chose (experiments/public_proxy.py,
+    issue 60 item 3), of each method (ours and the baselines) that has them on this config."""
     results = read_results(RESULTS / "public_proxy.jsonl", config)
     out = {}
-    for col in ("dpsgd", "dpkd"):
+    for col in ("ours", "dpsgd", "dpkd"):
         if (pick := chosen(results, col)) is not None and (runs := runs_of(results, col, "private", pick)):
             out[col] = runs
     return out

@@ -1,5 +1,6 @@
-"""experiments/results_table.py: the README's table takes a baseline's cell from the public proxy's
-chosen learning rate where that study ran it, marked, and from the config's settings elsewhere."""
+"""experiments/results_table.py: the README's table takes a method's cell (ours' or a baseline's) from
+the public proxy's chosen learning rate where that study ran it, marked, and from the config's
+settings elsewhere."""
 
 from __future__ import annotations
 
@@ -42,3 +43,17 @@ def test_a_baselines_cell_is_the_proxys_choice_where_it_ran_and_the_configs_else
     windowed, text = results_table.table().splitlines()[2:]
     assert windowed == "| Yelp | windowed | 201.0±1.4 | 306.0±2.8ᵖ | 366.0±– | – | 57.0±0.0 | – | 598.0±0.0 |"
     assert text.split(" | ")[2:5] == ["251.0±1.4", "386.0±2.8ᵖ", "416.0±–"]
+
+
+def test_ours_cell_and_its_teachers_come_from_its_proxy_choice_once_it_has_private_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(results_table, "RESULTS", tmp_path)
+    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", "smollm2_yelp.jsonl", "smollm2-yelp",
+                                                    {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}, "smollm2-yelp"),))
+    _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("DP-SGD", 368.0)])
+    grid = [_proxy("proxy", "ours", m, s) for m, s in ((0.5, 81.0), (1.0, 79.0), (2.0, 80.0), (4.0, 84.0))]
+    _write(tmp_path / "public_proxy.jsonl", grid)
+    assert results_table.table().splitlines()[2].split(" | ")[2] == "200.0±–"  # chosen, no private run yet
+    _write(tmp_path / "public_proxy.jsonl", grid + [_proxy("private", "ours", 1.0, 190.0),
+                                                    _proxy("private", "ours", 1.0, 194.0, 2)])
+    windowed = results_table.table().splitlines()[2]
+    assert windowed == "| Yelp | windowed | 192.0±2.8ᵖ | 368.0±– | – | – | 50.0±0.0 | – | – |"
