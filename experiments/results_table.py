@@ -2,8 +2,9 @@
 baselines a user would run (DP-SGD and DPKD of the same student at the whole ε), the ε = 0 control
 and the teachers; windowed test perplexity and on the text alone. Ours and the baselines each run
 as a user would: with the learning rate chosen on a public proxy corpus where
-experiments/public_proxy.py has run it, the cell marked "ᵖ", else with the config's settings. Every cell is the mean ± sd of a tracked results file's runs,
-scored on the corpus's fixed test split; a cell whose file holds no such figure prints "–".
+experiments/public_proxy.py has run it, the cell marked "ᵖ", else with the config's settings.
+Every cell is the mean ± sd of a tracked results file's runs, scored on the corpus's fixed test
+split; a cell whose file holds no such figure prints "–".
 
     .venv/bin/python experiments/results_table.py --report-only   # print the table
     .venv/bin/python experiments/results_table.py                 # and rewrite the README's block
