@@ -11,11 +11,12 @@ Two phases per method (ours, DP-SGD of the student, DPKD; and `teacher`, ours' D
 learning rate, issue 59 item 3):
 1. **Proxy.** One run of each candidate learning rate (`MULTIPLES` × the private config's value:
    `distill.learning_rate` for ours, `teacher.learning_rate` for the DP-SGD students, which train
-   with the teacher section, and for `teacher`) on the proxy config, treated as public: its test
-   split may be read. The candidate of lowest windowed test perplexity there (the student's; for
-   `teacher`, the DP teacher's) is chosen; while it is the grid's largest or smallest, the grid
-   grows by one more factor of 2 that way (at most `EXTEND` times), so that the chosen one is
-   interior. At multiple 1 ours and `teacher` run the same config: their runs count for both.
+   with the teacher section, and for `teacher`) on the proxy config with the private config's
+   teacher and student models, treated as public: its test split may be read. The candidate of
+   lowest windowed test perplexity there (the student's; for `teacher`, the DP teacher's) is chosen;
+   while it is the grid's largest or smallest, the grid grows by one more factor of 2 that way (at
+   most `EXTEND` times), so that the chosen one is interior. At multiple 1 ours and `teacher` run
+   the same config: their runs count for both.
 2. **Private.** The chosen learning rate and the config's own (multiple 1), three runs each on
    the private config at its whole ε (fresh DP noise each: the noisy stage is rerun), on its
    fixed test split (issue 60).
@@ -73,6 +74,13 @@ def run_one(config: str, method: str, multiple: float, base: float, phase: str, 
     run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy, None) if repeat > 1 else None))
     return {"phase": phase, "method": method, "multiple": multiple, "learning_rate": base * multiple,
             **_result(method, repeat, run_dir, time.monotonic() - t0)}
+
+
+def same_models(cfg) -> list[str]:
+    """The proxy's runs train the private config's teacher and student, on the proxy's public data:
+    a learning rate is chosen for the models the private runs train (the tweets config ships an
+    8-layer student, SmolLM2 Yelp a 4-layer one)."""
+    return [f"teacher.model={cfg.teacher.model}", f"distill.student_model={cfg.distill.student_model}"]
 
 
 def runs_of(results: list[dict], method: str, phase: str, multiple: float | None = None) -> list[dict]:
@@ -183,7 +191,8 @@ def main(argv: list[str]) -> int:
             done = run_recorded(
                 results_path, cfg.name, f"{method} {phase} m={multiple:g} r{repeat}",
                 lambda: run_one(args.proxy if phase == "proxy" else args.config, method, multiple, base, phase, repeat,
-                                list(args.overrides)), failed, extra={"proxy": proxy.name})
+                                [*(same_models(cfg) if phase == "proxy" else []), *args.overrides]),
+                failed, extra={"proxy": proxy.name})
             if done is None:
                 break  # go on with the next method; a restart retries it
     text = report(read_results(results_path, cfg.name), cfg.name)

@@ -14,8 +14,8 @@ text, run k's, reused from the stage cache: its student learns only from the sam
 recognises as written for their codes, distill.keep_samples=code_adherent, and the classifier is
 also trained on those alone; run it right after `ours`), `ours-long` (paired the same way: the
 student distilled for 4 epochs of the same synthetic text instead of 1, the best on the synthetic
-validation split kept, issue 59 item 5; `ours-8l` the same with an 8-layer student, `dpdistill
-models student smollm2-135m --layers 8` first), `public-only` (distill.method=public_only with the
+validation split kept, issue 59 item 5; `ours-8l` the same with an 8-layer student, the one
+the tweets config ships), `public-only` (distill.method=public_only with the
 same prompt; no DP noise, so its repeats differ by their seed) and `dp-sgd` (distill.method=dp_sgd
 at the config's settings and its whole ε, on records with the header, as it ran in issue 36). A DP
 row's repeat k > 1 reruns the stage that draws its noise and all after it, as
@@ -32,7 +32,7 @@ each of its runs minus the ours run whose teacher and text it reused.
 Its data: the SmolLM2 configs read the tweets and the Yelp split in ../shared/data beside the
 checkout (not shipped; experiments/shared.py); without them it exits with one line (exit code 2)
 before any work; `--report-only` needs no data. The models: `dpdistill models fetch smollm2-135m`
-and `dpdistill models student smollm2-135m --layers 4` first.
+and `dpdistill models student smollm2-135m --layers 4` and `--layers 8` first.
 """
 
 from __future__ import annotations
@@ -65,18 +65,18 @@ PAIRED = "paired"
 HEADER = ("data.prompt_template=null", "data.system_prompt=null", "teacher.max_length=64", "generate.max_length=64")
 # row: (overrides, the stage whose rerun draws fresh DP noise; None: repeats differ by their seed;
 # PAIRED: the row after `ours` in each repeat, on its teacher and text)
-# The rows that distil pin their epochs: the config ships what won (4, `ours-long`), the rows
-# keep what they ran with.
+# The rows pin their student and epochs: the tweets config ships what won (8 layers, `ours-8l`; 4
+# epochs, `ours-long`), the rows keep what they ran with, so a later run of a row matches its first.
+FOUR, EIGHT = "distill.student_model=cache:smollm2-135m-4l", "distill.student_model=cache:smollm2-135m-8l"
 ROWS = {
-    "ours-header": (("distill.method=distil", "HEADER", "distill.epochs=1"), "control-codes"),
-    "ours": (("distill.method=distil", "PROMPT", "distill.epochs=1"), "control-codes"),
-    "ours-kept": (("distill.method=distil", "PROMPT", "distill.epochs=1", "distill.keep_samples=code_adherent"),
+    "ours-header": (("distill.method=distil", "HEADER", FOUR, "distill.epochs=1"), "control-codes"),
+    "ours": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=1"), "control-codes"),
+    "ours-kept": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=1", "distill.keep_samples=code_adherent"),
                   PAIRED),
-    "ours-long": (("distill.method=distil", "PROMPT", "distill.epochs=4"), PAIRED),
-    "ours-8l": (("distill.method=distil", "PROMPT", "distill.epochs=4", "distill.student_model=cache:smollm2-135m-8l"),
-                PAIRED),
-    "public-only": (("distill.method=public_only", "PROMPT", "distill.epochs=1"), None),
-    "dp-sgd": (("distill.method=dp_sgd", "HEADER"), "dp-student"),
+    "ours-long": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=4"), PAIRED),
+    "ours-8l": (("distill.method=distil", "PROMPT", EIGHT, "distill.epochs=4"), PAIRED),
+    "public-only": (("distill.method=public_only", "PROMPT", FOUR, "distill.epochs=1"), None),
+    "dp-sgd": (("distill.method=dp_sgd", "HEADER", FOUR), "dp-student"),
 }
 
 

@@ -73,3 +73,16 @@ def test_the_teacher_is_chosen_by_the_dp_teachers_figure_and_shares_ours_runs_at
     assert lines[-4] == ("teacher corpus=smollm2-yelp settings=chosen multiple=2 runs=3 dp_teacher=42.0±1.0 "
                          "student=192.0±1.0 text=384.0±2.0 mauve=–")
     assert lines[-3].startswith("teacher corpus=smollm2-yelp settings=default multiple=1 runs=3 dp_teacher=50.0±0.0")
+
+
+def test_the_proxy_trains_the_private_configs_models():
+    """SmolLM2 Yelp's proxy is the tweets config, which ships an 8-layer student: the learning rate
+    is chosen for the 4-layer student Yelp trains, on the tweets; the builtin pair is unchanged."""
+    from pipeline.config import load_config
+
+    yelp = load_config(ROOT / "configs/smollm2_yelp.yaml")
+    tweets = load_config(ROOT / "configs/smollm2_airline.yaml", proxy.same_models(yelp))
+    assert tweets.distill.student_model == yelp.distill.student_model == "cache:smollm2-135m-4l"
+    assert load_config(ROOT / "configs/smollm2_airline.yaml").distill.student_model != yelp.distill.student_model
+    builtin = load_config(ROOT / "configs/airline.yaml")
+    assert load_config(ROOT / "configs/airline.yaml", proxy.same_models(load_config(ROOT / "configs/reference.yaml"))) == builtin

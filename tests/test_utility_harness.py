@@ -35,13 +35,24 @@ def test_the_report_ends_with_the_issues_lines():
 
 def test_each_prompted_row_takes_its_corpus_prompt_and_the_control_varies_its_seed():
     assert utility.overrides("ours-header", "smollm2-airline", 2) == ["distill.method=distil", *utility.HEADER,
-                                                                       "distill.epochs=1"]
+                                                                       utility.FOUR, "distill.epochs=1"]
     ours = utility.overrides("ours", "smollm2-airline", 1)
-    assert ours[0] == "distill.method=distil" and ours[1:-1] == list(utility.PROMPTS["smollm2-airline"])
-    # the tweets config ships the 4 epochs that won (ours-long); the rows keep the 1 they ran with
-    assert load_config(ROOT / "configs/smollm2_airline.yaml").distill.epochs == 4
-    assert load_config(ROOT / "configs/smollm2_airline.yaml", ours).distill.epochs == 1
+    assert ours[0] == "distill.method=distil" and ours[1:-2] == list(utility.PROMPTS["smollm2-airline"])
     assert utility.overrides("public-only", "smollm2-yelp", 3)[-1] == "seed=2"
+
+
+def test_the_tweets_config_ships_what_won_and_every_row_keeps_what_it_ran_with():
+    """The tweets config ships 4 epochs (ours-long) and the 8-layer student (ours-8l); a row's later
+    run must match its first, so each row pins the student and epochs it ran with."""
+    shipped = load_config(ROOT / "configs/smollm2_airline.yaml")
+    assert (shipped.distill.epochs, shipped.distill.student_model) == (4, "cache:smollm2-135m-8l")
+    ran_with = {"ours-8l": "cache:smollm2-135m-8l"}  # every other row ran with the 4-layer student
+    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+        for row in utility.ROWS:
+            cfg = load_config(ROOT / config, utility.overrides(row, name, 1))
+            assert cfg.distill.student_model == ran_with.get(row, "cache:smollm2-135m-4l"), (name, row)
+            if row != "dp-sgd":  # DP-SGD of the student trains by the teacher section's epochs
+                assert cfg.distill.epochs == (4 if row in ("ours-long", "ours-8l") else 1), (name, row)
 
 
 def test_every_prompt_is_a_valid_override_of_its_config():
@@ -119,5 +130,3 @@ def test_every_rows_overrides_load_on_both_configs():
         for row in utility.ROWS:
             cfg = load_config(ROOT / config, utility.overrides(row, name, 2))
             assert cfg.name == name
-    assert load_config(ROOT / "configs/smollm2_airline.yaml",
-                       utility.overrides("ours-8l", "smollm2-airline", 1)).distill.student_model == "cache:smollm2-135m-8l"
