@@ -9,24 +9,79 @@ reference lines, drawn from the tracked results of experiments/utility.py (never
 The sweep's runs: `experiments/utility.py --epsilon E` for E in 0.5, 1, 2, 4, 8 (the main rows,
 at the config's own ε, count as theirs). x is each run's ledger total ε (add/remove), y its
 student's test perplexity: on the text alone (left) and windowed (right); mean ± sd over runs.
+
+The windowed figure of a prompted row also scores the chat prompt's tokens, which no loss trains
+(pipeline/prompts.py). Both figures come from the same forward passes, so the prompt's tokens
+alone have a perplexity too: exp((N·ln W − Nₜ·ln Wₜ) / (N − Nₜ)), W and Wₜ the windowed figures, N
+and Nₜ their predicted tokens. The counts are in each run's metrics.json, not in the results
+line: experiments/utility.py copies them into docs/results/utility_tokens.jsonl after each run
+(one line per run, keyed by its run directory; `--record-tokens` does it for runs made before),
+and the table gains that row (for a header row: the header's tokens, which every loss trains).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import mean_sd, read_results  # noqa: E402
+from experiments.shared import append_result, mean_sd, read_results  # noqa: E402
 
 FIGURES = (("student_text_windowed", "dp_teacher_text", "base_teacher_text", "on the text alone"),
            ("student", "dp_teacher", "base_teacher", "windowed"))
 SWEEP = (0.5, 1, 2, 4, 8)  # the target ε of the sweep (docs/utility.md)
 LINES = (("ours", "ours (distilled from the DP teacher)", "tab:blue"),
          ("dp-sgd", "DP-SGD of the student", "tab:red"))
+PROMPT = "codes"  # the key of the student's perplexity on the codes' tokens alone (from the counts)
+
+
+def tokens_path(results: Path) -> Path:
+    """Where the token counts of the runs in `results` are kept: docs/results/utility_tokens.jsonl."""
+    return results.with_name(f"{results.stem}_tokens.jsonl")
+
+
+def token_counts(run_dir: Path) -> dict:
+    """The student's windowed predicted tokens, all and on the text alone, from its run's metrics."""
+    import json
+
+    ppl = json.loads((Path(run_dir) / "metrics.json").read_text())["perplexity"]
+    student = [v for k, v in ppl.items() if k.startswith("student")]
+    if len(student) != 1:
+        raise ValueError(f"{run_dir}/metrics.json: expected one student's perplexity, found {len(student)}")
+    return {"tokens": student[0]["tokens"], "text_tokens": student[0]["text_only"]["tokens"]}
+
+
+def record_tokens(results: Path, tokens: Path) -> list[str]:
+    """Append each results line's counts not yet in `tokens`; the run directories it could not read."""
+    done = {t["run_dir"] for t in read_results(tokens)}
+    missing = []
+    for r in read_results(results):
+        if r["run_dir"] in done:
+            continue
+        try:
+            append_result(tokens, {"run_dir": r["run_dir"], **token_counts(r["run_dir"])})
+        except (OSError, ValueError, KeyError) as e:
+            missing.append(f"{r['run_dir']}: {type(e).__name__}: {e}")
+    return missing
+
+
+def with_prompt(results: list[dict], counts: list[dict]) -> list[dict]:
+    """Each run with its student's perplexity on the codes' tokens alone (the prompt or the
+    header) where its counts are recorded."""
+    by_dir = {c["run_dir"]: c for c in counts}
+    out = []
+    for r in results:
+        c = by_dir.get(r["run_dir"])
+        if c and c["tokens"] > c["text_tokens"] and r.get("student") and r.get("student_text_windowed"):
+            n, nt = c["tokens"], c["text_tokens"]
+            nll = n * math.log(r["student"]) - nt * math.log(r["student_text_windowed"])
+            r = {**r, PROMPT: math.exp(nll / (n - nt))}
+        out.append(r)
+    return out
 
 
 def by_target(results: list[dict], key: str, row: str) -> dict[float | None, list[dict]]:
@@ -58,9 +113,12 @@ def table(results: list[dict]) -> str:
     ε of about 2, count as 2), mean ± sd (runs), windowed and on the text alone."""
     lines = ["| row | test perplexity | " + " | ".join(f"ε {e:g}" for e in SWEEP) + " |",
              "|---|---|" + "---:|" * len(SWEEP)]
+    figures = [(f[0], f[3]) for f in reversed(FIGURES)] + [(PROMPT, "the codes' tokens alone")]
     for row, _, _ in LINES:
-        for key, _, _, what in reversed(FIGURES):
+        for key, what in figures:
             groups = by_target(results, key, row)
+            if not groups:
+                continue
             groups[2] = groups.pop(None, []) + groups.get(2, [])  # the main rows count as ε 2
             cells = [f"{mean_sd([r[key] for r in groups[e]])} ({len(groups[e])})" if groups.get(e) else "–"
                      for e in SWEEP]
@@ -112,13 +170,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config-name", default="smollm2-airline", help="the config whose runs are drawn")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "privacy_utility.png")
     p.add_argument("--report-only", action="store_true", help="print the figure's points as a table; draw nothing")
+    p.add_argument("--tokens", type=Path, help="the runs' token counts (default: beside --results, *_tokens.jsonl)")
+    p.add_argument("--record-tokens", action="store_true",
+                   help="copy each run's token counts from its run directory into --tokens, then report")
     args = p.parse_args(argv)
+    args.tokens = args.tokens or tokens_path(args.results)
+    if args.record_tokens:
+        for line in record_tokens(args.results, args.tokens):
+            print(f"experiments/privacy_utility.py: counts not recorded, {line}", file=sys.stderr)
     results = read_results(args.results, args.config_name)
     if not results:
         print(f"experiments/privacy_utility.py: no run of {args.config_name} in {args.results}", file=sys.stderr)
         return 2
-    if args.report_only:
-        print(table(results), end="")
+    if args.report_only or args.record_tokens:
+        print(table(with_prompt(results, read_results(args.tokens))), end="")
     else:
         print(draw(results, args.out, args.config_name))
     return 0

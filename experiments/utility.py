@@ -47,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
+from experiments.privacy_utility import PROMPT as CODES  # noqa: E402
+from experiments.privacy_utility import record_tokens, tokens_path, with_prompt  # noqa: E402
 from experiments.shared import (  # noqa: E402
     add_results_option, finish, mean_sd, read_results, require_data, run_recorded)
 
@@ -124,17 +126,23 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], e
     return out
 
 
+def _codes_minus_ours(pairs: list[tuple[dict, dict]]) -> str:
+    """The pairs' difference on the codes' tokens alone, where both runs' counts are recorded."""
+    diffs = [r[CODES] - o[CODES] for r, o in pairs if CODES in r and CODES in o]
+    return f" codes_minus_ours={mean_sd(diffs)}" if len(diffs) == len(pairs) else ""
+
+
 def report(results: list[dict], corpus: str, model: str) -> str:
     by_row: dict[str, list[dict]] = {}
     for r in results:
         by_row.setdefault(r["row"], []).append(r)
-    lines = ["| row | runs | student windowed | student text alone | DP teacher | DP teacher, text alone | MAUVE "
-             "| ε (total) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| row | runs | student windowed | student text alone | student, the codes' tokens alone | DP teacher "
+             "| DP teacher, text alone | MAUVE | ε (total) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in ROWS:
         rs = by_row.get(row, [])
         if rs:
             lines.append(f"| {row} | {len(rs)} | {mean_sd([r['student'] for r in rs])} "
-                         f"| {mean_sd([r['student_text_windowed'] for r in rs])} "
+                         f"| {mean_sd([r['student_text_windowed'] for r in rs])} | {mean_sd([r.get(CODES) for r in rs])} "
                          f"| {mean_sd([r.get('dp_teacher') for r in rs])} | {mean_sd([r.get('dp_teacher_text') for r in rs])} "
                          f"| {mean_sd([r.get('mauve') for r in rs], 3)} | {mean_sd([r['epsilon'] for r in rs], 3)} |")
     out = "\n".join(lines) + "\n\n"
@@ -166,7 +174,7 @@ def report(results: list[dict], corpus: str, model: str) -> str:
             out += (f"paired row={row} corpus={corpus} runs={len(pairs)} "
                     f"student_minus_ours={mean_sd([r['student'] - o['student'] for r, o in pairs])} "
                     f"text_minus_ours={mean_sd([r['student_text_windowed'] - o['student_text_windowed'] for r, o in pairs])}"
-                    "\n")
+                    f"{_codes_minus_ours(pairs)}\n")
     for key, what in (("student", ""), ("student_text_windowed", " figure=text_alone")):
         teacher_key = "dp_teacher" if key == "student" else "dp_teacher_text"
         base_key = "base_teacher" if key == "student" else "base_teacher_text"
@@ -225,7 +233,9 @@ def main(argv: list[str]) -> int:
                      lambda row=row, k=k, p=paired_with: run_one(args.config, cfg.name, row, k, list(args.overrides),
                                                                  args.epsilon, p),
                      failed)
+        record_tokens(results_path, tokens_path(results_path))  # the codes' tokens' perplexity needs them
     main_rows = [r for r in read_results(results_path, cfg.name) if r.get("target_epsilon") is None]
+    main_rows = with_prompt(main_rows, read_results(tokens_path(results_path)))
     text = report(main_rows, cfg.name, model)
     return finish(root / f"{cfg.name}-utility.md", text, failed)
 

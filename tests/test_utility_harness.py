@@ -130,3 +130,32 @@ def test_every_rows_overrides_load_on_both_configs():
         for row in utility.ROWS:
             cfg = load_config(ROOT / config, utility.overrides(row, name, 2))
             assert cfg.name == name
+
+
+def test_the_codes_tokens_perplexity_is_recovered_from_the_two_windowed_figures(tmp_path):
+    """The windowed figure of a prompted row also scores the prompt, which no loss trains; the
+    counts copied from each run's metrics.json give the codes' tokens' own perplexity exactly."""
+    import json
+    import math
+
+    spec = importlib.util.spec_from_file_location("privacy_utility", ROOT / "experiments" / "privacy_utility.py")
+    figure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figure)
+    run = tmp_path / "run"
+    run.mkdir()
+    ppl = {"base_teacher": {"tokens": 99, "text_only": {"tokens": 1}},
+           "student_distil": {"windowed": math.exp(2.0), "tokens": 10, "text_only": {"windowed": math.e, "tokens": 6}}}
+    (run / "metrics.json").write_text(json.dumps({"perplexity": ppl}))
+    results = tmp_path / "utility.jsonl"
+    lines = [_run("ours", 1, math.exp(2.0), math.e, run_dir=str(run)), _run("ours", 2, 150.0, 200.0, run_dir="gone")]
+    results.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    tokens = figure.tokens_path(results)
+    assert tokens.name == "utility_tokens.jsonl"
+    missing = figure.record_tokens(results, tokens)
+    assert len(missing) == 1 and missing[0].startswith("gone: ")  # named, not raised
+    assert figure.record_tokens(results, tokens) == missing  # the recorded run is not appended twice
+    assert figure.read_results(tokens) == [{"run_dir": str(run), "tokens": 10, "text_tokens": 6}]
+    scored = figure.with_prompt(lines, figure.read_results(tokens))
+    assert math.isclose(scored[0][figure.PROMPT], math.exp((20.0 - 6.0) / 4))  # 14 nats over the 4 prompt tokens
+    assert figure.PROMPT not in scored[1]
+    assert "| ours | the codes' tokens alone | – | – | 33.1±– (1) | – | – |" in figure.table(scored).splitlines()
