@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import append_result, mean_sd, read_results  # noqa: E402
+from experiments.shared import lock_of, mean_sd, read_results  # noqa: E402
 
 FIGURES = (("student_text_windowed", "dp_teacher_text", "base_teacher_text", "on the text alone"),
            ("student", "dp_teacher", "base_teacher", "windowed"))
@@ -56,16 +56,26 @@ def token_counts(run_dir: Path) -> dict:
 
 
 def record_tokens(results: Path, tokens: Path) -> list[str]:
-    """Append each results line's counts not yet in `tokens`; the run directories it could not read."""
-    done = {t["run_dir"] for t in read_results(tokens)}
+    """Append each results line's counts not yet in `tokens`; the run directories it could not read.
+    Under the file's lock: two studies that finish a run together append each run once."""
+    import json
+
+    from pipeline.locks import file_lock
+
     missing = []
-    for r in read_results(results):
-        if r["run_dir"] in done:
-            continue
-        try:
-            append_result(tokens, {"run_dir": r["run_dir"], **token_counts(r["run_dir"])})
-        except (OSError, ValueError, KeyError) as e:
-            missing.append(f"{r['run_dir']}: {type(e).__name__}: {e}")
+    with file_lock(lock_of(tokens)):
+        done = {t["run_dir"] for t in read_results(tokens)}
+        for r in read_results(results):
+            if r["run_dir"] in done:
+                continue
+            try:
+                line = {"run_dir": r["run_dir"], **token_counts(r["run_dir"])}
+            except (OSError, ValueError, KeyError) as e:
+                missing.append(f"{r['run_dir']}: {type(e).__name__}: {e}")
+                continue
+            with tokens.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+            done.add(r["run_dir"])
     return missing
 
 

@@ -66,7 +66,7 @@ def refresh_selections(path: Path) -> int:
     the line it appends."""
     from pipeline.locks import file_lock
 
-    with file_lock(_lock_of(path)):
+    with file_lock(lock_of(path)):
         rows = read_results(path)
         changed = 0
         for r in rows:
@@ -96,7 +96,7 @@ def append_result(path: Path, result: dict) -> None:
     """One finished run (or choice) as a line of the study's jsonl: a restart skips it."""
     from pipeline.locks import file_lock
 
-    with file_lock(_lock_of(path)), path.open("a") as f:
+    with file_lock(lock_of(path)), path.open("a") as f:
         f.write(json.dumps(result) + "\n")
 
 
@@ -116,7 +116,7 @@ def run_recorded(path: Path, config: str, what: str, run, failed: list[str], ext
     return result
 
 
-def _lock_of(path: Path) -> Path:
+def lock_of(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 
 
