@@ -186,12 +186,13 @@ def noise_free_dp_gradient(tokenizer, mode: str, max_grad_norm: float):
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    """One ephemeral Prefect server (SQLite) for the whole session: it takes ~10 s to start.
-    Yields its API URL, for flows run in a subprocess."""
+    """One ephemeral Prefect server (SQLite) for the whole session: it takes ~10 s to start on an
+    idle machine, and more than 120 s beside two one-thread studies on two cores, so it may take
+    300. Yields its API URL, for flows run in a subprocess."""
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=300):
         yield PREFECT_API_URL.value()
 
 
