@@ -13,7 +13,7 @@ student's test perplexity: on the text alone (left) and windowed (right); mean �
 The windowed figure of a prompted row also scores the chat prompt's tokens, which no loss trains
 (pipeline/prompts.py). Both figures come from the same forward passes, so the prompt's tokens
 alone have a perplexity too: exp((N·ln W − Nₜ·ln Wₜ) / (N − Nₜ)), W and Wₜ the windowed figures, N
-and Nₜ their predicted tokens. The counts are in each run's metrics.json, not in the results
+and Nₜ their predicted tokens (pipeline/prompts.py `codes_windowed`). The counts are in each run's metrics.json, not in the results
 line: experiments/utility.py copies them into docs/results/utility_tokens.jsonl after each run
 (one line per run, keyed by its run directory; `--record-tokens` does it for runs made before),
 and the table gains that row (for a header row: the header's tokens, which every loss trains).
@@ -22,7 +22,6 @@ and the table gains that row (for a header row: the header's tokens, which every
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.shared import lock_of, mean_sd, read_results  # noqa: E402
+from pipeline.prompts import codes_windowed  # noqa: E402
 
 FIGURES = (("student_text_windowed", "dp_teacher_text", "base_teacher_text", "on the text alone"),
            ("student", "dp_teacher", "base_teacher", "windowed"))
@@ -86,10 +86,9 @@ def with_prompt(results: list[dict], counts: list[dict]) -> list[dict]:
     out = []
     for r in results:
         c = by_dir.get(r["run_dir"])
-        if c and c["tokens"] > c["text_tokens"] and r.get("student") and r.get("student_text_windowed"):
-            n, nt = c["tokens"], c["text_tokens"]
-            nll = n * math.log(r["student"]) - nt * math.log(r["student_text_windowed"])
-            r = {**r, PROMPT: math.exp(nll / (n - nt))}
+        if c and r.get("student") and r.get("student_text_windowed"):
+            codes = codes_windowed(r["student"], c["tokens"], r["student_text_windowed"], c["text_tokens"])
+            r = r if codes is None else {**r, PROMPT: codes}
         out.append(r)
     return out
 

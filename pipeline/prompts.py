@@ -16,6 +16,7 @@ of every loss and perplexity that measures the text (`masks_prompt`).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -111,3 +112,14 @@ def template_problems(template: str, columns: list[str]) -> list[str]:
         problems.append(f"data.prompt_template {template!r} is not a format string of named placeholders "
                         f"({type(e).__name__}); write literal braces as {{{{ and }}}}")
     return problems
+
+
+def codes_windowed(windowed: float, tokens: int, text_windowed: float, text_tokens: int) -> float | None:
+    """The windowed perplexity of the codes' tokens alone (the header, or the prompt, whose tokens
+    no loss trains) from the figure on every token and on the text alone, with their predicted-token
+    counts: both come from the same forward passes (pipeline/stages/evaluate.py), so the codes'
+    total NLL is the difference. None where the records have no codes' tokens."""
+    if tokens <= text_tokens:
+        return None
+    nll = tokens * math.log(windowed) - text_tokens * math.log(text_windowed)
+    return math.exp(nll / (tokens - text_tokens))

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import yaml
 from matplotlib.figure import Figure
 
+from pipeline.prompts import codes_windowed
 from pipeline.privacy.ledger import ADJACENCY_NOTE, LEDGER, fmt_value, read_ledger, table_rows
 from pipeline.manifest import MANIFEST, atomic_write_text
 from pipeline.methods import METHODS
@@ -329,12 +330,18 @@ def _perplexity(metrics: dict | None) -> str:
         rows.append([n, "every token"] + [ppl[n].get(k) for k in keys])
         if text := ppl[n].get("text_only"):  # absent from a run from before it
             rows.append([n, "text alone"] + [text.get(k) for k in keys])
+            codes = codes_windowed(ppl[n]["windowed"], ppl[n]["tokens"], text["windowed"], text["tokens"])
+            if codes is not None:
+                rows.append([n, "the codes alone", codes] + [None] * 3 + [ppl[n]["tokens"] - text["tokens"], None])
     header = ["model", "targets"] + keys
     note = _note("Windowed: non-overlapping windows of the joined test records. Per record: each record scored "
                  "alone; the mean and median of the records' perplexities, and token-weighted (the records' "
-                 "total NLL over their total tokens). Text alone: the same forward passes with the control-code "
-                 "header's tokens left out of the targets: the header is the same few tokens in every record, "
-                 "easy to predict, and a large share of a short one.")
+                 "total NLL over their total tokens). Text alone: the same forward passes with the control "
+                 "codes' tokens (the header, or the prompt) left out of the targets; the codes alone: their "
+                 "tokens only, from the two windowed figures. A header is the same few tokens in every record, "
+                 "trained like the text and easy to predict; a prompt's tokens no loss trains, so a student "
+                 "predicts them only as well as its base model did. Either way they are a large share of a short "
+                 "record: the text alone is the figure that measures the text.")
     warnings = "".join(_note("Warning: " + line, "warn") for line in metrics.get("diagnostics", []))
     return warnings + _svg(fig, "perplexity") + _table(header, rows) + note + _selection(metrics)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -153,6 +154,10 @@ def test_report_of_a_distil_run_has_every_figure_and_no_private_record(tmp_path)
     section = page[page.index("<h2>Perplexity per model</h2>"):]
     assert section.count("<td>text alone</td>") == 3 and section.count("<td>every token</td>") == 4
     assert "<th>per_record_token_weighted</th>" in section and f"{406.0 * 1.35:.4g}" in section  # student_distil, text alone
+    # and on the codes' tokens alone: 2,000 tokens at ln 406, 1,500 of them (the text) at ln 609
+    assert section.count("<td>the codes alone</td>") == 3
+    codes = math.exp((2000 * math.log(406.0) - 1500 * math.log(406.0 * 1.5)) / 500)
+    assert f">{codes:.4g}<" in section and ">500<" in section
     assert "Stars: 5.0" in page and "chance (0.33)" in page and "chance (0.50)" in page
     assert "1 sample(s) had their text cut" in page
     assert "requested vs generated" not in page  # the old chart plotted the prompts against themselves
