@@ -12,7 +12,7 @@ learning rate, issue 59 item 3):
 1. **Proxy.** One run of each candidate learning rate (`MULTIPLES` × the private config's value:
    `distill.learning_rate` for ours, `teacher.learning_rate` for the DP-SGD students, which train
    with the teacher section, and for `teacher`) on the proxy config with the private config's
-   teacher and student models, treated as public: its test split may be read. The candidate of
+   models and schedule (`same_training`), treated as public: its test split may be read. The candidate of
    lowest windowed test perplexity there (the student's; for `teacher`, the DP teacher's) is chosen;
    while it is the grid's largest or smallest, the grid grows by one more factor of 2 that way (at
    most `EXTEND` times), so that the chosen one is interior. At multiple 1 ours and `teacher` run
@@ -76,11 +76,14 @@ def run_one(config: str, method: str, multiple: float, base: float, phase: str, 
             **_result(method, repeat, run_dir, time.monotonic() - t0)}
 
 
-def same_models(cfg) -> list[str]:
-    """The proxy's runs train the private config's teacher and student, on the proxy's public data:
-    a learning rate is chosen for the models the private runs train (the tweets config ships an
-    8-layer student, SmolLM2 Yelp a 4-layer one)."""
-    return [f"teacher.model={cfg.teacher.model}", f"distill.student_model={cfg.distill.student_model}"]
+def same_training(cfg) -> list[str]:
+    """The proxy's runs train the private config's models on its schedule (epochs, batch sizes),
+    on the proxy's public data at the proxy's lengths and prompt: the learning rate is chosen for
+    the training the private runs do (the tweets config ships an 8-layer student distilled for 4
+    epochs, SmolLM2 Yelp a 4-layer one for 1; the builtin pair's schedules are the same)."""
+    return [f"teacher.model={cfg.teacher.model}", f"teacher.epochs={cfg.teacher.epochs}",
+            f"teacher.batch_size={cfg.teacher.batch_size}", f"distill.student_model={cfg.distill.student_model}",
+            f"distill.epochs={cfg.distill.epochs}", f"distill.batch_size={cfg.distill.batch_size}"]
 
 
 def runs_of(results: list[dict], method: str, phase: str, multiple: float | None = None) -> list[dict]:
@@ -191,7 +194,7 @@ def main(argv: list[str]) -> int:
             done = run_recorded(
                 results_path, cfg.name, f"{method} {phase} m={multiple:g} r{repeat}",
                 lambda: run_one(args.proxy if phase == "proxy" else args.config, method, multiple, base, phase, repeat,
-                                [*(same_models(cfg) if phase == "proxy" else []), *args.overrides]),
+                                [*(same_training(cfg) if phase == "proxy" else []), *args.overrides]),
                 failed, extra={"proxy": proxy.name})
             if done is None:
                 break  # go on with the next method; a restart retries it

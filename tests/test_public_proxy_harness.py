@@ -75,14 +75,20 @@ def test_the_teacher_is_chosen_by_the_dp_teachers_figure_and_shares_ours_runs_at
     assert lines[-3].startswith("teacher corpus=smollm2-yelp settings=default multiple=1 runs=3 dp_teacher=50.0±0.0")
 
 
-def test_the_proxy_trains_the_private_configs_models():
-    """SmolLM2 Yelp's proxy is the tweets config, which ships an 8-layer student: the learning rate
-    is chosen for the 4-layer student Yelp trains, on the tweets; the builtin pair is unchanged."""
+def test_the_proxy_trains_the_private_configs_models_on_its_schedule():
+    """SmolLM2 Yelp's proxy is the tweets config, which ships an 8-layer student distilled for 4
+    epochs: the learning rate is chosen, on the tweets, for the 4-layer student and the 1 epoch
+    Yelp trains; the proxy keeps its own data, lengths and prompt. The builtin pair is unchanged."""
     from pipeline.config import load_config
 
     yelp = load_config(ROOT / "configs/smollm2_yelp.yaml")
-    tweets = load_config(ROOT / "configs/smollm2_airline.yaml", proxy.same_models(yelp))
-    assert tweets.distill.student_model == yelp.distill.student_model == "cache:smollm2-135m-4l"
-    assert load_config(ROOT / "configs/smollm2_airline.yaml").distill.student_model != yelp.distill.student_model
+    shipped = load_config(ROOT / "configs/smollm2_airline.yaml")
+    tweets = load_config(ROOT / "configs/smollm2_airline.yaml", proxy.same_training(yelp))
+    assert (shipped.distill.student_model, shipped.distill.epochs) != (yelp.distill.student_model, yelp.distill.epochs)
+    assert (tweets.distill.student_model, tweets.distill.epochs) == (yelp.distill.student_model, yelp.distill.epochs)
+    for field in ("model", "epochs", "batch_size"):
+        assert getattr(tweets.teacher, field) == getattr(yelp.teacher, field)
+    assert tweets.teacher.max_length == shipped.teacher.max_length
+    assert (tweets.data, tweets.generate) == (shipped.data, shipped.generate)
     builtin = load_config(ROOT / "configs/airline.yaml")
-    assert load_config(ROOT / "configs/airline.yaml", proxy.same_models(load_config(ROOT / "configs/reference.yaml"))) == builtin
+    assert load_config(ROOT / "configs/airline.yaml", proxy.same_training(load_config(ROOT / "configs/reference.yaml"))) == builtin
