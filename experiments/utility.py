@@ -157,9 +157,12 @@ def report(results: list[dict], corpus: str, model: str) -> str:
     for row in ("ours-header", "public-only"):  # the same classifier on the other rows' synthetic text (P1)
         rs = by_row.get(row, [])
         for column in sorted({c for r in rs for c in r.get("downstream", {})}):
-            f1 = [r["downstream"][column]["macro_f1"] for r in rs if column in r.get("downstream", {})]
-            out += (f"synthetic row={row} model={model} corpus={corpus} column={column} runs={len(f1)} "
-                    f"f1={mean_sd(f1, 3)} mauve={mean_sd([r.get('mauve') for r in rs], 3)}\n")
+            scores = [r["downstream"][column] for r in rs if column in r.get("downstream", {})]
+            ref = [s["real_reference_macro_f1"] for s in scores if s.get("real_reference_macro_f1") is not None]
+            out += (f"synthetic row={row} model={model} corpus={corpus} column={column} runs={len(scores)} "
+                    f"f1={mean_sd([s['macro_f1'] for s in scores], 3)} chance={scores[0]['chance_macro_f1']:.3f} "
+                    + (f"reference={statistics.mean(ref):.3f} " if ref else "")
+                    + f"mauve={mean_sd([r.get('mauve') for r in rs], 3)}\n")
     kept = by_row.get("ours-kept", [])  # issue 59 item 4: the classifier on the samples the teacher recognises
     for column in sorted({c for r in kept for c in r.get("downstream_kept", {})}):
         scores = [r["downstream_kept"][column] for r in kept if column in r.get("downstream_kept", {})]

@@ -100,7 +100,7 @@ def test_the_header_and_control_rows_get_their_synthetic_text_scored_too():
     results = [_run("ours", 1, 150.0, 200.0, downstream=ds), _run("ours-header", 1, 190.0, 380.0, downstream=ds)]
     text = utility.report(results, "smollm2-airline", "smollm2-135m")
     assert ("synthetic row=ours-header model=smollm2-135m corpus=smollm2-airline column=sentiment runs=1 "
-            "f1=0.380±– mauve=0.410±–") in text
+            "f1=0.380±– chance=0.333 reference=0.555 mauve=0.410±–") in text
     assert "synthetic row=public-only" not in text  # no run of it: no line
 
 
