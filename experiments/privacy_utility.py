@@ -11,12 +11,13 @@ at the config's own ε, count as theirs). x is each run's ledger total ε (add/r
 student's test perplexity: on the text alone (left) and windowed (right); mean ± sd over runs.
 
 The windowed figure of a prompted row also scores the chat prompt's tokens, which no loss trains
-(pipeline/prompts.py). Both figures come from the same forward passes, so the prompt's tokens
-alone have a perplexity too: exp((N·ln W − Nₜ·ln Wₜ) / (N − Nₜ)), W and Wₜ the windowed figures, N
-and Nₜ their predicted tokens (pipeline/prompts.py `codes_windowed`). The counts are in each run's metrics.json, not in the results
-line: experiments/utility.py copies them into docs/results/utility_tokens.jsonl after each run
-(one line per run, keyed by its run directory; `--record-tokens` does it for runs made before),
-and the table gains that row (for a header row: the header's tokens, which every loss trains).
+(pipeline/prompts.py). Both figures come from the same forward passes, so the prompt's tokens alone
+have a perplexity too: exp((N·ln W − Nₜ·ln Wₜ) / (N − Nₜ)), W and Wₜ the windowed figures, N and Nₜ
+their predicted tokens (pipeline/prompts.py `codes_windowed`). The counts are in each run's
+metrics.json, not in the results line: experiments/utility.py copies them into
+docs/results/utility_tokens.jsonl after each run (one line per run, keyed by its run directory;
+`--record-tokens` does it for runs made before), and the table gains that row (for a header row: the
+header's tokens, which every loss trains).
 """
 
 from __future__ import annotations

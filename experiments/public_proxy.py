@@ -11,8 +11,8 @@ Two phases per method (ours, DP-SGD of the student, DPKD; and `teacher`, ours' D
 learning rate, issue 59 item 3):
 1. **Proxy.** One run of each candidate learning rate (`MULTIPLES` × the private config's value:
    `distill.learning_rate` for ours, `teacher.learning_rate` for the DP-SGD students, which train
-   with the teacher section, and for `teacher`) on the proxy config with the private config's
-   models and schedule (`same_training`), treated as public: its test split may be read. The candidate of
+   with the teacher section, and for `teacher`) on the proxy config with the private config's models
+   and schedule (`same_training`), treated as public: its test split may be read. The candidate of
    lowest windowed test perplexity there (the student's; for `teacher`, the DP teacher's) is chosen;
    while it is the grid's largest or smallest, the grid grows by one more factor of 2 that way (at
    most `EXTEND` times), so that the chosen one is interior. At multiple 1 ours and `teacher` run

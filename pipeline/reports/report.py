@@ -335,13 +335,10 @@ def _perplexity(metrics: dict | None) -> str:
                 rows.append([n, "the codes alone", codes] + [None] * 3 + [ppl[n]["tokens"] - text["tokens"], None])
     header = ["model", "targets"] + keys
     note = _note("Windowed: non-overlapping windows of the joined test records. Per record: each record scored "
-                 "alone; the mean and median of the records' perplexities, and token-weighted (the records' "
-                 "total NLL over their total tokens). Text alone: the same forward passes with the control "
-                 "codes' tokens (the header, or the prompt) left out of the targets; the codes alone: their "
-                 "tokens only, from the two windowed figures. A header is the same few tokens in every record, "
-                 "trained like the text and easy to predict; a prompt's tokens no loss trains, so a student "
-                 "predicts them only as well as its base model did. Either way they are a large share of a short "
-                 "record: the text alone is the figure that measures the text.")
+                 "alone; the mean and median of the records' perplexities, and token-weighted (the records' total "
+                 "NLL over their total tokens). Text alone: the same passes without the codes' tokens (header or "
+                 "prompt) as targets; the codes alone: those only. A header is trained like the text; no loss "
+                 "trains a prompt's tokens. Either way they weigh on a short record: the text alone measures the text.")
     warnings = "".join(_note("Warning: " + line, "warn") for line in metrics.get("diagnostics", []))
     return warnings + _svg(fig, "perplexity") + _table(header, rows) + note + _selection(metrics)
 
