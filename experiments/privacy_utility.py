@@ -37,7 +37,7 @@ FIGURES = (("student_text_windowed", "dp_teacher_text", "base_teacher_text", "on
 SWEEP = (0.5, 1, 2, 4, 8)  # the target ε of the sweep (docs/utility.md)
 LINES = (("ours", "ours (distilled from the DP teacher)", "tab:blue"),
          ("dp-sgd", "DP-SGD of the student", "tab:red"))
-PROMPT = "codes"  # the key of the student's perplexity on the codes' tokens alone (from the counts)
+CODES = "codes"  # the key of the student's perplexity on the codes' tokens alone (from the counts)
 
 
 def tokens_path(results: Path) -> Path:
@@ -80,7 +80,7 @@ def record_tokens(results: Path, tokens: Path) -> list[str]:
     return missing
 
 
-def with_prompt(results: list[dict], counts: list[dict]) -> list[dict]:
+def with_codes(results: list[dict], counts: list[dict]) -> list[dict]:
     """Each run with its student's perplexity on the codes' tokens alone (the prompt or the
     header) where its counts are recorded."""
     by_dir = {c["run_dir"]: c for c in counts}
@@ -89,7 +89,7 @@ def with_prompt(results: list[dict], counts: list[dict]) -> list[dict]:
         c = by_dir.get(r["run_dir"])
         if c and r.get("student") and r.get("student_text_windowed"):
             codes = codes_windowed(r["student"], c["tokens"], r["student_text_windowed"], c["text_tokens"])
-            r = r if codes is None else {**r, PROMPT: codes}
+            r = r if codes is None else {**r, CODES: codes}
         out.append(r)
     return out
 
@@ -123,7 +123,7 @@ def table(results: list[dict]) -> str:
     ε of about 2, count as 2), mean ± sd (runs), windowed and on the text alone."""
     lines = ["| row | test perplexity | " + " | ".join(f"ε {e:g}" for e in SWEEP) + " |",
              "|---|---|" + "---:|" * len(SWEEP)]
-    figures = [(f[0], f[3]) for f in reversed(FIGURES)] + [(PROMPT, "the codes' tokens alone")]
+    figures = [(f[0], f[3]) for f in reversed(FIGURES)] + [(CODES, "the codes' tokens alone")]
     for row, _, _ in LINES:
         for key, what in figures:
             groups = by_target(results, key, row)
@@ -193,7 +193,7 @@ def main(argv: list[str]) -> int:
         print(f"experiments/privacy_utility.py: no run of {args.config_name} in {args.results}", file=sys.stderr)
         return 2
     if args.report_only or args.record_tokens:
-        print(table(with_prompt(results, read_results(args.tokens))), end="")
+        print(table(with_codes(results, read_results(args.tokens))), end="")
     else:
         print(draw(results, args.out, args.config_name))
     return 0

@@ -48,8 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
-from experiments.privacy_utility import PROMPT as CODES  # noqa: E402
-from experiments.privacy_utility import record_tokens, tokens_path, with_prompt  # noqa: E402
+from experiments.privacy_utility import CODES, record_tokens, tokens_path, with_codes  # noqa: E402
 from experiments.shared import (  # noqa: E402
     add_results_option, finish, mean_sd, read_results, require_data, run_recorded)
 
@@ -239,7 +238,7 @@ def main(argv: list[str]) -> int:
                      failed)
         record_tokens(results_path, tokens_path(results_path))  # the codes' tokens' perplexity needs them
     main_rows = [r for r in read_results(results_path, cfg.name) if r.get("target_epsilon") is None]
-    main_rows = with_prompt(main_rows, read_results(tokens_path(results_path)))
+    main_rows = with_codes(main_rows, read_results(tokens_path(results_path)))
     text = report(main_rows, cfg.name, model)
     return finish(root / f"{cfg.name}-utility.md", text, failed)
 

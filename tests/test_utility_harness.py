@@ -155,7 +155,7 @@ def test_the_codes_tokens_perplexity_is_recovered_from_the_two_windowed_figures(
     assert len(missing) == 1 and missing[0].startswith("gone: ")  # named, not raised
     assert figure.record_tokens(results, tokens) == missing  # the recorded run is not appended twice
     assert figure.read_results(tokens) == [{"run_dir": str(run), "tokens": 10, "text_tokens": 6}]
-    scored = figure.with_prompt(lines, figure.read_results(tokens))
-    assert math.isclose(scored[0][figure.PROMPT], math.exp((20.0 - 6.0) / 4))  # 14 nats over the 4 prompt tokens
-    assert figure.PROMPT not in scored[1]
+    scored = figure.with_codes(lines, figure.read_results(tokens))
+    assert math.isclose(scored[0][figure.CODES], math.exp((20.0 - 6.0) / 4))  # 14 nats over the 4 prompt tokens
+    assert figure.CODES not in scored[1]
     assert "| ours | the codes' tokens alone | – | – | 33.1±– (1) | – | – |" in figure.table(scored).splitlines()
