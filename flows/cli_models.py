@@ -43,6 +43,10 @@ def add_models_parser(sub) -> None:
     student.add_argument("--name", help="its name in the cache (default TEACHER-<K>l, e.g. smollm2-135m-4l)")
     student.add_argument("--force", action="store_true", help="replace a student of that name built with other settings")
     student.add_argument("--seed", type=int, default=0, help="seed of the batch draws (default 0)")
+    student.add_argument("--device", default="cpu", help="where it heals: cpu (default; the studies' students), cuda, "
+                         "cuda:N or auto; off the CPU the build is not bit-identical, so it is part of its settings")
+    student.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                         help="fp32 (default) or bf16 autocast with fp32 master weights (on a GPU)")
     student.add_argument("--cache-dir", metavar="DIR", help=cache_help)
 
 
@@ -70,7 +74,8 @@ def run_models(args) -> int:
             keep = [int(i) for i in args.keep.split(",")] if args.keep else None
             path = build_student(args.teacher, args.layers, keep=keep, corpus=args.corpus,
                                  budget=HealingBudget(**{k: v for k, v in given.items() if v is not None}),
-                                 name=args.name, force=args.force, seed=args.seed, cache_dir=cache_dir)
+                                 name=args.name, force=args.force, seed=args.seed, cache_dir=cache_dir,
+                                 device=args.device, precision=args.precision)
     except (ModelError, ValueError) as e:  # ValueError: a bad name or --keep, said in its message
         print(f"dpdistill: error: {e}", file=sys.stderr)
         return 2

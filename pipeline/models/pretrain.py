@@ -10,12 +10,14 @@ and perplexity on held-out public tokens. Never sees a private record.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +39,7 @@ def _lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def train_on_blocks(
     model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_size: int, learning_rate: float, name: str,
     loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _lm_loss,
-    checkpoint: Path | None = None, checkpoint_every: int = 50,
+    checkpoint: Path | None = None, checkpoint_every: int = 50, autocast: Callable[[], Any] = contextlib.nullcontext,
 ) -> dict:
     """Non-private training on random (batch_size, L) draws of public token `blocks` (N, L):
     AdamW, 10 % linear warm-up then cosine decay, gradients clipped to norm 1. `loss_of(model,
@@ -45,7 +47,9 @@ def train_on_blocks(
     loss, pipeline/models/student.py). Progress lines with a rate and ETA. With `checkpoint`,
     the state (model, optimiser, schedule, the draws' generator) is saved there every
     `checkpoint_every` steps and a run that finds one continues from it, to the same result as
-    an uninterrupted run; the caller deletes it once the model is saved. Returns its figures."""
+    an uninterrupted run; the caller deletes it once the model is saved. Batches go to the
+    model's device; the losses run inside `autocast()` (bf16 mixed precision on a GPU, fp32
+    master weights). Returns its figures."""
     # torch's loop, not the fused step: a rebuilt public model (e.g. `dpdistill models student`
     # in a new checkout) stays bit-identical to the one earlier runs of a study used
     opt = adamw(model.parameters(), learning_rate, weight_decay=0.01, fused=False)
@@ -59,10 +63,12 @@ def train_on_blocks(
     loss_value, t0 = float("nan"), time.monotonic()
     first = _resume_blocks(checkpoint, model, opt, sched) if checkpoint is not None else 0
     progress = ProgressLog(log, name, "steps", steps, done=first)
+    device = next(model.parameters()).device
     for step in range(first, steps):
         idx = torch.randint(0, blocks.shape[0], (batch_size,))
-        batch = blocks[idx]
-        loss = loss_of(model, batch)
+        batch = blocks[idx].to(device)
+        with autocast():
+            loss = loss_of(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -22,6 +22,7 @@ build time and the corpus with its sha256.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -34,14 +35,25 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.devices import resolve_device
 from pipeline.locks import file_lock
 from pipeline.manifest import MANIFEST, sha256_file
 from pipeline.models.base import ModelError, corpus_paragraphs, load_tokenizer
-from pipeline.models.pretrain import encode_paragraphs, non_embedding_parameters, train_on_blocks, validation_perplexity
 from pipeline.models.cache import (
-    cache_problems, cached_model_dir, finish_cache_entry, how_to_make, model_cache_dir, student_name,
+    cache_problems,
+    cached_model_dir,
+    finish_cache_entry,
+    how_to_make,
+    model_cache_dir,
+    student_name,
 )
 from pipeline.models.losses import distillation_loss
+from pipeline.models.pretrain import (
+    encode_paragraphs,
+    non_embedding_parameters,
+    train_on_blocks,
+    validation_perplexity,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +135,9 @@ def distillation_loss_of(teacher: torch.nn.Module):
     teacher.eval()
 
     def loss_of(student: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            teacher_logits = teacher(input_ids=batch).logits[:, :-1]  # (B, L-1, V)
-        student_logits = student(input_ids=batch).logits[:, :-1]  # (B, L-1, V)
+        with torch.no_grad():  # .float(): bf16 logits under autocast upcast (a no-op in fp32)
+            teacher_logits = teacher(input_ids=batch).logits[:, :-1].float()  # (B, L-1, V)
+        student_logits = student(input_ids=batch).logits[:, :-1].float()  # (B, L-1, V)
         labels = batch[:, 1:]  # (B, L-1)
         return distillation_loss(student_logits, teacher_logits, labels, torch.ones_like(labels, dtype=torch.bool),
                                  alpha=1.0, temperature=1.0).loss
@@ -158,11 +170,13 @@ def _same_build(path: Path, build: dict) -> bool:
 def build_student(
     teacher: str, layers: int | None = None, *, keep: list[int] | None = None, corpus: Path | None = None,
     budget: HealingBudget = HealingBudget(), name: str | None = None, force: bool = False, seed: int = 0,
-    cache_dir: Path | None = None,
+    cache_dir: Path | None = None, device: str = "cpu", precision: str = "fp32",
 ) -> Path:
     """Prune cached model `teacher` to `layers` evenly spaced layers (or the layers `keep`), heal it
     on `corpus` by distillation from the teacher, save it in the model cache with its card, and
-    return its directory. An intact student built with the same settings is reused."""
+    return its directory. An intact student built with the same settings is reused. `device`
+    and `precision` (bf16: autocast, fp32 master weights) say where it heals; a build off the
+    CPU in fp32 is not bit-identical to one on it, so they are part of its settings there."""
     cache_dir = Path(cache_dir if cache_dir is not None else model_cache_dir())
     teacher_dir = cached_model_dir(teacher, cache_dir)
     if cache_problems(teacher_dir):
@@ -175,6 +189,13 @@ def build_student(
     out = cached_model_dir(name, cache_dir)
     build = {"teacher": teacher, "teacher_manifest_sha256": sha256_file(teacher_dir / MANIFEST), "keep": keep,
              "corpus": str(corpus.resolve()), "budget": asdict(budget), "seed": seed, "format": 1}
+    if precision not in ("fp32", "bf16"):
+        raise ModelError(f"--precision {precision}: use fp32 or bf16")
+    if (device, precision) != ("cpu", "fp32"):  # absent from the CPU builds' settings, which stay as they were
+        build |= {"device": device, "precision": precision}
+    on = resolve_device(device, precision)
+    autocast = ((lambda: torch.autocast(on.type, dtype=torch.bfloat16)) if precision == "bf16"
+                else contextlib.nullcontext)
     with file_lock(cache_dir / f".{name}.lock"):
         if out.exists() and not cache_problems(out):
             if _same_build(out, build):
@@ -188,6 +209,7 @@ def build_student(
         tok = load_tokenizer(str(teacher_dir))
         blocks, held, corpus_info = _public_tokens(tok, corpus, budget)
         student = prune_layers(teacher_model, keep)
+        teacher_model.to(on), student.to(on)
         log.info("student: layers %s of %d, %.1f M parameters; %d training tokens, %d held out (%.0f s)", keep, n_layers,
                  sum(p.numel() for p in student.parameters()) / 1e6, corpus_info["training_tokens"],
                  len(held), time.monotonic() - t0)
@@ -205,7 +227,7 @@ def build_student(
         resume = cache_dir / f".{name}.{hashlib.sha256(json.dumps(build, sort_keys=True).encode()).hexdigest()[:12]}.heal"
         healing = train_on_blocks(student, blocks, steps=budget.steps, batch_size=budget.batch_size,
                                   learning_rate=budget.learning_rate, name="student healing",
-                                  loss_of=distillation_loss_of(teacher_model), checkpoint=resume)
+                                  loss_of=distillation_loss_of(teacher_model), checkpoint=resume, autocast=autocast)
         # CPU seconds beside the wall time: on a shared machine the wall time says more about the
         # neighbours than about the step (docs/pipeline.md converts it to idle cores)
         healing["cpu_seconds"] = round(time.process_time() - cpu, 1)
@@ -217,7 +239,8 @@ def build_student(
             "parameters": sum(p.numel() for p in student.parameters()),
             "non_embedding_parameters": non_embedding_parameters(student),
             "teacher_parameters": sum(p.numel() for p in teacher_model.parameters()),
-            "corpus": corpus_info, "budget": asdict(budget), "seed": seed, **figures,
+            "corpus": corpus_info, "budget": asdict(budget), "seed": seed, "device": str(on), "precision": precision,
+            **figures,
             "seconds": round(time.monotonic() - t0, 1), "built_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "source": json.loads((teacher_dir / MANIFEST).read_text()).get("model", {}).get("source"),
             "license": json.loads((teacher_dir / MANIFEST).read_text()).get("model", {}).get("license"),
@@ -227,7 +250,7 @@ def build_student(
         tmp = cache_dir / f".{name}.build"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            student.save_pretrained(tmp)
+            student.to("cpu").save_pretrained(tmp)
             tok.save_pretrained(tmp)
             finish_cache_entry(tmp, out, lambda hashes: _card(info, hashes), {"model": info, "build": build})
         finally:
@@ -255,7 +278,7 @@ teacher (KL on every token) on public text. Built by `dpdistill models student {
 | held-out perplexity, teacher | {info["teacher_perplexity"]} |
 | held-out perplexity, student before healing | {info["perplexity_before"]} |
 | held-out perplexity, student after healing | {info["perplexity_after"]} |
-| healing | {b["steps"]} steps of {b["batch_size"]} x {b["seq_len"]} tokens ({h["tokens_seen"]:,} tokens), lr {b["learning_rate"]}, final KL {h["final_loss"]:.3f}, {h["seconds"]} s ({h["cpu_seconds"]} CPU s, {h["threads"]} threads) |
+| healing | {b["steps"]} steps of {b["batch_size"]} x {b["seq_len"]} tokens ({h["tokens_seen"]:,} tokens), lr {b["learning_rate"]}, final KL {h["final_loss"]:.3f}, on {info["device"]} in {info["precision"]}, {h["seconds"]} s ({h["cpu_seconds"]} CPU s, {h["threads"]} threads) |
 | build time | {info["seconds"]} s, built {info["built_at"]} |
 | corpus | {c["path"]}: {c["training_tokens"]:,} training tokens, the last {c["held_out_tokens"]:,} held out (perplexity in windows of {b["seq_len"]}); sha256 {corpus_hashes} |
 

@@ -128,6 +128,28 @@ def test_a_built_student_is_reused_and_other_settings_need_a_name_or_force(tiny_
         build_student(TINY, keep=[1, 2], corpus=corpus, budget=BUDGET, cache_dir=cache)
 
 
+def test_a_bf16_build_heals_is_named_by_its_precision_and_leaves_the_cpu_settings_as_they_were(tiny_teacher):
+    """`--device`/`--precision` (a GPU heal, bench/gpu_students.py): the bf16 build heals (its
+    held-out KL below the unhealed cut's) and its settings say bf16, so it is not reused as the
+    fp32 one; a default build's settings have no such keys, so students built before stay valid."""
+    cache, corpus = tiny_teacher
+    fp32 = build_student(TINY, 2, corpus=corpus, budget=BUDGET, cache_dir=cache)
+    assert not {"device", "precision"} & set(json.loads((fp32 / MANIFEST).read_text())["build"])
+    with pytest.raises(ModelError, match="holds a student built with other settings"):
+        build_student(TINY, 2, corpus=corpus, budget=BUDGET, cache_dir=cache, precision="bf16")
+    bf16 = build_student(TINY, 2, corpus=corpus, budget=BUDGET, cache_dir=cache, precision="bf16", name="tiny-bf16")
+    manifest = json.loads((bf16 / MANIFEST).read_text())
+    assert manifest["build"]["precision"] == "bf16" and manifest["model"]["device"] == "cpu"
+    assert "on cpu in bf16" in (bf16 / "README.md").read_text()
+    teacher = AutoModelForCausalLM.from_pretrained(cache / TINY).eval()
+    student = AutoModelForCausalLM.from_pretrained(bf16).eval()
+    assert next(student.parameters()).dtype == torch.float32  # fp32 master weights saved
+    tok = AutoTokenizer.from_pretrained(cache / TINY)
+    assert _held_out_kl(teacher, student, tok, corpus) < _held_out_kl(teacher, prune_layers(teacher, [0, 3]), tok, corpus)
+    with pytest.raises(ModelError, match="--precision fp16: use fp32 or bf16"):
+        build_student(TINY, 2, corpus=corpus, budget=BUDGET, cache_dir=cache, precision="fp16")
+
+
 def test_the_student_needs_its_teacher_fetched_first(tmp_path):
     with pytest.raises(ModelError, match="the teacher 'smollm2-135m' is not in the model cache .*; "
                                          "run `dpdistill models fetch smollm2-135m` first"):

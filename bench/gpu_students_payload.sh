@@ -1,0 +1,46 @@
+#!/bin/bash
+# The payload of bench/gpu_students.py, packed here into .dev/c1 .. .dev/cN (ignored), one per
+# device call: a call carries the working tree (~20 MB) and at most 64 MiB in all, and the GPU
+# machine fetches nothing, so the teacher travels in bf16 and xz (270 -> 146 MB) across calls
+# to one warm machine (30 s idle between calls). In it, in order: the wheels the image lacks
+# (bench/device_wheels.sh), the teacher's small files, WikiText-2's test text, the first
+# ELTEC_BYTES of ELTeC's novels (../shared/data/eltec-eng), the teacher's weights.
+# Then, in device call K (carry [".dev/cK"]), quickly one after the other:
+#   mkdir -p .stage && cp .dev/cK/* .stage/ && ls -la .stage
+# and in the last one, after that copy:
+#   cat .stage/part* | tar x -C /tmp && python3 -m pip install -q --no-index --no-deps --no-compile
+#     --target /tmp/site /tmp/payload/whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+#     python3 bench/gpu_students.py --stage /tmp/payload --out $OUT --seconds 330
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ELTEC_BYTES=${ELTEC_BYTES:-46000000}
+CACHE=${DPDISTILL_MODEL_CACHE:-$HOME/.cache/dpdistill/models}
+build=.dev/build
+p=$build/payload
+rm -rf .dev/c* "$p" && mkdir -p "$p/whl" "$p/teacher"
+[ -d .whl ] || bash bench/device_wheels.sh
+cp .whl/*.whl "$p/whl/"
+rm -f "$p"/whl/{datasets,dill,multiprocess}-*.whl  # not imported by the students' build
+for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
+    cp "$CACHE/smollm2-135m/$f" "$p/teacher/"
+done
+xz -6 -c ../shared/data/wikitext-2/test.txt > "$p/wikitext-2-test.txt.xz"
+if [ ! -f $build/eltec.txt.xz ] || [ "$(cat $build/eltec.bytes 2>/dev/null)" != "$ELTEC_BYTES" ]; then
+    (set +o pipefail; cat ../shared/data/eltec-eng/text/*.txt | head -c "$ELTEC_BYTES" | xz -T2 -6 > $build/eltec.txt.xz)
+    echo "$ELTEC_BYTES" > $build/eltec.bytes
+fi
+if [ ! -f $build/teacher_bf16.safetensors.xz ]; then
+    .venv/bin/python -c 'import sys, torch; from safetensors.torch import load_file, save_file
+save_file({k: v.bfloat16().contiguous() for k, v in load_file(sys.argv[1]).items()}, sys.argv[2], metadata={"format": "pt"})' \
+        "$CACHE/smollm2-135m/model.safetensors" $build/teacher_bf16.safetensors
+    xz -T2 -6 $build/teacher_bf16.safetensors
+fi
+cp $build/eltec.txt.xz $build/teacher_bf16.safetensors.xz "$p/"
+tree=$(git ls-files -z --cached --others --exclude-standard | du --files0-from=- -cb | tail -1 | cut -f1)
+part=$((64 * 1024 * 1024 - tree - 512 * 1024))
+tar cf $build/payload.tar -C $build payload
+size=$(stat -c %s $build/payload.tar)
+n=$(( (size + part - 1) / part ))
+split -b "$part" -d -a 1 $build/payload.tar $build/part
+for i in $(seq 1 "$n"); do mkdir -p .dev/c$i && mv $build/part$((i - 1)) .dev/c$i/part$((i - 1)); done
+echo "tree $tree bytes, payload $size bytes in $n calls of at most $part: $(ls -d .dev/c* | tr '\n' ' ')"
