@@ -133,10 +133,69 @@ def export(path: Path, out: Path, prefix: str, work: Path = Path("/tmp/gpu_stude
     return names
 
 
+def install(back: Path, cache: Path | None = None) -> list[dict]:
+    """Here, with the parts a GPU call brought back in `back` (its gpu_students.jsonl lines and
+    sN.part*): each student as the cache entry NAME-gpu (fp32, its config and tokenizer those of
+    a student of that shape, which the pruning makes alike), scored on the held-out public text
+    the CPU builds were scored on, beside the fp32 teacher. Returns one line each."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.models.base import load_tokenizer
+    from pipeline.models.cache import cached_model_dir, model_cache_dir
+    from pipeline.models.pretrain import encode_paragraphs, validation_perplexity
+    from pipeline.models.student import _card, corpus_paragraphs
+
+    cache = Path(cache or model_cache_dir())
+    teacher_dir = cached_model_dir(TEACHER, cache)
+    tok = load_tokenizer(str(teacher_dir))
+    held = encode_paragraphs(tok, corpus_paragraphs(DEFAULT_CORPUS, "corpus"))[-16_384:]
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    teacher_ppl = validation_perplexity(teacher, held, 256, tok.pad_token_id, max_tokens=16_384, batch_size=4)
+    lines = []
+    for line in (json.loads(x) for f in sorted(back.glob("*.jsonl")) for x in f.read_text().splitlines()):
+        prefix = f"s{len(line['layers_kept'])}"
+        parts = sorted(back.glob(f"{prefix}.part*"))
+        if [p.name for p in parts] != line.get("parts", [p.name for p in parts]) or not parts:
+            raise SystemExit(f"{back}: the parts of {line['name']} are not all here: {[p.name for p in parts]}")
+        name = f"{line['name']}-gpu"
+        tmp = cache / f".{name}.build"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shape = AutoModelForCausalLM.from_config(prune_layers(teacher, line["layers_kept"]).config)
+        shape.generation_config = teacher.generation_config
+        state = load_file(_unxz(parts, tmp.parent / f".{name}.bf16"))
+        shape.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        shape.tie_weights()
+        shape.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        student = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        here = validation_perplexity(student, held, 256, tok.pad_token_id, max_tokens=16_384, batch_size=4)
+        info = {**line, "name": name, "teacher": TEACHER, "teacher_layers": teacher.config.num_hidden_layers,
+                "seed": 0, "seconds": line["healing"]["seconds"], "built_at": "on a lent GPU",
+                "non_embedding_parameters": line["healing"]["non_embedding_parameters"],
+                "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
+                "perplexity_after_on_gpu": line["perplexity_after"], "perplexity_after": here,
+                "teacher_perplexity": teacher_ppl, "returned_in": "bf16", "source": "bench/gpu_students.py",
+                "license": "Apache-2.0"}
+        info.pop("parts", None)
+        finish_cache_entry(tmp, cached_model_dir(name, cache), lambda hashes, i=info: _card(i, hashes),
+                           {"model": info, "build": {"gpu_line": line}})
+        lines.append(info)
+        print(json.dumps({k: info[k] for k in ("name", "teacher_perplexity", "perplexity_after_on_gpu",
+                                               "perplexity_after")}), flush=True)
+    return lines
+
+
+def _unxz(parts: list[Path], to: Path) -> Path:
+    with to.open("wb") as f:
+        f.write(lzma.decompress(b"".join(p.read_bytes() for p in parts)))
+    return to
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", type=Path, required=True, help="the payload, unpacked")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--stage", type=Path, help="the payload, unpacked")
+    p.add_argument("--out", type=Path)
     p.add_argument("--layers", default="8,4", help="students to build, in order")
     p.add_argument("--seconds", type=float, default=330, help="healing seconds for all students together")
     p.add_argument("--share", default="0.6,0.4", help="each student's share of --seconds")
@@ -147,8 +206,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--send", type=int, default=60_000_000, help="bytes of exported parts copied to OUT in this call")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script with a few steps")
     p.add_argument("--precision", default="bf16", help="fp32 for a dry run on a CPU (bf16 is emulated there)")
+    p.add_argument("--install", type=Path, metavar="DIR", help="here: install and score what a call brought back "
+                   "(then `experiments/students.py --record NAME-gpu` tracks each)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.install:
+        install(args.install)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/gpu_students")
     cache = work / "cache"

@@ -39,8 +39,9 @@ def record_of(model_dir: Path) -> dict:
     corpus = dict(model["corpus"], path=Path(model["corpus"]["path"]).name)
     keys = ("name", "teacher", "layers_kept", "teacher_layers", "parameters", "non_embedding_parameters",
             "teacher_parameters", "budget", "seed", "teacher_perplexity", "perplexity_before", "perplexity_after",
-            "healing", "seconds", "built_at", "source", "license")
-    return {**{k: model.get(k) for k in keys}, "corpus": corpus}
+            "healing", "seconds", "built_at", "source", "license", "device", "precision", "gpu",
+            "perplexity_after_on_gpu")  # the last four: a student healed on a GPU (bench/gpu_students.py)
+    return {**{k: model[k] for k in keys if k in model}, "corpus": corpus}
 
 
 def _same_build(a: dict, b: dict) -> bool:
@@ -56,10 +57,11 @@ def report(records: list[dict]) -> str:
         ratio = r["perplexity_after"] / r["teacher_perplexity"]
         lines.append(
             f"| {r['name']} | {len(r['layers_kept'])} of {r['teacher_layers']} | {r['parameters'] / 1e6:.1f} M "
-            f"| {b['steps']} steps × {b['batch_size']} × {b['seq_len']} tokens of {r['corpus']['path']} "
+            f"| {b['steps']} steps × {b['batch_size']} × {b['seq_len']} tokens of {' + '.join(r['corpus']['sha256'])} "
             f"({r['corpus']['training_tokens']:,} tokens) | {r['perplexity_before']:.0f} → {r['perplexity_after']:.1f} "
             f"| {r['teacher_perplexity']:.1f} | {ratio:.2f}× {'✓' if ratio <= BAR else '✗'} "
-            f"| {r['seconds']:.0f} s, {h['threads']} thread{'s' if h['threads'] != 1 else ''} |")
+            + (f"| {r['seconds']:.0f} s on an {r['gpu']}, {r['precision']} |" if r.get("gpu") else
+               f"| {r['seconds']:.0f} s, {h['threads']} thread{'s' if h['threads'] != 1 else ''} |"))
     return "\n".join(lines) + "\n"
 
 

@@ -70,6 +70,7 @@ HEADER = ("data.prompt_template=null", "data.system_prompt=null", "teacher.max_l
 # The rows pin their student and epochs: the tweets config ships what won (8 layers, `ours-8l`; 4
 # epochs, `ours-long`), the rows keep what they ran with, so a later run of a row matches its first.
 FOUR, EIGHT = "distill.student_model=cache:smollm2-135m-4l", "distill.student_model=cache:smollm2-135m-8l"
+EIGHT_GPU = "distill.student_model=cache:smollm2-135m-8l-gpu"  # healed 47x longer on a GPU (bench/gpu_students.py)
 ROWS = {
     "ours-header": (("distill.method=distil", "HEADER", FOUR, "distill.epochs=1"), "control-codes"),
     "ours": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=1"), "control-codes"),
@@ -77,6 +78,7 @@ ROWS = {
                   PAIRED),
     "ours-long": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=4"), PAIRED),
     "ours-8l": (("distill.method=distil", "PROMPT", EIGHT, "distill.epochs=4"), PAIRED),
+    "ours-8l-gpu": (("distill.method=distil", "PROMPT", EIGHT_GPU, "distill.epochs=4"), PAIRED),
     "public-only": (("distill.method=public_only", "PROMPT", FOUR, "distill.epochs=1"), None),
     "dp-sgd": (("distill.method=dp_sgd", "HEADER", FOUR), "dp-student"),
 }
