@@ -167,16 +167,24 @@ def _same_build(path: Path, build: dict) -> bool:
         return False
 
 
+def _healing_device(device: str, precision: str):
+    """(the torch device, a context factory for the losses): bf16 is autocast, fp32 master weights."""
+    if precision not in ("fp32", "bf16"):
+        raise ModelError(f"--precision {precision}: use fp32 or bf16")
+    on = resolve_device(device, precision)
+    if precision == "bf16":
+        return on, lambda: torch.autocast(on.type, dtype=torch.bfloat16)
+    return on, contextlib.nullcontext
+
+
 def build_student(
     teacher: str, layers: int | None = None, *, keep: list[int] | None = None, corpus: Path | None = None,
     budget: HealingBudget = HealingBudget(), name: str | None = None, force: bool = False, seed: int = 0,
     cache_dir: Path | None = None, device: str = "cpu", precision: str = "fp32",
 ) -> Path:
     """Prune cached model `teacher` to `layers` evenly spaced layers (or the layers `keep`), heal it
-    on `corpus` by distillation from the teacher, save it in the model cache with its card, and
-    return its directory. An intact student built with the same settings is reused. `device`
-    and `precision` (bf16: autocast, fp32 master weights) say where it heals; a build off the
-    CPU in fp32 is not bit-identical to one on it, so they are part of its settings there."""
+    on `corpus` by distillation from the teacher on `device` in `precision`, save it in the model
+    cache with its card, and return its directory; one built with the same settings is reused."""
     cache_dir = Path(cache_dir if cache_dir is not None else model_cache_dir())
     teacher_dir = cached_model_dir(teacher, cache_dir)
     if cache_problems(teacher_dir):
@@ -189,13 +197,9 @@ def build_student(
     out = cached_model_dir(name, cache_dir)
     build = {"teacher": teacher, "teacher_manifest_sha256": sha256_file(teacher_dir / MANIFEST), "keep": keep,
              "corpus": str(corpus.resolve()), "budget": asdict(budget), "seed": seed, "format": 1}
-    if precision not in ("fp32", "bf16"):
-        raise ModelError(f"--precision {precision}: use fp32 or bf16")
+    on, autocast = _healing_device(device, precision)
     if (device, precision) != ("cpu", "fp32"):  # absent from the CPU builds' settings, which stay as they were
         build |= {"device": device, "precision": precision}
-    on = resolve_device(device, precision)
-    autocast = ((lambda: torch.autocast(on.type, dtype=torch.bfloat16)) if precision == "bf16"
-                else contextlib.nullcontext)
     with file_lock(cache_dir / f".{name}.lock"):
         if out.exists() and not cache_problems(out):
             if _same_build(out, build):
@@ -208,8 +212,8 @@ def build_student(
         torch.manual_seed(seed)
         tok = load_tokenizer(str(teacher_dir))
         blocks, held, corpus_info = _public_tokens(tok, corpus, budget)
-        student = prune_layers(teacher_model, keep)
-        teacher_model.to(on), student.to(on)
+        student = prune_layers(teacher_model, keep).to(on)
+        teacher_model.to(on)
         log.info("student: layers %s of %d, %.1f M parameters; %d training tokens, %d held out (%.0f s)", keep, n_layers,
                  sum(p.numel() for p in student.parameters()) / 1e6, corpus_info["training_tokens"],
                  len(held), time.monotonic() - t0)
@@ -219,8 +223,8 @@ def build_student(
                                          max_tokens=budget.eval_tokens, batch_size=4)
 
         figures = {"teacher_perplexity": perplexity(teacher_model), "perplexity_before": perplexity(student)}
-        log.info("student: held-out perplexity: teacher %s, student before healing %s (%.0f s)",
-                 figures["teacher_perplexity"], figures["perplexity_before"], time.monotonic() - t0)
+        log.info("student: held-out perplexity: teacher %(teacher_perplexity)s, before healing %(perplexity_before)s",
+                 figures)
         cpu = time.process_time()
         # Resumable: a killed build continues from its last 50 steps (the checkpoint is named by
         # the build's settings, so another build never reads it), to the same student.
@@ -228,27 +232,23 @@ def build_student(
         healing = train_on_blocks(student, blocks, steps=budget.steps, batch_size=budget.batch_size,
                                   learning_rate=budget.learning_rate, name="student healing",
                                   loss_of=distillation_loss_of(teacher_model), checkpoint=resume, autocast=autocast)
-        # CPU seconds beside the wall time: on a shared machine the wall time says more about the
-        # neighbours than about the step (docs/pipeline.md converts it to idle cores)
+        # CPU seconds beside the wall time (on a shared machine the wall time is the neighbours' too)
         healing["cpu_seconds"] = round(time.process_time() - cpu, 1)
         healing["threads"] = torch.get_num_threads()
         figures["perplexity_after"] = perplexity(student)
         figures["healing"] = healing
+        source = json.loads((teacher_dir / MANIFEST).read_text()).get("model", {})
         info = {
             "name": name, "teacher": teacher, "layers_kept": keep, "teacher_layers": n_layers,
-            "parameters": sum(p.numel() for p in student.parameters()),
-            "non_embedding_parameters": non_embedding_parameters(student),
+            "parameters": sum(p.numel() for p in student.parameters()), "non_embedding_parameters": non_embedding_parameters(student),
             "teacher_parameters": sum(p.numel() for p in teacher_model.parameters()),
             "corpus": corpus_info, "budget": asdict(budget), "seed": seed, "device": str(on), "precision": precision,
             **figures,
             "seconds": round(time.monotonic() - t0, 1), "built_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "source": json.loads((teacher_dir / MANIFEST).read_text()).get("model", {}).get("source"),
-            "license": json.loads((teacher_dir / MANIFEST).read_text()).get("model", {}).get("license"),
-        }
+            "source": source.get("source"), "license": source.get("license")}
         log.info("student: held-out perplexity after healing %s (teacher %s), built in %.0f s",
                  figures["perplexity_after"], figures["teacher_perplexity"], info["seconds"])
-        tmp = cache_dir / f".{name}.build"
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp := cache_dir / f".{name}.build", ignore_errors=True)
         try:
             student.to("cpu").save_pretrained(tmp)
             tok.save_pretrained(tmp)
