@@ -14,14 +14,24 @@ wheels and the corpus); this script rebuilds a cache entry from it in fp32. The 
 therefore SmolLM2-135M rounded to bf16, not the fp32 copy the CPU builds read: its held-out
 perplexity is printed beside 51.64 to show what that rounding costs.
 
-On the GPU machine, from the repository root, once the payload's parts are in .stage/:
+On the GPU machine, the parts copied to /tmp/stage by the calls before (bench/gpu_students_payload.sh
+gives the commands), in the last call:
 
-    bash bench/device_run.sh python3 bench/gpu_students.py --stage .stage --out $OUT --seconds 330
+    cat /tmp/stage/part* | tar x -C /tmp && python3 -m pip install -q --no-index --no-deps
+        --target /tmp/site /tmp/payload/whl/*.whl && PYTHONPATH=/tmp/site python3
+        bench/gpu_students.py --stage /tmp/payload --out $OUT --seconds 300
 
-Each student's figures are one JSON line in OUT/gpu_students.jsonl; each student's weights
-go to OUT as bf16 safetensors, xz-compressed and split into parts of at most 15 MB
-(`cat s8.part* | xz -d > model.safetensors`), so that the student can be scored and used on
-a machine without a GPU.
+Each student's figures are one JSON line in OUT/gpu_students.jsonl; its weights are exported
+in bf16, xz-compressed, in parts of at most 15 MB, of which `--send` bytes go to OUT in this call
+(the rest: `cp /tmp/gpu_students/export/sN.part0[k-m] $OUT/` in the next). Here, with every
+part and the jsonl in one folder: `bench/gpu_students.py --install DIR` puts each student in
+the model cache as NAME-gpu and scores it on the CPU's held-out text; `experiments/students.py
+--record NAME-gpu` tracks it. `--device cpu --precision fp32 --batch-size 2 --max-steps 2
+--min-steps 2` is a dry run of the whole script on a CPU (7 min).
+
+The heal's step time is measured alone before each build (10 steps), but the build's steps
+also read the loss and write progress: on the H200 a step took 1.5x the time measured alone,
+so give `--seconds` half the call's limit.
 """
 
 from __future__ import annotations

@@ -5,12 +5,9 @@
 # to one warm machine (30 s idle between calls). In it, in order: the wheels the image lacks
 # (bench/device_wheels.sh), the teacher's small files, WikiText-2's test text, the first
 # ELTEC_BYTES of ELTeC's novels (../shared/data/eltec-eng), the teacher's weights.
-# Then, in device call K (carry [".dev/cK"]), quickly one after the other:
-#   mkdir -p .stage && cp .dev/cK/* .stage/ && ls -la .stage
-# and in the last one, after that copy:
-#   cat .stage/part* | tar x -C /tmp && python3 -m pip install -q --no-index --no-deps --no-compile
-#     --target /tmp/site /tmp/payload/whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-#     python3 bench/gpu_students.py --stage /tmp/payload --out $OUT --seconds 330
+# Then, in device call K (carry [".dev/cK"]), one right after the other (each took 0.2-6 s):
+#   mkdir -p /tmp/stage && cp .dev/cK/part* /tmp/stage/ && ls -la /tmp/stage
+# and in the last one, after that copy, bench/gpu_students.py's command (its docstring).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ELTEC_BYTES=${ELTEC_BYTES:-46000000}
