@@ -40,20 +40,10 @@ from pipeline.locks import file_lock
 from pipeline.manifest import MANIFEST, sha256_file
 from pipeline.models.base import ModelError, corpus_paragraphs, load_tokenizer
 from pipeline.models.cache import (
-    cache_problems,
-    cached_model_dir,
-    finish_cache_entry,
-    how_to_make,
-    model_cache_dir,
-    student_name,
+    cache_problems, cached_model_dir, finish_cache_entry, how_to_make, model_cache_dir, student_name,
 )
 from pipeline.models.losses import distillation_loss
-from pipeline.models.pretrain import (
-    encode_paragraphs,
-    non_embedding_parameters,
-    train_on_blocks,
-    validation_perplexity,
-)
+from pipeline.models.pretrain import encode_paragraphs, non_embedding_parameters, train_on_blocks, validation_perplexity
 
 log = logging.getLogger(__name__)
 
