@@ -49,9 +49,24 @@ def plain(text: str) -> str:
                      for line in text.splitlines() if line != "```")
 
 
+def tables(text: str) -> list[list[str]]:
+    """Each markdown table of `text`, as its lines (a run of lines that start with '|')."""
+    out: list[list[str]] = [[]]
+    for line in text.splitlines():
+        if line.startswith("|"):
+            out[-1].append(line)
+        elif out[-1]:
+            out.append([])
+    return [t for t in out if t]
+
+
 def is_current(block: str, output: str) -> bool:
-    """Whether a block is what its command prints (a page may hold part of the output, fit to its style)."""
-    return bool(plain(block).strip()) and plain(block).strip() in plain(output)
+    """Whether a block is what its command prints: a page may hold part of the output, fit to its
+    style, but each table it holds whole (a table that gained a row since is stale)."""
+    if not (plain(block).strip() and plain(block).strip() in plain(output)):
+        return False
+    printed = tables(output)
+    return all(any(t == whole for whole in printed if whole[0] == t[0]) for t in tables(block))
 
 
 def refresh(page: Path) -> list[str]:

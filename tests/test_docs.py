@@ -237,3 +237,7 @@ def test_a_refreshed_block_fences_its_result_lines_and_is_current():
                      "table=oracle corpus=c ours=1\n```\n")
     assert is_current(block, output) and is_current("**Wall time**\n", "## Wall time\n")
     assert not is_current(block, output.replace("f1=0.5", "f1=0.6")) and not is_current("\n", output)
+    table = "| row | runs |\n|---|---:|\n| ours | 3 |\n"  # the table alone: part of the output
+    assert is_current(table, output)
+    grown = output.replace("| ours | 3 |\n", "| ours | 3 |\n| dp-sgd | 3 |\n")
+    assert not is_current(table, grown)  # a table that gained a row is stale, though its old rows are still printed
