@@ -149,22 +149,9 @@ def report(results: list[dict], corpus: str, model: str) -> str:
                          f"| {mean_sd([r.get('mauve') for r in rs], 3)} | {mean_sd([r['epsilon'] for r in rs], 3)} |")
     out = "\n".join(lines) + "\n\n"
     ours = by_row.get("ours", [])
-    for column in sorted({c for r in ours for c in r.get("downstream", {})}):
-        scores = [r["downstream"][column] for r in ours if column in r.get("downstream", {})]
-        ref = [s["real_reference_macro_f1"] for s in scores if s.get("real_reference_macro_f1") is not None]
-        out += (f"synthetic model={model} corpus={corpus} column={column} runs={len(scores)} "
-                f"f1={mean_sd([s['macro_f1'] for s in scores], 3)} chance={scores[0]['chance_macro_f1']:.3f} "
-                f"reference={statistics.mean(ref):.3f} mauve={mean_sd([r.get('mauve') for r in ours], 3)}\n"
-                if ref else "")
+    out += _synthetic_lines(ours, f"model={model} corpus={corpus}", need_reference=True)
     for row in ("ours-header", "public-only"):  # the same classifier on the other rows' synthetic text (P1)
-        rs = by_row.get(row, [])
-        for column in sorted({c for r in rs for c in r.get("downstream", {})}):
-            scores = [r["downstream"][column] for r in rs if column in r.get("downstream", {})]
-            ref = [s["real_reference_macro_f1"] for s in scores if s.get("real_reference_macro_f1") is not None]
-            out += (f"synthetic row={row} model={model} corpus={corpus} column={column} runs={len(scores)} "
-                    f"f1={mean_sd([s['macro_f1'] for s in scores], 3)} chance={scores[0]['chance_macro_f1']:.3f} "
-                    + (f"reference={statistics.mean(ref):.3f} " if ref else "")
-                    + f"mauve={mean_sd([r.get('mauve') for r in rs], 3)}\n")
+        out += _synthetic_lines(by_row.get(row, []), f"row={row} model={model} corpus={corpus}")
     kept = by_row.get("ours-kept", [])  # issue 59 item 4: the classifier on the samples the teacher recognises
     for column in sorted({c for r in kept for c in r.get("downstream_kept", {})}):
         scores = [r["downstream_kept"][column] for r in kept if column in r.get("downstream_kept", {})]
@@ -190,6 +177,22 @@ def report(results: list[dict], corpus: str, model: str) -> str:
                 f"dpsgd={mean_sd([r[key] for r in by_row.get('dp-sgd', [])])} "
                 f"teacher={mean_sd([r.get(teacher_key) for r in ours])} "
                 f"base_teacher={statistics.mean(base):.1f}\n" if base else "")
+    return out
+
+
+def _synthetic_lines(rs: list[dict], what: str, need_reference: bool = False) -> str:
+    """A `synthetic WHAT column=COL runs=K f1=M±S chance=C [reference=R] mauve=X` line per code
+    column the runs `rs` scored their synthetic text on (with `need_reference`: only a column that
+    has the real-data reference, the issue's lines)."""
+    out = ""
+    for column in sorted({c for r in rs for c in r.get("downstream", {})}):
+        scores = [r["downstream"][column] for r in rs if column in r.get("downstream", {})]
+        ref = [s["real_reference_macro_f1"] for s in scores if s.get("real_reference_macro_f1") is not None]
+        if ref or not need_reference:
+            out += (f"synthetic {what} column={column} runs={len(scores)} "
+                    f"f1={mean_sd([s['macro_f1'] for s in scores], 3)} chance={scores[0]['chance_macro_f1']:.3f} "
+                    + (f"reference={statistics.mean(ref):.3f} " if ref else "")
+                    + f"mauve={mean_sd([r.get('mauve') for r in rs], 3)}\n")
     return out
 
 
