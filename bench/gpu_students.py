@@ -29,9 +29,8 @@ the model cache as NAME-gpu and scores it on the CPU's held-out text; `experimen
 --record NAME-gpu` tracks it. `--device cpu --precision fp32 --batch-size 2 --max-steps 2
 --min-steps 2` is a dry run of the whole script on a CPU (7 min).
 
-The heal's step time is measured alone before each build (10 steps), but the build's steps
-also read the loss and write progress: on the H200 a step took 1.5x the time measured alone,
-so give `--seconds` half the call's limit.
+The step is timed before each build by the build's own loop (`train_on_blocks`, 20 steps): the
+first H200 call timed it alone, 1.5x too fast, and ran past its call's limit.
 """
 
 from __future__ import annotations
@@ -50,16 +49,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.devices import adamw
 from pipeline.manifest import MANIFEST
 from pipeline.models.cache import cache_problems, finish_cache_entry
+from pipeline.models.pretrain import train_on_blocks, validation_perplexity
 from pipeline.models.student import (
-    DEFAULT_CORPUS,
-    HealingBudget,
-    build_student,
-    distillation_loss_of,
-    pick_layers,
-    prune_layers,
+    DEFAULT_CORPUS, HealingBudget, _card, _healing_device, _public_tokens, build_student, distillation_loss_of,
+    pick_layers, prune_layers,
 )
 
 TEACHER = "smollm2-135m"
@@ -98,30 +93,20 @@ def corpus_dir(stage: Path, root: Path) -> Path:
 
 
 def seconds_per_step(teacher_dir: Path, layers: int, batch: int, seq: int, device: str, precision: str) -> float:
-    """One heal step's wall time (the mean of 10 after 3 warm-ups), the build's own loss and shapes."""
+    """One heal step's wall time as the build runs it: `train_on_blocks` for 20 steps of random
+    tokens, its loss read and progress written each step, the first steps' warm-up included."""
     from transformers import AutoModelForCausalLM
 
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
-    student = prune_layers(teacher, pick_layers(teacher.config.num_hidden_layers, layers)).to(device).train()
+    student = prune_layers(teacher, pick_layers(teacher.config.num_hidden_layers, layers)).to(device)
     teacher.to(device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    loss_of, opt = distillation_loss_of(teacher), adamw(student.parameters(), 3e-4, fused=False)
-    batch_ids = torch.randint(0, teacher.config.vocab_size, (batch, seq), device=device)
-    for i in range(13):
-        if i == 3:
-            sync()
-            t0 = time.monotonic()
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = loss_of(student, batch_ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    sync()
-    seconds = (time.monotonic() - t0) / 10
-    del teacher, student, opt, loss
+    blocks = torch.randint(0, teacher.config.vocab_size, (4 * batch, seq))
+    figures = train_on_blocks(student, blocks, steps=20, batch_size=batch, learning_rate=3e-4, name="timing",
+                              loss_of=distillation_loss_of(teacher), autocast=_healing_device(device, precision)[1])
+    del teacher, student
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return seconds
+    return figures["seconds"] / 20
 
 
 def export(path: Path, out: Path, prefix: str, work: Path = Path("/tmp/gpu_students")) -> list[str]:
@@ -153,15 +138,18 @@ def install(back: Path, cache: Path | None = None) -> list[dict]:
 
     from pipeline.models.base import load_tokenizer
     from pipeline.models.cache import cached_model_dir, model_cache_dir
-    from pipeline.models.pretrain import encode_paragraphs, validation_perplexity
-    from pipeline.models.student import _card, corpus_paragraphs
 
     cache = Path(cache or model_cache_dir())
     teacher_dir = cached_model_dir(TEACHER, cache)
-    tok = load_tokenizer(str(teacher_dir))
-    held = encode_paragraphs(tok, corpus_paragraphs(DEFAULT_CORPUS, "corpus"))[-16_384:]
+    tok, budget = load_tokenizer(str(teacher_dir)), HealingBudget()
+    held = _public_tokens(tok, DEFAULT_CORPUS, budget)[1]  # the CPU builds' held-out tokens
+
+    def perplexity(model) -> float | None:  # as build_student scores them
+        return validation_perplexity(model, held, budget.seq_len, tok.pad_token_id, max_tokens=budget.eval_tokens,
+                                     batch_size=4)
+
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
-    teacher_ppl = validation_perplexity(teacher, held, 256, tok.pad_token_id, max_tokens=16_384, batch_size=4)
+    teacher_ppl = perplexity(teacher)
     lines = []
     for line in (json.loads(x) for f in sorted(back.glob("*.jsonl")) for x in f.read_text().splitlines()):
         prefix = f"s{len(line['layers_kept'])}"
@@ -171,15 +159,15 @@ def install(back: Path, cache: Path | None = None) -> list[dict]:
         name = f"{line['name']}-gpu"
         tmp = cache / f".{name}.build"
         shutil.rmtree(tmp, ignore_errors=True)
-        shape = AutoModelForCausalLM.from_config(prune_layers(teacher, line["layers_kept"]).config)
-        shape.generation_config = teacher.generation_config
+        shape = prune_layers(teacher, line["layers_kept"])  # the student's config and tied head; weights replaced
         state = load_file(_unxz(parts, tmp.parent / f".{name}.bf16"))
-        shape.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-        shape.tie_weights()
+        loaded = shape.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight"}:  # the tied head is not saved
+            raise SystemExit(f"{name}: the weights do not fit its shape: {loaded}")
         shape.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         student = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-        here = validation_perplexity(student, held, 256, tok.pad_token_id, max_tokens=16_384, batch_size=4)
+        here = perplexity(student)
         info = {**line, "name": name, "teacher": TEACHER, "teacher_layers": teacher.config.num_hidden_layers,
                 "seed": 0, "seconds": line["healing"]["seconds"], "built_at": "on a lent GPU",
                 "non_embedding_parameters": line["healing"]["non_embedding_parameters"],
