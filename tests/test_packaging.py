@@ -129,6 +129,16 @@ def test_every_pin_satisfies_the_ranges_and_every_dependency_is_pinned():
     assert "dpdistill" not in pins, "constraints.txt must not pin the project itself"
 
 
+def test_every_distribution_installed_here_is_pinned():
+    # A dependency's dependency that constraints.txt misses installs at whatever version is newest
+    # (narwhals, which scikit-learn needs, was missing until the device payload lacked it).
+    from importlib.metadata import distributions
+
+    installed = {canonicalize_name(d.metadata["Name"]) for d in distributions()}
+    unpinned = sorted(installed - set(_constraints()) - {"dpdistill", "pip", "setuptools", "wheel"})
+    assert not unpinned, f"installed but not in constraints.txt: {unpinned}: add `pip freeze`'s versions"
+
+
 def test_torch_is_pinned_once_and_by_its_public_version():
     """A local label (2.13.0+cpu) would refuse a CUDA build; the Makefile's torch-first step and
     both images install exactly the constrained version."""
