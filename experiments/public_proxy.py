@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
 from experiments.shared import (  # noqa: E402
-    add_results_option, finish, mean_sd, read_results, require_data, run_recorded)
+    add_results_option, finish, mean_sd, read_results, require_data, run_recorded, where_run)
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's learning rate
 EXTEND = 3  # at most this many more factors of 2 past the grid's edge
@@ -73,7 +73,7 @@ def run_one(config: str, method: str, multiple: float, base: float, phase: str, 
     t0 = time.monotonic()
     run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy, None) if repeat > 1 else None))
     return {"phase": phase, "method": method, "multiple": multiple, "learning_rate": base * multiple,
-            **_result(method, repeat, run_dir, time.monotonic() - t0)}
+            **_result(method, repeat, run_dir, time.monotonic() - t0), **where_run(cfg)}
 
 
 def same_training(cfg) -> list[str]:

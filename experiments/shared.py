@@ -25,6 +25,21 @@ def shared_root() -> Path:
     return Path(os.environ.get("DPDISTILL_SHARED") or ROOT.parent / "shared").resolve()
 
 
+def where_run(cfg) -> dict:
+    """Where a study run computed, when not on a CPU in fp32 (every line before bench/device_study.sh):
+    the device, its GPU and the precision, for a results line; {} on a CPU in fp32. The method
+    and its ε are the same anywhere; the rounding and the seconds are not."""
+    import torch
+
+    from pipeline.devices import resolve_device
+
+    device = resolve_device(cfg.device, cfg.precision)
+    if device.type == "cpu" and cfg.precision == "fp32":
+        return {}
+    gpu = {"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
+    return {"device": device.type, **gpu, "precision": cfg.precision}
+
+
 def require_data(cfg, script: str, config: str | None = None) -> None:
     """Exit 2 with one line when a file `cfg` reads (data.path, data.test_path) is not there."""
     fields = {"data.path": cfg.data.path, "data.test_path": cfg.data.test_path}

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
 from experiments.privacy_utility import CODES, record_tokens, tokens_path, with_codes  # noqa: E402
 from experiments.shared import (  # noqa: E402
-    add_results_option, finish, mean_sd, read_results, require_data, run_recorded)
+    add_results_option, finish, mean_sd, read_results, require_data, run_recorded, where_run)
 
 # Each corpus's prompt (pipeline/prompts.py), with room for it: the chat-templated prompt is
 # ~11 (tweets) and ~20 (Yelp) tokens longer than the header, so the rows that use it get that
@@ -113,7 +113,7 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], e
     t0 = time.monotonic()
     fresh = repeat > 1 and noisy not in (None, PAIRED)
     run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy, None) if fresh else None))
-    out = _result(row, repeat, run_dir, time.monotonic() - t0)
+    out = _result(row, repeat, run_dir, time.monotonic() - t0) | where_run(cfg)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     ppl = metrics["perplexity"]
     out["base_teacher"] = ppl.get("base_teacher", {}).get("windowed")
