@@ -14,7 +14,7 @@ ELTEC_BYTES=${ELTEC_BYTES:-46000000}
 CACHE=${DPDISTILL_MODEL_CACHE:-$HOME/.cache/dpdistill/models}
 build=.dev/build
 p=$build/payload
-rm -rf .dev/c* "$p" && mkdir -p "$p/whl" "$p/teacher"
+rm -rf .dev/c[0-9]* "$p" && mkdir -p "$p/whl" "$p/teacher"
 [ -d .whl ] || bash bench/device_wheels.sh
 cp .whl/*.whl "$p/whl/"
 rm -f "$p"/whl/{datasets,dill,multiprocess}-*.whl  # not imported by the students' build
@@ -33,11 +33,5 @@ save_file({k: v.bfloat16().contiguous() for k, v in load_file(sys.argv[1]).items
     xz -T2 -6 $build/teacher_bf16.safetensors
 fi
 cp $build/eltec.txt.xz $build/teacher_bf16.safetensors.xz "$p/"
-tree=$(git ls-files -z --cached --others --exclude-standard | du --files0-from=- -cb | tail -1 | cut -f1)
-part=$((64 * 1024 * 1024 - tree - 512 * 1024))
-tar cf $build/payload.tar -C $build payload
-size=$(stat -c %s $build/payload.tar)
-n=$(( (size + part - 1) / part ))
-split -b "$part" -d -a 1 $build/payload.tar $build/part
-for i in $(seq 1 "$n"); do mkdir -p .dev/c$i && mv $build/part$((i - 1)) .dev/c$i/part$((i - 1)); done
-echo "tree $tree bytes, payload $size bytes in $n calls of at most $part: $(ls -d .dev/c* | tr '\n' ' ')"
+source bench/payload_parts.sh
+pack_parts $build
