@@ -7,6 +7,8 @@
 #       --results docs/results/utility.jsonl --rows ours --runs 1,2,3
 # (device=auto, every config's default, computes on the GPU). The tracked results files it appended
 # to come back under $OUT with its log; here, bench/device_study_merge.py adds their new lines.
+# Merge before the next call: each call carries the tree afresh, so the study there sees the runs
+# already done only through the tracked file (the run root, ignored, stays on a warm machine).
 # Dry run on a CPU machine (packed with PYVER=3.11):
 #   STAGE=/tmp/stage OUT=/tmp/out bash bench/device_study.sh python3 experiments/utility.py ... device=cpu
 set -euo pipefail
