@@ -181,6 +181,19 @@ def test_operations_stays_a_reference_a_reader_can_hold():
     assert n <= 700, f"docs/operations.md has {n} lines: move measurements to docs/benchmarks.md"
 
 
+def test_the_readmes_results_are_one_table_one_figure_and_a_few_lines():
+    """Issue 60 item 5: the README's Results section is one report table and one figure with at
+    most 25 lines of text around them; the rest lives on the pages it links."""
+    section = re.search(r"^## Results\n(.*?)^## ", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+    assert section, "README.md has no Results section followed by another section"
+    lines = [x for x in section.group(1).splitlines() if x.strip()]
+    tables = sum(1 for x in lines if x.startswith("<!-- report:"))
+    figures = [x for x in lines if x.startswith("![")]
+    text = [x for x in lines if not x.startswith(("|", "<!--", "![", "```"))]
+    assert (tables, len(figures)) == (1, 1), f"README Results: {tables} report tables, {len(figures)} figures"
+    assert len(text) <= 25, f"README Results has {len(text)} lines of text around its table: move detail to docs/"
+
+
 def test_every_path_docs_pipeline_names_exists():
     page = ROOT / "docs" / "pipeline.md"
     text = page.read_text(encoding="utf-8")
