@@ -8,7 +8,7 @@ at the full ε. Three runs a row; resumable; every finished run appended to a tr
     .venv/bin/python experiments/utility.py --config configs/smollm2_airline.yaml \
         --results docs/results/utility.jsonl --report-only
 
-Rows (ROWS): `ours-header` (the codes as a header, HEADER, as the configs shipped them before this
+Rows (ROWS): `ours-header` (the codes as a header, HEADERS, as the configs shipped them before this
 study), `ours` (the corpus's prompt template, PROMPTS), `ours-kept` (ours' DP teacher and synthetic
 text, run k's, reused from the stage cache: its student learns only from the samples the teacher
 recognises as written for their codes, distill.keep_samples=code_adherent, and the classifier is
@@ -63,8 +63,11 @@ PROMPTS = {
 }
 PAIRED = "paired"
 """A row that reuses the DP teacher and synthetic text `ours` run k just made (its stages cached)."""
-# The header form, whatever the config ships: the rows that compare against it keep it.
-HEADER = ("data.prompt_template=null", "data.system_prompt=null", "teacher.max_length=64", "generate.max_length=64")
+# The header form as each corpus's config shipped it before this study (the tweets' 64 positions,
+# Yelp's 96), whatever the config ships now: the rows that compare against it keep it. Until
+# 2026-11-30 Yelp's header rows took the tweets' 64 (docs/results/utility_yelp_header64.jsonl).
+HEADERS = {corpus: ("data.prompt_template=null", "data.system_prompt=null", f"teacher.max_length={n}",
+                    f"generate.max_length={n}") for corpus, n in (("smollm2-airline", 64), ("smollm2-yelp", 96))}
 # row: (overrides, the stage whose rerun draws fresh DP noise; None: repeats differ by their seed;
 # PAIRED: the row after `ours` in each repeat, on its teacher and text)
 # The rows pin their student and epochs: the tweets config ships what won (8 layers, `ours-8l`; 4
@@ -90,7 +93,7 @@ def overrides(row: str, corpus: str, repeat: int, epsilon: float | None = None) 
     a tenth on the control codes and the rest on DP-SGD (the DP-SGD student: all of it)."""
     out = []
     for o in ROWS[row][0]:
-        out += list(PROMPTS[corpus]) if o == "PROMPT" else list(HEADER) if o == "HEADER" else [o]
+        out += list(PROMPTS[corpus]) if o == "PROMPT" else list(HEADERS[corpus]) if o == "HEADER" else [o]
     if ROWS[row][1] is None:
         out.append(f"seed={repeat - 1}")
     elif epsilon is not None:

@@ -34,7 +34,8 @@ def test_the_report_ends_with_the_issues_lines():
 
 
 def test_each_prompted_row_takes_its_corpus_prompt_and_the_control_varies_its_seed():
-    assert utility.overrides("ours-header", "smollm2-airline", 2) == ["distill.method=distil", *utility.HEADER,
+    assert utility.overrides("ours-header", "smollm2-airline", 2) == ["distill.method=distil",
+                                                                       *utility.HEADERS["smollm2-airline"],
                                                                        utility.FOUR, "distill.epochs=1"]
     ours = utility.overrides("ours", "smollm2-airline", 1)
     assert ours[0] == "distill.method=distil" and ours[1:-2] == list(utility.PROMPTS["smollm2-airline"])
@@ -53,6 +54,19 @@ def test_the_tweets_config_ships_what_won_and_every_row_keeps_what_it_ran_with()
             assert cfg.distill.student_model == ran_with.get(row, "cache:smollm2-135m-4l"), (name, row)
             if row != "dp-sgd":  # DP-SGD of the student trains by the teacher section's epochs
                 assert cfg.distill.epochs == (4 if row in ("ours-long", "ours-8l", "ours-8l-gpu") else 1), (name, row)
+
+
+def test_the_header_rows_get_the_room_the_corpus_is_scored_in():
+    """A header row (ours-header, dp-sgd) trains and writes in as many positions as the corpus's
+    test windows hold (the tweets 64, Yelp 96), the room its config gave the header form; the
+    prompted rows get the prompt's tokens on top. Yelp's header rows once took the tweets' 64."""
+    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+        for row in ("ours-header", "dp-sgd"):
+            cfg = load_config(ROOT / config, utility.overrides(row, name, 1))
+            assert cfg.data.prompt_template is None, (name, row)
+            assert cfg.teacher.max_length == cfg.generate.max_length == cfg.evaluate.window, (name, row)
+        prompted = load_config(ROOT / config, utility.overrides("ours", name, 1))
+        assert prompted.teacher.max_length > cfg.teacher.max_length, name
 
 
 def test_every_prompt_is_a_valid_override_of_its_config():
