@@ -25,15 +25,20 @@ from experiments.public_proxy import chosen, runs_of  # noqa: E402
 from experiments.shared import mean_sd, read_results  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
-# corpus, results file, its config's name (None: every line), the file's row label of each column,
-# the config's name in public_proxy.jsonl
+# corpus, each column's (results file, its config's name or None for every line, the file's row
+# label), the config's name in public_proxy.jsonl. A corpus's columns may come from different
+# studies' files, each scored on the corpus's fixed test split; the teachers' and the base
+# student's cells are those of ours' runs.
 SOURCES = (
-    ("Yelp, builtin 5.3 M → 1.5 M", "yelp.jsonl", None,
-     {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}, "reference"),
-    ("Yelp, SmolLM2-135M → 4 layers", "smollm2_yelp.jsonl", "smollm2-yelp",
-     {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}, "smollm2-yelp"),
-    ("Tweets, SmolLM2-135M → 4 layers", "utility.jsonl", "smollm2-airline",
-     {"ours": "ours", "dpsgd": "dp-sgd", "public_only": "public-only"}, "smollm2-airline"),
+    ("Yelp, builtin 5.3 M → 1.5 M", {"ours": ("yelp.jsonl", None, "ours"), "dpsgd": ("yelp.jsonl", None, "DP-SGD"),
+                                     "dpkd": ("yelp.jsonl", None, "DPKD")}, "reference"),
+    ("Yelp, SmolLM2-135M → 4 layers", {"ours": ("smollm2_yelp.jsonl", "smollm2-yelp", "ours"),
+                                       "dpsgd": ("smollm2_yelp.jsonl", "smollm2-yelp", "DP-SGD"),
+                                       "dpkd": ("smollm2_yelp.jsonl", "smollm2-yelp", "DPKD")}, "smollm2-yelp"),
+    ("Tweets, SmolLM2-135M → 4 layers", {"ours": ("utility.jsonl", "smollm2-airline", "ours"),
+                                         "dpsgd": ("utility.jsonl", "smollm2-airline", "dp-sgd"),
+                                         "public_only": ("utility.jsonl", "smollm2-airline", "public-only")},
+     "smollm2-airline"),
 )
 COLUMNS = ("ours", "dpsgd", "dpkd", "public_only")
 PROXY = "ᵖ"  # the mark of a cell at the learning rate chosen on the public proxy (public_proxy.jsonl)
@@ -45,9 +50,8 @@ FIGURES = (("windowed", ("student", "dp_teacher", "base_teacher", "zero_shot")),
 def table() -> str:
     lines = ["| corpus | test perplexity | ours | DP-SGD | DPKD | ε = 0 control | DP teacher | base teacher "
              "| base student |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for corpus, name, config, labels, proxy_config in SOURCES:
-        runs = [r for r in read_results(RESULTS / name, config) if r.get("target_epsilon") is None]
-        of = {col: [r for r in runs if r["row"] == labels.get(col)] for col in COLUMNS}
+    for corpus, sources, proxy_config in SOURCES:
+        of = {col: runs_of_row(*sources[col]) if col in sources else [] for col in COLUMNS}
         if not of["ours"]:
             continue
         proxied = proxy_runs(proxy_config)
@@ -59,6 +63,11 @@ def table() -> str:
             cells += [mean_sd([r.get(key) for r in of["ours"]] if key else []) for key in references]
             lines.append(f"| {corpus} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def runs_of_row(name: str, config: str | None, row: str) -> list[dict]:
+    """The main runs (not a privacy-utility sweep's) of `row` in results file `name`."""
+    return [r for r in read_results(RESULTS / name, config) if r.get("target_epsilon") is None and r["row"] == row]
 
 
 def proxy_runs(config: str) -> dict[str, list[dict]]:

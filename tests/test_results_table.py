@@ -23,6 +23,10 @@ def _row(row: str, student: float, repeat: int = 1) -> dict:
             "student_text_windowed": student + 50, "dp_teacher": 57.0, "zero_shot": 598.0}
 
 
+def _columns(name: str = "smollm2_yelp.jsonl") -> dict:
+    return {col: (name, "smollm2-yelp", row) for col, row in (("ours", "ours"), ("dpsgd", "DP-SGD"), ("dpkd", "DPKD"))}
+
+
 def _proxy(phase: str, method: str, multiple: float, student: float, repeat: int = 1) -> dict:
     return {"config": "smollm2-yelp", "phase": phase, "method": method, "multiple": multiple, "repeat": repeat,
             "student": student, "student_text_windowed": student + 80, "dp_teacher": 50.0}
@@ -30,8 +34,7 @@ def _proxy(phase: str, method: str, multiple: float, student: float, repeat: int
 
 def test_a_baselines_cell_is_the_proxys_choice_where_it_ran_and_the_configs_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setattr(results_table, "RESULTS", tmp_path)
-    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", "smollm2_yelp.jsonl", "smollm2-yelp",
-                                                    {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}, "smollm2-yelp"),))
+    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", _columns(), "smollm2-yelp"),))
     _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("ours", 202.0, 2),
                                               _row("DP-SGD", 368.0), _row("DPKD", 366.0)])
     # DP-SGD's proxy grid picks 2 (interior); DPKD's best sits at the edge, so it has no choice yet
@@ -47,8 +50,7 @@ def test_a_baselines_cell_is_the_proxys_choice_where_it_ran_and_the_configs_else
 
 def test_ours_cell_and_its_teachers_come_from_its_proxy_choice_once_it_has_private_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(results_table, "RESULTS", tmp_path)
-    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", "smollm2_yelp.jsonl", "smollm2-yelp",
-                                                    {"ours": "ours", "dpsgd": "DP-SGD", "dpkd": "DPKD"}, "smollm2-yelp"),))
+    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", _columns(), "smollm2-yelp"),))
     _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("DP-SGD", 368.0)])
     grid = [_proxy("proxy", "ours", m, s) for m, s in ((0.5, 81.0), (1.0, 79.0), (2.0, 80.0), (4.0, 84.0))]
     _write(tmp_path / "public_proxy.jsonl", grid)
@@ -57,3 +59,18 @@ def test_ours_cell_and_its_teachers_come_from_its_proxy_choice_once_it_has_priva
                                                     _proxy("private", "ours", 1.0, 194.0, 2)])
     windowed = results_table.table().splitlines()[2]
     assert windowed == "| Yelp | windowed | 192.0±2.8ᵖ | 368.0±– | – | – | 50.0±0.0 | – | – |"
+
+
+def test_a_corpus_takes_each_column_from_the_study_that_ran_it(tmp_path, monkeypatch):
+    """Ours and the ε = 0 control from one study's file, DPKD from another's: each cell from its own
+    file and row, the teachers' cells from ours' runs, a sweep's run (target_epsilon) left out."""
+    monkeypatch.setattr(results_table, "RESULTS", tmp_path)
+    columns = _columns("smollm2_yelp.jsonl") | {"ours": ("utility.jsonl", "smollm2-yelp", "ours"),
+                                                "public_only": ("utility.jsonl", "smollm2-yelp", "public-only")}
+    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", columns, "smollm2-yelp"),))
+    _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("DPKD", 366.0)])
+    _write(tmp_path / "utility.jsonl", [{**_row("ours", 210.0), "dp_teacher": 43.0}, _row("public-only", 244.0),
+                                        {**_row("ours", 150.0, 2), "target_epsilon": 8.0}])
+    _write(tmp_path / "public_proxy.jsonl", [])
+    windowed = results_table.table().splitlines()[2]
+    assert windowed == "| Yelp | windowed | 210.0±– | – | 366.0±– | 244.0±– | 43.0±– | – | 598.0±– |"
