@@ -76,6 +76,9 @@ def _result(label: str, repeat: int, run_dir: Path, seconds: float) -> dict:
                                  "real_reference_macro_f1": (v["real_reference"] or {}).get("macro_f1"),
                                  "chance_macro_f1": v["chance_macro_f1"]}
                              for c, v in ds["columns"].items() if "synthetic" in v}
+    if adh := metrics.get("code_adherence"):  # does the DP teacher recognise its codes in its own text
+        out["code_adherence"] = {c: {"share": v["share"], "chance": v["chance"], "n": v["n"]}
+                                 for c, v in adh["columns"].items()}
     if props := metrics.get("text_properties"):
         out["mean_tokens"] = {"synthetic": props["synthetic"]["tokens"]["mean"],
                               "real_test_capped": props["real_test"].get("tokens_capped", {}).get("mean")}

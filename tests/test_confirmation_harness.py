@@ -101,3 +101,22 @@ def test_the_results_file_can_be_a_tracked_one_outside_the_run_root(tmp_path, ca
     assert "corpus=yelp ours=201.0±– dpsgd=– dpkd=–" in out
     assert "| r1 | → | alpha=1.0 | – | – | – | 201.0 |" in out
     assert not (root / "confirmation.jsonl").exists()
+
+
+def test_a_results_line_keeps_the_teachers_code_adherence_without_the_per_value_detail(tmp_path):
+    """Why a code column fails downstream: whether the DP teacher recognises its codes in its own
+    text (pipeline/stages/adherence.py) travels with each results line, per column."""
+    import json
+
+    ppl = {"windowed": 200.0, "per_record_mean": 250.0, "per_record_median": 190.0, "per_record_token_weighted": 201.0}
+    metrics = {"perplexity": {"student_distil": {**ppl, "text_only": ppl}, "base_student": ppl},
+               "code_adherence": {"columns": {"label2": {"share": 0.33, "chance": 0.2, "n": 30,
+                                                         "values": {"Review Stars: 1.0": {"share": 0.5, "n": 6}}}}}}
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    (tmp_path / "ledger.json").write_text(json.dumps({"total": {"epsilon": 1.98, "delta": 1e-5}}))
+    line = confirmation._result("ours", 1, tmp_path, 12.0)
+    assert line["code_adherence"] == {"label2": {"share": 0.33, "chance": 0.2, "n": 30}}
+    assert line["student"] == 200.0 and line["dp_teacher"] is None
+    del metrics["code_adherence"]
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    assert "code_adherence" not in confirmation._result("ours", 1, tmp_path, 12.0)
