@@ -32,9 +32,12 @@ RESULTS = ROOT / "docs" / "results"
 SOURCES = (
     ("Yelp, builtin 5.3 M → 1.5 M", {"ours": ("yelp.jsonl", None, "ours"), "dpsgd": ("yelp.jsonl", None, "DP-SGD"),
                                      "dpkd": ("yelp.jsonl", None, "DPKD")}, "reference"),
-    ("Yelp, SmolLM2-135M → 4 layers", {"ours": ("smollm2_yelp.jsonl", "smollm2-yelp", "ours"),
-                                       "dpsgd": ("smollm2_yelp.jsonl", "smollm2-yelp", "DP-SGD"),
-                                       "dpkd": ("smollm2_yelp.jsonl", "smollm2-yelp", "DPKD")}, "smollm2-yelp"),
+    # Ours and the ε = 0 control as the config ships them (the codes as a prompt, the utility
+    # study); DPKD at the config's settings from issue 36's study (the header form)
+    ("Yelp, SmolLM2-135M → 4 layers", {"ours": ("utility.jsonl", "smollm2-yelp", "ours"),
+                                       "dpsgd": ("utility.jsonl", "smollm2-yelp", "dp-sgd"),
+                                       "dpkd": ("smollm2_yelp.jsonl", "smollm2-yelp", "DPKD"),
+                                       "public_only": ("utility.jsonl", "smollm2-yelp", "public-only")}, "smollm2-yelp"),
     ("Tweets, SmolLM2-135M → 4 layers", {"ours": ("utility.jsonl", "smollm2-airline", "ours"),
                                          "dpsgd": ("utility.jsonl", "smollm2-airline", "dp-sgd"),
                                          "public_only": ("utility.jsonl", "smollm2-airline", "public-only")},

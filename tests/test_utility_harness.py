@@ -69,6 +69,16 @@ def test_the_header_rows_get_the_room_the_corpus_is_scored_in():
         assert prompted.teacher.max_length > cfg.teacher.max_length, name
 
 
+def test_both_smollm2_configs_ship_the_prompt_that_won():
+    """The prompt won on both corpora (docs/utility.md: the student's text alone and MAUVE, and
+    on the tweets the sentiment classifier): each config is its own `ours` row."""
+    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+        shipped = load_config(ROOT / config)
+        prompted = load_config(ROOT / config, list(utility.PROMPTS[name]))
+        assert (shipped.data, shipped.teacher, shipped.generate) == (prompted.data, prompted.teacher,
+                                                                     prompted.generate), name
+
+
 def test_every_prompt_is_a_valid_override_of_its_config():
     for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
         cfg = load_config(ROOT / config, list(utility.PROMPTS[name]))
