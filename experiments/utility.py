@@ -64,8 +64,8 @@ PROMPTS = {
 PAIRED = "paired"
 """A row that reuses the DP teacher and synthetic text `ours` run k just made (its stages cached)."""
 # The header form as each corpus's config shipped it before this study (the tweets' 64 positions,
-# Yelp's 96), whatever the config ships now: the rows that compare against it keep it. Until
-# 2026-11-30 Yelp's header rows took the tweets' 64 (docs/results/utility_yelp_header64.jsonl).
+# Yelp's 96), whatever the config ships now: the rows that compare against it keep it. (Yelp's
+# header rows that took the tweets' 64 are kept in docs/results/utility_yelp_header64.jsonl.)
 HEADERS = {corpus: ("data.prompt_template=null", "data.system_prompt=null", f"teacher.max_length={n}",
                     f"generate.max_length={n}") for corpus, n in (("smollm2-airline", 64), ("smollm2-yelp", 96))}
 # row: (overrides, the stage whose rerun draws fresh DP noise; None: repeats differ by their seed;
