@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("utility", ROOT / "experiments" / "utility.py")
 utility = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(utility)
+CONFIGS = {"smollm2-airline": "configs/smollm2_airline.yaml", "smollm2-yelp": "configs/smollm2_yelp.yaml"}
 
 
 def _run(row, k, student, text, **extra):
@@ -48,7 +49,7 @@ def test_the_tweets_config_ships_what_won_and_every_row_keeps_what_it_ran_with()
     shipped = load_config(ROOT / "configs/smollm2_airline.yaml")
     assert (shipped.distill.epochs, shipped.distill.student_model) == (4, "cache:smollm2-135m-8l")
     ran_with = {"ours-8l": "cache:smollm2-135m-8l", "ours-8l-gpu": "cache:smollm2-135m-8l-gpu"}  # the rest: 4 layers
-    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+    for name, config in CONFIGS.items():
         for row in utility.ROWS:
             cfg = load_config(ROOT / config, utility.overrides(row, name, 1))
             assert cfg.distill.student_model == ran_with.get(row, "cache:smollm2-135m-4l"), (name, row)
@@ -60,7 +61,7 @@ def test_the_header_rows_get_the_room_the_corpus_is_scored_in():
     """A header row (ours-header, dp-sgd) trains and writes in as many positions as the corpus's
     test windows hold (the tweets 64, Yelp 96), the room its config gave the header form; the
     prompted rows get the prompt's tokens on top. Yelp's header rows once took the tweets' 64."""
-    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+    for name, config in CONFIGS.items():
         for row in ("ours-header", "dp-sgd"):
             cfg = load_config(ROOT / config, utility.overrides(row, name, 1))
             assert cfg.data.prompt_template is None, (name, row)
@@ -72,7 +73,7 @@ def test_the_header_rows_get_the_room_the_corpus_is_scored_in():
 def test_both_smollm2_configs_ship_the_prompt_that_won():
     """The prompt won on both corpora (docs/utility.md: the student's text alone and MAUVE, and
     on the tweets the sentiment classifier): each config is its own `ours` row."""
-    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+    for name, config in CONFIGS.items():
         shipped = load_config(ROOT / config)
         prompted = load_config(ROOT / config, list(utility.PROMPTS[name]))
         assert (shipped.data, shipped.teacher, shipped.generate) == (prompted.data, prompted.teacher,
@@ -80,7 +81,7 @@ def test_both_smollm2_configs_ship_the_prompt_that_won():
 
 
 def test_every_prompt_is_a_valid_override_of_its_config():
-    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+    for name, config in CONFIGS.items():
         cfg = load_config(ROOT / config, list(utility.PROMPTS[name]))
         assert cfg.name == name and cfg.data.prompt_template and cfg.data.system_prompt == ""
 
@@ -150,7 +151,7 @@ def test_a_paired_row_is_reported_run_by_run_against_the_ours_run_it_reused():
 
 
 def test_every_rows_overrides_load_on_both_configs():
-    for name, config in (("smollm2-airline", "configs/smollm2_airline.yaml"), ("smollm2-yelp", "configs/smollm2_yelp.yaml")):
+    for name, config in CONFIGS.items():
         for row in utility.ROWS:
             cfg = load_config(ROOT / config, utility.overrides(row, name, 2))
             assert cfg.name == name
