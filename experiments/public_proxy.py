@@ -45,6 +45,7 @@ from experiments.shared import (  # noqa: E402
     add_results_option, finish, mean_sd, read_results, require_data, run_recorded, where_run)
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's learning rate
+REPEATS = 3  # private runs at each of the chosen and the config's settings
 EXTEND = 3  # at most this many more factors of 2 past the grid's edge
 # method: (its distill.method, the field its candidates set, the stage whose rerun draws fresh noise,
 # the proxy's figure it is chosen by: a windowed test perplexity of the result's)
@@ -175,7 +176,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config", required=True, help="the private corpus's config")
     p.add_argument("--proxy", required=True, help="the public proxy's config (the other corpus, treated as public)")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=REPEATS)
     add_results_option(p, "public_proxy.jsonl")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)

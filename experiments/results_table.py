@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.public_proxy import chosen, runs_of  # noqa: E402
+from experiments.public_proxy import REPEATS, chosen, runs_of  # noqa: E402
 from experiments.shared import mean_sd, read_results  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
@@ -57,15 +57,25 @@ def table() -> str:
         of = {col: runs_of_row(*sources[col]) if col in sources else [] for col in COLUMNS}
         if not of["ours"]:
             continue
+        own_ours = of["ours"]
         proxied = proxy_runs(proxy_config)
         of |= proxied
         for what, (student, *references) in FIGURES:
             cells = [mean_sd([r.get(student) for r in of[col]]) + (PROXY if col in proxied else "") for col in COLUMNS]
             if cells[0] == "–":
                 continue  # an older study that did not record this figure of ours: nothing to compare
-            cells += [mean_sd([r.get(key) for r in of["ours"]] if key else []) for key in references]
+            cells += [reference(of["ours"], own_ours, key) for key in references]
             lines.append(f"| {corpus} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def reference(ours: list[dict], own_ours: list[dict], key: str | None) -> str:
+    """A reference cell (a teacher's or the base student's) from ours' runs in its cell; a figure
+    those runs do not record (the proxy harness has no base teacher) from ours' runs at the
+    config's settings, the same model."""
+    if key is None:
+        return "–"
+    return mean_sd([r.get(key) for r in ours if r.get(key) is not None] or [r.get(key) for r in own_ours])
 
 
 def runs_of_row(name: str, config: str | None, row: str) -> list[dict]:
@@ -75,11 +85,13 @@ def runs_of_row(name: str, config: str | None, row: str) -> list[dict]:
 
 def proxy_runs(config: str) -> dict[str, list[dict]]:
     """The private runs at the learning rate the public proxy chose (experiments/public_proxy.py,
-    issue 60 item 3), of each method (ours and the baselines) that has them on this config."""
+    issue 60 item 3), of each method (ours and the baselines) that has all of them on this config:
+    until then its cell stays the config's, not a mean of one or two runs."""
     results = read_results(RESULTS / "public_proxy.jsonl", config)
     out = {}
     for col in ("ours", "dpsgd", "dpkd"):
-        if (pick := chosen(results, col)) is not None and (runs := runs_of(results, col, "private", pick)):
+        pick = chosen(results, col)
+        if pick is not None and len(runs := runs_of(results, col, "private", pick)) >= REPEATS:
             out[col] = runs
     return out
 
