@@ -9,7 +9,8 @@ at the full ε. Three runs a row; resumable; every finished run appended to a tr
         --results docs/results/utility.jsonl --report-only
 
 Rows (ROWS): `ours-header` (the codes as a header, HEADERS, as the configs shipped them before this
-study), `ours` (the corpus's prompt template, PROMPTS), `ours-kept` (ours' DP teacher and synthetic
+study), `ours` (the corpus's prompt template, PROMPTS), `ours-words` (Yelp's stars named in words in
+the prompt, WORDS; on the tweets it is `ours`), `ours-kept` (ours' DP teacher and synthetic
 text, run k's, reused from the stage cache: its student learns only from the samples the teacher
 recognises as written for their codes, distill.keep_samples=code_adherent, and the classifier is
 also trained on those alone; run it right after `ours`), `ours-long` (paired the same way: the
@@ -61,6 +62,19 @@ PROMPTS = {
     "smollm2-yelp": ("data.prompt_template=Write a Yelp review of a business with these details. {label1}. {label2}.",
                      "data.system_prompt=''", "teacher.max_length=116", "generate.max_length=116"),
 }
+# The codes named in words a 135M instruction-tuned model reads (issue 59, its goal for Yelp's
+# stars; `ours-words`): Yelp's raw "Review Stars: k.0" become a sentiment and "k of 5 stars" through
+# data.code_values, in the prompt and in the released distribution's public domain. A public probe
+# chose the names (docs/utility.md, the plan). The tweets' codes are words already: their prompt.
+STARS = {f"Review Stars: {k}.0": f"{word} ({k} of 5 stars)" for k, word in
+         enumerate(("very negative", "negative", "mixed", "positive", "very positive"), start=1)}
+WORDS = {
+    "smollm2-airline": PROMPTS["smollm2-airline"],
+    "smollm2-yelp": ("data.prompt_template=Write a {label2} Yelp review of a business. {label1}.",
+                     "data.code_values=" + json.dumps({"label2": STARS}),
+                     "control_codes.domain.label2=" + json.dumps(list(STARS.values())),
+                     "data.system_prompt=''", "teacher.max_length=116", "generate.max_length=116"),
+}
 PAIRED = "paired"
 """A row that reuses the DP teacher and synthetic text `ours` run k just made (its stages cached)."""
 # The header form as each corpus's config shipped it before this study (the tweets' 64 positions,
@@ -77,6 +91,7 @@ EIGHT_GPU = "distill.student_model=cache:smollm2-135m-8l-gpu"  # healed 47x long
 ROWS = {
     "ours-header": (("distill.method=distil", "HEADER", FOUR, "distill.epochs=1"), "control-codes"),
     "ours": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=1"), "control-codes"),
+    "ours-words": (("distill.method=distil", "WORDS", FOUR, "distill.epochs=1"), "control-codes"),
     "ours-kept": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=1", "distill.keep_samples=code_adherent"),
                   PAIRED),
     "ours-long": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=4"), PAIRED),
@@ -93,7 +108,8 @@ def overrides(row: str, corpus: str, repeat: int, epsilon: float | None = None) 
     a tenth on the control codes and the rest on DP-SGD (the DP-SGD student: all of it)."""
     out = []
     for o in ROWS[row][0]:
-        out += list(PROMPTS[corpus]) if o == "PROMPT" else list(HEADERS[corpus]) if o == "HEADER" else [o]
+        named = {"PROMPT": PROMPTS, "HEADER": HEADERS, "WORDS": WORDS}
+        out += list(named[o][corpus]) if o in named else [o]
     if ROWS[row][1] is None:
         out.append(f"seed={repeat - 1}")
     elif epsilon is not None:
@@ -153,7 +169,7 @@ def report(results: list[dict], corpus: str, model: str) -> str:
     out = "\n".join(lines) + "\n\n"
     ours = by_row.get("ours", [])
     out += _synthetic_lines(ours, f"model={model} corpus={corpus}", need_reference=True)
-    for row in ("ours-header", "public-only"):  # the same classifier on the other rows' synthetic text (P1)
+    for row in ("ours-header", "ours-words", "public-only"):  # the same classifier on the other rows' text (P1, P20)
         out += _synthetic_lines(by_row.get(row, []), f"row={row} model={model} corpus={corpus}")
     kept = by_row.get("ours-kept", [])  # issue 59 item 4: the classifier on the samples the teacher recognises
     for column in sorted({c for r in kept for c in r.get("downstream_kept", {})}):

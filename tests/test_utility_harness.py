@@ -184,3 +184,23 @@ def test_the_codes_tokens_perplexity_is_recovered_from_the_two_windowed_figures(
     assert math.isclose(scored[0][figure.CODES], math.exp((20.0 - 6.0) / 4))  # 14 nats over the 4 prompt tokens
     assert figure.CODES not in scored[1]
     assert "| ours | the codes' tokens alone | – | – | 33.1±– (1) | – | – |" in figure.table(scored).splitlines()
+
+
+def test_the_words_row_names_every_star_in_the_prompt_and_the_released_domain():
+    """`ours-words` (P20): Yelp's five raw star values each get a distinct name, the released code
+    distribution's domain is those names (the DP histogram is over what the prompts say), and the
+    prompt carries the name; its synthetic text is scored like ours'."""
+    cfg = load_config(ROOT / CONFIGS["smollm2-yelp"], utility.overrides("ours-words", "smollm2-yelp", 1))
+    names = cfg.data.code_values["label2"]
+    shipped = load_config(ROOT / CONFIGS["smollm2-yelp"])
+    assert sorted(names) == sorted(shipped.control_codes.domain["label2"]) and len(set(names.values())) == 5
+    assert cfg.control_codes.domain["label2"] == list(names.values())
+    assert cfg.control_codes.domain["label1"] == shipped.control_codes.domain["label1"]
+    from pipeline.prompts import PromptFormat
+    prompt = PromptFormat.of(cfg.data)
+    code = "Business Category: Bars\t" + names["Review Stars: 1.0"]
+    assert prompt.template.format(**prompt.values(code)) == (
+        "Write a very negative (1 of 5 stars) Yelp review of a business. Business Category: Bars.")
+    ds = {"label2": {"macro_f1": 0.3, "chance_macro_f1": 0.2, "real_reference_macro_f1": 0.35}}
+    text = utility.report([_run("ours-words", 1, 200.0, 230.0, downstream=ds)], "smollm2-yelp", "smollm2-135m")
+    assert "synthetic row=ours-words model=smollm2-135m corpus=smollm2-yelp column=label2 runs=1 f1=0.300±–" in text

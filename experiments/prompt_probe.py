@@ -1,0 +1,67 @@
+"""A public probe of how a prompt names Yelp's stars (issue 59; docs/utility.md, P20): the base
+SmolLM2-135M-Instruct, no private record read, writes 48 reviews per star value under each prompt
+form (top-k 50, top-p 0.9, 60 new tokens, torch seed 0, one thread), and a fixed public word list
+counts positive and negative words a sample. A prompt the model reads puts the one-star reviews'
+net (positive minus negative) below the five-star ones'.
+
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/prompt_probe.py
+
+Needs `dpdistill models fetch smollm2-135m`. Prints one line per form and star value.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.utility import STARS  # noqa: E402
+
+SAMPLES = 48
+FORMS = {  # each form's prompt for a restaurant review of `stars` stars, as the config would render it
+    "shipped": lambda stars: "Write a Yelp review of a business with these details. Business Category: Restaurants. "
+                             f"Review Stars: {stars}.0.",
+    "words": lambda stars: f"Write a {STARS[f'Review Stars: {stars}.0']} Yelp review of a business. "
+                           "Business Category: Restaurants.",
+}
+POSITIVE = set("great amazing excellent best love loved delicious friendly perfect wonderful fantastic awesome "
+               "recommend".split())
+NEGATIVE = set("not never bad worst terrible rude horrible awful disappointing disappointed cold slow dirty "
+               "overpriced wait waited poor mediocre".split())
+
+
+def main() -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.models.cache import model_cache_dir
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    path = model_cache_dir() / "smollm2-135m"
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for form, prompt in FORMS.items():
+        for stars in range(1, 6):
+            chat = [{"role": "system", "content": ""}, {"role": "user", "content": prompt(stars)}]
+            ids = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                             add_special_tokens=False)
+            batch = torch.tensor([ids] * SAMPLES)
+            with torch.no_grad():
+                out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, top_k=50,
+                                     top_p=0.9, max_new_tokens=60, pad_token_id=tok.eos_token_id)
+            pos = neg = 0
+            for text in tok.batch_decode(out[:, len(ids):], skip_special_tokens=True):
+                words = re.findall(r"[a-z']+", text.lower())
+                pos += sum(w in POSITIVE for w in words)
+                neg += sum(w in NEGATIVE for w in words)
+            print(f"probe form={form} stars={stars} positive={pos / SAMPLES:.2f} negative={neg / SAMPLES:.2f} "
+                  f"net={(pos - neg) / SAMPLES:+.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
