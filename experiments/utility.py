@@ -56,18 +56,23 @@ from experiments.shared import (  # noqa: E402
 # Each corpus's prompt (pipeline/prompts.py), with room for it: the chat-templated prompt is
 # ~11 (tweets) and ~20 (Yelp) tokens longer than the header, so the rows that use it get that
 # many more positions and every row keeps the same room for the text.
+# Yelp's raw star values ("Review Stars: 4.0") as its config shipped them before `ours-words` won:
+# the rows that ran with them keep them.
+STAR_VALUES = [f"Review Stars: {k}.0" for k in range(1, 6)]
+RAW_STARS = ("data.code_values={}", "control_codes.domain.label2=" + json.dumps(STAR_VALUES))
 PROMPTS = {
     "smollm2-airline": ("data.prompt_template=Write a {sentiment} tweet to the airline {airline}.",
                         "data.system_prompt=''", "teacher.max_length=80", "generate.max_length=80"),
     "smollm2-yelp": ("data.prompt_template=Write a Yelp review of a business with these details. {label1}. {label2}.",
-                     "data.system_prompt=''", "teacher.max_length=116", "generate.max_length=116"),
+                     *RAW_STARS, "data.system_prompt=''", "teacher.max_length=116", "generate.max_length=116"),
 }
 # The codes named in words a 135M instruction-tuned model reads (issue 59, its goal for Yelp's
 # stars; `ours-words`): Yelp's raw "Review Stars: k.0" become a sentiment and "k of 5 stars" through
 # data.code_values, in the prompt and in the released distribution's public domain. A public probe
-# chose the names (docs/utility.md, the plan). The tweets' codes are words already: their prompt.
-STARS = {f"Review Stars: {k}.0": f"{word} ({k} of 5 stars)" for k, word in
-         enumerate(("very negative", "negative", "mixed", "positive", "very positive"), start=1)}
+# chose the names (docs/utility.md, the plan); configs/smollm2_yelp.yaml ships them since P20 held.
+# The tweets' codes are words already: their prompt.
+STARS = {value: f"{word} ({k} of 5 stars)" for k, (value, word) in
+         enumerate(zip(STAR_VALUES, ("very negative", "negative", "mixed", "positive", "very positive")), start=1)}
 WORDS = {
     "smollm2-airline": PROMPTS["smollm2-airline"],
     "smollm2-yelp": ("data.prompt_template=Write a {label2} Yelp review of a business. {label1}.",
@@ -81,7 +86,8 @@ PAIRED = "paired"
 # Yelp's 96), whatever the config ships now: the rows that compare against it keep it. (Yelp's
 # header rows that took the tweets' 64 are kept in docs/results/utility_yelp_header64.jsonl.)
 HEADERS = {corpus: ("data.prompt_template=null", "data.system_prompt=null", f"teacher.max_length={n}",
-                    f"generate.max_length={n}") for corpus, n in (("smollm2-airline", 64), ("smollm2-yelp", 96))}
+                    f"generate.max_length={n}", *pin) for corpus, n, pin in (("smollm2-airline", 64, ()),
+                                                                             ("smollm2-yelp", 96, RAW_STARS))}
 # row: (overrides, the stage whose rerun draws fresh DP noise; None: repeats differ by their seed;
 # PAIRED: the row after `ours` in each repeat, on its teacher and text)
 # The rows pin their student and epochs: the tweets config ships what won (8 layers, `ours-8l`; 4

@@ -72,10 +72,12 @@ def test_the_header_rows_get_the_room_the_corpus_is_scored_in():
 
 def test_both_smollm2_configs_ship_the_prompt_that_won():
     """The prompt won on both corpora (docs/utility.md: the student's text alone and MAUVE, and
-    on the tweets the sentiment classifier): each config is its own `ours` row."""
+    on the tweets the sentiment classifier), and on Yelp the stars named in words (P20): each config
+    is the row that won, the tweets' `ours`, Yelp's `ours-words`."""
     for name, config in CONFIGS.items():
         shipped = load_config(ROOT / config)
-        prompted = load_config(ROOT / config, list(utility.PROMPTS[name]))
+        prompted = load_config(ROOT / config, list(utility.WORDS[name]))
+        assert shipped.control_codes == prompted.control_codes, name
         assert (shipped.data, shipped.teacher, shipped.generate) == (prompted.data, prompted.teacher,
                                                                      prompted.generate), name
 
@@ -192,10 +194,10 @@ def test_the_words_row_names_every_star_in_the_prompt_and_the_released_domain():
     prompt carries the name; its synthetic text is scored like ours'."""
     cfg = load_config(ROOT / CONFIGS["smollm2-yelp"], utility.overrides("ours-words", "smollm2-yelp", 1))
     names = cfg.data.code_values["label2"]
-    shipped = load_config(ROOT / CONFIGS["smollm2-yelp"])
-    assert sorted(names) == sorted(shipped.control_codes.domain["label2"]) and len(set(names.values())) == 5
+    ours = load_config(ROOT / CONFIGS["smollm2-yelp"], utility.overrides("ours", "smollm2-yelp", 1))
+    assert sorted(names) == sorted(ours.control_codes.domain["label2"]) and len(set(names.values())) == 5
     assert cfg.control_codes.domain["label2"] == list(names.values())
-    assert cfg.control_codes.domain["label1"] == shipped.control_codes.domain["label1"]
+    assert cfg.control_codes.domain["label1"] == ours.control_codes.domain["label1"]
     from pipeline.prompts import PromptFormat
     prompt = PromptFormat.of(cfg.data)
     code = "Business Category: Bars\t" + names["Review Stars: 1.0"]
@@ -204,3 +206,11 @@ def test_the_words_row_names_every_star_in_the_prompt_and_the_released_domain():
     ds = {"label2": {"macro_f1": 0.3, "chance_macro_f1": 0.2, "real_reference_macro_f1": 0.35}}
     text = utility.report([_run("ours-words", 1, 200.0, 230.0, downstream=ds)], "smollm2-yelp", "smollm2-135m")
     assert "synthetic row=ours-words model=smollm2-135m corpus=smollm2-yelp column=label2 runs=1 f1=0.300±–" in text
+
+
+def test_the_yelp_rows_that_ran_with_raw_stars_keep_them():
+    """Yelp's config ships the stars named (P20); `ours`, the ε = 0 control and the header rows ran
+    with the raw values ("Review Stars: 4.0") and keep them, so a later run of a row matches its first."""
+    for row in ("ours", "public-only", "ours-header", "dp-sgd"):
+        cfg = load_config(ROOT / CONFIGS["smollm2-yelp"], utility.overrides(row, "smollm2-yelp", 2))
+        assert cfg.data.code_values == {} and cfg.control_codes.domain["label2"] == utility.STAR_VALUES, row
