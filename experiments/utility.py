@@ -53,13 +53,13 @@ from experiments.privacy_utility import CODES, record_tokens, tokens_path, with_
 from experiments.shared import (  # noqa: E402
     add_results_option, finish, mean_sd, read_results, require_data, run_recorded, where_run)
 
-# Each corpus's prompt (pipeline/prompts.py), with room for it: the chat-templated prompt is
-# ~11 (tweets) and ~20 (Yelp) tokens longer than the header, so the rows that use it get that
-# many more positions and every row keeps the same room for the text.
 # Yelp's raw star values ("Review Stars: 4.0") as its config shipped them before `ours-words` won:
 # the rows that ran with them keep them.
 STAR_VALUES = [f"Review Stars: {k}.0" for k in range(1, 6)]
 RAW_STARS = ("data.code_values={}", "control_codes.domain.label2=" + json.dumps(STAR_VALUES))
+# Each corpus's prompt (pipeline/prompts.py), with room for it: the chat-templated prompt is
+# ~11 (tweets) and ~20 (Yelp) tokens longer than the header, so the rows that use it get that
+# many more positions and every row keeps the same room for the text.
 PROMPTS = {
     "smollm2-airline": ("data.prompt_template=Write a {sentiment} tweet to the airline {airline}.",
                         "data.system_prompt=''", "teacher.max_length=80", "generate.max_length=80"),
