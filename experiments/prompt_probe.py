@@ -19,15 +19,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.utility import STARS  # noqa: E402
+from experiments.utility import STAR_VALUES, STARS, overrides  # noqa: E402
 
 SAMPLES = 48
-FORMS = {  # each form's prompt for a restaurant review of `stars` stars, as the config would render it
-    "shipped": lambda stars: "Write a Yelp review of a business with these details. Business Category: Restaurants. "
-                             f"Review Stars: {stars}.0.",
-    "words": lambda stars: f"Write a {STARS[f'Review Stars: {stars}.0']} Yelp review of a business. "
-                           "Business Category: Restaurants.",
-}
+CATEGORY = "Business Category: Restaurants"
+# each form: the utility study's row whose prompt it is, and the star value's code under it
+FORMS = {"shipped": ("ours", lambda raw: raw), "words": ("ours-words", STARS.get)}
 POSITIVE = set("great amazing excellent best love loved delicious friendly perfect wonderful fantastic awesome "
                "recommend".split())
 NEGATIVE = set("not never bad worst terrible rude horrible awful disappointing disappointed cold slow dirty "
@@ -37,18 +34,20 @@ NEGATIVE = set("not never bad worst terrible rude horrible awful disappointing d
 def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipeline.config import load_config
     from pipeline.models.cache import model_cache_dir
+    from pipeline.prompts import CODE_JOINER, PromptFormat
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     path = model_cache_dir() / "smollm2-135m"
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for form, prompt in FORMS.items():
-        for stars in range(1, 6):
-            chat = [{"role": "system", "content": ""}, {"role": "user", "content": prompt(stars)}]
-            ids = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
-                             add_special_tokens=False)
+    for form, (row, code) in FORMS.items():
+        cfg = load_config(ROOT / "configs/smollm2_yelp.yaml", overrides(row, "smollm2-yelp", 1))
+        prompt = PromptFormat.of(cfg.data)  # as DP training and generation render it
+        for stars, raw in enumerate(STAR_VALUES, start=1):
+            ids = prompt.ids(tok, f"{CATEGORY}{CODE_JOINER}{code(raw)}")
             batch = torch.tensor([ids] * SAMPLES)
             with torch.no_grad():
                 out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, top_k=50,
