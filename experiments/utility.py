@@ -17,7 +17,7 @@ also trained on those alone; run it right after `ours`), `ours-long` (paired the
 student distilled for 4 epochs of the same synthetic text instead of 1, the best on the synthetic
 validation split kept, issue 59 item 5; `ours-8l` the same with an 8-layer student, the one the
 tweets config ships), `public-only` (distill.method=public_only with the same prompt; no DP noise,
-so its repeats differ by their seed) and `dp-sgd` (distill.method=dp_sgd at the config's settings
+so its repeats differ by their seed; `public-only-words` the same with `ours-words`' prompt, P22) and `dp-sgd` (distill.method=dp_sgd at the config's settings
 and its whole ε, on records with the header, as it ran in issue 36). A DP row's repeat k > 1 reruns
 the stage that draws its noise and all after it, as experiments/confirmation.py does. The test split
 is each corpus's fixed one (Yelp's test file; the tweets' data.test_split=fixed, issue 60). Each
@@ -104,6 +104,7 @@ ROWS = {
     "ours-8l": (("distill.method=distil", "PROMPT", EIGHT, "distill.epochs=4"), PAIRED),
     "ours-8l-gpu": (("distill.method=distil", "PROMPT", EIGHT_GPU, "distill.epochs=4"), PAIRED),
     "public-only": (("distill.method=public_only", "PROMPT", FOUR, "distill.epochs=1"), None),
+    "public-only-words": (("distill.method=public_only", "WORDS", FOUR, "distill.epochs=1"), None),
     "dp-sgd": (("distill.method=dp_sgd", "HEADER", FOUR), "dp-student"),
 }
 
@@ -175,7 +176,7 @@ def report(results: list[dict], corpus: str, model: str) -> str:
     out = "\n".join(lines) + "\n\n"
     ours = by_row.get("ours", [])
     out += _synthetic_lines(ours, f"model={model} corpus={corpus}", need_reference=True)
-    for row in ("ours-header", "ours-words", "public-only"):  # the same classifier on the other rows' text (P1, P20)
+    for row in ("ours-header", "ours-words", "public-only", "public-only-words"):  # the other rows' text (P1, P20, P22)
         out += _synthetic_lines(by_row.get(row, []), f"row={row} model={model} corpus={corpus}")
     kept = by_row.get("ours-kept", [])  # issue 59 item 4: the classifier on the samples the teacher recognises
     for column in sorted({c for r in kept for c in r.get("downstream_kept", {})}):
@@ -192,17 +193,29 @@ def report(results: list[dict], corpus: str, model: str) -> str:
                     f"student_minus_ours={mean_sd([r['student'] - o['student'] for r, o in pairs])} "
                     f"text_minus_ours={mean_sd([r['student_text_windowed'] - o['student_text_windowed'] for r, o in pairs])}"
                     f"{_codes_minus_ours(pairs)}\n")
-    for key, what in (("student", ""), ("student_text_windowed", " figure=text_alone")):
-        teacher_key = "dp_teacher" if key == "student" else "dp_teacher_text"
-        base_key = "base_teacher" if key == "student" else "base_teacher_text"
-        base = [r[base_key] for r in ours if r.get(base_key) is not None]
-        runs = min((len(by_row.get(row, [])) for row in ("ours", "public-only", "dp-sgd")), default=0)
-        out += (f"student model={model} corpus={corpus}{what} runs={runs} ours={mean_sd([r[key] for r in ours])} "
-                f"public_only={mean_sd([r[key] for r in by_row.get('public-only', [])])} "
-                f"dpsgd={mean_sd([r[key] for r in by_row.get('dp-sgd', [])])} "
-                f"teacher={mean_sd([r.get(teacher_key) for r in ours])} "
-                f"base_teacher={statistics.mean(base):.1f}\n" if base else "")
+    # the issue's student lines; then the same for the stars named in words (P22), where both rows ran
+    for tag, mine, control in (("", "ours", "public-only"), ("row=words ", "ours-words", "public-only-words")):
+        if tag and not by_row.get(control):
+            continue
+        for key, what in (("student", ""), ("student_text_windowed", " figure=text_alone")):
+            out += _student_line(by_row, mine, control, key, f"{tag}model={model} corpus={corpus}{what}")
     return out
+
+
+def _student_line(by_row: dict[str, list[dict]], mine: str, control: str, key: str, what: str) -> str:
+    """`student WHAT runs=K ours=M±S public_only=M±S dpsgd=M±S teacher=M±S base_teacher=X` of row
+    `mine` against the ε = 0 row `control` (the figure `key`); empty while `mine` has no base teacher."""
+    ours = by_row.get(mine, [])
+    teacher_key, base_key = ("dp_teacher", "base_teacher") if key == "student" else ("dp_teacher_text",
+                                                                                   "base_teacher_text")
+    base = [r[base_key] for r in ours if r.get(base_key) is not None]
+    if not base:
+        return ""
+    runs = min(len(by_row.get(row, [])) for row in (mine, control, "dp-sgd"))
+    return (f"student {what} runs={runs} ours={mean_sd([r[key] for r in ours])} "
+            f"public_only={mean_sd([r[key] for r in by_row.get(control, [])])} "
+            f"dpsgd={mean_sd([r[key] for r in by_row.get('dp-sgd', [])])} "
+            f"teacher={mean_sd([r.get(teacher_key) for r in ours])} base_teacher={statistics.mean(base):.1f}\n")
 
 
 def _synthetic_lines(rs: list[dict], what: str, need_reference: bool = False) -> str:

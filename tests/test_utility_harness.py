@@ -214,3 +214,26 @@ def test_the_yelp_rows_that_ran_with_raw_stars_keep_them():
     for row in ("ours", "public-only", "ours-header", "dp-sgd"):
         cfg = load_config(ROOT / CONFIGS["smollm2-yelp"], utility.overrides(row, "smollm2-yelp", 2))
         assert cfg.data.code_values == {} and cfg.control_codes.domain["label2"] == utility.STAR_VALUES, row
+
+
+def test_the_words_pair_gets_its_own_student_line_once_its_control_ran():
+    """P22: `public-only-words` is the ε = 0 control of `ours-words` (the same named-stars prompt,
+    the base teacher); its text is scored and the pair gets a `student row=words` line beside the
+    issue's, which stays `ours` against `public-only`. No control run: no words line."""
+    cfg = load_config(ROOT / CONFIGS["smollm2-yelp"], utility.overrides("public-only-words", "smollm2-yelp", 2))
+    words = load_config(ROOT / CONFIGS["smollm2-yelp"], utility.overrides("ours-words", "smollm2-yelp", 1))
+    assert cfg.distill.method == "public_only" and cfg.seed == 1
+    assert (cfg.data.prompt_template, cfg.data.code_values) == (words.data.prompt_template, words.data.code_values)
+    ds = {"label2": {"macro_f1": 0.25, "chance_macro_f1": 0.2, "real_reference_macro_f1": 0.35}}
+    results = [_run("ours", 1, 150.0, 200.0), _run("public-only", 1, 180.0, 240.0, dp_teacher=None),
+               _run("dp-sgd", 1, 300.0, 400.0, dp_teacher=None), _run("ours-words", 1, 155.0, 205.0)]
+    assert "student row=words" not in utility.report(results, "smollm2-yelp", "smollm2-135m")
+    results.append(_run("public-only-words", 1, 170.0, 230.0, dp_teacher=None, downstream=ds))
+    lines = utility.report(results, "smollm2-yelp", "smollm2-135m").strip().splitlines()
+    assert lines[-4].startswith("student model=smollm2-135m corpus=smollm2-yelp runs=1 ours=150.0±–")
+    assert lines[-2] == ("student row=words model=smollm2-135m corpus=smollm2-yelp runs=1 ours=155.0±– "
+                         "public_only=170.0±– dpsgd=300.0±– teacher=61.0±– base_teacher=79.1")
+    assert lines[-1].startswith("student row=words model=smollm2-135m corpus=smollm2-yelp figure=text_alone runs=1 "
+                                "ours=205.0±– public_only=230.0±–")
+    assert ("synthetic row=public-only-words model=smollm2-135m corpus=smollm2-yelp column=label2 runs=1 "
+            "f1=0.250±–") in "\n".join(lines)
