@@ -19,7 +19,8 @@ learning rate, issue 59 item 3):
    the same config: their runs count for both.
 2. **Private.** The chosen learning rate and the config's own (multiple 1), three runs each on
    the private config at its whole ε (fresh DP noise each: the noisy stage is rerun), on its
-   fixed test split (issue 60).
+   fixed test split (issue 60). Where the config has shipped a choice since, the study keeps the
+   settings it ran with (`PINNED`).
 
 The report ends with `teacher corpus=NAME settings=chosen|default ...` (the DP teacher, the student,
 MAUVE and the synthetic text's classifier, with the teacher's chosen learning rate and the config's),
@@ -55,6 +56,10 @@ METHODS = {"ours": ("distil", "distill.learning_rate", "control-codes", "student
            # Issue 59 item 3: ours' DP teacher's learning rate, chosen by the DP teacher's own figure
            "teacher": ("distil", "teacher.learning_rate", "teacher", "dp_teacher")}
 TABLE = ("ours", "dpsgd", "dpkd")  # the methods of the table= lines
+# A study's private runs keep the settings its config had when the study ran, where the config has
+# shipped another since: the multiples and "the config's own" (multiple 1) stay what they were.
+# SmolLM2 Yelp ships ours' proxy choice, 2 × 3e-4, since that study chose it.
+PINNED = {"smollm2-yelp": ["distill.learning_rate=0.0003"]}
 
 
 def _value(cfg, field: str) -> float:
@@ -182,7 +187,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from pipeline.config import load_config
 
-    cfg, proxy = load_config(args.config, args.overrides), load_config(args.proxy, args.overrides)
+    pins = PINNED.get(load_config(args.config).name, [])
+    cfg, proxy = load_config(args.config, [*pins, *args.overrides]), load_config(args.proxy, args.overrides)
     if not args.report_only:
         require_data(cfg, "experiments/public_proxy.py", args.config)
         require_data(proxy, "experiments/public_proxy.py", args.proxy)
@@ -195,7 +201,7 @@ def main(argv: list[str]) -> int:
             done = run_recorded(
                 results_path, cfg.name, f"{method} {phase} m={multiple:g} r{repeat}",
                 lambda: run_one(args.proxy if phase == "proxy" else args.config, method, multiple, base, phase, repeat,
-                                [*(same_training(cfg) if phase == "proxy" else []), *args.overrides]),
+                                [*(same_training(cfg) if phase == "proxy" else pins), *args.overrides]),
                 failed, extra={"proxy": proxy.name})
             if done is None:
                 break  # go on with the next method; a restart retries it

@@ -92,3 +92,29 @@ def test_the_proxy_trains_the_private_configs_models_on_its_schedule():
     assert (tweets.data, tweets.generate) == (shipped.data, shipped.generate)
     builtin = load_config(ROOT / "configs/airline.yaml")
     assert load_config(ROOT / "configs/airline.yaml", proxy.same_training(load_config(ROOT / "configs/reference.yaml"))) == builtin
+
+
+def test_a_pinned_study_keeps_the_settings_its_recorded_runs_had():
+    """Where a config ships a study's choice since (SmolLM2 Yelp: ours' 2 ×), the study's runs keep
+    the value its multiples are relative to: the pin is the base of every tracked candidate, and
+    the rows of experiments/utility.py keep it too."""
+    import json
+
+    from pipeline.config import load_config
+
+    utility_spec = importlib.util.spec_from_file_location("utility", ROOT / "experiments" / "utility.py")
+    utility = importlib.util.module_from_spec(utility_spec)
+    utility_spec.loader.exec_module(utility)
+    lines = [json.loads(x) for x in (ROOT / "docs/results/public_proxy.jsonl").read_text().splitlines() if x.strip()]
+    for name, pins in proxy.PINNED.items():
+        assert list(utility.PINNED[name]) == pins
+        field, value = pins[0].split("=")
+        # the base every recorded candidate of the field's method is a multiple of
+        method = next(m for m, spec in proxy.METHODS.items() if spec[1] == field)
+        ran = {round(r["learning_rate"] / r["multiple"], 12) for r in lines
+               if r["config"] == name and r["method"] == method}
+        assert ran == {float(value)}, (name, ran)
+        config = ROOT / "configs" / f"{name.replace('-', '_')}.yaml"
+        assert proxy._value(load_config(config, pins), field) == float(value)
+        for row in ("ours", "ours-words", "public-only-words"):
+            assert proxy._value(load_config(config, utility.overrides(row, name, 1)), field) == float(value)
