@@ -8,9 +8,9 @@ time with fresh secret DP noise, reported as mean ± sd. Resumable.
 
 Every run is the Prefect flow with the row's overrides, in its own run directory
 (`<name>-<row>-r<k>`). Repeat 1 takes what the stage cache holds; every later repeat reruns
-each stage that draws DP noise and everything after it (`rerun`: control-codes for the
-distilled rows, dp-student for DP-SGD and DPKD), so that each repeat is an independent draw of
-the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`
+the first stage that draws DP noise and everything after it (pipeline/methods.py `noisy_stage`:
+control-codes for the distilled rows, dp-student for DP-SGD, the teacher for DPKD), so that each
+repeat is an independent draw of the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`
 (or the file `--results` names: a tracked one outlives the run root), each line naming its config
 (two configs may share a run_root); a restart skips them and continues a killed run in its own
 directory. The report's table gives
@@ -39,13 +39,15 @@ sys.path.insert(0, str(ROOT))
 from experiments.shared import (  # noqa: E402  the data in ../shared
     RULE_CANDIDATES, add_results_option, finish, mean_sd, read_results, refresh_selections, require_data, run_recorded,
     selection_of)
-# (label, overrides, the stage whose rerun draws fresh noise for that row and all after it)
+# label: its overrides. A repeat reruns the method's first noisy stage and all after it
+# (pipeline/methods.py `noisy_stage`; DPKD's teacher too since 2026-11-30, before: its dp-student
+# alone, so the DPKD rows' repeats in the results files of this harness share one DP teacher).
 ROWS = {
-    "ours": (("distill.method=distil", RULE_CANDIDATES, "distill.keep_candidates=true"), "control-codes"),
-    "DP-SGD": (("distill.method=dp_sgd",), "dp-student"),
+    "ours": ("distill.method=distil", RULE_CANDIDATES, "distill.keep_candidates=true"),
+    "DP-SGD": ("distill.method=dp_sgd",),
     # DPKD's two DP-SGD trainings together spend teacher.target_epsilon (pipeline/plan.py dp_sgd_budgets)
-    "DPKD": (("distill.method=dpkd",), "dp-student"),
-    "DP-Syn": (("distill.method=dp_syn", "evaluate.adherence_samples=0"), "control-codes"),
+    "DPKD": ("distill.method=dpkd",),
+    "DP-Syn": ("distill.method=dp_syn", "evaluate.adherence_samples=0"),
 }
 # The order runs are made in: the rows the claim rests on first, one repeat of each at a time.
 SCHEDULE = (("ours", 1), ("DP-SGD", 1), ("ours", 2), ("DP-SGD", 2), ("ours", 3), ("DP-SGD", 3),
@@ -89,9 +91,10 @@ def run_one(config: str, label: str, repeat: int, extra: list[str]) -> dict:
     from flows.pipeline_flow import dp_distill
     from flows.run_info import stages_to_rerun
     from pipeline.config import load_config
+    from pipeline.methods import method_spec
 
-    overrides, noisy_stage = ROWS[label]
-    cfg = load_config(config, [*overrides, *extra])
+    cfg = load_config(config, [*ROWS[label], *extra])
+    noisy_stage = method_spec(cfg.distill.method).noisy_stage
     cfg = cfg.model_copy(update={"name": f"{cfg.name}-{label.lower().replace('-', '')}-r{repeat}"})
     t0 = time.monotonic()
     run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy_stage, None) if repeat > 1 else None))

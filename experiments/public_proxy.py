@@ -48,13 +48,15 @@ from experiments.shared import (  # noqa: E402
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's learning rate
 REPEATS = 3  # private runs at each of the chosen and the config's settings
 EXTEND = 3  # at most this many more factors of 2 past the grid's edge
-# method: (its distill.method, the field its candidates set, the stage whose rerun draws fresh noise,
-# the proxy's figure it is chosen by: a windowed test perplexity of the result's)
-METHODS = {"ours": ("distil", "distill.learning_rate", "control-codes", "student"),
-           "dpsgd": ("dp_sgd", "teacher.learning_rate", "dp-student", "student"),
-           "dpkd": ("dpkd", "teacher.learning_rate", "dp-student", "student"),
+# method: (its distill.method, the field its candidates set, the proxy's figure it is chosen by: a
+# windowed test perplexity of the result's). A repeat reruns the method's first noisy stage and all
+# after it (pipeline/methods.py `noisy_stage`; DPKD's teacher too since 2026-11-30, before: its
+# dp-student alone, so its repeats shared one DP teacher).
+METHODS = {"ours": ("distil", "distill.learning_rate", "student"),
+           "dpsgd": ("dp_sgd", "teacher.learning_rate", "student"),
+           "dpkd": ("dpkd", "teacher.learning_rate", "student"),
            # Issue 59 item 3: ours' DP teacher's learning rate, chosen by the DP teacher's own figure
-           "teacher": ("distil", "teacher.learning_rate", "teacher", "dp_teacher")}
+           "teacher": ("distil", "teacher.learning_rate", "dp_teacher")}
 TABLE = ("ours", "dpsgd", "dpkd")  # the methods of the table= lines
 # A study's private runs keep the settings its config had when the study ran, where the config has
 # shipped another since: the multiples and "the config's own" (multiple 1) stay what they were.
@@ -72,14 +74,21 @@ def run_one(config: str, method: str, multiple: float, base: float, phase: str, 
     from flows.run_info import stages_to_rerun
     from pipeline.config import load_config
 
-    name, field, noisy, _ = METHODS[method]
+    name, field, _ = METHODS[method]
     overrides = [f"distill.method={name}", f"{field}={base * multiple:.6g}", *extra]
     cfg = load_config(config, overrides)
     cfg = cfg.model_copy(update={"name": f"{cfg.name}-{phase}-{method}-m{multiple:g}-r{repeat}"})
     t0 = time.monotonic()
-    run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy, None) if repeat > 1 else None))
+    run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy_stage(method), None) if repeat > 1 else None))
     return {"phase": phase, "method": method, "multiple": multiple, "learning_rate": base * multiple,
             **_result(method, repeat, run_dir, time.monotonic() - t0), **where_run(cfg)}
+
+
+def noisy_stage(method: str) -> str | None:
+    """The stage a private repeat of `method` reruns, with all after it, for fresh DP noise."""
+    from pipeline.methods import method_spec
+
+    return method_spec(METHODS[method][0]).noisy_stage
 
 
 def same_training(cfg) -> list[str]:
@@ -102,7 +111,7 @@ def runs_of(results: list[dict], method: str, phase: str, multiple: float | None
 
 def _proxy(results: list[dict], method: str) -> dict[float, float]:
     """The proxy's figure of each multiple run: the one `method` is chosen by."""
-    return {r["multiple"]: r[METHODS[method][3]] for r in runs_of(results, method, "proxy")}
+    return {r["multiple"]: r[METHODS[method][2]] for r in runs_of(results, method, "proxy")}
 
 
 def chosen(results: list[dict], method: str) -> float | None:

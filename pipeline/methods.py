@@ -81,6 +81,13 @@ class Method:
         return ((CODES_STAGE,) if self.generates else ()) + (("teacher",) if self.dp_teacher else ()) \
             + (("generation",) if self.generates else ()) + (self.student_stage, "evaluation")
 
+    @property
+    def noisy_stage(self) -> str | None:
+        """The first stage that draws DP noise (the code release, else the first DP-SGD stage): a
+        repeat reruns it and every stage after it for an independent draw of all the run's noise
+        (DPKD: its teacher, not only its student). None: no DP noise (the ε = 0 control)."""
+        return CODES_STAGE if self.releases_codes else next(iter(self.budget_shares), None)
+
     def budget(self, epsilon: float) -> dict[str, float]:
         """ε of each DP-SGD stage at the run's `epsilon`: its share; the last takes what is left, so
         that the shares add up to `epsilon` exactly in floating point."""

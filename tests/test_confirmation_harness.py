@@ -49,9 +49,15 @@ def test_the_table_gives_the_per_record_and_text_only_figures_and_reads_older_re
 
 
 def test_every_repeat_after_the_first_reruns_the_stages_that_draw_noise():
+    """Each row's repeat reruns its method's first noisy stage: DPKD its DP teacher too (before
+    2026-11-30 its repeats reran the dp-student alone and shared one teacher)."""
+    from pipeline.config import load_config
+    from pipeline.methods import method_spec
+
     assert [k for label, k in confirmation.SCHEDULE if label == "ours"] == [1, 2, 3]
-    for label, (overrides, stage) in confirmation.ROWS.items():
-        assert stage in ("control-codes", "dp-student"), label
+    stages = {label: method_spec(load_config(ROOT / "configs/reference.yaml", list(o)).distill.method).noisy_stage
+              for label, o in confirmation.ROWS.items()}
+    assert stages == {"ours": "control-codes", "DP-SGD": "dp-student", "DPKD": "teacher", "DP-Syn": "control-codes"}
 
 
 def test_two_configs_sharing_a_run_root_keep_their_own_runs(tmp_path):

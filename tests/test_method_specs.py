@@ -113,3 +113,16 @@ def test_the_control_plans_no_release(tmp_path):
     tree["distill"]["method"] = "public_only"
     plan = make_plan(config_from_dict(tree))
     assert plan.entries == [] and plan.dp_sgd == {} and plan.total.epsilon == 0 and plan.total.complete
+
+
+def test_a_repeat_reruns_from_the_first_stage_that_draws_dp_noise():
+    """An independent repeat draws every DP release afresh: ours and DP-Syn from their code
+    release, DPKD from its DP teacher (its student's noise is not all of it), DP-SGD from its
+    student; the ε = 0 control draws none."""
+    stages = {name: method_spec(name).noisy_stage for name in METHOD_NAMES}
+    assert stages == {"distil": "control-codes", "dp_syn": "control-codes", "dp_sgd": "dp-student",
+                      "dpkd": "teacher", "public_only": None}
+    for name, stage in stages.items():
+        spec = method_spec(name)
+        noisy = [s for s in spec.stages if s in spec.budget_shares or (s == "control-codes" and spec.releases_codes)]
+        assert stage == (noisy[0] if noisy else None), name

@@ -118,3 +118,10 @@ def test_a_pinned_study_keeps_the_settings_its_recorded_runs_had():
         assert proxy._value(load_config(config, pins), field) == float(value)
         for row in ("ours", "ours-words", "public-only-words"):
             assert proxy._value(load_config(config, utility.overrides(row, name, 1)), field) == float(value)
+
+
+def test_a_private_repeat_draws_all_of_its_methods_noise_afresh():
+    """DPKD's repeat reruns its DP teacher, not only its student (before 2026-11-30 its three
+    private runs shared one teacher); the teacher's rate study reruns the code release too."""
+    assert {m: proxy.noisy_stage(m) for m in proxy.METHODS} == {
+        "ours": "control-codes", "dpsgd": "dp-student", "dpkd": "teacher", "teacher": "control-codes"}

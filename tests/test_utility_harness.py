@@ -237,3 +237,15 @@ def test_the_words_pair_gets_its_own_student_line_once_its_control_ran():
                                 "ours=205.0±– public_only=230.0±–")
     assert ("synthetic row=public-only-words model=smollm2-135m corpus=smollm2-yelp column=label2 runs=1 "
             "f1=0.250±–") in "\n".join(lines)
+
+
+def test_a_rows_repeat_reruns_its_methods_first_noisy_stage():
+    """Each row that draws its own noise reruns its method's first noisy stage (pipeline/methods.py);
+    the ε = 0 rows vary their seed; the paired rows reuse ours' run."""
+    from pipeline.methods import method_spec
+
+    for name, config in CONFIGS.items():
+        for row, (_, stage) in utility.ROWS.items():
+            if stage != utility.PAIRED:
+                method = load_config(ROOT / config, utility.overrides(row, name, 1)).distill.method
+                assert stage == method_spec(method).noisy_stage, (name, row)
