@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.shared import (  # noqa: E402  the data in ../shared
     RULE_CANDIDATES, add_results_option, finish, mean_sd, read_results, refresh_selections, require_data, run_recorded,
-    selection_of)
+    selection_of, shared_teacher_note)
 # label: its overrides. A repeat reruns the method's first noisy stage and all after it
 # (pipeline/methods.py `noisy_stage`; DPKD's teacher too since 2026-11-30, before: its dp-student
 # alone, so the DPKD rows' repeats in the results files of this harness share one DP teacher).
@@ -134,6 +134,8 @@ def report(results: list[dict], corpus: str, model: str | None = None) -> str:
             figures = " | ".join(mean_sd([r[k] for r in rows if r.get(k) is not None]) for k in STUDENT_FIGURES)
             lines.append(f"| {label} | {len(rows)} | {mean_sd(vals)} | {each} | {figures} | {epsilons} | {seconds} |")
     out = "\n".join(lines)
+    notes = "".join(shared_teacher_note(label, by_row.get(label, [])) for label in ("DP-SGD", "DPKD", "DP-Syn"))
+    out += "\n\n" + notes.rstrip("\n") if notes else ""
     if ours and any("selection" in r for r in ours):
         out += "\n\nSelection in each `ours` run (test perplexity computed after the choice):\n\n"
         out += ("| run | chosen | candidate | teacher_kl | untruncated_ce | synthetic validation CE | test perplexity "

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
 from experiments.shared import (  # noqa: E402
-    add_results_option, finish, mean_sd, read_results, require_data, run_recorded, where_run)
+    add_results_option, finish, mean_sd, read_results, require_data, run_recorded, shared_teacher_note, where_run)
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's learning rate
 REPEATS = 3  # private runs at each of the chosen and the config's settings
@@ -153,6 +153,10 @@ def report(results: list[dict], corpus: str) -> str:
         proxy = ", ".join(f"{m:g} → {p:.1f}" for m, p in sorted(_proxy(results, method).items()))
         lines.append(f"| {method} | {proxy or '–'} | {'–' if pick is None else f'{pick:g}'} | " + " | ".join(cells) + " |")
     out = "\n".join(lines) + "\n\n"
+    for m in ("dpsgd", "dpkd"):  # runs meant as independent draws that share a DP teacher
+        for key, what in (("chosen", "the chosen rate"), ("default", "the config's rate")):
+            if key == "default" or chosen(results, m) != 1.0:
+                out += shared_teacher_note(f"{m}, private at {what}", summary[key][m])
     for settings in ("chosen", "default"):  # issue 59 item 3: what the teacher's choice does to the text
         runs = summary[settings]["teacher"]
         multiple = chosen(results, "teacher") if settings == "chosen" else 1.0

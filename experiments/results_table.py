@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.public_proxy import REPEATS, chosen, runs_of  # noqa: E402
-from experiments.shared import mean_sd, read_results  # noqa: E402
+from experiments.shared import mean_sd, read_results, shared_teacher_note  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 # corpus, each column's (results file, its config's name or None for every line, the file's row
@@ -45,6 +45,7 @@ SOURCES = (
 )
 COLUMNS = ("ours", "dpsgd", "dpkd", "public_only")
 PROXY = "ᵖ"  # the mark of a cell at the learning rate chosen on the public proxy (public_proxy.jsonl)
+SHARED = "ˢ"  # the mark of a cell whose runs share a DP teacher (a DPKD repeat's before 2026-11-30)
 # figure: (the student's key, the DP teacher's, the base teacher's, the base student's)
 FIGURES = (("windowed", ("student", "dp_teacher", "base_teacher", "zero_shot")),
            ("text alone", ("student_text_windowed", "dp_teacher_text", "base_teacher_text", None)))
@@ -61,12 +62,21 @@ def table() -> str:
         proxied = proxy_runs(proxy_config)
         of |= proxied
         for what, (student, *references) in FIGURES:
-            cells = [mean_sd([r.get(student) for r in of[col]]) + (PROXY if col in proxied else "") for col in COLUMNS]
+            cells = [cell(of[col], student, col in proxied) for col in COLUMNS]
             if cells[0] == "–":
                 continue  # an older study that did not record this figure of ours: nothing to compare
             cells += [reference(of["ours"], own_ours, key) for key in references]
             lines.append(f"| {corpus} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def cell(runs: list[dict], key: str, proxied: bool) -> str:
+    """A method's cell: the runs' mean ± sd of `key`, marked where chosen on the public proxy and
+    where its runs share a DP teacher (not independent draws of all their noise)."""
+    text = mean_sd([r.get(key) for r in runs])
+    if text == "–":
+        return text
+    return text + (PROXY if proxied else "") + (SHARED if shared_teacher_note("", runs) else "")
 
 
 def reference(ours: list[dict], own_ours: list[dict], key: str | None) -> str:

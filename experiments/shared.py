@@ -173,3 +173,16 @@ def mean_sd(values: list[float | None], digits: int = 1) -> str:
         return "–"
     sd = f"{statistics.stdev(values):.{digits}f}" if len(values) > 1 else "–"
     return f"{statistics.mean(values):.{digits}f}±{sd}"
+
+
+def shared_teacher_note(label: str, runs: list[dict]) -> str:
+    """A line saying that runs meant as independent draws share a DP teacher (equal `dp_teacher`
+    figures), so their spread leaves the teacher's noise out: before 2026-11-30 a DPKD repeat
+    reran its student alone. Empty when every run that records its teacher read its own."""
+    teachers = [round(r["dp_teacher"], 6) for r in runs if r.get("dp_teacher") is not None]
+    if len(teachers) == len(set(teachers)):
+        return ""
+    return (f"{label}: {len(teachers)} runs read {len(set(teachers))} DP teacher(s) "
+            f"({', '.join(f'{t:.1f}' for t in sorted(set(teachers)))}): they differ by the student's DP "
+            "noise alone, so the spread leaves the teacher's out (a DPKD repeat reran its student alone "
+            "before 2026-11-30).\n")

@@ -126,3 +126,12 @@ def test_a_results_line_keeps_the_teachers_code_adherence_without_the_per_value_
     del metrics["code_adherence"]
     (tmp_path / "metrics.json").write_text(json.dumps(metrics))
     assert "code_adherence" not in confirmation._result("ours", 1, tmp_path, 12.0)
+
+
+def test_the_report_says_when_dpkds_repeats_share_one_dp_teacher():
+    """The DPKD rows of docs/results/yelp.jsonl, airline.jsonl and smollm2_yelp.jsonl were made when
+    a DPKD repeat reran its student alone: the report says their spread leaves the teacher's out."""
+    results = [_run("ours", 1, 160.0)] + [_run("DPKD", k, 185.0 + k, dp_teacher=132.9) for k in (1, 2, 3)]
+    assert "DPKD: 3 runs read 1 DP teacher(s) (132.9)" in confirmation.report(results, "reference")
+    fresh = [_run("ours", 1, 160.0)] + [_run("DPKD", k, 185.0 + k) for k in (1, 2, 3)]
+    assert "teacher(s)" not in confirmation.report(fresh, "reference")

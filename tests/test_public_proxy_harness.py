@@ -125,3 +125,16 @@ def test_a_private_repeat_draws_all_of_its_methods_noise_afresh():
     private runs shared one teacher); the teacher's rate study reruns the code release too."""
     assert {m: proxy.noisy_stage(m) for m in proxy.METHODS} == {
         "ours": "control-codes", "dpsgd": "dp-student", "dpkd": "teacher", "teacher": "control-codes"}
+
+
+def test_the_report_says_when_private_repeats_share_a_dp_teacher():
+    """DPKD's private runs before 2026-11-30 reran its student alone and read one DP teacher: the
+    report says so under the table, once for a choice that is the config's own; runs that each
+    trained their own teacher get no note."""
+    results = [_run("proxy", "dpkd", m, p) for m, p in ((0.5, 300), (1.0, 200), (2.0, 210), (4.0, 260))]
+    shared = [_run("private", "dpkd", 1.0, 180 + k, k, dp_teacher=137.8) for k in (1, 2, 3)]
+    text = proxy.report(results + shared, "reference")
+    assert text.count("teacher(s)") == 1
+    assert "dpkd, private at the config's rate: 3 runs read 1 DP teacher(s) (137.8)" in text
+    fresh = [_run("private", "dpkd", 1.0, 180 + k, k, dp_teacher=137.0 + k) for k in (1, 2, 3)]
+    assert "teacher(s)" not in proxy.report(results + fresh, "reference")

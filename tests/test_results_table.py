@@ -19,8 +19,9 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 
 def _row(row: str, student: float, repeat: int = 1) -> dict:
+    # each run its own DP teacher, a hair apart (runs that share one get their cell marked ˢ)
     return {"config": "smollm2-yelp", "row": row, "repeat": repeat, "student": student,
-            "student_text_windowed": student + 50, "dp_teacher": 57.0, "zero_shot": 598.0}
+            "student_text_windowed": student + 50, "dp_teacher": 57.0 + repeat / 1e4, "zero_shot": 598.0}
 
 
 def _columns(name: str = "smollm2_yelp.jsonl") -> dict:
@@ -29,7 +30,7 @@ def _columns(name: str = "smollm2_yelp.jsonl") -> dict:
 
 def _proxy(phase: str, method: str, multiple: float, student: float, repeat: int = 1) -> dict:
     return {"config": "smollm2-yelp", "phase": phase, "method": method, "multiple": multiple, "repeat": repeat,
-            "student": student, "student_text_windowed": student + 80, "dp_teacher": 50.0}
+            "student": student, "student_text_windowed": student + 80, "dp_teacher": 50.0 + repeat / 1e4}
 
 
 def test_a_baselines_cell_is_the_proxys_choice_where_it_ran_and_the_configs_elsewhere(tmp_path, monkeypatch):
@@ -77,3 +78,14 @@ def test_a_corpus_takes_each_column_from_the_study_that_ran_it(tmp_path, monkeyp
     _write(tmp_path / "public_proxy.jsonl", [])
     windowed = results_table.table().splitlines()[2]
     assert windowed == "| Yelp | windowed | 210.0±– | – | 366.0±– | 244.0±– | 43.0±– | – | 598.0±– |"
+
+
+def test_a_cell_whose_runs_share_a_dp_teacher_is_marked(tmp_path, monkeypatch):
+    """DPKD's repeats before 2026-11-30 reran its student alone: three runs, one DP teacher. Their
+    cell is marked ˢ (not independent draws of all their noise); runs with their own are not."""
+    monkeypatch.setattr(results_table, "RESULTS", tmp_path)
+    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", _columns(), "smollm2-yelp"),))
+    shared = [{**_row("DPKD", 366.0 + k, k), "dp_teacher": 57.8} for k in (1, 2, 3)]
+    _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("ours", 202.0, 2), *shared])
+    windowed = results_table.table().splitlines()[2]
+    assert windowed.split(" | ")[2:5] == ["201.0±1.4", "–", "368.0±1.0ˢ"]
