@@ -10,10 +10,10 @@ Every run is the Prefect flow with the row's overrides, in its own run directory
 (`<name>-<row>-r<k>`). Repeat 1 takes what the stage cache holds; every later repeat reruns
 the first stage that draws DP noise and everything after it (pipeline/methods.py `noisy_stage`:
 control-codes for the distilled rows, dp-student for DP-SGD, the teacher for DPKD), so that each
-repeat is an independent draw of the noise, never a cache hit. Finished runs are appended to `<run_root>/confirmation.jsonl`
-(or the file `--results` names: a tracked one outlives the run root), each line naming its config
-(two configs may share a run_root); a restart skips them and continues a killed run in its own
-directory. The report's table gives
+repeat is an independent draw of the noise, never a cache hit. Finished runs are appended to
+`<run_root>/confirmation.jsonl` (or the file `--results` names: a tracked one outlives the run
+root), each line naming its config (two configs may share a run_root); a restart skips them and
+continues a killed run in its own directory. The report's table gives
 each row's student perplexity windowed, per record (mean, median, token-weighted) and on the text
 alone (the control-code header left out of the targets), and ends with the line
 `corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexities); with a cached model as

@@ -17,9 +17,10 @@ also trained on those alone; run it right after `ours`), `ours-long` (paired the
 student distilled for 4 epochs of the same synthetic text instead of 1, the best on the synthetic
 validation split kept, issue 59 item 5; `ours-8l` the same with an 8-layer student, the one the
 tweets config ships), `public-only` (distill.method=public_only with the same prompt; no DP noise,
-so its repeats differ by their seed; `public-only-words` the same with `ours-words`' prompt, P22) and `dp-sgd` (distill.method=dp_sgd at the config's settings
-and its whole ε, on records with the header, as it ran in issue 36). A DP row's repeat k > 1 reruns
-the stage that draws its noise and all after it, as experiments/confirmation.py does. The test split
+so its repeats differ by their seed; `public-only-words` the same with `ours-words`' prompt, P22)
+and `dp-sgd` (distill.method=dp_sgd at the config's settings and its whole ε, on records with the
+header, as it ran in issue 36). A DP row's repeat k > 1 reruns its method's first noisy stage and
+all after it (pipeline/methods.py `noisy_stage`), as experiments/confirmation.py does. The test split
 is each corpus's fixed one (Yelp's test file; the tweets' data.test_split=fixed, issue 60). Each
 row pins the student and epochs it ran with (ROWS), whatever the config ships later. The table
 gives each row's student on the codes' tokens alone too (experiments/privacy_utility.py).
