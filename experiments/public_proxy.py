@@ -20,7 +20,7 @@ learning rate, issue 59 item 3):
 2. **Private.** The chosen learning rate and the config's own (multiple 1), three runs each on
    the private config at its whole ε (fresh DP noise each: the noisy stage is rerun), on its
    fixed test split (issue 60). Where the config has shipped a choice since, the study keeps the
-   settings it ran with (`PINNED`).
+   settings it ran with (experiments/shared.py `PINNED`).
 
 The report ends with `teacher corpus=NAME settings=chosen|default ...` (the DP teacher, the student,
 MAUVE and the synthetic text's classifier, with the teacher's chosen learning rate and the config's),
@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
 from experiments.shared import (  # noqa: E402
-    add_results_option, finish, mean_sd, read_results, require_data, run_recorded, shared_teacher_note, where_run)
+    PINNED, add_results_option, finish, mean_sd, read_results, require_data, run_recorded, shared_teacher_note,
+    where_run)
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's learning rate
 REPEATS = 3  # private runs at each of the chosen and the config's settings
@@ -58,10 +59,6 @@ METHODS = {"ours": ("distil", "distill.learning_rate", "student"),
            # Issue 59 item 3: ours' DP teacher's learning rate, chosen by the DP teacher's own figure
            "teacher": ("distil", "teacher.learning_rate", "dp_teacher")}
 TABLE = ("ours", "dpsgd", "dpkd")  # the methods of the table= lines
-# A study's private runs keep the settings its config had when the study ran, where the config has
-# shipped another since: the multiples and "the config's own" (multiple 1) stay what they were.
-# SmolLM2 Yelp ships ours' proxy choice, 2 × 3e-4, since that study chose it.
-PINNED = {"smollm2-yelp": ["distill.learning_rate=0.0003"]}
 
 
 def _value(cfg, field: str) -> float:
@@ -200,7 +197,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from pipeline.config import load_config
 
-    pins = PINNED.get(load_config(args.config).name, [])
+    pins = list(PINNED.get(load_config(args.config).name, ()))  # the study's private runs keep them
     cfg, proxy = load_config(args.config, [*pins, *args.overrides]), load_config(args.proxy, args.overrides)
     if not args.report_only:
         require_data(cfg, "experiments/public_proxy.py", args.config)

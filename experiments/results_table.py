@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.public_proxy import REPEATS, chosen, runs_of  # noqa: E402
-from experiments.shared import mean_sd, read_results, shared_teacher_note  # noqa: E402
+from experiments.shared import mean_sd, read_results, share_a_teacher  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 # corpus, each column's (results file, its config's name or None for every line, the file's row
@@ -76,7 +76,7 @@ def cell(runs: list[dict], key: str, proxied: bool) -> str:
     text = mean_sd([r.get(key) for r in runs])
     if text == "–":
         return text
-    return text + (PROXY if proxied else "") + (SHARED if shared_teacher_note("", runs) else "")
+    return text + (PROXY if proxied else "") + (SHARED if share_a_teacher(runs) else "")
 
 
 def reference(ours: list[dict], own_ours: list[dict], key: str | None) -> str:

@@ -165,6 +165,12 @@ def selection_of(metrics: dict) -> dict:
                 for c in sel["candidates"]]}
 
 
+# Settings a corpus's studies keep where its config has shipped another since, so that a study's
+# multiples and rows stay what they ran with (SmolLM2 Yelp ships ours' proxy choice, 6e-4, since
+# experiments/public_proxy.py chose it; its studies ran with 3e-4).
+PINNED = {"smollm2-yelp": ("distill.learning_rate=0.0003",)}
+
+
 def mean_sd(values: list[float | None], digits: int = 1) -> str:
     """`M±S` over the values that are not None (sample sd; `M±–` for one value, whose sd is
     undefined), `–` for none."""
@@ -175,13 +181,23 @@ def mean_sd(values: list[float | None], digits: int = 1) -> str:
     return f"{statistics.mean(values):.{digits}f}±{sd}"
 
 
+def _teachers(runs: list[dict]) -> list[float]:
+    return [round(r["dp_teacher"], 6) for r in runs if r.get("dp_teacher") is not None]
+
+
+def share_a_teacher(runs: list[dict]) -> bool:
+    """Whether runs meant as independent draws share a DP teacher (equal `dp_teacher` figures):
+    before 2026-11-30 a DPKD repeat reran its student alone."""
+    teachers = _teachers(runs)
+    return len(teachers) != len(set(teachers))
+
+
 def shared_teacher_note(label: str, runs: list[dict]) -> str:
-    """A line saying that runs meant as independent draws share a DP teacher (equal `dp_teacher`
-    figures), so their spread leaves the teacher's noise out: before 2026-11-30 a DPKD repeat
-    reran its student alone. Empty when every run that records its teacher read its own."""
-    teachers = [round(r["dp_teacher"], 6) for r in runs if r.get("dp_teacher") is not None]
-    if len(teachers) == len(set(teachers)):
+    """A line saying that the runs share a DP teacher, so their spread leaves the teacher's noise
+    out; empty when every run that records its teacher read its own."""
+    if not share_a_teacher(runs):
         return ""
+    teachers = _teachers(runs)
     return (f"{label}: {len(teachers)} runs read {len(set(teachers))} DP teacher(s) "
             f"({', '.join(f'{t:.1f}' for t in sorted(set(teachers)))}): they differ by the student's DP "
             "noise alone, so the spread leaves the teacher's out (a DPKD repeat reran its student alone "

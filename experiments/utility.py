@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
 from experiments.privacy_utility import CODES, record_tokens, tokens_path, with_codes  # noqa: E402
 from experiments.shared import (  # noqa: E402
-    add_results_option, finish, mean_sd, read_results, require_data, run_recorded, where_run)
+    PINNED, add_results_option, finish, mean_sd, read_results, require_data, run_recorded, where_run)
 
 # Yelp's raw star values ("Review Stars: 4.0") as its config shipped them before `ours-words` won:
 # the rows that ran with them keep them.
@@ -108,11 +108,6 @@ ROWS = {
     "public-only-words": (("distill.method=public_only", "WORDS", FOUR, "distill.epochs=1"), None),
     "dp-sgd": (("distill.method=dp_sgd", "HEADER", FOUR), "dp-student"),
 }
-
-
-# Settings every row of a corpus keeps where its config has shipped another since (SmolLM2 Yelp's
-# distillation rate: 6e-4, the public proxy's choice, docs/baselines.md; the rows ran with 3e-4).
-PINNED = {"smollm2-yelp": ("distill.learning_rate=0.0003",)}
 
 
 def overrides(row: str, corpus: str, repeat: int, epsilon: float | None = None) -> list[str]:

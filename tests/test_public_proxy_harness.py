@@ -107,7 +107,7 @@ def test_a_pinned_study_keeps_the_settings_its_recorded_runs_had():
     utility_spec.loader.exec_module(utility)
     lines = [json.loads(x) for x in (ROOT / "docs/results/public_proxy.jsonl").read_text().splitlines() if x.strip()]
     for name, pins in proxy.PINNED.items():
-        assert list(utility.PINNED[name]) == pins
+        assert list(utility.PINNED[name]) == list(pins)
         field, value = pins[0].split("=")
         # the base every recorded candidate of the field's method is a multiple of
         method = next(m for m, spec in proxy.METHODS.items() if spec[1] == field)
@@ -115,7 +115,7 @@ def test_a_pinned_study_keeps_the_settings_its_recorded_runs_had():
                if r["config"] == name and r["method"] == method}
         assert ran == {float(value)}, (name, ran)
         config = ROOT / "configs" / f"{name.replace('-', '_')}.yaml"
-        assert proxy._value(load_config(config, pins), field) == float(value)
+        assert proxy._value(load_config(config, list(pins)), field) == float(value)
         for row in ("ours", "ours-words", "public-only-words"):
             assert proxy._value(load_config(config, utility.overrides(row, name, 1)), field) == float(value)
 
