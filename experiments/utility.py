@@ -16,7 +16,8 @@ recognises as written for their codes, distill.keep_samples=code_adherent, and t
 also trained on those alone; run it right after `ours`), `ours-long` (paired the same way: the
 student distilled for 4 epochs of the same synthetic text instead of 1, the best on the synthetic
 validation split kept, issue 59 item 5; `ours-8l` the same with an 8-layer student, the one the
-tweets config ships), `public-only` (distill.method=public_only with the same prompt; no DP noise,
+tweets config ships; `ours-8l-gpu` and `ours-12l-gpu` with the students
+healed on a GPU, bench/gpu_students.py), `public-only` (distill.method=public_only with the same prompt; no DP noise,
 so its repeats differ by their seed; `public-only-words` the same with `ours-words`' prompt, P22)
 and `dp-sgd` (distill.method=dp_sgd at the config's settings and its whole ε, on records with the
 header, as it ran in issue 36). A DP row's repeat k > 1 reruns its method's first noisy stage and
@@ -95,6 +96,7 @@ HEADERS = {corpus: ("data.prompt_template=null", "data.system_prompt=null", f"te
 # epochs, `ours-long`), the rows keep what they ran with, so a later run of a row matches its first.
 FOUR, EIGHT = "distill.student_model=cache:smollm2-135m-4l", "distill.student_model=cache:smollm2-135m-8l"
 EIGHT_GPU = "distill.student_model=cache:smollm2-135m-8l-gpu"  # healed 47x longer on a GPU (bench/gpu_students.py)
+TWELVE_GPU = "distill.student_model=cache:smollm2-135m-12l-gpu"  # 12 of 30 layers, healed as EIGHT_GPU
 ROWS = {
     "ours-header": (("distill.method=distil", "HEADER", FOUR, "distill.epochs=1"), "control-codes"),
     "ours": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=1"), "control-codes"),
@@ -104,6 +106,7 @@ ROWS = {
     "ours-long": (("distill.method=distil", "PROMPT", FOUR, "distill.epochs=4"), PAIRED),
     "ours-8l": (("distill.method=distil", "PROMPT", EIGHT, "distill.epochs=4"), PAIRED),
     "ours-8l-gpu": (("distill.method=distil", "PROMPT", EIGHT_GPU, "distill.epochs=4"), PAIRED),
+    "ours-12l-gpu": (("distill.method=distil", "PROMPT", TWELVE_GPU, "distill.epochs=4"), PAIRED),
     "public-only": (("distill.method=public_only", "PROMPT", FOUR, "distill.epochs=1"), None),
     "public-only-words": (("distill.method=public_only", "WORDS", FOUR, "distill.epochs=1"), None),
     "dp-sgd": (("distill.method=dp_sgd", "HEADER", FOUR), "dp-student"),

@@ -48,13 +48,14 @@ def test_the_tweets_config_ships_what_won_and_every_row_keeps_what_it_ran_with()
     run must match its first, so each row pins the student and epochs it ran with."""
     shipped = load_config(ROOT / "configs/smollm2_airline.yaml")
     assert (shipped.distill.epochs, shipped.distill.student_model) == (4, "cache:smollm2-135m-8l")
-    ran_with = {"ours-8l": "cache:smollm2-135m-8l", "ours-8l-gpu": "cache:smollm2-135m-8l-gpu"}  # the rest: 4 layers
+    ran_with = {"ours-8l": "cache:smollm2-135m-8l", "ours-8l-gpu": "cache:smollm2-135m-8l-gpu",
+                "ours-12l-gpu": "cache:smollm2-135m-12l-gpu"}  # the rest: 4 layers
     for name, config in CONFIGS.items():
         for row in utility.ROWS:
             cfg = load_config(ROOT / config, utility.overrides(row, name, 1))
             assert cfg.distill.student_model == ran_with.get(row, "cache:smollm2-135m-4l"), (name, row)
             if row != "dp-sgd":  # DP-SGD of the student trains by the teacher section's epochs
-                assert cfg.distill.epochs == (4 if row in ("ours-long", "ours-8l", "ours-8l-gpu") else 1), (name, row)
+                assert cfg.distill.epochs == (4 if row in ("ours-long", "ours-8l", "ours-8l-gpu", "ours-12l-gpu") else 1), (name, row)
 
 
 def test_the_header_rows_get_the_room_the_corpus_is_scored_in():
