@@ -152,10 +152,25 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], e
         out["downstream_kept"] = {c: {"macro_f1": v["synthetic"]["macro_f1"], "synthetic_train": v["synthetic_train"]}
                                   for c, v in kept["columns"].items() if "synthetic" in v}
     out["target_epsilon"] = epsilon  # None: the config's own (about 2), the study's main rows
-    if paired_with is not None:  # the same DP teacher scores the same test split the same
-        out["paired_with"] = paired_with["run_dir"]
-        out["paired"] = out["dp_teacher"] == paired_with["dp_teacher"]
+    if paired_with is not None:
+        out |= pairing(run_dir, out["dp_teacher"], paired_with)
     return out
+
+
+def pairing(run_dir: Path, dp_teacher: float, paired_with: dict) -> dict:
+    """Whether a paired row's run reused the DP teacher of the ours run it names. The stage cache
+    is keyed by config, inputs and seed, not by run: another study's run with the same settings,
+    a fresh-noise repeat too, is its latest entry for that key and serves its teacher instead
+    (2026-11-30: Yelp's ours run 1 key served public_proxy.py's private ours run). The run's
+    stages.json names the run the teacher came from; the same DP teacher also scores the same
+    test split the same."""
+    stages = json.loads((run_dir / "stages.json").read_text())
+    teacher_from = str(Path(stages["teacher"]["output"]).parent)
+    same = teacher_from == paired_with["run_dir"] and dp_teacher == paired_with["dp_teacher"]
+    if not same:
+        print(f"experiments/utility.py: {run_dir.name} reused the DP teacher of {teacher_from}, not of "
+              f"{paired_with['run_dir']}: recorded as not paired", file=sys.stderr)
+    return {"paired_with": paired_with["run_dir"], "teacher_from": teacher_from, "paired": same}
 
 
 def _codes_minus_ours(pairs: list[tuple[dict, dict]]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from pipeline.config import load_config
@@ -250,3 +251,19 @@ def test_a_rows_repeat_reruns_its_methods_first_noisy_stage():
             if stage != utility.PAIRED:
                 method = load_config(ROOT / config, utility.overrides(row, name, 1)).distill.method
                 assert stage == method_spec(method).noisy_stage, (name, row)
+
+
+def test_a_paired_run_is_paired_only_when_it_reused_that_runs_teacher(tmp_path):
+    """The stage cache serves the latest run with the same settings, which may be another study's:
+    the pairing reads where the teacher came from (stages.json), not only its perplexity."""
+    ours, other, run = tmp_path / "ours-r1", tmp_path / "private-ours-r3", tmp_path / "ours12l-r1"
+    run.mkdir()
+    paired_with = {"run_dir": str(ours), "dp_teacher": 43.6}
+
+    def reused(source: Path) -> dict:
+        (run / "stages.json").write_text(json.dumps({"teacher": {"status": "cached", "output": str(source / "teacher")}}))
+        return utility.pairing(run, 43.6, paired_with)
+
+    assert reused(ours) == {"paired_with": str(ours), "teacher_from": str(ours), "paired": True}
+    assert reused(other)["paired"] is False and reused(other)["teacher_from"] == str(other)
+    assert utility.pairing(run, 43.7, {"run_dir": str(other), "dp_teacher": 43.6})["paired"] is False
