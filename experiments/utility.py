@@ -16,12 +16,14 @@ recognises as written for their codes, distill.keep_samples=code_adherent, and t
 also trained on those alone; run it right after `ours`), `ours-long` (paired the same way: the
 student distilled for 4 epochs of the same synthetic text instead of 1, the best on the synthetic
 validation split kept, issue 59 item 5; `ours-8l` the same with an 8-layer student, the one the
-tweets config ships; `ours-8l-gpu` and `ours-12l-gpu` with the students
-healed on a GPU, bench/gpu_students.py), `public-only` (distill.method=public_only with the same prompt; no DP noise,
-so its repeats differ by their seed; `public-only-words` the same with `ours-words`' prompt, P22)
-and `dp-sgd` (distill.method=dp_sgd at the config's settings and its whole ε, on records with the
-header, as it ran in issue 36). A DP row's repeat k > 1 reruns its method's first noisy stage and
-all after it (pipeline/methods.py `noisy_stage`), as experiments/confirmation.py does. The test split
+tweets config ships; `ours-8l-gpu` and `ours-12l-gpu` with the students healed on a GPU,
+bench/gpu_students.py), `public-only` (distill.method=public_only with the same prompt; no DP
+noise, so its repeats differ by their seed; `public-only-words` the same with `ours-words`' prompt,
+P22; `public-only-12l-gpu` with the 12-layer student, four epochs, P26) and `dp-sgd`
+(distill.method=dp_sgd at the config's settings and its whole ε, on records with the
+header, as it ran in issue 36; `dp-sgd-12l-gpu` the same with the 12-layer student, P26). A DP
+row's repeat k > 1 reruns its method's first noisy stage and all after it (pipeline/methods.py
+`noisy_stage`), as experiments/confirmation.py does. The test split
 is each corpus's fixed one (Yelp's test file; the tweets' data.test_split=fixed, issue 60). Each
 row pins the student and epochs it ran with (ROWS), whatever the config ships later. The table
 gives each row's student on the codes' tokens alone too (experiments/privacy_utility.py).
@@ -109,7 +111,9 @@ ROWS = {
     "ours-12l-gpu": (("distill.method=distil", "PROMPT", TWELVE_GPU, "distill.epochs=4"), PAIRED),
     "public-only": (("distill.method=public_only", "PROMPT", FOUR, "distill.epochs=1"), None),
     "public-only-words": (("distill.method=public_only", "WORDS", FOUR, "distill.epochs=1"), None),
+    "public-only-12l-gpu": (("distill.method=public_only", "PROMPT", TWELVE_GPU, "distill.epochs=4"), None),
     "dp-sgd": (("distill.method=dp_sgd", "HEADER", FOUR), "dp-student"),
+    "dp-sgd-12l-gpu": (("distill.method=dp_sgd", "HEADER", TWELVE_GPU), "dp-student"),
 }
 
 
@@ -212,28 +216,32 @@ def report(results: list[dict], corpus: str, model: str) -> str:
                     f"student_minus_ours={mean_sd([r['student'] - o['student'] for r, o in pairs])} "
                     f"text_minus_ours={mean_sd([r['student_text_windowed'] - o['student_text_windowed'] for r, o in pairs])}"
                     f"{_codes_minus_ours(pairs)}\n")
-    # the issue's student lines; then the same for the stars named in words (P22), where both rows ran
-    for tag, mine, control in (("", "ours", "public-only"), ("row=words ", "ours-words", "public-only-words")):
+    # the issue's student lines; then the same for the stars named in words (P22) and the 12-layer
+    # student (P26), where their ε = 0 control ran
+    for tag, mine, control, dpsgd in (("", "ours", "public-only", "dp-sgd"),
+                                      ("row=words ", "ours-words", "public-only-words", "dp-sgd"),
+                                      ("row=12l ", "ours-12l-gpu", "public-only-12l-gpu", "dp-sgd-12l-gpu")):
         if tag and not by_row.get(control):
             continue
         for key, what in (("student", ""), ("student_text_windowed", " figure=text_alone")):
-            out += _student_line(by_row, mine, control, key, f"{tag}model={model} corpus={corpus}{what}")
+            out += _student_line(by_row, mine, control, dpsgd, key, f"{tag}model={model} corpus={corpus}{what}")
     return out
 
 
-def _student_line(by_row: dict[str, list[dict]], mine: str, control: str, key: str, what: str) -> str:
+def _student_line(by_row: dict[str, list[dict]], mine: str, control: str, dpsgd: str, key: str, what: str) -> str:
     """`student WHAT runs=K ours=M±S public_only=M±S dpsgd=M±S teacher=M±S base_teacher=X` of row
-    `mine` against the ε = 0 row `control` (the figure `key`); empty while `mine` has no base teacher."""
+    `mine` against the ε = 0 row `control` and DP-SGD's row `dpsgd` (the figure `key`); empty while
+    `mine` has no base teacher."""
     ours = by_row.get(mine, [])
     teacher_key, base_key = ("dp_teacher", "base_teacher") if key == "student" else ("dp_teacher_text",
                                                                                    "base_teacher_text")
     base = [r[base_key] for r in ours if r.get(base_key) is not None]
     if not base:
         return ""
-    runs = min(len(by_row.get(row, [])) for row in (mine, control, "dp-sgd"))
+    runs = min(len(by_row.get(row, [])) for row in (mine, control, dpsgd))
     return (f"student {what} runs={runs} ours={mean_sd([r[key] for r in ours])} "
             f"public_only={mean_sd([r[key] for r in by_row.get(control, [])])} "
-            f"dpsgd={mean_sd([r[key] for r in by_row.get('dp-sgd', [])])} "
+            f"dpsgd={mean_sd([r[key] for r in by_row.get(dpsgd, [])])} "
             f"teacher={mean_sd([r.get(teacher_key) for r in ours])} base_teacher={statistics.mean(base):.1f}\n")
 
 

@@ -50,13 +50,13 @@ def test_the_tweets_config_ships_what_won_and_every_row_keeps_what_it_ran_with()
     shipped = load_config(ROOT / "configs/smollm2_airline.yaml")
     assert (shipped.distill.epochs, shipped.distill.student_model) == (4, "cache:smollm2-135m-8l")
     ran_with = {"ours-8l": "cache:smollm2-135m-8l", "ours-8l-gpu": "cache:smollm2-135m-8l-gpu",
-                "ours-12l-gpu": "cache:smollm2-135m-12l-gpu"}  # the rest: 4 layers
+                **{r: "cache:smollm2-135m-12l-gpu" for r in ("ours-12l-gpu", "public-only-12l-gpu", "dp-sgd-12l-gpu")}}
     for name, config in CONFIGS.items():
         for row in utility.ROWS:
             cfg = load_config(ROOT / config, utility.overrides(row, name, 1))
             assert cfg.distill.student_model == ran_with.get(row, "cache:smollm2-135m-4l"), (name, row)
-            if row != "dp-sgd":  # DP-SGD of the student trains by the teacher section's epochs
-                assert cfg.distill.epochs == (4 if row in ("ours-long", "ours-8l", "ours-8l-gpu", "ours-12l-gpu") else 1), (name, row)
+            if not row.startswith("dp-sgd"):  # DP-SGD of the student trains by the teacher section's epochs
+                assert cfg.distill.epochs == (4 if row in ("ours-long", "ours-8l", "ours-8l-gpu", "ours-12l-gpu", "public-only-12l-gpu") else 1), (name, row)
 
 
 def test_the_header_rows_get_the_room_the_corpus_is_scored_in():
@@ -240,6 +240,23 @@ def test_the_words_pair_gets_its_own_student_line_once_its_control_ran():
     assert ("synthetic row=public-only-words model=smollm2-135m corpus=smollm2-yelp column=label2 runs=1 "
             "f1=0.250±–") in "\n".join(lines)
 
+
+
+def test_the_12_layer_student_gets_its_own_student_line_against_its_own_controls():
+    """P26: with the 12-layer student, ours is compared with the ε = 0 control and DP-SGD of that
+    same student, not with the 4-layer rows' figures."""
+    results = [_run("ours", 1, 150.0, 200.0), _run("public-only", 1, 180.0, 240.0, dp_teacher=None),
+               _run("dp-sgd", 1, 300.0, 400.0, dp_teacher=None), _run("ours-12l-gpu", 1, 100.0, 98.0),
+               _run("public-only-12l-gpu", 1, 130.0, 140.0, dp_teacher=None)]
+    assert "student row=12l" not in utility.report(results[:4], "smollm2-yelp", "smollm2-135m")
+    results.append(_run("dp-sgd-12l-gpu", 1, 250.0, 260.0, dp_teacher=None))
+    lines = utility.report(results, "smollm2-yelp", "smollm2-135m").strip().splitlines()
+    assert lines[-2] == ("student row=12l model=smollm2-135m corpus=smollm2-yelp runs=1 ours=100.0±– "
+                         "public_only=130.0±– dpsgd=250.0±– teacher=61.0±– base_teacher=79.1")
+    assert lines[-4].startswith("student model=smollm2-135m corpus=smollm2-yelp runs=1 ours=150.0±– "
+                                "public_only=180.0±– dpsgd=300.0±–")
+    dp = load_config(ROOT / CONFIGS["smollm2-yelp"], utility.overrides("dp-sgd-12l-gpu", "smollm2-yelp", 2))
+    assert (dp.distill.method, dp.distill.student_model) == ("dp_sgd", "cache:smollm2-135m-12l-gpu")
 
 def test_a_rows_repeat_reruns_its_methods_first_noisy_stage():
     """Each row that draws its own noise reruns its method's first noisy stage (pipeline/methods.py);
