@@ -168,7 +168,9 @@ def pairing(run_dir: Path, dp_teacher: float, paired_with: dict) -> dict:
     (2026-11-30: Yelp's ours run 1 key served public_proxy.py's private ours run). The run's
     stages.json names the run the teacher came from; the same DP teacher also scores the same
     test split the same."""
-    stages = json.loads((run_dir / "stages.json").read_text())
+    from flows.run_info import STAGES_INFO
+
+    stages = json.loads((run_dir / STAGES_INFO).read_text())
     teacher_from = str(Path(stages["teacher"]["output"]).parent)
     same = teacher_from == paired_with["run_dir"] and dp_teacher == paired_with["dp_teacher"]
     if not same:
