@@ -8,7 +8,7 @@ any private record, beside the config's own setting. Resumable; every run append
         --results docs/results/public_proxy.jsonl --report-only
 
 Two phases per method (ours, DP-SGD of the student, DPKD; and `teacher`, ours' DP teacher's
-learning rate, issue 59 item 3):
+learning rate, issue 59 item 3, and `teacher-lora`, the same with LoRA adapters):
 1. **Proxy.** One run of each candidate learning rate (`MULTIPLES` × the private config's value:
    `distill.learning_rate` for ours, `teacher.learning_rate` for the DP-SGD students, which train
    with the teacher section, and for `teacher`) on the proxy config with the private config's models
@@ -22,7 +22,8 @@ learning rate, issue 59 item 3):
    fixed test split (issue 60). Where the config has shipped a choice since, the study keeps the
    settings it ran with (experiments/shared.py `PINNED`).
 
-The report ends with `teacher corpus=NAME settings=chosen|default ...` (the DP teacher, the student,
+The report ends with `teacher corpus=NAME settings=chosen|default ...` (and `teacher-lora ...`
+once it has run: the DP teacher, the student,
 MAUVE and the synthetic text's classifier, with the teacher's chosen learning rate and the config's),
 then `table=deployable-public corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexity of
 the chosen settings) and `table=defaults corpus=NAME ...` (the config's).
@@ -50,15 +51,23 @@ MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's lear
 REPEATS = 3  # private runs at each of the chosen and the config's settings
 EXTEND = 3  # at most this many more factors of 2 past the grid's edge
 # method: (its distill.method, the field its candidates set, the proxy's figure it is chosen by: a
-# windowed test perplexity of the result's). A repeat reruns the method's first noisy stage and all
-# after it (pipeline/methods.py `noisy_stage`; DPKD's teacher too since 2026-11-30, before: its
-# dp-student alone, so its repeats shared one DP teacher).
+# windowed test perplexity of the result's[, overrides every run of it has]). A repeat reruns the
+# method's first noisy stage and all after it (pipeline/methods.py `noisy_stage`; DPKD's teacher too
+# since 2026-11-30, before: its dp-student alone, so its repeats shared one DP teacher).
 METHODS = {"ours": ("distil", "distill.learning_rate", "student"),
            "dpsgd": ("dp_sgd", "teacher.learning_rate", "student"),
            "dpkd": ("dpkd", "teacher.learning_rate", "student"),
-           # Issue 59 item 3: ours' DP teacher's learning rate, chosen by the DP teacher's own figure
-           "teacher": ("distil", "teacher.learning_rate", "dp_teacher")}
+           # Issue 59 item 3: ours' DP teacher's learning rate, chosen by the DP teacher's own figure;
+           # then the same with LoRA adapters in place of the full model (docs/utility.md, P28-P29)
+           "teacher": ("distil", "teacher.learning_rate", "dp_teacher"),
+           "teacher-lora": ("distil", "teacher.learning_rate", "dp_teacher", ("teacher.mode=lora",))}
 TABLE = ("ours", "dpsgd", "dpkd")  # the methods of the table= lines
+TEACHERS = [m for m, spec in METHODS.items() if spec[2] == "dp_teacher"]  # their teacher= lines
+
+
+def fixed(method: str) -> tuple[str, ...]:
+    """The overrides every run of `method` has, beside its candidate's."""
+    return tuple(METHODS[method][3]) if len(METHODS[method]) > 3 else ()
 
 
 def _value(cfg, field: str) -> float:
@@ -71,8 +80,8 @@ def run_one(config: str, method: str, multiple: float, base: float, phase: str, 
     from flows.run_info import stages_to_rerun
     from pipeline.config import load_config
 
-    name, field, _ = METHODS[method]
-    overrides = [f"distill.method={name}", f"{field}={base * multiple:.6g}", *extra]
+    name, field = METHODS[method][:2]
+    overrides = [f"distill.method={name}", f"{field}={base * multiple:.6g}", *fixed(method), *extra]
     cfg = load_config(config, overrides)
     cfg = cfg.model_copy(update={"name": f"{cfg.name}-{phase}-{method}-m{multiple:g}-r{repeat}"})
     t0 = time.monotonic()
@@ -100,8 +109,9 @@ def same_training(cfg) -> list[str]:
 
 def runs_of(results: list[dict], method: str, phase: str, multiple: float | None = None) -> list[dict]:
     """The runs of `method` in `phase` (at `multiple`). At multiple 1 a method runs the config as it
-    is, as another method of the same distill.method does (ours and teacher): their runs count for both."""
-    same = {m for m, spec in METHODS.items() if spec[0] == METHODS[method][0]}
+    is, as another method of the same distill.method and fixed overrides does (ours and teacher):
+    their runs count for both (not teacher-lora's, whose teacher is another)."""
+    same = {m for m, spec in METHODS.items() if spec[0] == METHODS[method][0] and fixed(m) == fixed(method)}
     return [r for r in results if r["phase"] == phase and (multiple is None or r["multiple"] == multiple)
             and (r["method"] == method or (r["multiple"] == 1.0 and r["method"] in same))]
 
@@ -141,6 +151,8 @@ def report(results: list[dict], corpus: str) -> str:
              "|---|---|---:|---:|---:|---:|---:|"]
     summary = {"chosen": {}, "default": {}}
     for method in METHODS:
+        if method not in TABLE and not (runs_of(results, method, "proxy") or runs_of(results, method, "private")):
+            continue  # a study not yet run on this corpus (teacher's rows count ours' runs at 1 ×)
         pick = chosen(results, method)
         cells = []
         for m, key in ((pick, "chosen"), (1.0, "default")):
@@ -154,11 +166,12 @@ def report(results: list[dict], corpus: str) -> str:
         for key, what in (("chosen", "the chosen rate"), ("default", "the config's rate")):
             if key == "default" or chosen(results, m) != 1.0:
                 out += shared_teacher_note(f"{m}, private at {what}", summary[key][m])
-    for settings in ("chosen", "default"):  # issue 59 item 3: what the teacher's choice does to the text
-        runs = summary[settings]["teacher"]
-        multiple = chosen(results, "teacher") if settings == "chosen" else 1.0
+    for method, settings in [(m, k) for m in TEACHERS for k in ("chosen", "default")
+                             if m in summary[k]]:  # issue 59 item 3: what the teacher's choice does to the text
+        runs = summary[settings][method]
+        multiple = chosen(results, method) if settings == "chosen" else 1.0
         columns = sorted({c for r in runs for c in r.get("downstream", {})})
-        out += (f"teacher corpus={corpus} settings={settings} multiple={'–' if multiple is None else f'{multiple:g}'} "
+        out += (f"{method} corpus={corpus} settings={settings} multiple={'–' if multiple is None else f'{multiple:g}'} "
                 f"runs={len(runs)} dp_teacher={mean_sd([r['dp_teacher'] for r in runs])} "
                 f"student={mean_sd([r['student'] for r in runs])} "
                 f"text={mean_sd([r['student_text_windowed'] for r in runs])} "

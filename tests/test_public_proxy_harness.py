@@ -124,7 +124,31 @@ def test_a_private_repeat_draws_all_of_its_methods_noise_afresh():
     """DPKD's repeat reruns its DP teacher, not only its student (before 2026-11-30 its three
     private runs shared one teacher); the teacher's rate study reruns the code release too."""
     assert {m: proxy.noisy_stage(m) for m in proxy.METHODS} == {
-        "ours": "control-codes", "dpsgd": "dp-student", "dpkd": "teacher", "teacher": "control-codes"}
+        "ours": "control-codes", "dpsgd": "dp-student", "dpkd": "teacher", "teacher": "control-codes",
+        "teacher-lora": "control-codes"}
+
+
+def test_the_lora_teacher_runs_with_adapters_and_shares_no_run_with_the_full_teacher():
+    """teacher-lora is the teacher's rate study with LoRA adapters (issue 59 item 3): every run of
+    it has teacher.mode=lora, so ours' runs at the config's own rate (the full model) are not its
+    1 ×, and the report shows it only once it has run on the corpus."""
+    from pipeline.config import load_config
+
+    cfg = load_config(ROOT / "configs/smollm2_yelp.yaml", [
+        "distill.method=distil", "teacher.learning_rate=0.001", *proxy.fixed("teacher-lora")])
+    assert (cfg.teacher.mode, cfg.teacher.learning_rate) == ("lora", 0.001)
+    assert proxy.fixed("teacher") == ()
+    ours = [_run("proxy", "ours", 1.0, 200, dp_teacher=60.0), _run("private", "ours", 1.0, 210, 1)]
+    assert proxy.runs_of(ours, "teacher", "proxy", 1.0) == ours[:1]
+    assert proxy.runs_of(ours, "teacher-lora", "proxy", 1.0) == []
+    assert proxy._todo(ours, "teacher-lora", 3) == ("proxy", 0.5, 1)
+    text = proxy.report(ours, "smollm2-yelp")
+    assert "| teacher |" in text and "teacher-lora" not in text
+    lora = [_run("proxy", "teacher-lora", m, 200, dp_teacher=d) for m, d in ((0.5, 70.0), (1.0, 60.0), (2.0, 50.0),
+                                                                            (4.0, 55.0))]
+    text = proxy.report(ours + lora, "smollm2-yelp")
+    assert "| teacher-lora | 0.5 → 70.0, 1 → 60.0, 2 → 50.0, 4 → 55.0 | 2 |" in text
+    assert "teacher-lora corpus=smollm2-yelp settings=chosen multiple=2 runs=0" in text
 
 
 def test_the_report_says_when_private_repeats_share_a_dp_teacher():
