@@ -58,7 +58,7 @@ METHODS = {"ours": ("distil", "distill.learning_rate", "student"),
            "dpsgd": ("dp_sgd", "teacher.learning_rate", "student"),
            "dpkd": ("dpkd", "teacher.learning_rate", "student"),
            # Issue 59 item 3: ours' DP teacher's learning rate, chosen by the DP teacher's own figure;
-           # then the same with LoRA adapters in place of the full model (docs/utility.md, P28-P29)
+           # then the same with LoRA adapters in place of the full model (docs/utility.md, P28-P30)
            "teacher": ("distil", "teacher.learning_rate", "dp_teacher"),
            "teacher-lora": ("distil", "teacher.learning_rate", "dp_teacher", ("teacher.mode=lora",))}
 TABLE = ("ours", "dpsgd", "dpkd")  # the methods of the table= lines
