@@ -96,14 +96,16 @@ def runs_of_row(name: str, config: str | None, row: str) -> list[dict]:
 def proxy_runs(config: str) -> dict[str, list[dict]]:
     """The private runs at the learning rate the public proxy chose (experiments/public_proxy.py,
     issue 60 item 3), of each method (ours and the baselines) that has all of them on this config:
-    until then its cell stays the config's, not a mean of one or two runs."""
+    until then its cell stays the config's, not a mean of one or two runs. None before ours has
+    them: the proxy study trains the config's student as it ships (the tweets' 8 layers), the
+    row's other cells the one their study pinned, and one row compares one student."""
     results = read_results(RESULTS / "public_proxy.jsonl", config)
     out = {}
     for col in ("ours", "dpsgd", "dpkd"):
         pick = chosen(results, col)
         if pick is not None and len(runs := runs_of(results, col, "private", pick)) >= REPEATS:
             out[col] = runs
-    return out
+    return out if "ours" in out else {}
 
 
 def rewrite_readme(text: str, readme: Path = ROOT / "README.md") -> None:

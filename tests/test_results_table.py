@@ -39,14 +39,21 @@ def test_a_baselines_cell_is_the_proxys_choice_where_it_ran_and_the_configs_else
     _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("ours", 202.0, 2),
                                               _row("DP-SGD", 368.0), _row("DPKD", 366.0)])
     # DP-SGD's proxy grid picks 2 (interior); DPKD's best sits at the edge, so it has no choice yet
-    _write(tmp_path / "public_proxy.jsonl", [
+    baselines = [
         _proxy("proxy", "dpsgd", 0.5, 580.0), _proxy("proxy", "dpsgd", 1.0, 465.0), _proxy("proxy", "dpsgd", 2.0, 427.0),
         _proxy("proxy", "dpsgd", 4.0, 428.0), _proxy("private", "dpsgd", 2.0, 304.0),
         _proxy("private", "dpsgd", 2.0, 308.0, 2), _proxy("private", "dpsgd", 2.0, 306.0, 3),
-        _proxy("private", "dpsgd", 1.0, 365.0), _proxy("proxy", "dpkd", 0.5, 600.0), _proxy("proxy", "dpkd", 1.0, 500.0)])
+        _proxy("private", "dpsgd", 1.0, 365.0), _proxy("proxy", "dpkd", 0.5, 600.0), _proxy("proxy", "dpkd", 1.0, 500.0)]
+    _write(tmp_path / "public_proxy.jsonl", baselines)
+    # ours has no proxy choice yet: the proxy study's student may not be the row's (the SmolLM2
+    # tweets: the config's 8 layers there, the utility study's pinned 4 here), so no cell is the proxy's
+    assert results_table.table().splitlines()[2].split(" | ")[2:4] == ["201.0±1.4", "368.0±–"]
+    ours = [_proxy("proxy", "ours", m, s) for m, s in ((0.5, 81.0), (1.0, 79.0), (2.0, 80.0), (4.0, 84.0))]
+    ours += [_proxy("private", "ours", 1.0, 200.0 + k, k) for k in (1, 2, 3)]
+    _write(tmp_path / "public_proxy.jsonl", baselines + ours)
     windowed, text = results_table.table().splitlines()[2:]
-    assert windowed == "| Yelp | windowed | 201.0±1.4 | 306.0±2.0ᵖ | 366.0±– | – | 57.0±0.0 | – | 598.0±0.0 |"
-    assert text.split(" | ")[2:5] == ["251.0±1.4", "386.0±2.0ᵖ", "416.0±–"]
+    assert windowed == "| Yelp | windowed | 202.0±1.0ᵖ | 306.0±2.0ᵖ | 366.0±– | – | 50.0±0.0 | – | 598.0±0.0 |"
+    assert text.split(" | ")[2:5] == ["282.0±1.0ᵖ", "386.0±2.0ᵖ", "416.0±–"]
 
 
 def test_ours_cell_and_its_teachers_come_from_its_proxy_choice_once_all_its_private_runs_landed(tmp_path, monkeypatch):
