@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.public_proxy import REPEATS, chosen, runs_of  # noqa: E402
+from experiments.shared import PINNED  # noqa: E402
 from experiments.shared import mean_sd, read_results, share_a_teacher  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
@@ -43,6 +44,11 @@ SOURCES = (
                                          "public_only": ("utility.jsonl", "smollm2-airline", "public-only")},
      "smollm2-airline"),
 )
+# The student each corpus's row compares (its label's): the public-proxy study trains its private
+# config's as shipped (the tweets' 8 layers since issue 59; the utility study's rows pin 4), and its
+# cells join a row only where that is the row's student.
+STUDENTS = {"reference": "builtin:student", "smollm2-yelp": "cache:smollm2-135m-4l",
+            "smollm2-airline": "cache:smollm2-135m-4l"}
 COLUMNS = ("ours", "dpsgd", "dpkd", "public_only")
 PROXY = "ᵖ"  # the mark of a cell at the learning rate chosen on the public proxy (public_proxy.jsonl)
 SHARED = "ˢ"  # the mark of a cell whose runs share a DP teacher (a DPKD repeat's before 2026-11-30)
@@ -96,16 +102,26 @@ def runs_of_row(name: str, config: str | None, row: str) -> list[dict]:
 def proxy_runs(config: str) -> dict[str, list[dict]]:
     """The private runs at the learning rate the public proxy chose (experiments/public_proxy.py,
     issue 60 item 3), of each method (ours and the baselines) that has all of them on this config:
-    until then its cell stays the config's, not a mean of one or two runs. None before ours has
-    them: the proxy study trains the config's student as it ships (the tweets' 8 layers), the
-    row's other cells the one their study pinned, and one row compares one student."""
+    until then its cell stays the config's, not a mean of one or two runs. None where the study
+    trains another student than the row's (`STUDENTS`): one row compares one student."""
+    if proxy_student(config) != STUDENTS[config]:
+        return {}
     results = read_results(RESULTS / "public_proxy.jsonl", config)
     out = {}
     for col in ("ours", "dpsgd", "dpkd"):
         pick = chosen(results, col)
         if pick is not None and len(runs := runs_of(results, col, "private", pick)) >= REPEATS:
             out[col] = runs
-    return out if "ours" in out else {}
+    return out
+
+
+def proxy_student(config: str) -> str:
+    """The student the public-proxy study's private runs of `config` train: its config's, with the
+    settings the study pins (experiments/shared.py `PINNED`)."""
+    from pipeline.config import load_config
+
+    path = ROOT / "configs" / f"{config.replace('-', '_')}.yaml"
+    return load_config(path, list(PINNED.get(config, ()))).distill.student_model
 
 
 def rewrite_readme(text: str, readme: Path = ROOT / "README.md") -> None:

@@ -39,21 +39,14 @@ def test_a_baselines_cell_is_the_proxys_choice_where_it_ran_and_the_configs_else
     _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("ours", 202.0, 2),
                                               _row("DP-SGD", 368.0), _row("DPKD", 366.0)])
     # DP-SGD's proxy grid picks 2 (interior); DPKD's best sits at the edge, so it has no choice yet
-    baselines = [
+    _write(tmp_path / "public_proxy.jsonl", [
         _proxy("proxy", "dpsgd", 0.5, 580.0), _proxy("proxy", "dpsgd", 1.0, 465.0), _proxy("proxy", "dpsgd", 2.0, 427.0),
         _proxy("proxy", "dpsgd", 4.0, 428.0), _proxy("private", "dpsgd", 2.0, 304.0),
         _proxy("private", "dpsgd", 2.0, 308.0, 2), _proxy("private", "dpsgd", 2.0, 306.0, 3),
-        _proxy("private", "dpsgd", 1.0, 365.0), _proxy("proxy", "dpkd", 0.5, 600.0), _proxy("proxy", "dpkd", 1.0, 500.0)]
-    _write(tmp_path / "public_proxy.jsonl", baselines)
-    # ours has no proxy choice yet: the proxy study's student may not be the row's (the SmolLM2
-    # tweets: the config's 8 layers there, the utility study's pinned 4 here), so no cell is the proxy's
-    assert results_table.table().splitlines()[2].split(" | ")[2:4] == ["201.0±1.4", "368.0±–"]
-    ours = [_proxy("proxy", "ours", m, s) for m, s in ((0.5, 81.0), (1.0, 79.0), (2.0, 80.0), (4.0, 84.0))]
-    ours += [_proxy("private", "ours", 1.0, 200.0 + k, k) for k in (1, 2, 3)]
-    _write(tmp_path / "public_proxy.jsonl", baselines + ours)
+        _proxy("private", "dpsgd", 1.0, 365.0), _proxy("proxy", "dpkd", 0.5, 600.0), _proxy("proxy", "dpkd", 1.0, 500.0)])
     windowed, text = results_table.table().splitlines()[2:]
-    assert windowed == "| Yelp | windowed | 202.0±1.0ᵖ | 306.0±2.0ᵖ | 366.0±– | – | 50.0±0.0 | – | 598.0±0.0 |"
-    assert text.split(" | ")[2:5] == ["282.0±1.0ᵖ", "386.0±2.0ᵖ", "416.0±–"]
+    assert windowed == "| Yelp | windowed | 201.0±1.4 | 306.0±2.0ᵖ | 366.0±– | – | 57.0±0.0 | – | 598.0±0.0 |"
+    assert text.split(" | ")[2:5] == ["251.0±1.4", "386.0±2.0ᵖ", "416.0±–"]
 
 
 def test_ours_cell_and_its_teachers_come_from_its_proxy_choice_once_all_its_private_runs_landed(tmp_path, monkeypatch):
@@ -96,3 +89,20 @@ def test_a_cell_whose_runs_share_a_dp_teacher_is_marked(tmp_path, monkeypatch):
     _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("ours", 202.0, 2), *shared])
     windowed = results_table.table().splitlines()[2]
     assert windowed.split(" | ")[2:5] == ["201.0±1.4", "–", "368.0±1.0ˢ"]
+
+
+def test_a_row_takes_no_proxy_cell_whose_study_trained_another_student(tmp_path, monkeypatch):
+    """The SmolLM2 tweets config ships the 8-layer student, which the public-proxy study trains;
+    the utility study's tweets rows pin the 4-layer one: the row keeps its own cells."""
+    assert results_table.proxy_student("smollm2-airline") == "cache:smollm2-135m-8l"
+    assert results_table.proxy_student("smollm2-yelp") == results_table.STUDENTS["smollm2-yelp"]
+    monkeypatch.setattr(results_table, "RESULTS", tmp_path)
+    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", _columns(), "smollm2-yelp"),))
+    monkeypatch.setattr(results_table, "STUDENTS", {"smollm2-yelp": "cache:smollm2-135m-8l"})
+    _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 200.0), _row("DP-SGD", 368.0)])
+    _write(tmp_path / "public_proxy.jsonl", [
+        _proxy("proxy", "dpsgd", 0.5, 580.0), _proxy("proxy", "dpsgd", 1.0, 465.0), _proxy("proxy", "dpsgd", 2.0, 427.0),
+        _proxy("proxy", "dpsgd", 4.0, 428.0)] + [_proxy("private", "dpsgd", 2.0, 304.0 + k, k) for k in (1, 2, 3)])
+    assert results_table.proxy_runs("smollm2-yelp") == {}
+    assert results_table.table().splitlines()[2].split(" | ")[2:4] == ["200.0±–", "368.0±–"]
+
