@@ -7,24 +7,27 @@ any private record, beside the config's own setting. Resumable; every run append
     .venv/bin/python experiments/public_proxy.py --config configs/reference.yaml --proxy configs/airline.yaml \
         --results docs/results/public_proxy.jsonl --report-only
 
-Two phases per method (ours, DP-SGD of the student, DPKD; and `teacher`, ours' DP teacher's
-learning rate, issue 59 item 3, and `teacher-lora`, the same with LoRA adapters):
-1. **Proxy.** One run of each candidate learning rate (`MULTIPLES` × the private config's value:
-   `distill.learning_rate` for ours, `teacher.learning_rate` for the DP-SGD students, which train
-   with the teacher section, and for `teacher`) on the proxy config with the private config's models
-   and schedule (`same_training`), treated as public: its test split may be read. The candidate of
-   lowest windowed test perplexity there (the student's; for `teacher`, the DP teacher's) is chosen;
-   while it is the grid's largest or smallest, the grid grows by one more factor of 2 that way (at
-   most `EXTEND` times), so that the chosen one is interior. At multiple 1 ours and `teacher` run
-   the same config: their runs count for both.
+Two phases per method (ours, DP-SGD of the student, DPKD; and, issue 59 item 3, ours' DP teacher:
+`teacher`, its learning rate, `teacher-lora`, the same with LoRA adapters, `teacher-epochs`, its
+epochs at the same ε):
+1. **Proxy.** One run of each candidate of the method's first grid (`Study.grid`, multiples of the
+   private config's value of its field: `distill.learning_rate` for ours, `teacher.learning_rate`
+   for the DP-SGD students, which train with the teacher section, and for `teacher`,
+   `teacher.epochs` for `teacher-epochs`) on the proxy config with the private config's models
+   and schedule (`same_training`; the candidate set last), treated as public: its test split may
+   be read. The candidate of lowest windowed test perplexity there (the student's; for the
+   teacher's studies, the DP teacher's) is chosen; while it is the grid's largest or smallest,
+   the grid grows by one more factor of 2 that way (at most `EXTEND` times up, down to the study's
+   `lowest`), so that the chosen one is interior. At multiple 1 ours and the full teacher's
+   studies run the same config: their runs count for all of them.
 2. **Private.** The chosen learning rate and the config's own (multiple 1), three runs each on
    the private config at its whole ε (fresh DP noise each: the noisy stage is rerun), on its
    fixed test split (issue 60). Where the config has shipped a choice since, the study keeps the
    settings it ran with (experiments/shared.py `PINNED`).
 
-The report ends with `teacher corpus=NAME settings=chosen|default ...` (and `teacher-lora ...`
-once it has run: the DP teacher, the student,
-MAUVE and the synthetic text's classifier, with the teacher's chosen learning rate and the config's),
+The report ends with `teacher corpus=NAME settings=chosen|default ...` (and `teacher-lora ...`,
+`teacher-epochs ...` once they have run: the DP teacher, the student, MAUVE and the synthetic
+text's classifier, with the teacher's chosen setting and the config's),
 then `table=deployable-public corpus=NAME ours=M±S dpsgd=M±S dpkd=M±S` (windowed test perplexity of
 the chosen settings) and `table=defaults corpus=NAME ...` (the config's).
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,27 +51,36 @@ from experiments.shared import (  # noqa: E402
     PINNED, add_results_option, finish, mean_sd, read_results, require_data, run_recorded, shared_teacher_note,
     where_run)
 
-MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's learning rate
+MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's value
 REPEATS = 3  # private runs at each of the chosen and the config's settings
 EXTEND = 3  # at most this many more factors of 2 past the grid's edge
-# method: (its distill.method, the field its candidates set, the proxy's figure it is chosen by: a
-# windowed test perplexity of the result's[, overrides every run of it has]). A repeat reruns the
-# method's first noisy stage and all after it (pipeline/methods.py `noisy_stage`; DPKD's teacher too
-# since 2026-11-30, before: its dp-student alone, so its repeats shared one DP teacher).
-METHODS = {"ours": ("distil", "distill.learning_rate", "student"),
-           "dpsgd": ("dp_sgd", "teacher.learning_rate", "student"),
-           "dpkd": ("dpkd", "teacher.learning_rate", "student"),
-           # Issue 59 item 3: ours' DP teacher's learning rate, chosen by the DP teacher's own figure;
-           # then the same with LoRA adapters in place of the full model (docs/utility.md, P28-P30)
-           "teacher": ("distil", "teacher.learning_rate", "dp_teacher"),
-           "teacher-lora": ("distil", "teacher.learning_rate", "dp_teacher", ("teacher.mode=lora",))}
+
+
+@dataclass(frozen=True)
+class Study:
+    """One method of the harness. A repeat reruns its distill.method's first noisy stage and all
+    after it (pipeline/methods.py `noisy_stage`; DPKD's teacher too since 2026-11-30, before: its
+    dp-student alone, so its repeats shared one DP teacher)."""
+
+    method: str  # its distill.method
+    field: str  # the setting its candidates set, as multiples of the private config's value
+    figure: str  # the proxy's windowed test perplexity it is chosen by: the student's or the DP teacher's
+    fixed: tuple[str, ...] = ()  # overrides every run of it has
+    grid: tuple[float, ...] = MULTIPLES  # its first grid
+    lowest: float = min(MULTIPLES) / 2 ** EXTEND  # the smallest multiple the grid may grow to
+
+
+METHODS = {"ours": Study("distil", "distill.learning_rate", "student"),
+           "dpsgd": Study("dp_sgd", "teacher.learning_rate", "student"),
+           "dpkd": Study("dpkd", "teacher.learning_rate", "student"),
+           # Issue 59 item 3: ours' DP teacher, chosen by the DP teacher's own figure: its learning
+           # rate; the same with LoRA adapters in place of the full model (docs/utility.md, P28-P30);
+           # its epochs at the same ε, more and noisier steps (whole epochs from the config's one, P31-P33)
+           "teacher": Study("distil", "teacher.learning_rate", "dp_teacher"),
+           "teacher-lora": Study("distil", "teacher.learning_rate", "dp_teacher", ("teacher.mode=lora",)),
+           "teacher-epochs": Study("distil", "teacher.epochs", "dp_teacher", grid=(1.0, 2.0, 4.0), lowest=1.0)}
 TABLE = ("ours", "dpsgd", "dpkd")  # the methods of the table= lines
-TEACHERS = [m for m, spec in METHODS.items() if spec[2] == "dp_teacher"]  # their teacher= lines
-
-
-def fixed(method: str) -> tuple[str, ...]:
-    """The overrides every run of `method` has, beside its candidate's."""
-    return tuple(METHODS[method][3]) if len(METHODS[method]) > 3 else ()
+TEACHERS = [m for m, study in METHODS.items() if study.figure == "dp_teacher"]  # their teacher= lines
 
 
 def _value(cfg, field: str) -> float:
@@ -80,21 +93,28 @@ def run_one(config: str, method: str, multiple: float, base: float, phase: str, 
     from flows.run_info import stages_to_rerun
     from pipeline.config import load_config
 
-    name, field = METHODS[method][:2]
-    overrides = [f"distill.method={name}", f"{field}={base * multiple:.6g}", *fixed(method), *extra]
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, run_overrides(method, multiple, base, extra))
     cfg = cfg.model_copy(update={"name": f"{cfg.name}-{phase}-{method}-m{multiple:g}-r{repeat}"})
     t0 = time.monotonic()
     run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy_stage(method), None) if repeat > 1 else None))
-    return {"phase": phase, "method": method, "multiple": multiple, "learning_rate": base * multiple,
+    field = METHODS[method].field
+    setting = {"learning_rate" if field.endswith("learning_rate") else field: base * multiple}
+    return {"phase": phase, "method": method, "multiple": multiple, **setting,
             **_result(method, repeat, run_dir, time.monotonic() - t0), **where_run(cfg)}
+
+
+def run_overrides(method: str, multiple: float, base: float, extra: list[str]) -> list[str]:
+    """A run's overrides: the candidate last, so that neither a pin (PINNED) nor the proxy's
+    schedule (`same_training`) nor the method's fixed overrides can set its field back."""
+    study = METHODS[method]
+    return [f"distill.method={study.method}", *extra, *study.fixed, f"{study.field}={base * multiple:.6g}"]
 
 
 def noisy_stage(method: str) -> str | None:
     """The stage a private repeat of `method` reruns, with all after it, for fresh DP noise."""
     from pipeline.methods import method_spec
 
-    return method_spec(METHODS[method][0]).noisy_stage
+    return method_spec(METHODS[method].method).noisy_stage
 
 
 def same_training(cfg) -> list[str]:
@@ -111,14 +131,15 @@ def runs_of(results: list[dict], method: str, phase: str, multiple: float | None
     """The runs of `method` in `phase` (at `multiple`). At multiple 1 a method runs the config as it
     is, as another method of the same distill.method and fixed overrides does (ours and teacher):
     their runs count for both (not teacher-lora's, whose teacher is another)."""
-    same = {m for m, spec in METHODS.items() if spec[0] == METHODS[method][0] and fixed(m) == fixed(method)}
+    same = {m for m, study in METHODS.items()
+            if (study.method, study.fixed) == (METHODS[method].method, METHODS[method].fixed)}
     return [r for r in results if r["phase"] == phase and (multiple is None or r["multiple"] == multiple)
             and (r["method"] == method or (r["multiple"] == 1.0 and r["method"] in same))]
 
 
 def _proxy(results: list[dict], method: str) -> dict[float, float]:
     """The proxy's figure of each multiple run: the one `method` is chosen by."""
-    return {r["multiple"]: r[METHODS[method][2]] for r in runs_of(results, method, "proxy")}
+    return {r["multiple"]: r[METHODS[method].figure] for r in runs_of(results, method, "proxy")}
 
 
 def chosen(results: list[dict], method: str) -> float | None:
@@ -126,22 +147,24 @@ def chosen(results: list[dict], method: str) -> float | None:
     run in full and the best is interior to the multiples run (or the grid can grow no more); None
     while the grid still has to run or grow."""
     runs = _proxy(results, method)
-    if not runs or any(m not in runs for m in MULTIPLES):
+    if not runs or any(m not in runs for m in METHODS[method].grid):
         return None
     best = min(runs, key=runs.get)
-    if min(runs) < best < max(runs) or next_multiple(runs, best) is None:
+    if min(runs) < best < max(runs) or next_multiple(runs, best, method) is None:
         return best
     return None
 
 
-def next_multiple(runs: dict[float, float], best: float) -> float | None:
+def next_multiple(runs: dict[float, float], best: float, method: str) -> float | None:
     """The multiple to run next on the proxy: the first grid's, then one factor of 2 past the edge
-    the best sits on; None when it may grow no more (EXTEND factors past the first grid)."""
-    missing = [m for m in MULTIPLES if m not in runs]
+    the best sits on; None when it may grow no more (EXTEND factors past the first grid upwards;
+    downwards no further than the study's lowest)."""
+    study = METHODS[method]
+    missing = [m for m in study.grid if m not in runs]
     if missing:
         return missing[0]
     edge = max(runs) * 2 if best == max(runs) else min(runs) / 2
-    allowed = max(MULTIPLES) * 2 ** EXTEND >= edge >= min(MULTIPLES) / 2 ** EXTEND
+    allowed = max(study.grid) * 2 ** EXTEND >= edge >= study.lowest
     return edge if allowed else None
 
 
@@ -151,8 +174,8 @@ def report(results: list[dict], corpus: str) -> str:
              "|---|---|---:|---:|---:|---:|---:|"]
     summary = {"chosen": {}, "default": {}}
     for method in METHODS:
-        if method not in TABLE and not (runs_of(results, method, "proxy") or runs_of(results, method, "private")):
-            continue  # a study not yet run on this corpus (teacher's rows count ours' runs at 1 ×)
+        if method not in TABLE and not any(r["method"] == method for r in results):
+            continue  # a teacher's study not yet run on this corpus (ours' runs at 1 × are not its start)
         pick = chosen(results, method)
         cells = []
         for m, key in ((pick, "chosen"), (1.0, "default")):
@@ -190,7 +213,7 @@ def _todo(results: list[dict], method: str, repeats: int) -> tuple[str, float, i
     proxy = _proxy(results, method)
     pick = chosen(results, method)
     if pick is None:
-        return "proxy", next_multiple(proxy, min(proxy, key=proxy.get)) if proxy else MULTIPLES[0], 1
+        return "proxy", next_multiple(proxy, min(proxy, key=proxy.get), method) if proxy else METHODS[method].grid[0], 1
     for m in dict.fromkeys((pick, 1.0)):
         done = {r["repeat"] for r in runs_of(results, method, "private", m)}
         if missing := [k for k in range(1, repeats + 1) if k not in done]:
@@ -218,7 +241,7 @@ def main(argv: list[str]) -> int:
     results_path = args.results or Path(cfg.run_root) / "public_proxy.jsonl"
     failed = []
     for method in [] if args.report_only else args.methods.split(","):
-        base = _value(cfg, METHODS[method][1])  # candidates are multiples of the private config's value
+        base = _value(cfg, METHODS[method].field)  # candidates are multiples of the private config's value
         while (todo := _todo(read_results(results_path, cfg.name), method, args.repeats)) is not None:
             phase, multiple, repeat = todo
             done = run_recorded(

@@ -4,11 +4,13 @@ the chosen and the config's own run privately; the issue's table lines (issue 60
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("public_proxy", ROOT / "experiments" / "public_proxy.py")
 proxy = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = proxy  # its dataclass looks its module up
 spec.loader.exec_module(proxy)
 
 
@@ -39,7 +41,7 @@ def test_the_whole_first_grid_runs_before_a_choice_even_when_an_inner_best_shows
 
 def test_a_best_at_the_grids_limit_is_kept_when_it_may_grow_no_more():
     results = [_run("proxy", "ours", m, 100 / m) for m in (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)]
-    assert proxy.next_multiple({r["multiple"]: r["student"] for r in results}, 32.0) is None  # 4 × 2³
+    assert proxy.next_multiple({r["multiple"]: r["student"] for r in results}, 32.0, "ours") is None  # 4 × 2³
     assert proxy.chosen(results, "ours") == 32.0
 
 
@@ -110,7 +112,7 @@ def test_a_pinned_study_keeps_the_settings_its_recorded_runs_had():
         assert list(utility.PINNED[name]) == list(pins)
         field, value = pins[0].split("=")
         # the base every recorded candidate of the field's method is a multiple of
-        method = next(m for m, spec in proxy.METHODS.items() if spec[1] == field)
+        method = next(m for m, study in proxy.METHODS.items() if study.field == field)
         ran = {round(r["learning_rate"] / r["multiple"], 12) for r in lines
                if r["config"] == name and r["method"] == method}
         assert ran == {float(value)}, (name, ran)
@@ -125,7 +127,7 @@ def test_a_private_repeat_draws_all_of_its_methods_noise_afresh():
     private runs shared one teacher); the teacher's rate study reruns the code release too."""
     assert {m: proxy.noisy_stage(m) for m in proxy.METHODS} == {
         "ours": "control-codes", "dpsgd": "dp-student", "dpkd": "teacher", "teacher": "control-codes",
-        "teacher-lora": "control-codes"}
+        "teacher-lora": "control-codes", "teacher-epochs": "control-codes"}
 
 
 def test_the_lora_teacher_runs_with_adapters_and_shares_no_run_with_the_full_teacher():
@@ -134,16 +136,14 @@ def test_the_lora_teacher_runs_with_adapters_and_shares_no_run_with_the_full_tea
     1 ×, and the report shows it only once it has run on the corpus."""
     from pipeline.config import load_config
 
-    cfg = load_config(ROOT / "configs/smollm2_yelp.yaml", [
-        "distill.method=distil", "teacher.learning_rate=0.001", *proxy.fixed("teacher-lora")])
+    cfg = load_config(ROOT / "configs/smollm2_yelp.yaml", proxy.run_overrides("teacher-lora", 2.0, 5e-4, []))
     assert (cfg.teacher.mode, cfg.teacher.learning_rate) == ("lora", 0.001)
-    assert proxy.fixed("teacher") == ()
+    assert proxy.METHODS["teacher"].fixed == ()
     ours = [_run("proxy", "ours", 1.0, 200, dp_teacher=60.0), _run("private", "ours", 1.0, 210, 1)]
     assert proxy.runs_of(ours, "teacher", "proxy", 1.0) == ours[:1]
     assert proxy.runs_of(ours, "teacher-lora", "proxy", 1.0) == []
     assert proxy._todo(ours, "teacher-lora", 3) == ("proxy", 0.5, 1)
-    text = proxy.report(ours, "smollm2-yelp")
-    assert "| teacher |" in text and "teacher-lora" not in text
+    assert "| teacher" not in proxy.report(ours, "smollm2-yelp")  # no study of the teacher has run yet
     lora = [_run("proxy", "teacher-lora", m, 200, dp_teacher=d) for m, d in ((0.5, 70.0), (1.0, 60.0), (2.0, 50.0),
                                                                             (4.0, 55.0))]
     text = proxy.report(ours + lora, "smollm2-yelp")
@@ -162,3 +162,33 @@ def test_the_report_says_when_private_repeats_share_a_dp_teacher():
     assert "dpkd, private at the config's rate: 3 runs read 1 DP teacher(s) (137.8)" in text
     fresh = [_run("private", "dpkd", 1.0, 180 + k, k, dp_teacher=137.0 + k) for k in (1, 2, 3)]
     assert "teacher(s)" not in proxy.report(results + fresh, "reference")
+
+
+def test_the_candidate_is_set_last_so_no_pin_or_proxy_schedule_sets_it_back():
+    """ours' private runs on SmolLM2 Yelp carry the pin distill.learning_rate=3e-4; a chosen 2 ×
+    must still run at 6e-4 (before 2026-12-01 the pin came after the candidate and would have won;
+    no recorded run was affected: ours' chosen runs there predate the pin). The proxy's schedule
+    sets the teacher's epochs to the private config's: an epochs candidate must still win."""
+    from pipeline.config import load_config
+
+    yelp = ROOT / "configs/smollm2_yelp.yaml"
+    pins = list(proxy.PINNED["smollm2-yelp"])
+    cfg = load_config(yelp, proxy.run_overrides("ours", 2.0, 3e-4, pins))
+    assert cfg.distill.learning_rate == 6e-4
+    same = proxy.same_training(load_config(yelp))
+    tweets = load_config(ROOT / "configs/smollm2_airline.yaml", proxy.run_overrides("teacher-epochs", 4.0, 1, same))
+    assert (tweets.teacher.epochs, tweets.teacher.learning_rate, tweets.teacher.mode) == (4, 5e-4, "full")
+
+
+def test_the_epochs_grid_starts_at_the_configs_one_and_never_goes_below_it():
+    """teacher-epochs (P31-P33): whole epochs 1, 2, 4 of the config's 1, the DP teacher's figure;
+    its 1 is the config as it is, shared with ours' and the teacher's runs; a best at 1 is kept
+    (no half epoch), a best at 4 grows to 8."""
+    results = [_run("proxy", "teacher", 1.0, 200, dp_teacher=46.5)]
+    assert proxy._todo(results, "teacher-epochs", 3) == ("proxy", 2.0, 1)
+    results += [_run("proxy", "teacher-epochs", m, 210, dp_teacher=d) for m, d in ((2.0, 48.0), (4.0, 50.0))]
+    assert proxy.chosen(results, "teacher-epochs") == 1.0
+    assert proxy._todo(results, "teacher-epochs", 3) == ("private", 1.0, 1)
+    falling = results[:1] + [_run("proxy", "teacher-epochs", m, 210, dp_teacher=d) for m, d in ((2.0, 44.0),
+                                                                                               (4.0, 42.0))]
+    assert proxy._todo(falling, "teacher-epochs", 3) == ("proxy", 8.0, 1)
