@@ -228,6 +228,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--proxy", required=True, help="the public proxy's config (the other corpus, treated as public)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--proxy-only", action="store_true",
+                   help="stop each method once its proxy has chosen (its private runs wait for a later call)")
     add_results_option(p, "public_proxy.jsonl")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
@@ -244,6 +246,8 @@ def main(argv: list[str]) -> int:
         base = _value(cfg, METHODS[method].field)  # candidates are multiples of the private config's value
         while (todo := _todo(read_results(results_path, cfg.name), method, args.repeats)) is not None:
             phase, multiple, repeat = todo
+            if phase == "private" and args.proxy_only:
+                break
             done = run_recorded(
                 results_path, cfg.name, f"{method} {phase} m={multiple:g} r{repeat}",
                 lambda: run_one(args.proxy if phase == "proxy" else args.config, method, multiple, base, phase, repeat,

@@ -192,3 +192,26 @@ def test_the_epochs_grid_starts_at_the_configs_one_and_never_goes_below_it():
     falling = results[:1] + [_run("proxy", "teacher-epochs", m, 210, dp_teacher=d) for m, d in ((2.0, 44.0),
                                                                                                (4.0, 42.0))]
     assert proxy._todo(falling, "teacher-epochs", 3) == ("proxy", 8.0, 1)
+
+
+def test_proxy_only_stops_each_method_at_its_private_runs(tmp_path, monkeypatch):
+    """--proxy-only: a method whose proxy has chosen runs nothing more; one still choosing runs its
+    next candidate (here recorded without training: run_one is replaced)."""
+    import json
+
+    lines = [{"config": "smollm2-yelp", **_run("proxy", "teacher-lora", m, 200, dp_teacher=d)}
+             for m, d in ((0.5, 70.0), (1.0, 60.0), (2.0, 50.0), (4.0, 55.0))]
+    lines.append({"config": "smollm2-yelp", **_run("proxy", "teacher", 1.0, 200, dp_teacher=46.5)})
+    results = tmp_path / "proxy.jsonl"
+    results.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ran = []
+    monkeypatch.setattr(proxy, "require_data", lambda *a: None)
+    monkeypatch.setattr(proxy, "run_one", lambda config, method, multiple, *a: ran.append((method, multiple)) or {
+        **_run("proxy", method, multiple, 210, dp_teacher=45.0 - multiple), "seconds": 1.0})
+    argv = ["--config", str(ROOT / "configs/smollm2_yelp.yaml"), "--proxy", str(ROOT / "configs/smollm2_airline.yaml"),
+            "--methods", "teacher-lora,teacher-epochs", "--proxy-only", "--results", str(results),
+            f"run_root={tmp_path}"]
+    assert proxy.main(argv) == 0
+    assert ran == [("teacher-epochs", 2.0), ("teacher-epochs", 4.0), ("teacher-epochs", 8.0),
+                   ("teacher-epochs", 16.0), ("teacher-epochs", 32.0)]  # falling to the grid's limit, 4 × 2³
+    assert proxy.chosen(proxy.read_results(results, "smollm2-yelp"), "teacher-epochs") == 32.0
