@@ -23,7 +23,9 @@ epochs at the same ε):
 2. **Private.** The chosen learning rate and the config's own (multiple 1), three runs each on
    the private config at its whole ε (fresh DP noise each: the noisy stage is rerun), on its
    fixed test split (issue 60). Where the config has shipped a choice since, the study keeps the
-   settings it ran with (experiments/shared.py `PINNED`).
+   settings it ran with (experiments/shared.py `PINNED`). Runs of experiments/utility.py whose
+   config is the one a private run at the config's own has (the tweets' `ours-8l`) fill the
+   repeats it lacks there (`utility_runs`: runs shared with the utility issue count for both).
 
 The report ends with `teacher corpus=NAME settings=chosen|default ...` (and `teacher-lora ...`,
 `teacher-epochs ...` once they have run: the DP teacher, the student, MAUVE and the synthetic
@@ -137,6 +139,35 @@ def runs_of(results: list[dict], method: str, phase: str, multiple: float | None
             and (r["method"] == method or (r["multiple"] == 1.0 and r["method"] in same))]
 
 
+def with_shared(results: list[dict], shared: list[dict], method: str, repeats: int = REPEATS) -> list[dict]:
+    """`results` with the utility study's runs of the same config (`utility_runs`) filling the
+    repeats `method`'s private runs at the config's own setting still lack (issue 60: runs shared
+    with the utility issue count for both); a corpus whose harness ran its own keeps them alone."""
+    own = {r["repeat"] for r in runs_of(results, method, "private", 1.0)}
+    free = [k for k in range(1, repeats + 1) if k not in own]
+    return results + [{**r, "repeat": k} for k, r in zip(free, shared)]
+
+
+def utility_runs(path: Path, config: str, method: str, base: float, extra: list[str]) -> list[dict]:
+    """The runs of experiments/utility.py in `path` whose resolved config is the one this harness's
+    private run of `method` at multiple 1 has, as such runs (a paired row's run that did not get
+    its own DP teacher is left out: its draw is another's). `config` is the private config's path,
+    `extra` the private runs' overrides."""
+    from experiments.utility import ROWS, overrides
+    from pipeline.config import load_config
+
+    ours = load_config(config, run_overrides(method, 1.0, base, extra))
+    out = []
+    for r in read_results(path, ours.name):
+        if r.get("paired") is False or r["row"] not in ROWS:  # a row since retired: no config to compare
+            continue
+        row = overrides(r["row"], ours.name, r["repeat"], r.get("target_epsilon"))
+        if load_config(config, [*row, *extra]) == ours:  # both under this call's overrides (a run_root)
+            out.append({**r, "phase": "private", "method": method, "multiple": 1.0,
+                        "shared_from": (r["row"], r["repeat"])})
+    return out
+
+
 def _proxy(results: list[dict], method: str) -> dict[float, float]:
     """The proxy's figure of each multiple run: the one `method` is chosen by."""
     return {r["multiple"]: r[METHODS[method].figure] for r in runs_of(results, method, "proxy")}
@@ -189,6 +220,11 @@ def report(results: list[dict], corpus: str) -> str:
         for key, what in (("chosen", "the chosen rate"), ("default", "the config's rate")):
             if key == "default" or chosen(results, m) != 1.0:
                 out += shared_teacher_note(f"{m}, private at {what}", summary[key][m])
+    for m in TABLE:
+        if borrowed := [r["shared_from"] for r in summary["default"][m] if "shared_from" in r]:
+            rows = {row: [k for x, k in borrowed if x == row] for row, _ in borrowed}
+            out += (f"{m}, private at the config's rate: {len(borrowed)} run(s) of experiments/utility.py, the same config ("
+                    + "; ".join(f"row {row}, repeats {', '.join(map(str, ks))}" for row, ks in rows.items()) + ")\n")
     for method, settings in [(m, k) for m in TEACHERS for k in ("chosen", "default")
                              if m in summary[k]]:  # issue 59 item 3: what the teacher's choice does to the text
         runs = summary[settings][method]
@@ -241,10 +277,19 @@ def main(argv: list[str]) -> int:
         require_data(cfg, "experiments/public_proxy.py", args.config)
         require_data(proxy, "experiments/public_proxy.py", args.proxy)
     results_path = args.results or Path(cfg.run_root) / "public_proxy.jsonl"
+    shared = {m: utility_runs(results_path.parent / "utility.jsonl", args.config, m, _value(cfg, METHODS[m].field),
+                              [*pins, *args.overrides]) for m in METHODS}
+
+    def results() -> list[dict]:
+        out = read_results(results_path, cfg.name)
+        for m in METHODS:
+            out = with_shared(out, shared[m], m, args.repeats)
+        return out
+
     failed = []
     for method in [] if args.report_only else args.methods.split(","):
         base = _value(cfg, METHODS[method].field)  # candidates are multiples of the private config's value
-        while (todo := _todo(read_results(results_path, cfg.name), method, args.repeats)) is not None:
+        while (todo := _todo(results(), method, args.repeats)) is not None:
             phase, multiple, repeat = todo
             if phase == "private" and args.proxy_only:
                 break
@@ -255,7 +300,7 @@ def main(argv: list[str]) -> int:
                 failed, extra={"proxy": proxy.name})
             if done is None:
                 break  # go on with the next method; a restart retries it
-    text = report(read_results(results_path, cfg.name), cfg.name)
+    text = report(results(), cfg.name)
     root = Path(cfg.run_root)
     root.mkdir(parents=True, exist_ok=True)
     return finish(root / f"{cfg.name}-public-proxy.md", text, failed)

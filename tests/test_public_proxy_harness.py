@@ -215,3 +215,33 @@ def test_proxy_only_stops_each_method_at_its_private_runs(tmp_path, monkeypatch)
     assert ran == [("teacher-epochs", 2.0), ("teacher-epochs", 4.0), ("teacher-epochs", 8.0),
                    ("teacher-epochs", 16.0), ("teacher-epochs", 32.0)]  # falling to the grid's limit, 4 × 2³
     assert proxy.chosen(proxy.read_results(results, "smollm2-yelp"), "teacher-epochs") == 32.0
+
+
+def test_the_utility_studys_runs_of_the_same_config_fill_the_private_runs_at_the_configs_own(tmp_path):
+    """Issue 60: runs shared with the utility issue count for both. The tweets config ships what
+    `ours-8l` ran (8 layers, four epochs, the prompt): its three runs, each on its own DP teacher,
+    are ours' private runs at 1 × there; DP-SGD's utility row pins the header, another config. On
+    Yelp, whose harness ran its own three, `ours-words` (the same config) adds none."""
+    import json
+
+    utility = ROOT / "docs/results/utility.jsonl"
+    tweets, yelp = str(ROOT / "configs/smollm2_airline.yaml"), str(ROOT / "configs/smollm2_yelp.yaml")
+    shared = proxy.utility_runs(utility, tweets, "ours", 3e-4, [])
+    assert [(r["row"], r["repeat"]) for r in shared] == [("ours-8l", 3), ("ours-8l", 4), ("ours-8l", 5)]
+    assert proxy.utility_runs(utility, tweets, "dpsgd", 5e-4, []) == []
+    filled = proxy.with_shared([], shared, "ours")
+    assert [r["repeat"] for r in proxy.runs_of(filled, "ours", "private", 1.0)] == [1, 2, 3]
+    assert proxy._todo(filled + [_run("proxy", "ours", m, 100 + m) for m in (0.5, 1.0, 2.0, 4.0)], "ours", 3) \
+        == ("proxy", 0.25, 1)  # the grid still grows; then only the chosen's private runs remain
+    assert ("ours, private at the config's rate: 3 run(s) of experiments/utility.py, the same config (row ours-8l, "
+            "repeats 3, 4, 5)") in proxy.report(filled, "smollm2-airline")
+    pins = list(proxy.PINNED["smollm2-yelp"])
+    words = proxy.utility_runs(utility, yelp, "ours", 3e-4, pins)
+    assert {r["row"] for r in words} == {"ours-words"}
+    own = [_run("private", "ours", 1.0, 210 + k, k) for k in (1, 2, 3)]
+    assert proxy.with_shared(own, words, "ours") == own
+    lines = [json.loads(x) for x in utility.read_text().splitlines() if '"ours-8l"' in x]
+    lines[0]["paired"] = False  # its run found another's DP teacher: not a draw of its own
+    copy = tmp_path / "utility.jsonl"
+    copy.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert [r["repeat"] for r in proxy.utility_runs(copy, tweets, "ours", 3e-4, [])] == [4, 5]
