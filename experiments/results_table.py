@@ -22,8 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.public_proxy import REPEATS, chosen, runs_of  # noqa: E402
-from experiments.shared import PINNED  # noqa: E402
-from experiments.shared import mean_sd, read_results, share_a_teacher  # noqa: E402
+from experiments.shared import PINNED, mean_sd, read_results, share_a_teacher  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 # corpus, each column's (results file, its config's name or None for every line, the file's row
