@@ -363,12 +363,20 @@ class TeacherConfig(_Section):
         "(GPT-2, Llama 3.2, Qwen2.5, SmolLM2, Gemma): vocabulary × width more trainable parameters, each "
         "noised (28.3 M on SmolLM2-135M), and the saved model keeps its own head. false: keep the tie, one "
         "weight with two uses, which bk clipping clips by the norm of the two uses' summed gradient "
-        "(pipeline/privacy/bk.py); needs grad_sample_mode=bk (ghost and hooks clip each use apart).",
+        "(pipeline/privacy/bk.py); needs grad_sample_mode=bk (ghost and hooks clip each use apart). mode=lora and "
+        "bitfit keep the tie whatever this says: they train neither use.",
     )
+
+    @property
+    def unties_head(self) -> bool:
+        """Whether DP-SGD gives lm_head its own weight: only where it trains it (mode=full). LoRA and
+        BiTFiT freeze the head and the embedding, and a frozen weight is clipped nowhere, so the tie
+        stays and the saved teacher is the base model's size."""
+        return self.untie_lm_head and self.mode == "full"
 
     @model_validator(mode="after")
     def _a_kept_tie_needs_bk(self) -> "TeacherConfig":
-        if not self.untie_lm_head and self.grad_sample_mode != "bk":
+        if not self.untie_lm_head and self.mode == "full" and self.grad_sample_mode != "bk":
             raise ValueError(f"teacher.untie_lm_head=false needs teacher.grad_sample_mode=bk (it is "
                              f"{self.grad_sample_mode!r}, which would clip the tied weight's two uses apart); "
                              "set teacher.grad_sample_mode=bk or teacher.untie_lm_head=true")

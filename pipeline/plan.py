@@ -223,10 +223,11 @@ def _warnings(cfg: PipelineConfig) -> list[str]:
 
 def _untied_parameters(cfg: PipelineConfig, stage: str) -> int | None:
     """What untying lm_head adds to the stage's model, from its config (None: not readable yet,
-    e.g. builtin models still to be built from base_models.corpus; 0 with teacher.untie_lm_head=false)."""
+    e.g. builtin models still to be built from base_models.corpus; 0 where the head stays tied:
+    teacher.untie_lm_head=false, or a mode that freezes it)."""
     from transformers import AutoConfig
 
-    if not cfg.teacher.untie_lm_head:
+    if not cfg.teacher.unties_head:
         return 0
 
     name = cfg.teacher.model if stage == "teacher" else cfg.distill.student_model

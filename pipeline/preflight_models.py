@@ -78,7 +78,7 @@ def _dp_sgd_problems(field: str, name: str, config, t: TeacherConfig) -> list[st
     except ValueError:  # transformers: no causal-LM class for this config (T5, BERT, ...)
         return [f"{field} {name!r} is a {config.model_type!r} model, not a causal language model; "
                 "name a decoder-only model (GPT-2, Llama, Qwen2, Mistral, Gemma, ...)"]
-    if t.untie_lm_head:
+    if t.unties_head:
         untie_lm_head(model)
     try:  # bitfit without biases, LoRA target modules the model lacks
         model = prepare_trainable(model, t)

@@ -236,6 +236,7 @@ def every_stage(family: str, dirs: dict[str, Path], splits, out: Path, runtime) 
     tied = load_causal_lm(str(results["bk-tied"].checkpoint))  # teacher.untie_lm_head=false: saved as the family ties
     assert (tied.get_output_embeddings().weight is tied.get_input_embeddings().weight) == bool(
         tied.config.tie_word_embeddings) and results["bk-tied"].ledger.untied_parameters == 0
+    assert results["lora"].ledger.untied_parameters == 0  # LoRA freezes the head: the tie stays
     teacher = results["bk"].checkpoint
     codes = out / "codes.json"
     codes.write_text(json.dumps({"counts": {"Category: A": 3, "Category: B": 1}}))

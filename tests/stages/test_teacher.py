@@ -206,6 +206,7 @@ def test_a_kept_tie_trains_one_shared_weight_and_saves_it_tied(splits, tiny_mode
     assert "lm_head.weight" in _weights(untied.checkpoint)  # the default keeps its own head
     with pytest.raises(ValueError, match="untie_lm_head=false needs teacher.grad_sample_mode=bk"):
         TeacherConfig(untie_lm_head=False, grad_sample_mode="ghost")
+    assert not TeacherConfig(mode="lora", grad_sample_mode="ghost").unties_head  # a frozen head: nothing to clip
 
 
 def test_a_kept_tie_changes_the_teacher_key_and_the_default_leaves_earlier_ones_valid(tiny_config, tmp_path,
@@ -237,6 +238,7 @@ def test_lora_saves_a_merged_plain_checkpoint(splits, tiny_model_dir, tmp_path):
     _, result = _teacher(splits, tiny_model_dir, tmp_path, mode="lora", lora_target_modules=["c_attn"])
     before, after = _weights(tiny_model_dir), _weights(result.checkpoint)
     assert not any("lora" in k for k in after)  # merged: generation loads it like any GPT-2
+    assert set(after) == set(before) and "untied" not in result.ledger.note  # the frozen head stays tied
     changed = {k for k in before if k in after and not torch.equal(before[k], after[k])}
     assert changed and all("c_attn.weight" in k for k in changed), changed
 

@@ -77,8 +77,10 @@ def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | Non
     pipeline/models/base.py says why), the KD teacher, and the parameters the untied head added."""
     tok = load_tokenizer(base_model)
     model = load_causal_lm(base_model)
-    if not cfg.untie_lm_head:
-        if head_is_tied(model):
+    if not cfg.unties_head:
+        if head_is_tied(model) and cfg.mode != "full":
+            log.info("%s: lm_head kept tied to the input embedding: teacher.mode=%s trains neither", stage, cfg.mode)
+        elif head_is_tied(model):
             log.info("%s: lm_head kept tied to the input embedding (teacher.untie_lm_head=false): bk clips the "
                      "shared weight by the norm of both uses' summed gradient", stage)
         untied = 0
@@ -260,8 +262,9 @@ def _ledger_entry(run: Run) -> LedgerEntry:
         f"training split (N={run.n} {unit}s"
         + ("" if unit == "record" else f", {run.n_records} records; one random record per sampled user per step")
         + f"), Poisson sampling with probability {run.sampling_probability:.6g} (accounted as "
-        f"q={run.sample_rate:.6g}), lm_head untied from the input embedding"
-        + (f" (+{run.untied_parameters} parameters)" if run.untied_parameters else "")
+        f"q={run.sample_rate:.6g})"
+        + (f", lm_head untied from the input embedding (+{run.untied_parameters} parameters)"
+           if run.untied_parameters else "")
         + f"; σ calibrated by Opacus "
         f"for target ε={run.target_epsilon}"
         + ("; gdp is a CLT approximation, not a guaranteed bound" if cfg.accountant == "gdp" else "")
