@@ -73,16 +73,15 @@ def _world() -> tuple[int, int]:
 
 
 def _models(cfg: TeacherConfig, base_model: str, kd: KnowledgeDistillation | None, device, stage: str):
-    """Tokenizer, the trainable model (lm_head untied unless teacher.untie_lm_head=false:
+    """Tokenizer, the trainable model (lm_head untied where DP-SGD trains it, `TeacherConfig.unties_head`:
     pipeline/models/base.py says why), the KD teacher, and the parameters the untied head added."""
     tok = load_tokenizer(base_model)
     model = load_causal_lm(base_model)
     if not cfg.unties_head:
-        if head_is_tied(model) and cfg.mode != "full":
-            log.info("%s: lm_head kept tied to the input embedding: teacher.mode=%s trains neither", stage, cfg.mode)
-        elif head_is_tied(model):
-            log.info("%s: lm_head kept tied to the input embedding (teacher.untie_lm_head=false): bk clips the "
-                     "shared weight by the norm of both uses' summed gradient", stage)
+        if head_is_tied(model):
+            log.info("%s: lm_head kept tied to the input embedding (%s)", stage,
+                     f"teacher.mode={cfg.mode} trains neither" if cfg.mode != "full" else
+                     "teacher.untie_lm_head=false: bk clips the shared weight by the norm of both uses' summed gradient")
         untied = 0
     elif untied := untie_lm_head(model):
         log.info("%s: lm_head untied from the input embedding for DP-SGD (one weight, two uses, would get "
