@@ -1,6 +1,10 @@
 """The baseline a user would run (issue 60 item 3, docs/baselines.md "Settings chosen on a public
 proxy"): each method at the whole ε, its learning rate chosen on a public proxy corpus, free of
-any private record, beside the config's own setting. Resumable; every run appended to a tracked jsonl.
+any private record, beside the config's own setting. Resumable; every run appended to a tracked jsonl
+with its config's digest (experiments/shared.py `config_digest`): a run whose config has changed
+since (a config that ships another setting) is kept out of the report and the README, named at
+the report's end, and runs again. Lines recorded before the digest (2026-12-02) cannot be
+checked; the docs name those that ran another config.
 
     OMP_NUM_THREADS=1 nohup .venv/bin/python experiments/public_proxy.py --config configs/reference.yaml \
         --proxy configs/airline.yaml --results docs/results/public_proxy.jsonl > runs/public_proxy.log 2>&1 &
@@ -50,8 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
 from experiments.shared import (  # noqa: E402
-    PINNED, add_results_option, finish, mean_sd, read_results, require_data, run_recorded, shared_teacher_note,
-    where_run)
+    PINNED, add_results_option, config_digest, finish, mean_sd, read_results, require_data, run_recorded,
+    shared_teacher_note, split_stale, stale_note, where_run)
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's value
 REPEATS = 3  # private runs at each of the chosen and the config's settings
@@ -96,13 +100,14 @@ def run_one(config: str, method: str, multiple: float, base: float, phase: str, 
     from pipeline.config import load_config
 
     cfg = load_config(config, run_overrides(method, multiple, base, extra))
+    digest = config_digest(cfg)
     cfg = cfg.model_copy(update={"name": f"{cfg.name}-{phase}-{method}-m{multiple:g}-r{repeat}"})
     t0 = time.monotonic()
     run_dir = Path(dp_distill(cfg, rerun=stages_to_rerun(noisy_stage(method), None) if repeat > 1 else None))
     field = METHODS[method].field
     setting = {"learning_rate" if field.endswith("learning_rate") else field: base * multiple}
     return {"phase": phase, "method": method, "multiple": multiple, **setting,
-            **_result(method, repeat, run_dir, time.monotonic() - t0), **where_run(cfg)}
+            **_result(method, repeat, run_dir, time.monotonic() - t0), **where_run(cfg), "config_digest": digest}
 
 
 def run_overrides(method: str, multiple: float, base: float, extra: list[str]) -> list[str]:
@@ -127,6 +132,27 @@ def same_training(cfg) -> list[str]:
     return [f"teacher.model={cfg.teacher.model}", f"teacher.epochs={cfg.teacher.epochs}",
             f"teacher.batch_size={cfg.teacher.batch_size}", f"distill.student_model={cfg.distill.student_model}",
             f"distill.epochs={cfg.distill.epochs}", f"distill.batch_size={cfg.distill.batch_size}"]
+
+
+def digests(config: str, proxy: str | None, overrides: list[str]):
+    """`digest_of(line)` for `split_stale`: the config digest a run of the line's method, phase and
+    multiple has today (`config`, `proxy`: the configs' paths, None for the proxy: the one the line
+    names, configs/<name>.yaml; `overrides`: every run's, as main's)."""
+    from pipeline.config import load_config
+
+    cfg = load_config(config, [*PINNED.get(load_config(config).name, ()), *overrides])
+    pins = list(PINNED.get(cfg.name, ()))
+    memo = {}
+
+    def digest_of(r: dict) -> str:
+        path = config if r["phase"] == "private" else proxy or ROOT / "configs" / f"{r['proxy'].replace('-', '_')}.yaml"
+        key = (r["phase"], r["method"], r["multiple"], str(path))
+        if key not in memo:
+            extra = [*(same_training(cfg) if r["phase"] == "proxy" else pins), *overrides]
+            memo[key] = config_digest(load_config(path, run_overrides(r["method"], r["multiple"],
+                                                                      _value(cfg, METHODS[r["method"]].field), extra)))
+        return memo[key]
+    return digest_of
 
 
 def runs_of(results: list[dict], method: str, phase: str, multiple: float | None = None) -> list[dict]:
@@ -157,12 +183,13 @@ def utility_runs(path: Path, config: str, method: str, base: float, extra: list[
     from pipeline.config import load_config
 
     ours = load_config(config, run_overrides(method, 1.0, base, extra))
-    out = []
+    digest, out = config_digest(ours), []
     for r in read_results(path, ours.name):
         if r.get("paired") is False or r["row"] not in ROWS:  # a row since retired: no config to compare
             continue
         row = overrides(r["row"], ours.name, r["repeat"], r.get("target_epsilon"))
-        if load_config(config, [*row, *extra]) == ours:  # both under this call's overrides (a run_root)
+        same = load_config(config, [*row, *extra]) == ours  # both under this call's overrides (a run_root)
+        if same and r.get("config_digest", digest) == digest:  # not a run recorded with another config
             out.append({**r, "phase": "private", "method": method, "multiple": 1.0,
                         "shared_from": (r["row"], r["repeat"])})
     return out
@@ -280,8 +307,12 @@ def main(argv: list[str]) -> int:
     shared = {m: utility_runs(results_path.parent / "utility.jsonl", args.config, m, _value(cfg, METHODS[m].field),
                               [*pins, *args.overrides]) for m in METHODS}
 
-    def results() -> list[dict]:
-        out = read_results(results_path, cfg.name)
+    digest_of = digests(args.config, args.proxy, args.overrides)
+
+    def results(stale: list | None = None) -> list[dict]:
+        out, old = split_stale(read_results(results_path, cfg.name), digest_of)
+        if stale is not None:
+            stale += old
         for m in METHODS:
             out = with_shared(out, shared[m], m, args.repeats)
         return out
@@ -300,7 +331,9 @@ def main(argv: list[str]) -> int:
                 failed, extra={"proxy": proxy.name})
             if done is None:
                 break  # go on with the next method; a restart retries it
-    text = report(results(), cfg.name)
+    stale = []
+    text = report(results(stale), cfg.name) + stale_note(
+        stale, lambda r: f"{r['method']} {r['phase']} m={r['multiple']:g} r{r['repeat']}")
     root = Path(cfg.run_root)
     root.mkdir(parents=True, exist_ok=True)
     return finish(root / f"{cfg.name}-public-proxy.md", text, failed)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.public_proxy import REPEATS, chosen, runs_of  # noqa: E402
-from experiments.shared import PINNED, mean_sd, read_results, share_a_teacher  # noqa: E402
+from experiments.public_proxy import REPEATS, chosen, digests, runs_of  # noqa: E402
+from experiments.shared import PINNED, mean_sd, read_results, share_a_teacher, split_stale  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 # corpus, each column's (results file, its config's name or None for every line, the file's row
@@ -94,8 +94,20 @@ def reference(ours: list[dict], own_ours: list[dict], key: str | None) -> str:
 
 
 def runs_of_row(name: str, config: str | None, row: str) -> list[dict]:
-    """The main runs (not a privacy-utility sweep's) of `row` in results file `name`."""
-    return [r for r in read_results(RESULTS / name, config) if r.get("target_epsilon") is None and r["row"] == row]
+    """The main runs (not a privacy-utility sweep's) of `row` in results file `name`; of the utility
+    study's, those of the config its row resolves to today (a run recorded with another is kept out,
+    as its report keeps it: `split_stale`)."""
+    results = read_results(RESULTS / name, config)
+    if name == "utility.jsonl":
+        from experiments.utility import digests
+
+        results, _ = split_stale(results, digests(str(config_path(config)), []))
+    return [r for r in results if r.get("target_epsilon") is None and r["row"] == row]
+
+
+def config_path(config: str) -> Path:
+    """The shipped config of the name `config` (configs/<name with _ for ->.yaml)."""
+    return ROOT / "configs" / f"{config.replace('-', '_')}.yaml"
 
 
 def proxy_runs(config: str) -> dict[str, list[dict]]:
@@ -105,7 +117,8 @@ def proxy_runs(config: str) -> dict[str, list[dict]]:
     trains another student than the row's (`STUDENTS`): one row compares one student."""
     if proxy_student(config) != STUDENTS[config]:
         return {}
-    results = read_results(RESULTS / "public_proxy.jsonl", config)
+    digest_of = digests(str(config_path(config)), None, [])
+    results, _ = split_stale(read_results(RESULTS / "public_proxy.jsonl", config), digest_of)
     out = {}
     for col in ("ours", "dpsgd", "dpkd"):
         pick = chosen(results, col)
@@ -119,8 +132,7 @@ def proxy_student(config: str) -> str:
     settings the study pins (experiments/shared.py `PINNED`)."""
     from pipeline.config import load_config
 
-    path = ROOT / "configs" / f"{config.replace('-', '_')}.yaml"
-    return load_config(path, list(PINNED.get(config, ()))).distill.student_model
+    return load_config(config_path(config), list(PINNED.get(config, ()))).distill.student_model
 
 
 def rewrite_readme(text: str, readme: Path = ROOT / "README.md") -> None:

@@ -7,6 +7,7 @@ their license). A study whose config reads a file that is not there exits with o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -169,6 +170,38 @@ def selection_of(metrics: dict) -> dict:
 # multiples and rows stay what they ran with (SmolLM2 Yelp ships ours' proxy choice, 6e-4, since
 # experiments/public_proxy.py chose it; its studies ran with 3e-4).
 PINNED = {"smollm2-yelp": ("distill.learning_rate=0.0003",)}
+
+
+# Where and how a run is watched, not what it computes: left out of its config's digest.
+OPERATIONAL = ("name", "run_root", "progress_seconds", "threads")
+
+
+def config_digest(cfg) -> str:
+    """What a run computes, as a digest of its resolved config less `OPERATIONAL` (its paths are the
+    config's, relative: the same in every checkout). A study's line records it, so that a row counts
+    only the runs of the config it names today (issue 60): one whose config has changed since it ran
+    is kept out and runs again."""
+    data = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in OPERATIONAL}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def split_stale(results: list[dict], digest_of) -> tuple[list[dict], list[dict]]:
+    """`results` as (current, stale): a line is stale when it records a config digest that is not
+    `digest_of(line)`, the digest its row's config resolves to now. A line recorded before digests
+    were (2026-12-02) cannot be checked and counts; the docs name those known to have run another
+    config, and their results files keep them apart."""
+    current, stale = [], []
+    for r in results:
+        (stale if "config_digest" in r and r["config_digest"] != digest_of(r) else current).append(r)
+    return current, stale
+
+
+def stale_note(stale: list[dict], name) -> str:
+    """One line naming the runs kept out because their config has changed since they ran."""
+    if not stale:
+        return ""
+    return (f"kept out, their config changed since they ran (they run again): {len(stale)} run(s): "
+            + ", ".join(name(r) for r in stale) + "\n")
 
 
 def mean_sd(values: list[float | None], digits: int = 1) -> str:

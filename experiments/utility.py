@@ -1,7 +1,9 @@
 """What the user takes home (issue 59, docs/utility.md): the student and the synthetic text of
 ours, with the codes as a prompt the pretrained teacher understands, beside the ε = 0 control
 (the same student distilled from the base teacher, no private record) and DP-SGD of the student
-at the full ε. Three runs a row; resumable; every finished run appended to a tracked jsonl.
+at the full ε. Three runs a row; resumable; every finished run appended to a tracked jsonl with
+its config's digest (experiments/shared.py `config_digest`): a run whose row resolves to another
+config today is kept out of the report, named at its end, and runs again.
 
     OMP_NUM_THREADS=1 nohup .venv/bin/python experiments/utility.py --config configs/smollm2_airline.yaml \
         --results docs/results/utility.jsonl > runs/real_model/utility.log 2>&1 &
@@ -55,7 +57,8 @@ sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
 from experiments.privacy_utility import CODES, record_tokens, tokens_path, with_codes  # noqa: E402
 from experiments.shared import (  # noqa: E402
-    PINNED, add_results_option, finish, mean_sd, read_results, require_data, run_recorded, where_run)
+    PINNED, add_results_option, config_digest, finish, mean_sd, read_results, require_data, run_recorded, split_stale,
+    stale_note, where_run)
 
 # Yelp's raw star values ("Review Stars: 4.0") as its config shipped them before `ours-words` won:
 # the rows that ran with them keep them.
@@ -141,6 +144,7 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], e
     from pipeline.config import load_config
 
     cfg = load_config(config, [*overrides(row, corpus, repeat, epsilon), *extra])
+    digest = config_digest(cfg)
     tag = "" if epsilon is None else f"-e{epsilon:g}"
     cfg = cfg.model_copy(update={"name": f"{cfg.name}-{row.replace('-', '')}{tag}-r{repeat}"})
     noisy = ROWS[row][1]
@@ -156,6 +160,7 @@ def run_one(config: str, corpus: str, row: str, repeat: int, extra: list[str], e
         out["downstream_kept"] = {c: {"macro_f1": v["synthetic"]["macro_f1"], "synthetic_train": v["synthetic_train"]}
                                   for c, v in kept["columns"].items() if "synthetic" in v}
     out["target_epsilon"] = epsilon  # None: the config's own (about 2), the study's main rows
+    out["config_digest"] = digest
     if paired_with is not None:
         out |= pairing(run_dir, out["dp_teacher"], paired_with)
     return out
@@ -263,6 +268,23 @@ def _synthetic_lines(rs: list[dict], what: str, need_reference: bool = False) ->
     return out
 
 
+def digests(config: str, extra: list[str]):
+    """`digest_of(line)` for `split_stale`: the config digest the line's row, repeat and ε resolve to
+    today under `extra` (every run's overrides), None for a row since retired (no config to compare:
+    a line of it that records a digest is kept out)."""
+    from pipeline.config import load_config
+
+    name, memo = load_config(config, extra).name, {}
+
+    def digest_of(r: dict) -> str | None:
+        key = (r["row"], r["repeat"], r.get("target_epsilon"))
+        if key not in memo:
+            row = overrides(r["row"], name, r["repeat"], r.get("target_epsilon")) if r["row"] in ROWS else None
+            memo[key] = None if row is None else config_digest(load_config(config, [*row, *extra]))
+        return memo[key]
+    return digest_of
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
@@ -292,13 +314,20 @@ def main(argv: list[str]) -> int:
     failed = []
     repeats = [int(k) for k in args.runs.split(",")] if args.runs else range(1, args.repeats + 1)
     schedule = [(row, k) for k in repeats for row in args.rows.split(",")]
+    digest_of = digests(args.config, args.overrides)
+
+    def current(stale: list | None = None) -> list[dict]:  # the lines of today's configs (a changed one runs again)
+        out, old = split_stale(read_results(results_path, cfg.name), digest_of)
+        if stale is not None:
+            stale += old
+        return out
+
     for row, k in [] if args.report_only else schedule:
-        if any(r["row"] == row and r["repeat"] == k and r.get("target_epsilon") == args.epsilon
-               for r in read_results(results_path, cfg.name)):
+        if any(r["row"] == row and r["repeat"] == k and r.get("target_epsilon") == args.epsilon for r in current()):
             continue
         paired_with = None
         if ROWS[row][1] == PAIRED:
-            paired_with = next((r for r in read_results(results_path, cfg.name) if r["row"] == "ours"
+            paired_with = next((r for r in current() if r["row"] == "ours"
                                 and r["repeat"] == k and r.get("target_epsilon") == args.epsilon), None)
             if paired_with is None:
                 print(f"experiments/utility.py: {row} run {k} reuses ours run {k}'s teacher and text, which is not "
@@ -309,9 +338,11 @@ def main(argv: list[str]) -> int:
                                                                  args.epsilon, p),
                      failed)
         record_tokens(results_path, tokens_path(results_path))  # the codes' tokens' perplexity needs them
-    main_rows = [r for r in read_results(results_path, cfg.name) if r.get("target_epsilon") is None]
+    stale = []
+    main_rows = [r for r in current(stale) if r.get("target_epsilon") is None]
     main_rows = with_codes(main_rows, read_results(tokens_path(results_path)))
-    text = report(main_rows, cfg.name, model)
+    text = report(main_rows, cfg.name, model) + stale_note(
+        stale, lambda r: f"{r['row']} run {r['repeat']}" + (f" at ε {e:g}" if (e := r.get("target_epsilon")) else ""))
     return finish(root / f"{cfg.name}-utility.md", text, failed)
 
 

@@ -245,3 +245,43 @@ def test_the_utility_studys_runs_of_the_same_config_fill_the_private_runs_at_the
     copy = tmp_path / "utility.jsonl"
     copy.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert [r["repeat"] for r in proxy.utility_runs(copy, tweets, "ours", 3e-4, [])] == [4, 5]
+
+
+def test_a_run_whose_config_has_changed_since_is_kept_out_and_runs_again(tmp_path, monkeypatch):
+    """Issue 60: a row counts only the runs of the config it names today. A recorded run whose
+    digest is not the one its method, phase and multiple resolve to now (here the stars' raw
+    values, as configs/smollm2_yelp.yaml shipped them until 2026-11-30) is kept out of the table,
+    named, and runs again; a run with today's digest counts, and so does a line recorded before
+    digests were (it cannot be checked)."""
+    import json
+
+    from experiments.utility import RAW_STARS
+    from pipeline.config import load_config
+
+    yelp = str(ROOT / "configs/smollm2_yelp.yaml")
+    extra = [*proxy.PINNED["smollm2-yelp"], f"run_root={tmp_path}"]
+    base = proxy._value(load_config(yelp), "teacher.learning_rate")
+
+    def digest(*more):
+        return proxy.config_digest(load_config(yelp, proxy.run_overrides("dpsgd", 2.0, base, [*more, *extra])))
+
+    assert digest() == digest("run_root=elsewhere", "threads=2") != digest(*RAW_STARS)
+    lines = [_run("proxy", "dpsgd", m, p) for m, p in ((0.5, 580.0), (1.0, 460.0), (2.0, 420.0), (4.0, 430.0))]
+    lines += [{**_run("private", "dpsgd", 2.0, 390.0, 1), "config_digest": digest()},
+              {**_run("private", "dpsgd", 2.0, 300.0, 2), "config_digest": digest(*RAW_STARS)},
+              _run("private", "dpsgd", 2.0, 392.0, 3)]
+    results = tmp_path / "proxy.jsonl"
+    results.write_text("".join(json.dumps({"config": "smollm2-yelp", **x}) + "\n" for x in lines))
+    argv = ["--config", yelp, "--proxy", str(ROOT / "configs/smollm2_airline.yaml"), "--results", str(results),
+            f"run_root={tmp_path}"]
+    assert proxy.main([*argv, "--report-only"]) == 0
+    text = (tmp_path / "smollm2-yelp-public-proxy.md").read_text()
+    assert "table=deployable-public corpus=smollm2-yelp ours=– dpsgd=391.0±1.4 dpkd=–" in text
+    assert text.endswith("kept out, their config changed since they ran (they run again): 1 run(s): "
+                         "dpsgd private m=2 r2\n")
+    ran = []
+    monkeypatch.setattr(proxy, "require_data", lambda *a: None)
+    monkeypatch.setattr(proxy, "run_one", lambda config, method, multiple, base, phase, repeat, *a: ran.append(
+        (multiple, repeat)) or {**_run(phase, method, multiple, 395.0, repeat), "seconds": 1.0})
+    assert proxy.main([*argv, "--methods", "dpsgd"]) == 0
+    assert ran == [(2.0, 2), (1.0, 1), (1.0, 2), (1.0, 3)]

@@ -284,3 +284,40 @@ def test_a_paired_run_is_paired_only_when_it_reused_that_runs_teacher(tmp_path):
     assert reused(ours) == {"paired_with": str(ours), "teacher_from": str(ours), "paired": True}
     assert reused(other)["paired"] is False and reused(other)["teacher_from"] == str(other)
     assert utility.pairing(run, 43.7, {"run_dir": str(other), "dp_teacher": 43.6})["paired"] is False
+
+
+def test_a_run_of_a_config_since_changed_is_kept_out_of_the_report_and_the_readme_and_runs_again(tmp_path, monkeypatch):
+    """Issue 60: each line records its config's digest; one whose row resolves to another config
+    today is named and kept out, of this report and of the README's table (results_table.py), and
+    the row's repeat runs again. `ours-words` resolves to what the public-proxy harness runs at
+    the config's own, so the two studies' digests agree where they share runs."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from experiments import public_proxy, results_table
+
+    yelp = CONFIGS["smollm2-yelp"]
+    digest_of = utility.digests(yelp, [])
+    words = digest_of({"row": "ours-words", "repeat": 1})
+    assert words == public_proxy.digests(yelp, None, [])({"phase": "private", "method": "ours", "multiple": 1.0})
+    assert words != digest_of({"row": "ours", "repeat": 1})  # the raw star values
+    assert digest_of({"row": "a-retired-row", "repeat": 1}) is None
+    lines = [{"config": "smollm2-yelp", "run_dir": f"r{k}", **_run("ours-words", k, 210.0 + k, 238.0, config_digest=d)}
+             for k, d in ((1, words), (2, words), (3, "0" * 16))]  # run 3 ran another config
+    lines[2]["student"] = 150.0
+    results = tmp_path / "utility.jsonl"
+    results.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    argv = ["--config", yelp, "--rows", "ours-words", "--results", str(results), f"run_root={tmp_path}"]
+    assert utility.main([*argv, "--report-only"]) == 0
+    text = (tmp_path / "smollm2-yelp-utility.md").read_text()
+    assert "| ours-words | 2 | 211.5±0.7 |" in text
+    assert text.endswith("kept out, their config changed since they ran (they run again): 1 run(s): ours-words run 3\n")
+    monkeypatch.setattr(results_table, "RESULTS", tmp_path)
+    assert [r["repeat"] for r in results_table.runs_of_row("utility.jsonl", "smollm2-yelp", "ours-words")] == [1, 2]
+    ran = []
+    monkeypatch.setattr(utility, "require_data", lambda *a: None)
+    monkeypatch.setattr(utility, "record_tokens", lambda *a: None)
+    monkeypatch.setattr(utility, "run_one", lambda config, corpus, row, k, *a: ran.append((row, k)) or {
+        **_run(row, k, 212.0, 238.0), "run_dir": "new", "seconds": 1.0})
+    assert utility.main(argv) == 0
+    assert ran == [("ours-words", 3)]
