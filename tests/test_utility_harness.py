@@ -321,3 +321,22 @@ def test_a_run_of_a_config_since_changed_is_kept_out_of_the_report_and_the_readm
         **_run(row, k, 212.0, 238.0), "run_dir": "new", "seconds": 1.0})
     assert utility.main(argv) == 0
     assert ran == [("ours-words", 3)]
+
+
+def test_the_privacy_utility_figure_leaves_out_a_run_of_a_config_since_changed(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from experiments import privacy_utility
+
+    tweets = CONFIGS["smollm2-airline"]
+    digest = utility.digests(tweets, [])({"row": "ours", "repeat": 1, "target_epsilon": 0.5})
+    lines = [{"config": "smollm2-airline", "run_dir": f"r{k}", **_run("ours", k, 300.0 + k, 400.0, target_epsilon=0.5,
+                                                                      config_digest=d)}
+             for k, d in ((1, digest), (2, "0" * 16))]
+    results = tmp_path / "utility.jsonl"
+    results.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert privacy_utility.main(["--results", str(results), "--report-only"]) == 0
+    out, err = capsys.readouterr()
+    assert "| ours | windowed | 301.0±– (1) |" in out
+    assert "1 run(s): ours run 2 at ε 0.5" in err
