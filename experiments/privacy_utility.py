@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.shared import lock_of, mean_sd, read_results, split_stale, stale_note  # noqa: E402
+from experiments.shared import config_path, lock_of, mean_sd, read_results, split_stale, stale_note  # noqa: E402
 from pipeline.prompts import codes_windowed  # noqa: E402
 
 FIGURES = (("student_text_windowed", "dp_teacher_text", "base_teacher_text", "on the text alone"),
@@ -190,8 +190,8 @@ def main(argv: list[str]) -> int:
             print(f"experiments/privacy_utility.py: counts not recorded, {line}", file=sys.stderr)
     from experiments.utility import digests  # here: that module imports this one
 
-    config = ROOT / "configs" / f"{args.config_name.replace('-', '_')}.yaml"
-    results, stale = split_stale(read_results(args.results, args.config_name), digests(str(config), []))
+    digest_of = digests(str(config_path(args.config_name)), [])
+    results, stale = split_stale(read_results(args.results, args.config_name), digest_of)
     print(stale_note(stale, lambda r: f"{r['row']} run {r['repeat']} at ε {r.get('target_epsilon') or 2:g}"),
           end="", file=sys.stderr)  # the utility study's rule: a run of a config since changed is not drawn
     if not results:

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.confirmation import _result  # noqa: E402
 from experiments.shared import (  # noqa: E402
-    PINNED, add_results_option, config_digest, finish, mean_sd, read_results, require_data, run_recorded,
+    PINNED, add_results_option, config_digest, config_path, finish, mean_sd, read_results, require_data, run_recorded,
     shared_teacher_note, split_stale, stale_note, where_run)
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # the first grid, × the private config's value
@@ -145,7 +145,7 @@ def digests(config: str, proxy: str | None, overrides: list[str]):
     memo = {}
 
     def digest_of(r: dict) -> str:
-        path = config if r["phase"] == "private" else proxy or ROOT / "configs" / f"{r['proxy'].replace('-', '_')}.yaml"
+        path = config if r["phase"] == "private" else proxy or config_path(r["proxy"])
         key = (r["phase"], r["method"], r["multiple"], str(path))
         if key not in memo:
             extra = [*(same_training(cfg) if r["phase"] == "proxy" else pins), *overrides]

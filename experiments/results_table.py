@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from experiments.public_proxy import REPEATS, chosen, digests, runs_of  # noqa: E402
-from experiments.shared import PINNED, mean_sd, read_results, share_a_teacher, split_stale  # noqa: E402
+from experiments.shared import PINNED, config_path, mean_sd, read_results, share_a_teacher, split_stale  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 # corpus, each column's (results file, its config's name or None for every line, the file's row
@@ -103,11 +103,6 @@ def runs_of_row(name: str, config: str | None, row: str) -> list[dict]:
 
         results, _ = split_stale(results, digests(str(config_path(config)), []))
     return [r for r in results if r.get("target_epsilon") is None and r["row"] == row]
-
-
-def config_path(config: str) -> Path:
-    """The shipped config of the name `config` (configs/<name with _ for ->.yaml)."""
-    return ROOT / "configs" / f"{config.replace('-', '_')}.yaml"
 
 
 def proxy_runs(config: str) -> dict[str, list[dict]]:

@@ -185,11 +185,16 @@ def config_digest(cfg) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def config_path(name: str) -> Path:
+    """The shipped config of the name `name`: configs/<name, - as _>.yaml."""
+    return ROOT / "configs" / f"{name.replace('-', '_')}.yaml"
+
+
 def split_stale(results: list[dict], digest_of) -> tuple[list[dict], list[dict]]:
     """`results` as (current, stale): a line is stale when it records a config digest that is not
     `digest_of(line)`, the digest its row's config resolves to now. A line recorded before digests
     were (2026-12-02) cannot be checked and counts; the docs name those known to have run another
-    config, and their results files keep them apart."""
+    config."""
     current, stale = [], []
     for r in results:
         (stale if "config_digest" in r and r["config_digest"] != digest_of(r) else current).append(r)
