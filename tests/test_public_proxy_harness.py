@@ -116,7 +116,7 @@ def test_a_pinned_study_keeps_the_settings_its_recorded_runs_had():
         ran = {round(r["learning_rate"] / r["multiple"], 12) for r in lines
                if r["config"] == name and r["method"] == method}
         assert ran == {float(value)}, (name, ran)
-        config = ROOT / "configs" / f"{name.replace('-', '_')}.yaml"
+        config = proxy.config_path(name)
         assert proxy._value(load_config(config, list(pins)), field) == float(value)
         for row in ("ours", "ours-words", "public-only-words"):
             assert proxy._value(load_config(config, utility.overrides(row, name, 1)), field) == float(value)
