@@ -32,12 +32,14 @@ RESULTS = ROOT / "docs" / "results"
 SOURCES = (
     ("Yelp, builtin 5.3 M → 1.5 M", {"ours": ("yelp.jsonl", None, "ours"), "dpsgd": ("yelp.jsonl", None, "DP-SGD"),
                                      "dpkd": ("yelp.jsonl", None, "DPKD")}, "reference"),
-    # Ours and the ε = 0 control as the config ships them (the codes as a prompt, the utility
-    # study); DPKD at the config's settings from issue 36's study (the header form)
-    ("Yelp, SmolLM2-135M → 4 layers", {"ours": ("utility.jsonl", "smollm2-yelp", "ours"),
+    # Ours and the ε = 0 control as the config ships them (the utility study's rows with the codes
+    # as a prompt and the stars named, `ours-words`; its `ours` row keeps the raw star values the
+    # config shipped before); DPKD at the config's settings from issue 36's study (the header form)
+    ("Yelp, SmolLM2-135M → 4 layers", {"ours": ("utility.jsonl", "smollm2-yelp", "ours-words"),
                                        "dpsgd": ("utility.jsonl", "smollm2-yelp", "dp-sgd"),
                                        "dpkd": ("smollm2_yelp.jsonl", "smollm2-yelp", "DPKD"),
-                                       "public_only": ("utility.jsonl", "smollm2-yelp", "public-only")}, "smollm2-yelp"),
+                                       "public_only": ("utility.jsonl", "smollm2-yelp", "public-only-words")},
+     "smollm2-yelp"),
     ("Tweets, SmolLM2-135M → 4 layers", {"ours": ("utility.jsonl", "smollm2-airline", "ours"),
                                          "dpsgd": ("utility.jsonl", "smollm2-airline", "dp-sgd"),
                                          "public_only": ("utility.jsonl", "smollm2-airline", "public-only")},

@@ -106,3 +106,21 @@ def test_a_row_takes_no_proxy_cell_whose_study_trained_another_student(tmp_path,
     assert results_table.proxy_runs("smollm2-yelp") == {}
     assert results_table.table().splitlines()[2].split(" | ")[2:4] == ["200.0±–", "368.0±–"]
 
+
+
+def test_the_smollm2_yelp_row_holds_ours_and_the_control_as_the_config_ships_them():
+    """The README's SmolLM2 Yelp cells of ours and the ε = 0 control come from utility rows that
+    resolve to configs/smollm2_yelp.yaml as shipped (its stars named since dfd5c5e), the control
+    with distill.method=public_only: the study's `ours` row, pinned to the raw star values, is a
+    config no user gets."""
+    from experiments.shared import PINNED, config_digest, config_path
+    from experiments.utility import overrides
+    from pipeline.config import load_config
+
+    columns = next(cols for _, cols, config in results_table.SOURCES if config == "smollm2-yelp")
+    path, pins = config_path("smollm2-yelp"), list(PINNED["smollm2-yelp"])
+    for col, method in (("ours", "distil"), ("public_only", "public_only")):
+        name, config, row = columns[col]
+        assert (name, config) == ("utility.jsonl", "smollm2-yelp")
+        shipped = load_config(path, [*pins, f"distill.method={method}"])
+        assert config_digest(load_config(path, overrides(row, config, 1))) == config_digest(shipped), (col, row)
