@@ -107,7 +107,6 @@ def test_a_row_takes_no_proxy_cell_whose_study_trained_another_student(tmp_path,
     assert results_table.table().splitlines()[2].split(" | ")[2:4] == ["200.0±–", "368.0±–"]
 
 
-
 def test_the_smollm2_yelp_row_holds_ours_and_the_control_as_the_config_ships_them():
     """The README's SmolLM2 Yelp cells of ours and the ε = 0 control come from utility rows that
     resolve to configs/smollm2_yelp.yaml as shipped (its stars named since dfd5c5e), the control
