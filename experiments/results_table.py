@@ -34,11 +34,14 @@ SOURCES = (
                                      "dpkd": ("yelp.jsonl", None, "DPKD")}, "reference"),
     # Ours and the ε = 0 control as the config ships them (the utility study's rows with the codes
     # as a prompt and the stars named, `ours-words`; its `ours` row keeps the raw star values the
-    # config shipped before); DPKD at the config's settings from issue 36's study (the header form)
+    # config shipped before); DPKD at the config's settings from issue 36's study (the header form).
+    # Where ours' cell is the proxy's choice, the control at that rate (`public_only_proxy`) once it
+    # has all its runs: one rate for both.
     ("Yelp, SmolLM2-135M → 4 layers", {"ours": ("utility.jsonl", "smollm2-yelp", "ours-words"),
                                        "dpsgd": ("utility.jsonl", "smollm2-yelp", "dp-sgd"),
                                        "dpkd": ("smollm2_yelp.jsonl", "smollm2-yelp", "DPKD"),
-                                       "public_only": ("utility.jsonl", "smollm2-yelp", "public-only-words")},
+                                       "public_only": ("utility.jsonl", "smollm2-yelp", "public-only-words"),
+                                       "public_only_proxy": ("utility.jsonl", "smollm2-yelp", "public-only-words-2x")},
      "smollm2-yelp"),
     ("Tweets, SmolLM2-135M → 4 layers", {"ours": ("utility.jsonl", "smollm2-airline", "ours"),
                                          "dpsgd": ("utility.jsonl", "smollm2-airline", "dp-sgd"),
@@ -67,6 +70,7 @@ def table() -> str:
             continue
         own_ours = of["ours"]
         proxied = proxy_runs(proxy_config)
+        proxied |= control_at_ours_rate(sources, proxied.get("ours", []))
         of |= proxied
         for what, (student, *references) in FIGURES:
             cells = [cell(of[col], student, col in proxied) for col in COLUMNS]
@@ -122,6 +126,23 @@ def proxy_runs(config: str) -> dict[str, list[dict]]:
         if pick is not None and len(runs := runs_of(results, col, "private", pick)) >= REPEATS:
             out[col] = runs
     return out
+
+
+def control_at_ours_rate(sources: dict, ours: list[dict]) -> dict[str, list[dict]]:
+    """The ε = 0 control's runs at the distillation rate of ours' runs at the proxy's choice (`ours`),
+    where the corpus's sources name such a row (`public_only_proxy`) and all its runs have landed;
+    else none, and the control's cell stays the config's."""
+    if not ours or "public_only_proxy" not in sources:
+        return {}
+    from experiments.utility import overrides
+    from pipeline.config import load_config
+
+    name, config, row = sources["public_only_proxy"]
+    rate = load_config(config_path(config), overrides(row, config, 1)).distill.learning_rate
+    control = runs_of_row(name, config, row)
+    if len(control) < REPEATS or {r["learning_rate"] for r in ours} != {rate}:
+        return {}
+    return {"public_only": control}
 
 
 def proxy_student(config: str) -> str:

@@ -21,7 +21,8 @@ validation split kept, issue 59 item 5; `ours-8l` the same with an 8-layer stude
 tweets config ships; `ours-8l-gpu` and `ours-12l-gpu` with the students healed on a GPU,
 bench/gpu_students.py), `public-only` (distill.method=public_only with the same prompt; no DP
 noise, so its repeats differ by their seed; `public-only-words` the same with `ours-words`' prompt,
-P22; `public-only-12l-gpu` with the 12-layer student, four epochs, P26) and `dp-sgd`
+P22, and `public-only-words-2x` at the distillation rate the public proxy chose for ours, PROXY_RATE,
+P34; `public-only-12l-gpu` with the 12-layer student, four epochs, P26) and `dp-sgd`
 (distill.method=dp_sgd at the config's settings and its whole ε, on records with the
 header, as it ran in issue 36; `dp-sgd-12l-gpu` the same with the 12-layer student, P26). A DP
 row's repeat k > 1 reruns its method's first noisy stage and all after it (pipeline/methods.py
@@ -87,6 +88,10 @@ WORDS = {
                      "control_codes.domain.label2=" + json.dumps(list(STARS.values())),
                      "data.system_prompt=''", "teacher.max_length=116", "generate.max_length=116"),
 }
+# The distillation rate the public proxy chose for ours (experiments/public_proxy.py; 2 × the pinned
+# 3e-4 on Yelp, the rate configs/smollm2_yelp.yaml ships): `public-only-words-2x`, the ε = 0 control
+# at ours' rate when ours runs at the proxy's choice (the README's row, P34-P35).
+PROXY_RATE = {"smollm2-yelp": ("distill.learning_rate=0.0006",)}
 PAIRED = "paired"
 """A row that reuses the DP teacher and synthetic text `ours` run k just made (its stages cached)."""
 # The header form as each corpus's config shipped it before this study (the tweets' 64 positions,
@@ -114,10 +119,20 @@ ROWS = {
     "ours-12l-gpu": (("distill.method=distil", "PROMPT", TWELVE_GPU, "distill.epochs=4"), PAIRED),
     "public-only": (("distill.method=public_only", "PROMPT", FOUR, "distill.epochs=1"), None),
     "public-only-words": (("distill.method=public_only", "WORDS", FOUR, "distill.epochs=1"), None),
+    "public-only-words-2x": (("distill.method=public_only", "WORDS", FOUR, "distill.epochs=1", "PROXY_RATE"), None),
     "public-only-12l-gpu": (("distill.method=public_only", "PROMPT", TWELVE_GPU, "distill.epochs=4"), None),
     "dp-sgd": (("distill.method=dp_sgd", "HEADER", FOUR), "dp-student"),
     "dp-sgd-12l-gpu": (("distill.method=dp_sgd", "HEADER", TWELVE_GPU), "dp-student"),
 }
+
+
+NAMED = {"PROMPT": PROMPTS, "HEADER": HEADERS, "WORDS": WORDS, "PROXY_RATE": PROXY_RATE}  # a row's per-corpus settings
+
+
+def lacks(row: str, corpus: str) -> str | None:
+    """The per-corpus settings (NAMED) `row` names that `corpus` has none of (PROXY_RATE where the
+    proxy has not chosen for it), else None."""
+    return next((o for o in ROWS[row][0] if o in NAMED and corpus not in NAMED[o]), None)
 
 
 def overrides(row: str, corpus: str, repeat: int, epsilon: float | None = None) -> list[str]:
@@ -125,9 +140,11 @@ def overrides(row: str, corpus: str, repeat: int, epsilon: float | None = None) 
     `epsilon` (the privacy-utility sweep): the run's total target, spent as the configs spend it,
     a tenth on the control codes and the rest on DP-SGD (the DP-SGD student: all of it)."""
     out = list(PINNED.get(corpus, ()))
+    if missing := lacks(row, corpus):
+        raise SystemExit(f"experiments/utility.py: row {row} has no {missing} for {corpus} (it has one for "
+                         f"{', '.join(NAMED[missing])}); run another row or add the corpus's to {missing}")
     for o in ROWS[row][0]:
-        named = {"PROMPT": PROMPTS, "HEADER": HEADERS, "WORDS": WORDS}
-        out += list(named[o][corpus]) if o in named else [o]
+        out += list(NAMED[o][corpus]) if o in NAMED else [o]
     if ROWS[row][1] is None:
         out.append(f"seed={repeat - 1}")
     elif epsilon is not None:
@@ -206,7 +223,8 @@ def report(results: list[dict], corpus: str, model: str) -> str:
     out = "\n".join(lines) + "\n\n"
     ours = by_row.get("ours", [])
     out += _synthetic_lines(ours, f"model={model} corpus={corpus}", need_reference=True)
-    for row in ("ours-header", "ours-words", "public-only", "public-only-words"):  # the other rows' text (P1, P20, P22)
+    for row in ("ours-header", "ours-words", "public-only", "public-only-words",
+                "public-only-words-2x"):  # the other rows' text (P1, P20, P22, P34)
         out += _synthetic_lines(by_row.get(row, []), f"row={row} model={model} corpus={corpus}")
     kept = by_row.get("ours-kept", [])  # issue 59 item 4: the classifier on the samples the teacher recognises
     for column in sorted({c for r in kept for c in r.get("downstream_kept", {})}):
@@ -289,7 +307,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
     p.add_argument("--config", default="configs/smollm2_airline.yaml")
-    p.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. ours,public-only")
+    p.add_argument("--rows", default=None, help="rows to run, e.g. ours,public-only (default: every row the "
+                   "config's corpus has the settings of)")
     p.add_argument("--repeats", type=int, default=3, help="runs per row")
     p.add_argument("--runs", default=None, help="only these repeats, e.g. 3 or 2,3 (a paired row pairs with the "
                    "ours run whose teacher the stage cache holds: the last one run)")
@@ -313,7 +332,13 @@ def main(argv: list[str]) -> int:
     model = cfg.teacher.model.removeprefix("cache:")
     failed = []
     repeats = [int(k) for k in args.runs.split(",")] if args.runs else range(1, args.repeats + 1)
-    schedule = [(row, k) for k in repeats for row in args.rows.split(",")]
+    rows = args.rows.split(",") if args.rows else [row for row in ROWS if not lacks(row, cfg.name)]
+    if unknown := [row for row in rows if row not in ROWS]:
+        print(f"experiments/utility.py: no row {', '.join(unknown)}; the rows: {', '.join(ROWS)}", file=sys.stderr)
+        return 2
+    for row in rows:
+        overrides(row, cfg.name, 1)  # a row without its corpus's settings: one error before any run
+    schedule = [(row, k) for k in repeats for row in rows]
     digest_of = digests(args.config, args.overrides)
 
     def current(stale: list | None = None) -> list[dict]:  # the lines of today's configs (a changed one runs again)

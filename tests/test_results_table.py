@@ -123,3 +123,27 @@ def test_the_smollm2_yelp_row_holds_ours_and_the_control_as_the_config_ships_the
         assert (name, config) == ("utility.jsonl", "smollm2-yelp")
         shipped = load_config(path, [*pins, f"distill.method={method}"])
         assert config_digest(load_config(path, overrides(row, config, 1))) == config_digest(shipped), (col, row)
+
+
+def test_the_control_joins_ours_at_the_proxys_rate_once_all_its_runs_landed(tmp_path, monkeypatch):
+    """Ours at the proxy's choice (2 × the pinned 3e-4) is compared with the ε = 0 control at the
+    same rate (`public-only-words-2x`), marked, once its three runs landed; until then, or where
+    ours ran at another rate than the row's, the control's cell stays the config's."""
+    monkeypatch.setattr(results_table, "RESULTS", tmp_path)
+    columns = _columns() | {"public_only": ("utility.jsonl", "smollm2-yelp", "public-only-words"),
+                            "public_only_proxy": ("utility.jsonl", "smollm2-yelp", "public-only-words-2x")}
+    monkeypatch.setattr(results_table, "SOURCES", (("Yelp", columns, "smollm2-yelp"),))
+    _write(tmp_path / "smollm2_yelp.jsonl", [_row("ours", 215.0)])
+    grid = [_proxy("proxy", "ours", m, s) for m, s in ((0.5, 182.0), (1.0, 163.0), (2.0, 160.0), (4.0, 164.0))]
+
+    def ours_at(rate: float) -> list[dict]:
+        return [{**_proxy("private", "ours", 2.0, 202.0 + k, k), "learning_rate": rate} for k in (1, 2, 3)]
+
+    control = [_row("public-only-words", 221.0)] + [_row("public-only-words-2x", 208.0 + k, k) for k in (1, 2)]
+    _write(tmp_path / "utility.jsonl", control)
+    _write(tmp_path / "public_proxy.jsonl", grid + ours_at(6e-4))
+    assert results_table.table().splitlines()[2].split(" | ")[2:6] == ["204.0±1.0ᵖ", "–", "–", "221.0±–"]
+    _write(tmp_path / "utility.jsonl", control + [_row("public-only-words-2x", 211.0, 3)])
+    assert results_table.table().splitlines()[2].split(" | ")[5] == "210.0±1.0ᵖ"
+    _write(tmp_path / "public_proxy.jsonl", grid + ours_at(1.2e-3))  # another rate than the row's
+    assert results_table.table().splitlines()[2].split(" | ")[5] == "221.0±–"
