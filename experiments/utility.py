@@ -324,6 +324,12 @@ def main(argv: list[str]) -> int:
     if cfg.name not in PROMPTS:
         print(f"experiments/utility.py: no prompt for config {cfg.name!r}; add one to PROMPTS", file=sys.stderr)
         return 2
+    rows = args.rows.split(",") if args.rows else [row for row in ROWS if not lacks(row, cfg.name)]
+    if unknown := [row for row in rows if row not in ROWS]:
+        print(f"experiments/utility.py: no row {', '.join(unknown)}; the rows: {', '.join(ROWS)}", file=sys.stderr)
+        return 2
+    for row in rows:
+        overrides(row, cfg.name, 1)  # a row without its corpus's settings: one error before the data is read
     if not args.report_only:
         require_data(cfg, "experiments/utility.py", args.config)
     root = Path(cfg.run_root)
@@ -332,12 +338,6 @@ def main(argv: list[str]) -> int:
     model = cfg.teacher.model.removeprefix("cache:")
     failed = []
     repeats = [int(k) for k in args.runs.split(",")] if args.runs else range(1, args.repeats + 1)
-    rows = args.rows.split(",") if args.rows else [row for row in ROWS if not lacks(row, cfg.name)]
-    if unknown := [row for row in rows if row not in ROWS]:
-        print(f"experiments/utility.py: no row {', '.join(unknown)}; the rows: {', '.join(ROWS)}", file=sys.stderr)
-        return 2
-    for row in rows:
-        overrides(row, cfg.name, 1)  # a row without its corpus's settings: one error before any run
     schedule = [(row, k) for k in repeats for row in rows]
     digest_of = digests(args.config, args.overrides)
 
